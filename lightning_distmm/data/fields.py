@@ -1,0 +1,47 @@
+"""Datasets that can load some fields of a sample and skip the rest.
+
+Under distmm a rank only computes some towers, so it should only read and decode the fields those
+towers use (an image rank need not tokenize captions; a text rank need not decode JPEGs). A dataset
+opts in by subclassing :class:`FieldDataset`; any other map-style dataset still works, its samples
+are loaded whole and the unneeded fields dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+from torch.utils.data import Dataset
+
+
+class FieldDataset(Dataset):
+    """A map-style dataset of dict samples whose fields can be loaded selectively."""
+
+    #: every field a sample has
+    fields: tuple[str, ...] = ()
+
+    def load(self, index: int, fields: Iterable[str]) -> dict[str, Any]:
+        """Load and decode only ``fields`` of sample ``index``."""
+        raise NotImplementedError
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.load(index, self.fields)
+
+
+def load_fields(dataset: Any, index: int, fields: Iterable[str]) -> Mapping[str, Any]:
+    """``fields`` of sample ``index``, loading only those when the dataset allows it."""
+    fields = tuple(fields)
+    if isinstance(dataset, FieldDataset):
+        return dataset.load(index, fields)
+    sample = dataset[index]
+    if not isinstance(sample, Mapping):
+        raise TypeError(
+            f"distmm needs samples that are dicts keyed by field name; {type(dataset).__name__}[{index}]"
+            f" returned {type(sample).__name__}"
+        )
+    missing = [f for f in fields if f not in sample]
+    if missing:
+        raise KeyError(
+            f"the samples of {type(dataset).__name__} have no field(s) {missing} that a tower reads;"
+            f" they have {sorted(sample)}"
+        )
+    return {f: sample[f] for f in fields}

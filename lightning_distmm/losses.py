@@ -1,0 +1,56 @@
+"""Contrastive losses, exact in one process and row-local under distmm.
+
+Each loss is written once as a sum of per-row terms over the rows that :func:`local_rows` hands
+this process, divided by the whole-batch normaliser. In one process every row is local and the
+result is the ordinary mean loss; under distmm each rank computes its share of the rows against
+the features of the whole batch and the shares add up to the same number (open_clip's
+``ClipLoss(local_loss=True, gather_with_grad=True)``, without its world-size scaling of
+gradients: the runtime sums rank contributions, it does not average them).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_distmm.interaction import local_rows
+
+
+def clip_loss(image: Tensor, text: Tensor, logit_scale: Tensor, normalize: bool = True) -> Tensor:
+    """Symmetric InfoNCE (CLIP): mean of image->text and text->image cross-entropy over the batch.
+
+    Args:
+        image, text: ``[B, D]`` features of the whole batch; row ``i`` of each is a matching pair.
+        logit_scale: the log of the temperature's inverse (CLIP learns it; ``exp`` is applied here).
+        normalize: L2-normalise the features first.
+    """
+    if image.shape[0] != text.shape[0]:
+        raise ValueError(f"clip_loss needs as many image as text rows, got {image.shape[0]} and {text.shape[0]}")
+    if normalize:
+        image, text = F.normalize(image, dim=-1), F.normalize(text, dim=-1)
+    n = image.shape[0]
+    rows = local_rows(n)
+    scale = logit_scale.exp()
+    targets = torch.arange(rows.start, rows.stop, device=image.device)
+    logits_image = scale * image[rows] @ text.T
+    logits_text = scale * text[rows] @ image.T
+    total = F.cross_entropy(logits_image, targets, reduction="sum") + F.cross_entropy(
+        logits_text, targets, reduction="sum"
+    )
+    return total / (2 * n)
+
+
+def siglip_loss(image: Tensor, text: Tensor, logit_scale: Tensor, logit_bias: Tensor, normalize: bool = True) -> Tensor:
+    """Sigmoid loss (SigLIP): every pair is a binary match / no-match, summed over pairs, divided by ``B``."""
+    if normalize:
+        image, text = F.normalize(image, dim=-1), F.normalize(text, dim=-1)
+    n = image.shape[0]
+    rows = local_rows(n)
+    logits = logit_scale.exp() * image[rows] @ text.T + logit_bias
+    labels = -torch.ones_like(logits)
+    labels[torch.arange(logits.shape[0]), torch.arange(rows.start, rows.stop)] = 1.0
+    return -F.logsigmoid(labels * logits).sum() / n
+
+
+__all__ = ["clip_loss", "siglip_loss"]

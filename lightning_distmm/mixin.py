@@ -1,0 +1,117 @@
+"""The user's side of the contract: name the towers, write the whole-batch loss.
+
+A module that mixes in :class:`DistMMMixin` says which submodule encodes which batch field
+(:meth:`DistMMMixin.towers`) and how the towers' features meet (:meth:`DistMMMixin.interaction_loss`,
+always written for the *whole* batch). Under an ordinary strategy the mixin runs every tower on
+the whole batch in this process: that is the reference. Under ``strategy="distmm"`` the strategy
+installs a runtime and the same :meth:`contrastive_loss` call runs this rank's towers on this
+rank's samples, exchanges features, and computes this rank's share of the loss; the value it
+returns is the whole-batch loss on every rank, so logging it needs no reduction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_distmm.parallel.runtime import TowerRuntime
+
+
+@dataclass(eq=False)
+class Tower:
+    """An encoder and the batch field(s) it reads.
+
+    Args:
+        module: the encoder, a plain ``nn.Module`` attribute of the LightningModule (timm,
+            transformers, anything); parallel code wraps it from outside.
+        input: the batch field passed positionally, or several fields passed in order.
+        frozen: a frozen tower (LiT) is run without gradients and has no optimizer state.
+    """
+
+    module: nn.Module
+    input: str | Sequence[str]
+    frozen: bool = False
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return (self.input,) if isinstance(self.input, str) else tuple(self.input)
+
+    def encode(self, batch: Mapping[str, Any]) -> Tensor:
+        missing = [f for f in self.fields if f not in batch]
+        if missing:
+            raise KeyError(
+                f"the batch has no field(s) {missing} that a tower reads; batch fields are {sorted(map(str, batch))}"
+            )
+        if self.frozen:
+            with torch.no_grad():
+                return self.module(*(batch[f] for f in self.fields))
+        return self.module(*(batch[f] for f in self.fields))
+
+
+class DistMMMixin:
+    """Mix into a ``LightningModule`` before it: ``class CLIP(DistMMMixin, L.LightningModule)``."""
+
+    _distmm_runtime: "TowerRuntime | None" = None
+
+    # ------------------------------------------------------------------ user hooks
+    def towers(self) -> dict[str, Tower]:
+        """Which submodule encodes which batch field, keyed by tower name."""
+        raise NotImplementedError(f"{type(self).__name__} must define towers() -> dict[str, Tower]")
+
+    def interaction_loss(self, features: dict[str, Tensor]) -> Tensor:
+        """The loss over the whole batch's features ``{tower: [B, ...]}``; use :mod:`lightning_distmm.losses`."""
+        raise NotImplementedError(f"{type(self).__name__} must define interaction_loss(features) -> Tensor")
+
+    # ------------------------------------------------------------------ machinery
+    def tower_specs(self) -> dict[str, Tower]:
+        """``towers()``, checked and cached; frozen towers have ``requires_grad`` turned off here."""
+        specs = self.__dict__.get("_distmm_tower_specs")
+        if specs is None:
+            specs = dict(self.towers())
+            if not specs:
+                raise ValueError(f"{type(self).__name__}.towers() returned no towers")
+            for name, tower in specs.items():
+                if not isinstance(tower, Tower):
+                    raise TypeError(f"towers()[{name!r}] must be a lightning_distmm.Tower, got {type(tower).__name__}")
+                if tower.frozen:
+                    tower.module.requires_grad_(False)
+            self.__dict__["_distmm_tower_specs"] = specs
+        return specs
+
+    def encode(self, batch: Mapping[str, Any]) -> dict[str, Tensor]:
+        """Every tower on the whole batch, in this process (the single-process path)."""
+        return {name: tower.encode(batch) for name, tower in self.tower_specs().items()}
+
+    def contrastive_loss(self, batch: Mapping[str, Any]) -> Tensor:
+        """The whole-batch interaction loss for ``batch``, however the towers are placed.
+
+        Under distmm the returned tensor's value is the whole-batch loss and its gradient is this
+        rank's contribution; the strategy's backward completes the exchange.
+        """
+        runtime = self._distmm_runtime
+        if runtime is not None:
+            return runtime.contrastive_loss(self, batch)
+        return self.interaction_loss(self.encode(batch))
+
+    def global_batch_size(self, batch: Mapping[str, Any]) -> int:
+        """Samples in the global batch (a rank under distmm only holds its share of them)."""
+        runtime = self._distmm_runtime
+        if runtime is not None:
+            return runtime.global_batch_size(batch)
+        first = self.tower_specs()[next(iter(self.tower_specs()))].fields[0]
+        return len(batch[first])
+
+    # ------------------------------------------------------------------ default Lightning steps
+    def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> Tensor:
+        loss = self.contrastive_loss(batch)
+        self.log("train/loss", loss, prog_bar=True, batch_size=self.global_batch_size(batch))  # type: ignore[attr-defined]
+        return loss
+
+    def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> Tensor:
+        loss = self.contrastive_loss(batch)
+        self.log("val/loss", loss, prog_bar=True, batch_size=self.global_batch_size(batch))  # type: ignore[attr-defined]
+        return loss

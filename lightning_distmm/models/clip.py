@@ -1,0 +1,367 @@
+"""CLIP-style dual encoders built from a plain config, on timm and transformers.
+
+The config (a dict or an OmegaConf ``DictConfig``; ``conf/model/*.yaml``; also read by the planner,
+so the keys are a contract)::
+
+    name: clip_tiny
+    embed_dim: 64
+    init_logit_scale: 2.659            # log(1 / 0.07)
+    towers:
+      image: {arch: vit, input: image, img_size: 32, patch_size: 8, width: 64, layers: 2,
+              heads: 2, mlp_ratio: 4.0, frozen: false}
+      text:  {arch: clip_text, input: [input_ids, attention_mask], vocab_size: 64,
+              context_length: 16, width: 64, layers: 2, heads: 2, mlp_ratio: 4.0, frozen: false}
+
+Tower archs:
+
+- ``vit``: ``timm.models.vision_transformer.VisionTransformer`` (class token pooling); its head
+  (``num_classes=embed_dim``) is the projection. Optional ``pretrained_path`` (a local
+  ``state_dict`` file; a head of another shape is skipped).
+- ``clip_text``: :class:`TextTower`, ``transformers.CLIPTextModel`` + a linear projection, pooled at
+  the last attended token (the ``[EOS]`` of :mod:`lightning_distmm.data.tokenizer`), computed from
+  ``attention_mask``, so it does not depend on ``eos_token_id`` conventions.
+- ``bert``: :class:`BertTower`, ``transformers.BertModel`` (no pooler), first-token ([BOS]/[CLS])
+  pooling + a linear projection.
+
+Every tower maps its inputs to ``[B, embed_dim]`` features.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+
+from lightning_distmm.losses import clip_loss
+from lightning_distmm.mixin import DistMMMixin, Tower
+
+#: the default tiny model (mirrors conf/model/clip_tiny.yaml)
+CLIP_TINY: dict[str, Any] = {
+    "name": "clip_tiny",
+    "embed_dim": 64,
+    "init_logit_scale": math.log(1 / 0.07),
+    "towers": {
+        "image": {
+            "arch": "vit",
+            "input": "image",
+            "img_size": 32,
+            "patch_size": 4,
+            "width": 64,
+            "layers": 2,
+            "heads": 2,
+            "mlp_ratio": 2.0,
+            "frozen": False,
+        },
+        "text": {
+            "arch": "clip_text",
+            "input": ["input_ids", "attention_mask"],
+            "vocab_size": 64,
+            "context_length": 16,
+            "width": 64,
+            "layers": 2,
+            "heads": 2,
+            "mlp_ratio": 2.0,
+            "frozen": False,
+        },
+    },
+}
+
+DEFAULT_OPTIM: dict[str, Any] = {
+    "lr": 1e-3,
+    "weight_decay": 0.1,
+    "betas": [0.9, 0.98],
+    "eps": 1e-6,
+    "scheduler": "cosine",  # cosine | constant
+    "warmup_steps": 50,
+    "min_lr_ratio": 0.0,
+}
+
+#: logit_scale is clamped to log(100) in the loss, as in CLIP
+MAX_LOGIT_SCALE = math.log(100.0)
+
+# special-token ids of lightning_distmm.data.tokenizer
+_PAD_ID, _BOS_ID, _EOS_ID = 0, 2, 3
+
+
+def to_plain(cfg: Any) -> Any:
+    """A DictConfig / ListConfig / mapping as plain Python containers (a deep copy)."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(cfg, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(cfg, resolve=True)
+    except ImportError:  # pragma: no cover
+        pass
+    if isinstance(cfg, Mapping):
+        return {k: to_plain(v) for k, v in cfg.items()}
+    if isinstance(cfg, (list, tuple)):
+        return [to_plain(v) for v in cfg]
+    return copy.deepcopy(cfg)
+
+
+def _require(cfg: Mapping[str, Any], key: str, where: str) -> Any:
+    if key not in cfg:
+        raise KeyError(f"{where} needs {key!r}; it has {sorted(cfg)}")
+    return cfg[key]
+
+
+# ---------------------------------------------------------------------- towers
+class TextTower(nn.Module):
+    """``CLIPTextModel`` + linear projection; pools the last attended token (``[EOS]``)."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        context_length: int,
+        width: int,
+        layers: int,
+        heads: int,
+        mlp_ratio: float,
+        embed_dim: int,
+        pad_token_id: int = _PAD_ID,
+        bos_token_id: int = _BOS_ID,
+        eos_token_id: int = _EOS_ID,
+    ):
+        super().__init__()
+        from transformers import CLIPTextConfig, CLIPTextModel
+
+        config = CLIPTextConfig(
+            vocab_size=vocab_size,
+            hidden_size=width,
+            intermediate_size=int(width * mlp_ratio),
+            projection_dim=embed_dim,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            max_position_embeddings=context_length,
+            pad_token_id=pad_token_id,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+        )
+        self.context_length = context_length
+        self.transformer = CLIPTextModel(config)
+        self.proj = nn.Linear(width, embed_dim, bias=False)
+        nn.init.normal_(self.proj.weight, std=width**-0.5)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        hidden = self.transformer(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        last = (attention_mask.long().sum(dim=-1) - 1).clamp(min=0)  # right padding: last real token
+        pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+        return self.proj(pooled)
+
+
+class BertTower(nn.Module):
+    """``BertModel`` (no pooler) + linear projection; pools the first token ([BOS] / [CLS])."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        context_length: int,
+        width: int,
+        layers: int,
+        heads: int,
+        mlp_ratio: float,
+        embed_dim: int,
+        pad_token_id: int = _PAD_ID,
+    ):
+        super().__init__()
+        from transformers import BertConfig, BertModel
+
+        config = BertConfig(
+            vocab_size=vocab_size,
+            hidden_size=width,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            intermediate_size=int(width * mlp_ratio),
+            max_position_embeddings=context_length,
+            type_vocab_size=1,
+            pad_token_id=pad_token_id,
+        )
+        self.context_length = context_length
+        self.transformer = BertModel(config, add_pooling_layer=False)
+        self.proj = nn.Linear(width, embed_dim, bias=False)
+        nn.init.normal_(self.proj.weight, std=width**-0.5)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        hidden = self.transformer(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.proj(hidden[:, 0])
+
+
+def build_vit(cfg: Mapping[str, Any], embed_dim: int) -> nn.Module:
+    """A timm ViT whose head projects to ``embed_dim``."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    where = "a vit tower"
+    model = VisionTransformer(
+        img_size=int(_require(cfg, "img_size", where)),
+        patch_size=int(_require(cfg, "patch_size", where)),
+        in_chans=int(cfg.get("in_chans", 3)),
+        embed_dim=int(_require(cfg, "width", where)),
+        depth=int(_require(cfg, "layers", where)),
+        num_heads=int(_require(cfg, "heads", where)),
+        mlp_ratio=float(cfg.get("mlp_ratio", 4.0)),
+        num_classes=embed_dim,
+        global_pool=cfg.get("global_pool", "token"),
+    )
+    path = cfg.get("pretrained_path")
+    if path:
+        _load_local_weights(model, path, skip_prefixes=("head.",))
+    return model
+
+
+def _load_local_weights(model: nn.Module, path: str | Path, skip_prefixes: tuple[str, ...] = ()) -> None:
+    """Load a local ``state_dict`` (never downloads); entries of another shape under ``skip_prefixes`` are dropped."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"pretrained_path {str(path)!r} is not a local file (nothing is downloaded)")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(str(path))
+    else:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        for key in ("state_dict", "model"):
+            if isinstance(state, dict) and key in state and isinstance(state[key], dict):
+                state = state[key]
+    own = model.state_dict()
+    state = {
+        k: v
+        for k, v in state.items()
+        if not (k.startswith(skip_prefixes) and k in own and own[k].shape != v.shape)
+    }
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    bad_missing = [k for k in missing if not k.startswith(skip_prefixes)]
+    if bad_missing or unexpected:
+        raise RuntimeError(
+            f"{path}: weights do not fit the tower: missing {bad_missing[:8]}, unexpected {list(unexpected)[:8]}"
+        )
+
+
+def build_tower(cfg: Mapping[str, Any], embed_dim: int) -> nn.Module:
+    """One tower from its config entry."""
+    arch = _require(cfg, "arch", "a tower config")
+    if arch == "vit":
+        return build_vit(cfg, embed_dim)
+    if arch in ("clip_text", "bert"):
+        where = f"a {arch} tower"
+        kwargs = dict(
+            vocab_size=int(_require(cfg, "vocab_size", where)),
+            context_length=int(_require(cfg, "context_length", where)),
+            width=int(_require(cfg, "width", where)),
+            layers=int(_require(cfg, "layers", where)),
+            heads=int(_require(cfg, "heads", where)),
+            mlp_ratio=float(cfg.get("mlp_ratio", 4.0)),
+            embed_dim=embed_dim,
+        )
+        tower: nn.Module = TextTower(**kwargs) if arch == "clip_text" else BertTower(**kwargs)
+        if cfg.get("pretrained_path"):
+            _load_local_weights(tower, cfg["pretrained_path"], skip_prefixes=("proj.",))
+        return tower
+    raise ValueError(f"unknown tower arch {arch!r}; archs are 'vit', 'clip_text', 'bert'")
+
+
+# ---------------------------------------------------------------------- the LightningModule
+class CLIPModel(DistMMMixin, L.LightningModule):
+    """A CLIP dual encoder from a model config (see the module docstring) and an optimiser config.
+
+    ``self.visual`` is the ``image`` tower, ``self.text`` the ``text`` tower; any further towers in
+    the config become attributes ``tower_<name>``. ``training_step`` / ``validation_step`` come
+    from :class:`DistMMMixin`, so the same module runs under any strategy.
+
+    Args:
+        model: the model config (default :data:`CLIP_TINY`).
+        optim: the optimiser config, keys of :data:`DEFAULT_OPTIM` (missing keys take those defaults).
+    """
+
+    #: attribute names of the towers the config names
+    TOWER_ATTRS = {"image": "visual", "text": "text"}
+
+    def __init__(self, model: Mapping[str, Any] | None = None, optim: Mapping[str, Any] | None = None):
+        super().__init__()
+        model_cfg = to_plain(model) if model is not None else copy.deepcopy(CLIP_TINY)
+        optim_cfg = {**DEFAULT_OPTIM, **(to_plain(optim) if optim is not None else {})}
+        self.save_hyperparameters({"model": model_cfg, "optim": optim_cfg})
+        self.model_cfg, self.optim_cfg = model_cfg, optim_cfg
+
+        embed_dim = int(_require(model_cfg, "embed_dim", "the model config"))
+        towers = _require(model_cfg, "towers", "the model config")
+        if not towers:
+            raise ValueError("the model config lists no towers")
+        self._tower_attrs: dict[str, str] = {}
+        for name, tower_cfg in towers.items():
+            _require(tower_cfg, "input", f"tower {name!r}")
+            attr = self.TOWER_ATTRS.get(name, f"tower_{name}")
+            setattr(self, attr, build_tower(tower_cfg, embed_dim))
+            self._tower_attrs[name] = attr
+        self.logit_scale = nn.Parameter(torch.tensor(float(model_cfg.get("init_logit_scale", math.log(1 / 0.07)))))
+
+    # ------------------------------------------------------------------ DistMM contract
+    def towers(self) -> dict[str, Tower]:
+        out = {}
+        for name, tower_cfg in self.model_cfg["towers"].items():
+            inputs = tower_cfg["input"]
+            inputs = inputs if isinstance(inputs, str) else list(inputs)
+            out[name] = Tower(getattr(self, self._tower_attrs[name]), input=inputs, frozen=bool(tower_cfg.get("frozen", False)))
+        return out
+
+    def interaction_loss(self, features: dict[str, Tensor]) -> Tensor:
+        return clip_loss(features["image"], features["text"], self.logit_scale.clamp(0.0, MAX_LOGIT_SCALE))
+
+    # ------------------------------------------------------------------ optimisation
+    def _param_groups(self) -> list[dict[str, Any]]:
+        decay, no_decay = [], []
+        for name, p in self.named_parameters():
+            if not p.requires_grad:
+                continue
+            leaf = name.rsplit(".", 1)[-1]
+            skip = p.ndim < 2 or leaf in ("cls_token", "pos_embed", "reg_token") or "position_embedding" in name or "token_embedding" in name or "word_embeddings" in name
+            (no_decay if skip else decay).append(p)
+        wd = float(self.optim_cfg["weight_decay"])
+        return [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
+
+    def configure_optimizers(self) -> Any:
+        o = self.optim_cfg
+        optimizer = torch.optim.AdamW(
+            self._param_groups(), lr=float(o["lr"]), betas=tuple(o["betas"]), eps=float(o["eps"])
+        )
+        scheduler = o.get("scheduler") or "constant"
+        warmup = int(o.get("warmup_steps") or 0)
+        if scheduler == "constant" and warmup == 0:
+            return optimizer
+        if scheduler not in ("cosine", "constant"):
+            raise ValueError(f"unknown scheduler {scheduler!r}; use 'cosine', 'constant' or null")
+        total = self._total_steps()
+        min_ratio = float(o.get("min_lr_ratio") or 0.0)
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            if scheduler == "constant" or total is None:
+                return 1.0
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": lr_scheduler, "interval": "step"}}
+
+    def _total_steps(self) -> int | None:
+        try:
+            total = self.trainer.estimated_stepping_batches
+        except Exception:  # no trainer attached (or no length)
+            return None
+        return int(total) if total is not None and math.isfinite(total) else None
+
+
+def num_parameters(module: nn.Module, trainable_only: bool = False) -> int:
+    return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
+
+
+__all__ = ["CLIP_TINY", "DEFAULT_OPTIM", "CLIPModel", "TextTower", "BertTower", "build_tower", "build_vit", "num_parameters"]

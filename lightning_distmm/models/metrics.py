@@ -1,0 +1,101 @@
+"""Zero-shot retrieval on held-out image-caption pairs, in one process.
+
+Row ``i`` of the held-out set is the only correct match of row ``i`` (the shapes ``val`` split has
+no two samples with the same description, see :mod:`lightning_distmm.data.shapes`). Top-k accuracy
+is the fraction of queries whose match ranks among the k most similar candidates; chance is
+``k / N``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def _to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()}
+
+
+@torch.no_grad()
+def encode_dataset(module: Any, dataloader: Iterable[Mapping[str, Any]], max_samples: int | None = None) -> dict[str, Tensor]:
+    """``module.encode(batch)`` over the loader, concatenated per tower (on the CPU)."""
+    was_training = module.training
+    module.eval()
+    try:
+        device = next(module.parameters()).device
+        chunks: dict[str, list[Tensor]] = {}
+        seen = 0
+        for batch in dataloader:
+            features = module.encode(_to_device(batch, device))
+            for name, f in features.items():
+                chunks.setdefault(name, []).append(f.float().cpu())
+            seen += len(next(iter(features.values())))
+            if max_samples is not None and seen >= max_samples:
+                break
+    finally:
+        module.train(was_training)
+    out = {name: torch.cat(fs) for name, fs in chunks.items()}
+    if max_samples is not None:
+        out = {name: f[:max_samples] for name, f in out.items()}
+    return out
+
+
+def retrieval_from_features(query: Tensor, target: Tensor, ks: Sequence[int] = (1, 5)) -> dict[int, float]:
+    """Top-k accuracy of retrieving ``target[i]`` for ``query[i]`` by cosine similarity."""
+    if query.shape[0] != target.shape[0]:
+        raise ValueError(f"need as many queries as targets, got {query.shape[0]} and {target.shape[0]}")
+    sim = F.normalize(query, dim=-1) @ F.normalize(target, dim=-1).T
+    correct = sim.diagonal().unsqueeze(1)
+    # rank = number of other candidates at least as similar as the match (ties count against the
+    # query, so a collapsed model that gives every sample the same feature scores 0, not 1)
+    others = ~torch.eye(sim.shape[0], dtype=torch.bool, device=sim.device)
+    rank = ((sim >= correct) & others).sum(dim=1)
+    return {k: float((rank < k).float().mean()) for k in ks}
+
+
+def retrieval_metrics(
+    module: Any,
+    dataloader: Iterable[Mapping[str, Any]],
+    ks: Sequence[int] = (1, 5),
+    image: str = "image",
+    text: str = "text",
+    max_samples: int | None = None,
+) -> dict[str, float]:
+    """Image->text and text->image top-k retrieval accuracy over the held-out pairs of ``dataloader``.
+
+    Runs in one process with every tower (``module.encode(batch)``); under a distributed strategy
+    evaluate a module holding all weights (e.g. rebuilt from a consolidated state dict).
+
+    Returns ``{"n": N, "image->text/top1": ..., "text->image/top1": ..., "chance/top1": 1/N, ...}``.
+    """
+    features = encode_dataset(module, dataloader, max_samples=max_samples)
+    for name in (image, text):
+        if name not in features:
+            raise KeyError(f"module.encode gave towers {sorted(features)}, no {name!r}")
+    n = int(features[image].shape[0])
+    out: dict[str, float] = {"n": n}
+    i2t = retrieval_from_features(features[image], features[text], ks)
+    t2i = retrieval_from_features(features[text], features[image], ks)
+    for k in ks:
+        out[f"{image}->{text}/top{k}"] = i2t[k]
+        out[f"{text}->{image}/top{k}"] = t2i[k]
+        out[f"chance/top{k}"] = min(1.0, k / n)
+    return out
+
+
+def format_metrics(metrics: Mapping[str, float], ks: Sequence[int] = (1, 5)) -> str:
+    """Readable lines: ``image->text top1 = 0.830 (chance 0.004)``."""
+    lines = [f"retrieval on {int(metrics['n'])} held-out pairs:"]
+    for key, value in metrics.items():
+        if "/" not in key or key.startswith("chance/"):
+            continue
+        direction, k = key.split("/")
+        chance = metrics.get(f"chance/{k}")
+        lines.append(f"  {direction} {k} = {value:.3f}" + (f" (chance {chance:.3f})" if chance is not None else ""))
+    return "\n".join(lines)
+
+
+__all__ = ["retrieval_metrics", "retrieval_from_features", "encode_dataset", "format_metrics"]

@@ -1,0 +1,113 @@
+"""Feature exchange between towers: the collective half of the batch-sync instruction.
+
+``gather_features`` assembles every tower's features of the whole batch on every rank from the
+replicas that computed them (replicas may hold different numbers of rows: each pads to the
+largest, one ``all_gather`` per dtype carries all towers at once). ``allreduce_sum`` adds
+per-rank partial gradients of those features, so each replica can take its own rows of the
+complete gradient and resume its backward.
+
+These are explicit steps rather than autograd functions on purpose: the order of collectives is
+then the program order on every rank (no dependence on the autograd engine's scheduling), and the
+pipeline executor can call the same steps between microbatches.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """The trailing shape and dtype of one tower's per-sample features."""
+
+    tail: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.tail)
+
+
+@dataclass(frozen=True)
+class GatherSlot:
+    """Where a tower's features come from: for replica ``i``, ``owners[i]`` holds rows ``offsets[i]:offsets[i+1]``."""
+
+    owners: Sequence[int]
+    offsets: Sequence[int]
+
+    @property
+    def max_rows(self) -> int:
+        return max(b - a for a, b in zip(self.offsets[:-1], self.offsets[1:]))
+
+
+def exchange_specs(local: Mapping[str, Tensor], names: Sequence[str]) -> dict[str, FeatureSpec]:
+    """Tell every rank the feature shape of every tower (each rank only computed its own towers)."""
+    mine = {name: (tuple(t.shape[1:]), str(t.dtype).removeprefix("torch.")) for name, t in local.items()}
+    everyone: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(everyone, mine)
+    specs: dict[str, FeatureSpec] = {}
+    for name in names:
+        seen = {d[name] for d in everyone if name in d}
+        if len(seen) != 1:
+            raise RuntimeError(f"tower {name!r}: replicas produced features of different shapes/dtypes: {sorted(seen)}")
+        tail, dtype = seen.pop()
+        specs[name] = FeatureSpec(tuple(tail), getattr(torch, dtype))
+    return specs
+
+
+def gather_features(
+    local: Mapping[str, Tensor],
+    slots: Mapping[str, GatherSlot],
+    specs: Mapping[str, FeatureSpec],
+    device: torch.device,
+) -> dict[str, Tensor]:
+    """Whole-batch features of every tower on every rank (detached; no autograd across ranks)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict[str, Tensor] = {}
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name in slots:
+        by_dtype.setdefault(specs[name].dtype, []).append(name)
+    for dtype, names in by_dtype.items():
+        sizes = [slots[n].max_rows * specs[n].numel for n in names]
+        send = torch.zeros(sum(sizes), dtype=dtype, device=device)
+        start = 0
+        for name, size in zip(names, sizes):
+            if name in local and rank in slots[name].owners:
+                flat = local[name].detach().reshape(-1)
+                send[start : start + flat.numel()] = flat
+            start += size
+        recv = torch.empty(world * send.numel(), dtype=dtype, device=device)
+        dist.all_gather_into_tensor(recv, send)
+        recv = recv.view(world, -1)
+        start = 0
+        for name, size in zip(names, sizes):
+            slot, spec = slots[name], specs[name]
+            parts = []
+            for owner, a, b in zip(slot.owners, slot.offsets[:-1], slot.offsets[1:]):
+                parts.append(recv[owner, start : start + (b - a) * spec.numel].view(b - a, *spec.tail))
+            out[name] = torch.cat(parts)
+            start += size
+    return out
+
+
+def allreduce_sum(tensors: Sequence[Tensor], group: dist.ProcessGroup | None = None) -> None:
+    """In-place sum over ``group`` of several tensors with one collective per dtype (flatten, reduce, copy back)."""
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        if len(same) == 1:
+            dist.all_reduce(same[0], op=dist.ReduceOp.SUM, group=group)
+            continue
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        start = 0
+        for t in same:
+            t.copy_(flat[start : start + t.numel()].view_as(t))
+            start += t.numel()

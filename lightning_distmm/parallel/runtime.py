@@ -1,0 +1,249 @@
+"""The per-rank runtime of a distmm plan (data parallelism inside each tower).
+
+One training step on a rank:
+
+1. encode: each local tower runs on its replica's rows of the global batch;
+2. batch-sync forward: features of every tower are gathered into whole-batch tensors, which
+   become leaves; the interaction loss is computed on this rank's rows (see
+   :mod:`lightning_distmm.interaction`); the returned loss has the whole-batch value;
+3. batch-sync backward (in the strategy's ``backward``): the loss is backpropagated to the
+   leaves and the interaction parameters, the per-rank partial feature gradients are summed
+   over all ranks, and each local tower resumes its backward with its own rows of that sum;
+4. gradient sync: each tower's parameter gradients are summed over its data-parallel replicas,
+   the interaction parameters' gradients over all ranks. Sums, not means: every rank's loss is
+   already its share of the whole-batch mean, so the sum is exactly the single-process gradient,
+   whatever the replicas' batch sizes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_distmm.interaction import row_share
+from lightning_distmm.mixin import DistMMMixin, Tower
+from lightning_distmm.parallel.exchange import (
+    FeatureSpec,
+    GatherSlot,
+    allreduce_sum,
+    exchange_specs,
+    gather_features,
+)
+from lightning_distmm.parallel.groups import TowerGroups
+from lightning_distmm.parallel.layout import RankBatch, RankLayout
+from lightning_distmm.plan.plan import Plan
+
+#: the batch key under which the distmm data loader tells every rank the global batch size
+GLOBAL_BATCH_KEY = "__distmm_global_batch__"
+
+
+@dataclass
+class _Pending:
+    """What the forward leaves for the backward: local features and the whole-batch leaves."""
+
+    local: dict[str, Tensor]
+    full: dict[str, Tensor]
+    batch: RankBatch
+
+
+def tower_parameters(module: nn.Module, towers: Mapping[str, Tower]) -> tuple[dict[str, dict[str, nn.Parameter]], dict[str, nn.Parameter]]:
+    """Split ``module``'s parameters by tower (by module identity); the rest are interaction parameters."""
+    prefixes: dict[str, str] = {}
+    for fqn, sub in module.named_modules():
+        for name, tower in towers.items():
+            if sub is tower.module and name not in prefixes:
+                prefixes[name] = fqn
+    missing = [n for n in towers if n not in prefixes]
+    if missing:
+        raise ValueError(f"tower(s) {missing}: the Tower's module is not a submodule of {type(module).__name__}")
+    per_tower: dict[str, dict[str, nn.Parameter]] = {n: {} for n in towers}
+    rest: dict[str, nn.Parameter] = {}
+    owner_of: dict[int, str] = {}
+    for fqn, p in module.named_parameters(remove_duplicate=False):
+        owners = [n for n, pre in prefixes.items() if fqn.startswith(pre + ".")]
+        if len(owners) > 1:
+            raise ValueError(f"parameter {fqn!r} lies in several towers {owners}; towers must not nest")
+        if owners:
+            if owner_of.setdefault(id(p), owners[0]) != owners[0]:
+                raise ValueError(f"parameter {fqn!r} is shared between towers {owner_of[id(p)]!r} and {owners[0]!r}")
+            per_tower[owners[0]][fqn] = p
+        elif id(p) not in owner_of:
+            rest[fqn] = p
+    return per_tower, rest
+
+
+class TowerRuntime:
+    """Runs this rank's share of every step: its towers, the feature exchange, the gradient sums."""
+
+    def __init__(self, module: DistMMMixin, plan: Plan, groups: Mapping[str, TowerGroups], device: torch.device):
+        self.plan = plan
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.device = device
+        self.towers = module.tower_specs()
+        self.groups = groups
+        self.layout = RankLayout(plan, self.rank, {n: t.fields for n, t in self.towers.items()})
+        self.tower_params, self.interaction_params = tower_parameters(module, self.towers)  # type: ignore[arg-type]
+        self.specs: dict[str, FeatureSpec] | None = None
+        self._pending: _Pending | None = None
+        self._slots: dict[int, dict[str, GatherSlot]] = {}
+
+    # ------------------------------------------------------------------ memory
+    def release_remote_towers(self) -> None:
+        """Move the parameters of towers this rank does not run to the meta device (frees their memory)."""
+        for name, tower in self.towers.items():
+            if name not in self.layout.local_towers:
+                tower.module.to("meta")
+
+    def trainable(self, name: str) -> bool:
+        return not self.towers[name].frozen and any(p.requires_grad for p in self.tower_params[name].values())
+
+    # ------------------------------------------------------------------ forward
+    def global_batch_size(self, batch: Mapping[str, Any]) -> int:
+        if GLOBAL_BATCH_KEY not in batch:
+            raise KeyError(
+                "this batch did not come through the distmm data loader (no global batch size attached);"
+                " feed data through the Trainer's dataloaders"
+            )
+        return int(batch[GLOBAL_BATCH_KEY])
+
+    def slots(self, n: int) -> dict[str, GatherSlot]:
+        if n not in self._slots:
+            self._slots[n] = {
+                name: GatherSlot([t.feature_rank(i) for i in range(t.dp)], self.layout.offsets(name, n))
+                for name, t in self.plan.towers.items()
+            }
+        return self._slots[n]
+
+    def contrastive_loss(self, module: DistMMMixin, batch: Mapping[str, Any]) -> Tensor:
+        n = self.global_batch_size(batch)
+        rank_batch = self.layout.batch(n)
+        local: dict[str, Tensor] = {}
+        for name in self.layout.local_towers:
+            share = rank_batch.towers[name]
+            tower = self.towers[name]
+            rows = {}
+            for f in tower.fields:
+                if f not in batch:
+                    raise KeyError(
+                        f"tower {name!r} reads batch field {f!r} but the batch has only"
+                        f" {sorted(k for k in batch if k != GLOBAL_BATCH_KEY)}"
+                    )
+                rows[f] = _take_rows(batch[f], share.local)
+            local[name] = tower.encode(rows)
+        if self.specs is None:
+            self.specs = exchange_specs(local, list(self.towers))
+        full = gather_features(local, self.slots(n), self.specs, self.device)
+        training = torch.is_grad_enabled()
+        for name, feats in full.items():
+            feats.requires_grad_(training and self.trainable(name))
+        with row_share(self.rank, self.world) as share:
+            loss = module.interaction_loss(full)
+        if not share.asked:
+            # a whole-batch loss computed identically on every rank: each contributes 1/world of it
+            loss = loss / self.world
+        total = loss.detach().clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        if not (training and loss.requires_grad):
+            return total
+        self._pending = _Pending(local, full, rank_batch)
+        return loss + (total - loss.detach())
+
+    # ------------------------------------------------------------------ backward
+    def finish_backward(self, sync: bool) -> None:
+        """After ``loss.backward()``: sum feature gradients over ranks, resume the towers' backward, sync."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            raise RuntimeError(
+                "distmm: backward() was called without a loss from contrastive_loss() in this step;"
+                " the training_step must return the loss that DistMMMixin.contrastive_loss(batch) gave"
+            )
+        names = [n for n in pending.full if self.trainable(n)]
+        grads = {}
+        for name in names:
+            leaf = pending.full[name]
+            grads[name] = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+        allreduce_sum(list(grads.values()))
+        outputs, output_grads = [], []
+        for name in self.layout.local_towers:
+            if name in grads:
+                share = pending.batch.towers[name]
+                outputs.append(pending.local[name])
+                output_grads.append(grads[name][share.start : share.stop])
+        if outputs:
+            torch.autograd.backward(outputs, output_grads)
+        if sync:
+            self.sync_gradients()
+
+    def _grads_for(self, params: Mapping[str, nn.Parameter]) -> list[Tensor]:
+        out = []
+        for p in params.values():
+            if not p.requires_grad:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            out.append(p.grad)
+        return out
+
+    def sync_gradients(self) -> None:
+        """Sum gradients over each tower's replicas and the interaction parameters over all ranks."""
+        world_grads = self._grads_for(self.interaction_params)
+        for name in self.layout.local_towers:
+            tower = self.plan.towers[name]
+            if tower.dp == 1 or not self.trainable(name):
+                continue
+            grads = self._grads_for(self.tower_params[name])
+            if len(tower.ranks) == self.world:
+                world_grads.extend(grads)  # the replicas span the world: one collective for all
+            else:
+                allreduce_sum(grads, self.groups[name].dp_group)
+        if world_grads:
+            allreduce_sum(world_grads)
+
+    # ------------------------------------------------------------------ clipping
+    def local_parameters(self) -> list[nn.Parameter]:
+        params = list(self.interaction_params.values())
+        for name in self.layout.local_towers:
+            params.extend(self.tower_params[name].values())
+        return params
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip by the norm of the gradient of the whole model, across all towers and ranks.
+
+        Each tower's gradient is counted once (by its first replica), the interaction
+        parameters once (by rank 0), then every rank scales its own gradients.
+        """
+        norm_type = float(norm_type)
+        counted: list[Tensor] = []
+        if self.rank == 0:
+            counted.extend(p.grad for p in self.interaction_params.values() if p.grad is not None)
+        for name in self.layout.local_towers:
+            if self.plan.towers[name].feature_rank(0) == self.rank:
+                counted.extend(p.grad for p in self.tower_params[name].values() if p.grad is not None)
+        if math.isinf(norm_type):
+            part = torch.stack([g.detach().abs().max() for g in counted]).max() if counted else torch.zeros(())
+            part = part.to(self.device, torch.float32)
+            dist.all_reduce(part, op=dist.ReduceOp.MAX)
+            total = part
+        else:
+            norms = [torch.linalg.vector_norm(g.detach(), norm_type) for g in counted]
+            part = (torch.stack(norms) ** norm_type).sum() if norms else torch.zeros(())
+            part = part.to(self.device, torch.float32)
+            dist.all_reduce(part, op=dist.ReduceOp.SUM)
+            total = part ** (1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in self.local_parameters():
+            if p.grad is not None:
+                p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))
+        return total
+
+
+def _take_rows(value: Any, rows: slice) -> Any:
+    if isinstance(value, (Tensor, list, tuple)):
+        return value[rows]
+    return value

@@ -1,0 +1,33 @@
+"""Forward FLOPs per sample of each tower, counted on one real sample.
+
+Used by the default plan (ranks in proportion to FLOPs) when no planner is asked for. Counting
+is analytic (``torch.utils.flop_counter``), so every rank gets the same numbers and the same plan.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_distmm.mixin import DistMMMixin
+
+
+def tower_flops(module: DistMMMixin, example: Mapping[str, Any] | None) -> dict[str, float]:
+    """Forward FLOPs of each tower on ``example`` (one collated sample); 2 x parameters without one."""
+    out: dict[str, float] = {}
+    for name, tower in module.tower_specs().items():
+        params = sum(p.numel() for p in tower.module.parameters())
+        if example is None or any(f not in example for f in tower.fields):
+            out[name] = 2.0 * params
+            continue
+        was_training = tower.module.training
+        tower.module.eval()
+        try:
+            with torch.no_grad(), FlopCounterMode(display=False) as counter:
+                tower.module(*(example[f] for f in tower.fields))
+            out[name] = float(counter.get_total_flops()) or 2.0 * params
+        finally:
+            tower.module.train(was_training)
+    return out

@@ -1,0 +1,295 @@
+"""The plan: which ranks run which tower, with what parallelism and which share of the batch.
+
+A plan is plain data (dataclasses) so that it can be read, printed, saved as YAML, swept by Hydra
+and drawn. It is validated on creation: a bad plan fails at once with a message naming the
+problem, on every rank, before any process group exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+SCHEDULES = ("gpipe", "distmm", "cached")
+
+
+class PlanError(ValueError):
+    """A plan that cannot run: the message names the tower and the problem."""
+
+
+def split_batch(n: int, weights: Sequence[int] | None, replicas: int) -> list[int]:
+    """Split ``n`` samples over ``replicas`` replicas.
+
+    ``weights`` are the replica batches the plan was made for; a batch of another size (the last,
+    partial batch of an epoch) is split in the same proportions by largest remainder, so the split
+    of the nominal batch is exactly ``weights``. Without weights the split is even, the first
+    replicas taking one more sample when ``n`` does not divide.
+    """
+    if weights is None:
+        return [n // replicas + (1 if i < n % replicas else 0) for i in range(replicas)]
+    total = sum(weights)
+    if n == total:
+        return list(weights)
+    exact = [n * w / total for w in weights]
+    sizes = [int(x) for x in exact]
+    order = sorted(range(replicas), key=lambda i: (-(exact[i] - sizes[i]), i))
+    for i in order[: n - sum(sizes)]:
+        sizes[i] += 1
+    return sizes
+
+
+@dataclass
+class TowerPlan:
+    """One tower's share of the machine.
+
+    ``ranks`` are laid out data-parallel outermost, then pipeline, then tensor-parallel innermost,
+    so replica ``i`` owns ``ranks[i*tp*pp:(i+1)*tp*pp]``. ``replica_batch`` gives each data-parallel
+    replica's samples for the nominal global batch (uneven allowed); ``None`` splits evenly.
+    """
+
+    ranks: list[int]
+    replica_batch: list[int] | None = None
+    tp: int = 1
+    pp: int = 1
+    microbatch: int | None = None
+    schedule: str = "gpipe"
+
+    @property
+    def dp(self) -> int:
+        return len(self.ranks) // (self.tp * self.pp)
+
+    def replica_ranks(self, replica: int) -> list[int]:
+        width = self.tp * self.pp
+        return self.ranks[replica * width : (replica + 1) * width]
+
+    def feature_rank(self, replica: int) -> int:
+        """The rank that holds replica ``replica``'s output features: last pipeline stage, first tensor rank."""
+        return self.replica_ranks(replica)[(self.pp - 1) * self.tp]
+
+    def replica_of(self, rank: int) -> int | None:
+        """The data-parallel replica that ``rank`` belongs to, or None if it does not run this tower."""
+        if rank not in self.ranks:
+            return None
+        return self.ranks.index(rank) // (self.tp * self.pp)
+
+    def split(self, n: int) -> list[int]:
+        """Per-replica sample counts for a global batch of ``n``."""
+        return split_batch(n, self.replica_batch, self.dp)
+
+
+@dataclass
+class Plan:
+    """Per tower: ranks, parallel degrees, replica batches; plus the world size they must fill."""
+
+    world_size: int
+    towers: dict[str, TowerPlan]
+    global_batch: int | None = None
+
+    def __post_init__(self) -> None:
+        self.towers = {name: _as_tower_plan(name, tp) for name, tp in self.towers.items()}
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise PlanError(f"world_size must be a positive integer, got {self.world_size!r}")
+        if not self.towers:
+            raise PlanError("a plan needs at least one tower")
+        held: set[int] = set()
+        for name, t in self.towers.items():
+            where = f"tower {name!r}"
+            if not t.ranks:
+                raise PlanError(f"{where} has no ranks")
+            if len(set(t.ranks)) != len(t.ranks):
+                raise PlanError(f"{where} lists a rank twice: {t.ranks}")
+            bad = [r for r in t.ranks if not isinstance(r, int) or not 0 <= r < self.world_size]
+            if bad:
+                raise PlanError(
+                    f"{where} uses ranks {bad} outside the world of {self.world_size} ranks (0..{self.world_size - 1})"
+                )
+            for degree in ("tp", "pp"):
+                value = getattr(t, degree)
+                if not isinstance(value, int) or value < 1:
+                    raise PlanError(f"{where}: {degree} must be a positive integer, got {value!r}")
+            if len(t.ranks) % (t.tp * t.pp):
+                raise PlanError(
+                    f"{where}: {len(t.ranks)} ranks do not divide into replicas of tp*pp = {t.tp}*{t.pp} = {t.tp * t.pp}"
+                )
+            if t.schedule not in SCHEDULES:
+                raise PlanError(f"{where}: unknown schedule {t.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+            if t.microbatch is not None and (not isinstance(t.microbatch, int) or t.microbatch < 1):
+                raise PlanError(f"{where}: microbatch must be a positive integer or null, got {t.microbatch!r}")
+            if t.replica_batch is not None:
+                if len(t.replica_batch) != t.dp:
+                    raise PlanError(
+                        f"{where}: replica_batch has {len(t.replica_batch)} entries but the tower has dp={t.dp} replicas"
+                    )
+                if any((not isinstance(b, int)) or b < 1 for b in t.replica_batch):
+                    raise PlanError(f"{where}: replica_batch entries must be positive integers, got {t.replica_batch}")
+                if self.global_batch is not None and sum(t.replica_batch) != self.global_batch:
+                    raise PlanError(
+                        f"{where}: replica_batch {t.replica_batch} sums to {sum(t.replica_batch)},"
+                        f" not the global batch {self.global_batch}"
+                    )
+            if self.global_batch is not None and self.global_batch < t.dp:
+                raise PlanError(
+                    f"{where}: global batch {self.global_batch} is smaller than its {t.dp} data-parallel replicas"
+                )
+            held.update(t.ranks)
+        idle = sorted(set(range(self.world_size)) - held)
+        if idle:
+            raise PlanError(f"ranks {idle} run no tower: every rank of the world of {self.world_size} must hold one")
+
+    def check_world(self, world_size: int) -> None:
+        if world_size != self.world_size:
+            raise PlanError(
+                f"the plan is for world_size={self.world_size} but the trainer runs {world_size} processes"
+                f" (devices x num_nodes); make a plan for {world_size} ranks or change devices"
+            )
+
+    def check_towers(self, names: Sequence[str]) -> None:
+        unknown = sorted(set(self.towers) - set(names))
+        missing = sorted(set(names) - set(self.towers))
+        if unknown:
+            raise PlanError(
+                f"the plan names tower(s) {unknown} that the module does not define; the module's towers() are {sorted(names)}"
+            )
+        if missing:
+            raise PlanError(f"the plan has no entry for tower(s) {missing} of the module")
+
+    def check_global_batch(self, n: int) -> None:
+        for name, t in self.towers.items():
+            if n < t.dp:
+                raise PlanError(
+                    f"tower {name!r}: global batch {n} is smaller than its {t.dp} data-parallel replicas;"
+                    f" raise the DataLoader batch_size or use drop_last=True to avoid a short last batch"
+                )
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def colocated(self) -> bool:
+        """Every rank holds every tower (the DDP-like baseline)."""
+        everyone = list(range(self.world_size))
+        return all(sorted(t.ranks) == everyone for t in self.towers.values())
+
+    def towers_on(self, rank: int) -> list[str]:
+        return [name for name, t in self.towers.items() if rank in t.ranks]
+
+    # ------------------------------------------------------------------ YAML
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "world_size": self.world_size,
+            "global_batch": self.global_batch,
+            "towers": {name: dataclasses.asdict(t) for name, t in self.towers.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+        if not isinstance(data, Mapping):
+            raise PlanError(f"a plan must be a mapping, got {type(data).__name__}")
+        allowed = {"world_size", "global_batch", "towers"}
+        unknown = sorted(set(data) - allowed)
+        if unknown:
+            raise PlanError(f"unknown plan key(s) {unknown}; allowed keys are {sorted(allowed)}")
+        if "world_size" not in data or "towers" not in data:
+            raise PlanError("a plan needs 'world_size' and 'towers'")
+        return cls(world_size=data["world_size"], towers=dict(data["towers"]), global_batch=data.get("global_batch"))
+
+    def to_yaml(self, path: str | Path | None = None) -> str:
+        text = yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_yaml(cls, source: str | Path) -> "Plan":
+        """Load from a YAML file path or a YAML string."""
+        text = Path(source).read_text() if _looks_like_path(source) else str(source)
+        return cls.from_dict(yaml.safe_load(text))
+
+    # ------------------------------------------------------------------ printout
+    def table(self) -> str:
+        head = ("tower", "ranks", "dp", "tp", "pp", "replica batch", "microbatch", "schedule")
+        rows = []
+        for name, t in self.towers.items():
+            batch = "+".join(map(str, t.replica_batch)) if t.replica_batch else "even"
+            rows.append(
+                (name, _ranks_str(t.ranks), str(t.dp), str(t.tp), str(t.pp), batch, str(t.microbatch or "-"), t.schedule)
+            )
+        widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+        layout = "colocated" if self.colocated else "separate"
+        title = f"Plan(world_size={self.world_size}, global_batch={self.global_batch}, layout={layout})"
+        return "\n".join([title, fmt.format(*head), *(fmt.format(*r) for r in rows)])
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def _as_tower_plan(name: str, value: Any) -> TowerPlan:
+    if isinstance(value, TowerPlan):
+        return value
+    if not isinstance(value, Mapping):
+        raise PlanError(f"tower {name!r}: expected a mapping of tower settings, got {type(value).__name__}")
+    allowed = {f.name for f in dataclasses.fields(TowerPlan)}
+    unknown = sorted(set(value) - allowed)
+    if unknown:
+        raise PlanError(f"tower {name!r}: unknown key(s) {unknown}; allowed keys are {sorted(allowed)}")
+    if "ranks" not in value:
+        raise PlanError(f"tower {name!r}: 'ranks' is required")
+    kwargs = dict(value)
+    kwargs["ranks"] = list(kwargs["ranks"])
+    if kwargs.get("replica_batch") is not None:
+        kwargs["replica_batch"] = list(kwargs["replica_batch"])
+    return TowerPlan(**kwargs)
+
+
+def _ranks_str(ranks: list[int]) -> str:
+    if ranks == list(range(ranks[0], ranks[0] + len(ranks))) and len(ranks) > 2:
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def _looks_like_path(source: str | Path) -> bool:
+    if isinstance(source, Path):
+        return True
+    return "\n" not in source and (source.endswith((".yaml", ".yml")) or Path(source).is_file())
+
+
+def colocated_plan(towers: Sequence[str], world_size: int, global_batch: int | None = None) -> Plan:
+    """Every rank holds every tower: the DDP-like baseline, run through the same code path."""
+    everyone = list(range(world_size))
+    return Plan(world_size, {name: TowerPlan(ranks=list(everyone)) for name in towers}, global_batch)
+
+
+def proportional_plan(
+    tower_flops: Mapping[str, float], world_size: int, global_batch: int | None = None
+) -> Plan:
+    """The default until a planner is asked for: ranks in proportion to each tower's forward FLOPs.
+
+    Every tower gets at least one rank; with fewer ranks than towers the plan is colocated.
+    Ranks are given out contiguously in the towers' order.
+    """
+    names = list(tower_flops)
+    if world_size < len(names):
+        return colocated_plan(names, world_size, global_batch)
+    total = sum(max(float(f), 0.0) for f in tower_flops.values()) or 1.0
+    spare = world_size - len(names)
+    exact = [spare * max(float(tower_flops[n]), 0.0) / total for n in names]
+    counts = [1 + int(x) for x in exact]
+    order = sorted(range(len(names)), key=lambda i: (-(exact[i] - int(exact[i])), i))
+    for i in order[: world_size - sum(counts)]:
+        counts[i] += 1
+    towers, start = {}, 0
+    for name, count in zip(names, counts):
+        towers[name] = TowerPlan(ranks=list(range(start, start + count)))
+        start += count
+    return Plan(world_size, towers, global_batch)
+
+
+__all__ = ["Plan", "TowerPlan", "PlanError", "SCHEDULES", "split_batch", "colocated_plan", "proportional_plan"]
+

@@ -1,0 +1,298 @@
+"""``DistMMStrategy``: the Lightning wiring of a distmm plan.
+
+A thin layer of hooks over reusable parts: :mod:`lightning_distmm.plan` says who runs what,
+:mod:`lightning_distmm.parallel` builds the groups and runs the step, :mod:`lightning_distmm.data`
+loads each rank's share, :mod:`lightning_distmm.checkpoint` saves and restores shards. It subclasses
+Lightning's ``ModelParallelStrategy`` for process-group setup, launchers, DCP saving and
+restore-after-setup, and replaces what assumes one model replicated or sharded alike on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Generator, Literal, Mapping, Optional, Union
+
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from typing_extensions import override
+
+from lightning_distmm import checkpoint as ckpt
+from lightning_distmm.data.fields import FieldDataset, load_fields
+from lightning_distmm.data.loading import DistMMDataLoader
+from lightning_distmm.mixin import DistMMMixin
+from lightning_distmm.parallel.groups import build_tower_groups
+from lightning_distmm.parallel.runtime import TowerRuntime
+from lightning_distmm.plan.flops import tower_flops
+from lightning_distmm.plan.plan import Plan, PlanError, colocated_plan, proportional_plan
+
+if TYPE_CHECKING:  # pragma: no cover
+    import lightning.pytorch as pl
+
+PlanSpec = Union[Plan, str, os.PathLike, None]
+StartMethod = Literal["popen", "spawn", "fork"]
+
+
+class DistMMStrategy(ModelParallelStrategy):
+    """Train a :class:`~lightning_distmm.DistMMMixin` module with each tower on its own ranks.
+
+    Args:
+        plan: a :class:`Plan`, a path to a plan YAML, ``"default"``/``None`` (ranks in proportion to
+            each tower's forward FLOPs, colocated with fewer ranks than towers), or ``"colocated"``
+            (every rank holds every tower: the DDP-like baseline through the same code path).
+        start_method: ``"popen"`` re-runs the script per rank (scripts, torchrun, SLURM);
+            ``"spawn"``; ``"fork"`` (the notebook-safe one).
+    """
+
+    strategy_name = "distmm"
+
+    def __init__(
+        self,
+        plan: PlanSpec = None,
+        start_method: StartMethod = "popen",
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+    ) -> None:
+        super().__init__(process_group_backend=process_group_backend, timeout=timeout)
+        self._plan_spec = _parse_plan_spec(plan)
+        self._start_method = start_method
+        self.plan: Plan | None = self._plan_spec if isinstance(self._plan_spec, Plan) else None
+        self.runtime: TowerRuntime | None = None
+        self._sync_gradients = True
+
+    # ------------------------------------------------------------------ launch
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            if not self.cluster_environment.creates_processes_externally:
+                self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _DistMMMultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        # process groups only: the per-tower meshes need the module's towers, made in ``setup``
+        self._setup_distributed()
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.model is not None and self.accelerator is not None
+        module = self.lightning_module
+        if not isinstance(module, DistMMMixin):
+            raise TypeError(
+                f"strategy='distmm' needs a LightningModule that mixes in lightning_distmm.DistMMMixin;"
+                f" {type(module).__name__} does not"
+            )
+        self.accelerator.setup(trainer)
+        towers = module.tower_specs()
+        if self.plan is None:
+            self.plan = self._resolve_plan(trainer, module)
+        self.plan.check_world(self.world_size)
+        self.plan.check_towers(list(towers))
+
+        groups = build_tower_groups(self.plan, self.root_device.type)
+        self.runtime = TowerRuntime(module, self.plan, groups, self.root_device)
+        self.runtime.release_remote_towers()
+        module._distmm_runtime = self.runtime
+
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        # the distmm loader picks each rank's rows itself; Lightning's DistributedSampler would
+        # reshuffle even an unshuffled training set
+        trainer._accelerator_connector.use_distributed_sampler = False
+        self.barrier()
+
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            ckpt.drop_remote_parameters(self.optimizers)
+        self.setup_precision_plugin()
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _resolve_plan(self, trainer: "pl.Trainer", module: DistMMMixin) -> Plan:
+        names = list(module.tower_specs())
+        spec = self._plan_spec
+        if spec == "colocated":
+            return colocated_plan(names, self.world_size)
+        if spec == "default":
+            flops = tower_flops(module, _example_batch(trainer))
+            return proportional_plan({n: flops[n] for n in names}, self.world_size)
+        raise PlanError(f"unknown plan {spec!r}")
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        device = self.root_device
+        self.model._apply(lambda t: t if t.is_meta else t.to(device))
+
+    @override
+    def teardown(self) -> None:
+        module = self.lightning_module
+        if module is not None and getattr(module, "_distmm_runtime", None) is self.runtime:
+            module._distmm_runtime = None
+        super().teardown()
+
+    # ------------------------------------------------------------------ data
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # every rank iterates the same global batches; the distmm loader slices them per rank
+        return {"num_replicas": 1, "rank": 0}
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        if not isinstance(dataloader, DataLoader) or self.runtime is None:
+            return dataloader
+        self._check_dataset_fields(dataloader)
+        batch_size = getattr(dataloader.batch_sampler, "batch_size", None)
+        if batch_size is not None:
+            assert self.plan is not None
+            self.plan.check_global_batch(batch_size)
+        if isinstance(dataloader.sampler, RandomSampler) and dataloader.sampler.generator is None:
+            dataloader = _with_seeded_shuffle(dataloader)
+        return DistMMDataLoader(dataloader, self.runtime.layout, progress=self._batches_done)
+
+    def _check_dataset_fields(self, dataloader: DataLoader) -> None:
+        """Every rank checks every tower's fields, so a missing field fails everywhere at once."""
+        assert self.runtime is not None
+        dataset = dataloader.dataset
+        if isinstance(dataset, FieldDataset):
+            have = set(dataset.fields)
+        else:
+            sample = load_fields(dataset, 0, ()) if len(dataset) == 0 else dataset[0]  # type: ignore[arg-type]
+            have = set(sample) if isinstance(sample, Mapping) else set()
+        for name, tower in self.runtime.towers.items():
+            missing = [f for f in tower.fields if f not in have]
+            if missing:
+                raise KeyError(
+                    f"tower {name!r} reads batch field(s) {missing} that the samples of"
+                    f" {type(dataset).__name__} do not have (they have {sorted(have)})"
+                )
+
+    def _batches_done(self) -> int:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None:
+            return 0
+        return trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
+    # ------------------------------------------------------------------ step
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """While accumulating, gradients stay local; the sums run once, in the optimizer step's backward."""
+        self._sync_gradients = False
+        try:
+            yield None
+        finally:
+            self._sync_gradients = True
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        assert self.lightning_module is not None and self.runtime is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        self.precision_plugin.backward(closure_loss, self.lightning_module, optimizer, *args, **kwargs)
+        self.runtime.finish_backward(sync=self._sync_gradients)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        assert self.runtime is not None
+        self.runtime.clip_grad_norm_(float(clip_val))
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        return ckpt.local_state_dict(self.lightning_module)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        return ckpt.optimizer_state_dict(self.lightning_module, optimizer)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        path = Path(self.broadcast(checkpoint_path))
+        return ckpt.load_sharded(path, self.lightning_module, self.optimizers, weights_only=weights_only)
+
+
+class _DistMMMultiProcessingLauncher(_MultiProcessingLauncher):
+    """Spawn/fork launcher that hands the parent the *whole* trained model.
+
+    Lightning's launcher sends rank 0's ``state_dict`` back; under distmm rank 0 holds only its
+    towers, so every rank first assembles the full state dict on rank 0.
+    """
+
+    def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Any:
+        from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
+        import tempfile
+
+        strategy = self._strategy
+        assert isinstance(strategy, DistMMStrategy)
+        state_dict = ckpt.consolidated_state_dict(strategy) if strategy.runtime is not None else None
+        if strategy.local_rank != 0:
+            return None
+        checkpoint_callback = trainer.checkpoint_callback
+        best = getattr(checkpoint_callback, "best_model_path", None) if checkpoint_callback else None
+        weights_path = None
+        if trainer.state.fn == TrainerFn.FITTING and state_dict is not None:
+            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
+        return _WorkerOutput(best, weights_path, trainer.state, results, self.get_extra_results(trainer))
+
+
+def _parse_plan_spec(plan: PlanSpec) -> Plan | str:
+    if plan is None:
+        return "default"
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, Mapping):
+        return Plan.from_dict(plan)
+    text = os.fspath(plan)
+    if text in ("default", "colocated"):
+        return text
+    if text == "auto":
+        raise PlanError("plan='auto' needs the planner (issue 3), which is not wired in yet; use 'default' or a Plan")
+    if not Path(text).is_file():
+        raise FileNotFoundError(f"plan file {text!r} does not exist (plan= takes a Plan, a YAML path, 'default' or 'colocated')")
+    return Plan.from_yaml(Path(text))
+
+
+def _example_batch(trainer: "pl.Trainer") -> Mapping[str, Any] | None:
+    """One collated sample of the training data, to count the towers' FLOPs (None if unavailable)."""
+    try:
+        source = trainer.fit_loop._data_source
+        loader = source.dataloader() if source.is_defined() else None
+    except Exception:  # noqa: BLE001 - planning falls back to parameter counts
+        return None
+    if not isinstance(loader, DataLoader) or len(loader.dataset) == 0:  # type: ignore[arg-type]
+        return None
+    sample = loader.dataset[0]
+    batch = loader.collate_fn([sample])
+    return batch if isinstance(batch, Mapping) else None
+
+
+def _with_seeded_shuffle(dataloader: DataLoader) -> DataLoader:
+    """Replace an unseeded RandomSampler by one seeded from PL_GLOBAL_SEED, identical on every rank."""
+    from lightning.pytorch.utilities.data import _update_dataloader
+
+    sampler = DistributedSampler(
+        dataloader.dataset, num_replicas=1, rank=0, shuffle=True, seed=int(os.getenv("PL_GLOBAL_SEED", 0))
+    )
+    return _update_dataloader(dataloader, sampler)
+

@@ -1,0 +1,122 @@
+"""Tiny real towers (timm ViT, transformers CLIP text) and data for the distmm tests.
+
+Importable by spawned/forked workers; a few thousand parameters so that 4 gloo ranks on 2 cores
+finish in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+from transformers import CLIPTextConfig, CLIPTextModel
+
+import lightning_distmm as ldm
+from timm.models.vision_transformer import VisionTransformer
+
+EMBED = 8
+VOCAB = 20
+SEQ = 6
+
+
+class TinyText(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        cfg = CLIPTextConfig(
+            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            max_position_embeddings=SEQ, eos_token_id=VOCAB - 1, bos_token_id=VOCAB - 2, pad_token_id=0,
+        )
+        self.encoder = CLIPTextModel(cfg)
+        self.proj = nn.Linear(16, EMBED, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        last = attention_mask.sum(dim=1) - 1
+        return self.proj(hidden[torch.arange(hidden.shape[0]), last])
+
+
+class TinyCLIP(ldm.DistMMMixin, L.LightningModule):
+    def __init__(self, optimizer: str = "sgd", lr: float = 0.1, frozen_text: bool = False) -> None:
+        super().__init__()
+        self.optimizer_name = optimizer
+        self.lr = lr
+        self.frozen_text = frozen_text
+        self.visual = VisionTransformer(
+            img_size=8, patch_size=4, embed_dim=16, depth=1, num_heads=2, mlp_ratio=2.0, num_classes=EMBED
+        )
+        self.text = TinyText()
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
+
+    def towers(self) -> dict[str, ldm.Tower]:
+        return {
+            "image": ldm.Tower(self.visual, input="image"),
+            "text": ldm.Tower(self.text, input=["input_ids", "attention_mask"], frozen=self.frozen_text),
+        }
+
+    def interaction_loss(self, features: dict[str, torch.Tensor]) -> torch.Tensor:
+        return ldm.losses.clip_loss(features["image"], features["text"], self.logit_scale)
+
+    def configure_optimizers(self) -> Any:
+        params = [p for p in self.parameters() if p.requires_grad]
+        if self.optimizer_name == "adamw":
+            return torch.optim.AdamW(params, lr=self.lr, weight_decay=0.01)
+        return torch.optim.SGD(params, lr=self.lr, momentum=0.9)
+
+
+class PairData(ldm.FieldDataset):
+    """Random image / token pairs, deterministic per index; counts what it decodes."""
+
+    fields = ("image", "input_ids", "attention_mask")
+
+    def __init__(self, size: int = 64, log: str | None = None) -> None:
+        self.size = size
+        self.log = log
+
+    def __len__(self) -> int:
+        return self.size
+
+    def load(self, index: int, fields: Any) -> dict[str, Any]:
+        g = torch.Generator().manual_seed(index)
+        image = torch.randn(3, 8, 8, generator=g)
+        ids = torch.randint(1, VOCAB - 2, (SEQ,), generator=g)
+        length = 2 + index % (SEQ - 2)
+        ids[length - 1] = VOCAB - 1
+        ids[length:] = 0
+        mask = (torch.arange(SEQ) < length).long()
+        full = {"image": image, "input_ids": ids, "attention_mask": mask}
+        if self.log:
+            with open(self.log, "a") as f:
+                f.write(json.dumps([index, sorted(fields)]) + "\n")
+        return {k: full[k] for k in fields}
+
+
+class LossRecorder(L.Callback):
+    """Writes the logged train loss of every step to a JSON file (rank 0)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
+        self.losses.append(float(trainer.callback_metrics["train/loss"]))
+        if trainer.is_global_zero:
+            Path(self.path).write_text(json.dumps(self.losses))
+
+
+def loader(batch: int, size: int = 64, log: str | None = None, shuffle: bool = False) -> DataLoader:
+    return DataLoader(PairData(size, log), batch_size=batch, shuffle=shuffle, drop_last=True)
+
+
+def trainer_kwargs(**extra: Any) -> dict[str, Any]:
+    kw = dict(
+        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+    )
+    kw.update(extra)
+    return kw
