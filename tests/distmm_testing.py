@@ -33,6 +33,11 @@ class TinyText(nn.Module):
             max_position_embeddings=SEQ, eos_token_id=VOCAB - 1, bos_token_id=VOCAB - 2, pad_token_id=0,
         )
         self.encoder = CLIPTextModel(cfg)
+        # Softmax ignores a shift shared by all keys, so the key bias has an exactly-zero true
+        # gradient; Adam turns the float noise there into +-lr steps that differ between any two
+        # correct implementations. Freeze it (timm's ViT below has no qkv bias for the same reason).
+        for layer in self.encoder.encoder.layers:
+            layer.self_attn.k_proj.bias.requires_grad_(False)
         self.proj = nn.Linear(16, EMBED, bias=False)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -48,7 +53,8 @@ class TinyCLIP(ldm.DistMMMixin, L.LightningModule):
         self.lr = lr
         self.frozen_text = frozen_text
         self.visual = VisionTransformer(
-            img_size=8, patch_size=4, embed_dim=16, depth=1, num_heads=2, mlp_ratio=2.0, num_classes=EMBED
+            img_size=8, patch_size=4, embed_dim=16, depth=1, num_heads=2, mlp_ratio=2.0, num_classes=EMBED,
+            qkv_bias=False,
         )
         self.text = TinyText()
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
@@ -120,3 +126,42 @@ def trainer_kwargs(**extra: Any) -> dict[str, Any]:
     )
     kw.update(extra)
     return kw
+
+
+def run_distmm(
+    module: L.LightningModule,
+    plan: Any,
+    devices: int,
+    data: DataLoader,
+    steps: int,
+    loss_file: str,
+    callbacks: list | None = None,
+    ckpt_path: str | None = None,
+    **extra: Any,
+) -> L.Trainer:
+    """Fit ``module`` under distmm with the fork launcher; the parent's module gets the trained weights."""
+    trainer = L.Trainer(
+        devices=devices,
+        max_steps=steps,
+        strategy=ldm.DistMMStrategy(plan=plan, start_method="fork"),
+        callbacks=[LossRecorder(loss_file), *(callbacks or [])],
+        **trainer_kwargs(**extra),
+    )
+    trainer.fit(module, data, ckpt_path=ckpt_path)
+    return trainer
+
+
+def run_reference(module: L.LightningModule, data: DataLoader, steps: int, loss_file: str, **extra: Any) -> L.Trainer:
+    trainer = L.Trainer(devices=1, max_steps=steps, callbacks=[LossRecorder(loss_file)], **trainer_kwargs(**extra))
+    trainer.fit(module, data)
+    return trainer
+
+
+def max_param_diff(a: nn.Module, b: nn.Module) -> float:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    return max((sa[k].float() - sb[k].float()).abs().max().item() for k in sa)
+
+
+def read_losses(path: str | Path) -> list[float]:
+    return json.loads(Path(path).read_text())

@@ -1,0 +1,76 @@
+"""Plans: validation messages, YAML round trip, printout, batch splits, default plans."""
+
+import pytest
+
+from lightning_distmm.plan import Plan, PlanError, TowerPlan, colocated_plan, proportional_plan, split_batch
+
+
+def test_yaml_round_trip(tmp_path):
+    plan = Plan(4, {"image": {"ranks": [0, 1, 2], "replica_batch": [4, 3, 3]}, "text": {"ranks": [3]}}, 10)
+    path = tmp_path / "plan.yaml"
+    plan.to_yaml(path)
+    again = Plan.from_yaml(path)
+    assert again == plan
+    assert Plan.from_yaml(plan.to_yaml()) == plan
+    assert again.towers["image"].dp == 3
+
+
+def test_table_is_readable():
+    text = str(Plan(4, {"image": {"ranks": [0, 1, 2], "replica_batch": [4, 3, 3]}, "text": {"ranks": [3]}}, 10))
+    assert "4+3+3" in text and "layout=separate" in text and "image" in text and "0-2" in text
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"world_size": 2, "towers": {"image": {"ranks": [0, 2]}}}, r"ranks \[2\] outside the world of 2"),
+        ({"world_size": 3, "towers": {"image": {"ranks": [0, 1]}}}, r"ranks \[2\] run no tower"),
+        ({"world_size": 2, "towers": {"image": {"ranks": [0, 1], "replica_batch": [3]}}}, "replica_batch has 1 entries"),
+        ({"world_size": 1, "towers": {"image": {"ranks": [0], "schedule": "zigzag"}}}, "unknown schedule 'zigzag'"),
+        ({"world_size": 1, "towers": {"image": {"ranks": [0], "colour": 1}}}, r"tower 'image': unknown key\(s\) \['colour'\]"),
+        ({"world_size": 1, "towers": {"image": {"ranks": [0]}}, "extra": 1}, r"unknown plan key\(s\) \['extra'\]"),
+        ({"world_size": 2, "towers": {"image": {"ranks": [0, 1], "tp": 3}}}, "do not divide into replicas"),
+        ({"world_size": 3, "global_batch": 2, "towers": {"image": {"ranks": [0, 1, 2]}}}, "smaller than its 3"),
+        (
+            {"world_size": 2, "global_batch": 9, "towers": {"image": {"ranks": [0, 1], "replica_batch": [4, 4]}}},
+            "sums to 8, not the global batch 9",
+        ),
+    ],
+)
+def test_validation_names_the_problem(data, message):
+    with pytest.raises(PlanError, match=message):
+        Plan.from_dict(data)
+
+
+def test_yaml_with_unknown_keys_fails(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("world_size: 1\ntowers:\n  image: {ranks: [0]}\nbalancer: dp\n")
+    with pytest.raises(PlanError, match="balancer"):
+        Plan.from_yaml(path)
+
+
+def test_world_and_tower_checks():
+    plan = colocated_plan(["image", "text"], 2)
+    with pytest.raises(PlanError, match="world_size=2 but the trainer runs 4"):
+        plan.check_world(4)
+    with pytest.raises(PlanError, match=r"tower\(s\) \['text'\] that the module does not define"):
+        plan.check_towers(["image", "audio"])
+    with pytest.raises(PlanError, match="global batch 1 is smaller than its 2"):
+        plan.check_global_batch(1)
+
+
+def test_split_batch():
+    assert split_batch(10, None, 3) == [4, 3, 3]
+    assert split_batch(10, [4, 3, 3], 3) == [4, 3, 3]
+    assert split_batch(7, [4, 3, 3], 3) == [3, 2, 2]
+    assert sum(split_batch(13, [5, 1, 1], 3)) == 13
+    tower = TowerPlan(ranks=[0, 1, 2, 3], tp=2)
+    assert tower.dp == 2 and tower.replica_of(3) == 1 and tower.feature_rank(1) == 2
+
+
+def test_proportional_plan():
+    plan = proportional_plan({"image": 10.0, "text": 1.0}, 4)
+    assert plan.towers["image"].ranks == [0, 1, 2] and plan.towers["text"].ranks == [3]
+    assert proportional_plan({"image": 10.0, "text": 1.0}, 1).colocated
+    three = proportional_plan({"a": 1.0, "b": 1.0, "c": 100.0}, 5)
+    assert [len(t.ranks) for t in three.towers.values()] == [1, 1, 3]
