@@ -1,0 +1,54 @@
+"""Sharded checkpoints: exact resume mid-epoch with shuffling, and a plain export."""
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+import lightning_distmm as ldm
+from distmm_testing import TinyCLIP, loader, max_param_diff, read_losses, run_distmm
+
+PLAN = ldm.Plan(3, {"image": {"ranks": [0, 1]}, "text": {"ranks": [2]}})
+
+
+@pytest.mark.slow
+def test_resume_continues_exactly(tmp_path):
+    L.seed_everything(0)
+    straight = TinyCLIP("adamw", lr=0.01)
+    first_half = copy.deepcopy(straight)
+    resumed = copy.deepcopy(straight)
+    data = lambda: loader(8, size=48, shuffle=True)  # noqa: E731 - 6 batches an epoch: step 2 is mid-epoch
+
+    run_distmm(straight, PLAN, 3, data(), 4, str(tmp_path / "straight.json"))
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    run_distmm(first_half, PLAN, 3, data(), 2, str(tmp_path / "half.json"), callbacks=[saver], enable_checkpointing=True)
+    folder = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
+    assert folder.is_dir() and (folder / "meta.pt").is_file()
+    run_distmm(resumed, PLAN, 3, data(), 4, str(tmp_path / "resumed.json"), ckpt_path=str(folder))
+
+    assert max_param_diff(straight, resumed) <= 1e-6
+    losses = read_losses(tmp_path / "straight.json")
+    assert read_losses(tmp_path / "half.json") == pytest.approx(losses[:2], abs=1e-6)
+    assert read_losses(tmp_path / "resumed.json") == pytest.approx(losses[2:], abs=1e-6)
+    assert max_param_diff(straight, first_half) > 1e-4
+
+
+@pytest.mark.slow
+def test_export_loads_into_plain_module(tmp_path):
+    L.seed_everything(0)
+    module = TinyCLIP("sgd", lr=0.05)
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    run_distmm(module, PLAN, 3, loader(8), 2, str(tmp_path / "l.json"), callbacks=[saver], enable_checkpointing=True)
+
+    state = ldm.export_checkpoint(tmp_path / "ckpt" / "epoch=0-step=2.ckpt", tmp_path / "plain.pt")
+    plain = TinyCLIP()
+    plain.load_state_dict(torch.load(tmp_path / "plain.pt"), strict=True)
+    assert state.keys() == plain.state_dict().keys()
+    # the fork launcher hands the parent the consolidated weights: the export matches them
+    assert max_param_diff(plain, module) == 0.0
+    batch = next(iter(loader(8)))
+    with torch.no_grad():
+        for name, feats in plain.encode(batch).items():
+            assert torch.equal(feats, module.encode(batch)[name])
