@@ -1,0 +1,83 @@
+"""Lightning features under distmm, each against the single-process reference."""
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import LearningRateMonitor
+
+import lightning_distmm as ldm
+from distmm_testing import TinyCLIP, loader, max_param_diff, read_losses, run_distmm, run_reference
+
+PLAN = ldm.Plan(3, {"image": {"ranks": [0, 1]}, "text": {"ranks": [2]}})
+
+
+class ScheduledCLIP(TinyCLIP):
+    """AdamW with a step LR schedule, plus a validation metric logged with sync_dist."""
+
+    def configure_optimizers(self):
+        opt = super().configure_optimizers()
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def validation_step(self, batch, batch_idx):
+        loss = self.contrastive_loss(batch)
+        self.log("val/loss", loss, sync_dist=True, batch_size=self.global_batch_size(batch))
+        return loss
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"accumulate_grad_batches": 2},
+        {"gradient_clip_val": 0.05},
+        {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"},
+    ],
+    ids=["accumulate", "clip-norm", "clip-value"],
+)
+def test_trainer_options_match_reference(extra, tmp_path):
+    L.seed_everything(0)
+    reference = ScheduledCLIP("adamw", lr=0.01)
+    module = copy.deepcopy(reference)
+    run_reference(reference, loader(8), 3, str(tmp_path / "r.json"), **extra)
+    run_distmm(module, PLAN, 3, loader(8), 3, str(tmp_path / "d.json"), **extra)
+    assert max_param_diff(reference, module) <= 1e-5
+    assert read_losses(tmp_path / "d.json") == pytest.approx(read_losses(tmp_path / "r.json"), abs=1e-5)
+    assert len(read_losses(tmp_path / "d.json")) == 3 * extra.get("accumulate_grad_batches", 1)
+
+
+@pytest.mark.slow
+def test_clipping_really_clips(tmp_path):
+    """The clip threshold is far below the gradient norm: without a global norm the weights differ."""
+    L.seed_everything(0)
+    a = TinyCLIP("sgd", lr=0.1)
+    b = copy.deepcopy(a)
+    run_reference(a, loader(8), 2, str(tmp_path / "a.json"), gradient_clip_val=0.05)
+    run_reference(b, loader(8), 2, str(tmp_path / "b.json"))
+    assert max_param_diff(a, b) > 1e-3
+
+
+@pytest.mark.slow
+def test_validation_and_lr_schedule(tmp_path):
+    L.seed_everything(0)
+    reference = ScheduledCLIP("adamw", lr=0.01)
+    module = copy.deepcopy(reference)
+    kw = dict(limit_val_batches=2, val_check_interval=3, callbacks=[LearningRateMonitor("step")])
+    ref = L.Trainer(devices=1, max_steps=3, **{**_kwargs(), **kw})
+    ref.fit(reference, loader(8), loader(8, size=16))
+    dist = L.Trainer(devices=3, max_steps=3, strategy=ldm.DistMMStrategy(PLAN, start_method="fork"), **{**_kwargs(), **kw})
+    dist.fit(module, loader(8), loader(8, size=16))
+    assert float(dist.callback_metrics["val/loss"]) == pytest.approx(float(ref.callback_metrics["val/loss"]), abs=1e-5)
+    assert max_param_diff(reference, module) <= 1e-5
+    assert ref.lr_scheduler_configs[0].scheduler.get_last_lr()[0] == pytest.approx(0.01 * 0.5**3)
+
+
+def _kwargs():
+    from distmm_testing import trainer_kwargs
+
+    kw = trainer_kwargs()
+    kw.pop("limit_val_batches")
+    kw["logger"] = L.pytorch.loggers.CSVLogger("/tmp/distmm_test_logs")
+    return kw
