@@ -1,0 +1,88 @@
+"""Bad input fails at once, on every rank, with a message that names the problem (no hang)."""
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import lightning_distmm as ldm
+from distmm_testing import TinyCLIP, loader, trainer_kwargs
+
+
+class ErrorRecorder(L.Callback):
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_exception(self, trainer, pl_module, exception) -> None:  # type: ignore[no-untyped-def]
+        Path(self.folder, f"rank{trainer.global_rank}.txt").write_text(str(exception))
+
+
+class NoMask(Dataset):
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i):
+        return {"image": torch.zeros(3, 8, 8), "input_ids": torch.ones(6, dtype=torch.long)}
+
+
+CASES = {
+    "world-size": (3, ldm.Plan(2, {"image": {"ranks": [0]}, "text": {"ranks": [1]}}), lambda: loader(8), "world_size=2 but the trainer runs 3"),
+    "unknown-tower": (2, ldm.Plan(2, {"image": {"ranks": [0]}, "audio": {"ranks": [1]}}), lambda: loader(8), r"\['audio'\] that the module does not define"),
+    "missing-field": (2, "colocated", lambda: DataLoader(NoMask(), batch_size=4), r"tower 'text' reads batch field\(s\) \['attention_mask'\]"),
+    "batch-below-replicas": (3, ldm.Plan(3, {"image": {"ranks": [0, 1, 2]}, "text": {"ranks": [0]}}), lambda: loader(2), "global batch 2 is smaller than its 3"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_fails_on_every_rank(case, tmp_path):
+    """The real subprocess launcher: each rank's own exception handler records what it raised."""
+    world, _, _, message = CASES[case]
+    script = Path(__file__).parent / "scripts" / "fail_fast.py"
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(script), case, str(tmp_path)], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert proc.returncode != 0
+    assert re.search(message, proc.stderr), proc.stderr[-2000:]
+    assert time.monotonic() - start < 90
+    texts = {p.name: p.read_text() for p in tmp_path.glob("rank*.txt")}
+    assert sorted(texts) == [f"rank{r}.txt" for r in range(world)], texts
+    assert all(re.search(message, t) for t in texts.values())
+
+
+def test_plan_yaml_with_unknown_keys_fails_at_construction(tmp_path):
+    path = tmp_path / "plan.yaml"
+    path.write_text("world_size: 2\ntowers:\n  image: {ranks: [0], tp_size: 2}\n  text: {ranks: [1]}\n")
+    with pytest.raises(ldm.PlanError, match=r"tower 'image': unknown key\(s\) \['tp_size'\]"):
+        ldm.DistMMStrategy(plan=str(path))
+
+
+def test_missing_plan_file():
+    with pytest.raises(FileNotFoundError, match="nope.yaml"):
+        ldm.DistMMStrategy(plan="nope.yaml")
+
+
+def test_module_without_mixin_is_rejected():
+    class Plain(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 2)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch["image"].flatten(1)[:, :2]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = L.Trainer(devices=2, max_steps=1, strategy=ldm.DistMMStrategy(start_method="fork"), **trainer_kwargs())
+    with pytest.raises(Exception, match="mixes in lightning_distmm.DistMMMixin"):
+        trainer.fit(Plain(), loader(4))
