@@ -17,6 +17,8 @@ One training step on a rank:
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -88,6 +90,7 @@ class TowerRuntime:
         self.towers = module.tower_specs()
         self.groups = groups
         self.layout = RankLayout(plan, self.rank, {n: t.fields for n, t in self.towers.items()})
+        self.module = module
         self.tower_params, self.interaction_params = tower_parameters(module, self.towers)  # type: ignore[arg-type]
         self.specs: dict[str, FeatureSpec] | None = None
         self._pending: _Pending | None = None
@@ -96,9 +99,15 @@ class TowerRuntime:
     # ------------------------------------------------------------------ memory
     def release_remote_towers(self) -> None:
         """Move the parameters of towers this rank does not run to the meta device (frees their memory)."""
+        released = False
         for name, tower in self.towers.items():
             if name not in self.layout.local_towers:
                 tower.module.to("meta")
+                released = True
+        if released:
+            # ``Module.to("meta")`` may swap in new Parameter objects: drop our references to the old ones
+            self.tower_params, self.interaction_params = tower_parameters(self.module, self.towers)  # type: ignore[arg-type]
+            return_freed_memory()
 
     def trainable(self, name: str) -> bool:
         return not self.towers[name].frozen and any(p.requires_grad for p in self.tower_params[name].values())
@@ -241,6 +250,22 @@ class TowerRuntime:
             if p.grad is not None:
                 p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))
         return total
+
+
+def return_freed_memory() -> None:
+    """Hand freed host memory back to the OS.
+
+    glibc keeps freed blocks below its (adaptive) mmap threshold in the heap, so releasing a
+    tower would not lower the resident set size; ``malloc_trim`` returns those pages. Device
+    memory freed by the caching allocator is returned with ``empty_cache``.
+    """
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _take_rows(value: Any, rows: slice) -> Any:
