@@ -1,0 +1,184 @@
+"""Step time, side by side in one run: DDP (open_clip loss) vs distmm colocated vs distmm separate towers.
+
+Same model, world size and global batch for all three:
+
+* ``ddp``: Lightning's DDPStrategy, each rank runs both towers on batch/world samples and
+  computes open_clip's ``ClipLoss(local_loss=True, gather_with_grad=True)``;
+* ``distmm-colocated``: ``DistMMStrategy(plan="colocated")``, the same layout through distmm;
+* ``distmm-separate``: the image tower on some ranks, the text tower on the others.
+
+Configurations run in interleaved rounds (so machine noise hits all alike); the step time is
+measured on rank 0 from ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward,
+gradient sync, optimizer step), skipping warm-up steps. Prints medians and ratios to DDP.
+
+    python benchmarks/step_time.py --devices 2 --batch 64 --steps 14 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from timm.models.vision_transformer import VisionTransformer
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+from transformers import CLIPTextConfig, CLIPTextModel
+
+import lightning_distmm as ldm
+
+EMBED, VOCAB, SEQ, IMG = 128, 256, 32, 32
+
+
+class TextTower(nn.Module):
+    def __init__(self, width: int, layers: int) -> None:
+        super().__init__()
+        cfg = CLIPTextConfig(
+            vocab_size=VOCAB, hidden_size=width, intermediate_size=4 * width, num_hidden_layers=layers,
+            num_attention_heads=max(1, width // 64), max_position_embeddings=SEQ, eos_token_id=VOCAB - 1,
+            bos_token_id=VOCAB - 2, pad_token_id=0,
+        )
+        self.encoder = CLIPTextModel(cfg)
+        self.proj = nn.Linear(width, EMBED, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.proj(hidden[torch.arange(hidden.shape[0]), attention_mask.sum(1) - 1])
+
+
+class BenchCLIP(ldm.DistMMMixin, L.LightningModule):
+    def __init__(self, image_width: int = 192, image_layers: int = 4, text_width: int = 128, text_layers: int = 4):
+        super().__init__()
+        self.visual = VisionTransformer(
+            img_size=IMG, patch_size=4, embed_dim=image_width, depth=image_layers,
+            num_heads=max(1, image_width // 64), num_classes=EMBED,
+        )
+        self.text = TextTower(text_width, text_layers)
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
+
+    def towers(self):
+        return {"image": ldm.Tower(self.visual, "image"), "text": ldm.Tower(self.text, ["input_ids", "attention_mask"])}
+
+    def interaction_loss(self, features):
+        return ldm.losses.clip_loss(features["image"], features["text"], self.logit_scale)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+class OpenClipDDP(BenchCLIP):
+    """open_clip's ClipLoss(local_loss=True, gather_with_grad=True) under DDP."""
+
+    def training_step(self, batch, batch_idx):
+        image = F.normalize(self.visual(batch["image"]), dim=-1)
+        text = F.normalize(self.text(batch["input_ids"], batch["attention_mask"]), dim=-1)
+        scale = self.logit_scale.exp()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            import torch.distributed.nn.functional as dnn
+
+            all_image, all_text = torch.cat(dnn.all_gather(image)), torch.cat(dnn.all_gather(text))
+            offset = dist.get_rank() * image.shape[0]
+        else:
+            all_image, all_text, offset = image, text, 0
+        labels = torch.arange(image.shape[0]) + offset
+        loss = (F.cross_entropy(scale * image @ all_text.T, labels) + F.cross_entropy(scale * text @ all_image.T, labels)) / 2
+        self.log("train/loss", loss)
+        return loss
+
+
+class Pairs(ldm.FieldDataset):
+    fields = ("image", "input_ids", "attention_mask")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def load(self, index, fields):
+        g = torch.Generator().manual_seed(index)
+        out = {"image": torch.randn(3, IMG, IMG, generator=g), "input_ids": torch.randint(1, VOCAB - 2, (SEQ,), generator=g)}
+        out["input_ids"][-1] = VOCAB - 1
+        out["attention_mask"] = torch.ones(SEQ, dtype=torch.long)
+        return {k: out[k] for k in fields}
+
+
+class StepTimer(L.Callback):
+    def __init__(self, path: str) -> None:
+        self.path, self.times, self.t0 = path, [], 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.times.append(time.perf_counter() - self.t0)
+        if trainer.is_global_zero:
+            Path(self.path).write_text(json.dumps(self.times))
+
+
+def run(config: str, args: argparse.Namespace, out: str) -> list[float]:
+    L.seed_everything(0, verbose=False)
+    world = args.devices
+    if config == "ddp":
+        module: L.LightningModule = OpenClipDDP()
+        strategy: object = "ddp_notebook"
+        per_rank = args.batch // world
+    else:
+        module = BenchCLIP()
+        if config == "distmm-colocated":
+            plan: object = "colocated"
+        else:
+            image = max(1, world - max(1, world // 4))
+            plan = ldm.Plan(world, {"image": {"ranks": list(range(image))}, "text": {"ranks": list(range(image, world))}})
+        strategy = ldm.DistMMStrategy(plan=plan, start_method="fork")
+        per_rank = args.batch
+    data = DataLoader(Pairs(args.batch * args.steps), batch_size=per_rank, shuffle=False, drop_last=True)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, max_steps=args.steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[StepTimer(out)], use_distributed_sampler=config == "ddp",
+    )
+    trainer.fit(module, data)
+    return json.loads(Path(out).read_text())[args.warmup :]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=64, help="global batch")
+    parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    configs = ["ddp", "distmm-colocated", "distmm-separate"]
+    samples: dict[str, list[float]] = {c: [] for c in configs}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for c in configs:
+                samples[c] += run(c, args, os.path.join(tmp, f"{c}-{r}.json"))
+    base = statistics.median(samples["ddp"])
+    params = sum(p.numel() for p in BenchCLIP().parameters())
+    print(f"\nstep time, {args.devices} CPU ranks (gloo), global batch {args.batch}, {params / 1e6:.2f}M parameters,"
+          f" {args.rounds} rounds x {args.steps - args.warmup} timed steps")
+    print(f"{'configuration':<20} {'median ms':>10} {'vs ddp':>8}")
+    for c in configs:
+        med = statistics.median(samples[c])
+        print(f"{c:<20} {med * 1e3:>10.1f} {med / base:>8.3f}")
+
+
+if __name__ == "__main__":
+    main()
