@@ -82,12 +82,15 @@ def load_sharded(
     return torch.load(path / _METADATA, weights_only=bool(weights_only) if weights_only is not None else False)
 
 
-def consolidated_state_dict(strategy: "DistMMStrategy") -> dict[str, torch.Tensor] | None:
+def consolidated_state_dict(trainer_or_strategy: Any) -> dict[str, torch.Tensor] | None:
     """The whole model's plain state dict on rank 0 (``None`` elsewhere). Collective: call on every rank.
+
+    Takes the ``Trainer`` or its ``DistMMStrategy``.
 
     Each tower's tensors come from the first rank of its first replica; rank 0 receives what it
     does not hold itself (it knows the shapes from its meta tensors).
     """
+    strategy: "DistMMStrategy" = getattr(trainer_or_strategy, "strategy", trainer_or_strategy)
     module = strategy.lightning_module
     runtime = strategy.runtime
     assert module is not None and runtime is not None
