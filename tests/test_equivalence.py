@@ -36,3 +36,43 @@ def test_matches_single_process(name, optimizer, tmp_path):
         assert abs(a - b) <= 1e-5
     # the weights really moved: equality is not the trivial one
     assert max_param_diff(reference, initial) > 1e-3
+
+
+@pytest.mark.slow
+def test_frozen_tower_lit(tmp_path):
+    """LiT: a frozen text tower runs without gradients on its own rank; the rest matches one process."""
+    plan = ldm.Plan(3, {"image": {"ranks": [0, 1]}, "text": {"ranks": [2]}})
+    L.seed_everything(0)
+    reference = TinyCLIP("adamw", lr=0.01, frozen_text=True)
+    module = copy.deepcopy(reference)
+    initial = copy.deepcopy(reference)
+    run_reference(reference, loader(8), 3, str(tmp_path / "ref.json"))
+    run_distmm(module, plan, 3, loader(8), 3, str(tmp_path / "dist.json"))
+    assert max_param_diff(reference, module) <= 1e-5
+    assert max_param_diff(module.text, initial.text) == 0.0
+    assert max_param_diff(module.visual, initial.visual) > 1e-3
+
+
+def test_registered_strategies():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    for name, method in [("distmm", "popen"), ("distmm_spawn", "spawn"), ("distmm_notebook", "fork")]:
+        strategy = StrategyRegistry.get(name)
+        assert isinstance(strategy, ldm.DistMMStrategy) and strategy._start_method == method
+    trainer = L.Trainer(strategy="distmm_notebook", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, ldm.DistMMStrategy)
+
+
+@pytest.mark.slow
+def test_default_plan_follows_flops(tmp_path):
+    """No plan given: ranks in proportion to the towers' counted FLOPs, still exact."""
+    from lightning_distmm.plan.flops import tower_flops
+
+    L.seed_everything(0)
+    reference = TinyCLIP("sgd", lr=0.05)
+    module = copy.deepcopy(reference)
+    flops = tower_flops(reference, next(iter(loader(1))))
+    assert flops["image"] > 0 and flops["text"] > 0
+    run_reference(reference, loader(8), 2, str(tmp_path / "ref.json"))
+    run_distmm(module, None, 3, loader(8), 2, str(tmp_path / "dist.json"))
+    assert max_param_diff(reference, module) <= 1e-5
