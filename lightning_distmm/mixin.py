@@ -113,5 +113,7 @@ class DistMMMixin:
 
     def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> Tensor:
         loss = self.contrastive_loss(batch)
-        self.log("val/loss", loss, prog_bar=True, batch_size=self.global_batch_size(batch))  # type: ignore[attr-defined]
+        # the value is already the whole-batch loss on every rank; sync_dist only averages equal
+        # numbers (and keeps Lightning from warning about epoch-level logging)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=self.global_batch_size(batch))  # type: ignore[attr-defined]
         return loss
