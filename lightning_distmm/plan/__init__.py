@@ -1,4 +1,5 @@
-"""Pure-Python planning: no process groups. Plans, and (later) profiles, partitioner, balancer, placement."""
+"""Pure-Python planning: no process groups. Plans, cluster specs, tower profiles, the cost model,
+partitioner, balancer, placement, baselines and the planner (docs/planner.md)."""
 
 from lightning_distmm.plan.plan import (
     SCHEDULES,
@@ -11,3 +12,76 @@ from lightning_distmm.plan.plan import (
 )
 
 __all__ = ["SCHEDULES", "Plan", "PlanError", "TowerPlan", "colocated_plan", "proportional_plan", "split_batch"]
+
+from lightning_distmm.plan.balance import (  # noqa: E402
+    Balance,
+    barrier_allocation,
+    brute_force_barrier,
+    brute_force_minmax,
+    minmax_allocation,
+)
+from lightning_distmm.plan.baselines import Evaluated, colocated_search  # noqa: E402
+from lightning_distmm.plan.cluster import Cluster, Device, Link, list_presets, load_cluster, measure_local_cpu  # noqa: E402
+from lightning_distmm.plan.cost import CostOptions, StepCost, TowerChoice, TowerCost, evaluate_plan, simulate_pipeline  # noqa: E402
+from lightning_distmm.plan.partition import Candidates, InfeasibleError, SearchSpace, tower_candidates  # noqa: E402
+from lightning_distmm.plan.placement import place, tp_groups_inside_nodes  # noqa: E402
+from lightning_distmm.plan.planner import (  # noqa: E402
+    PlannerOptions,
+    Report,
+    TowerInfo,
+    auto_plan,
+    local_cluster,
+    make_plan,
+    to_plan,
+    tower_info_from_batch,
+)
+from lightning_distmm.plan.profile import (  # noqa: E402
+    MeasuredFit,
+    TowerProfile,
+    measure_tower,
+    measured_profile,
+    model_profiles,
+    tower_profile,
+)
+
+__all__ += [
+    "Balance",
+    "barrier_allocation",
+    "brute_force_barrier",
+    "brute_force_minmax",
+    "minmax_allocation",
+    "Evaluated",
+    "colocated_search",
+    "Cluster",
+    "Device",
+    "Link",
+    "list_presets",
+    "load_cluster",
+    "measure_local_cpu",
+    "CostOptions",
+    "StepCost",
+    "TowerChoice",
+    "TowerCost",
+    "evaluate_plan",
+    "simulate_pipeline",
+    "Candidates",
+    "InfeasibleError",
+    "SearchSpace",
+    "tower_candidates",
+    "place",
+    "tp_groups_inside_nodes",
+    "PlannerOptions",
+    "Report",
+    "TowerInfo",
+    "auto_plan",
+    "local_cluster",
+    "make_plan",
+    "to_plan",
+    "tower_info_from_batch",
+    "MeasuredFit",
+    "TowerProfile",
+    "measure_tower",
+    "measured_profile",
+    "model_profiles",
+    "tower_profile",
+]

@@ -57,6 +57,9 @@ class TowerPlan:
     pp: int = 1
     microbatch: int | None = None
     schedule: str = "gpipe"
+    recompute: bool = False
+    """Activation checkpointing: keep each transformer block's input, recompute the block in backward
+    (Megatron-LM ``--recompute-granularity full``, open_clip ``--grad-checkpointing``)."""
 
     @property
     def dp(self) -> int:
@@ -121,6 +124,8 @@ class Plan:
                 )
             if t.schedule not in SCHEDULES:
                 raise PlanError(f"{where}: unknown schedule {t.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+            if not isinstance(t.recompute, bool):
+                raise PlanError(f"{where}: recompute must be true or false, got {t.recompute!r}")
             if t.microbatch is not None and (not isinstance(t.microbatch, int) or t.microbatch < 1):
                 raise PlanError(f"{where}: microbatch must be a positive integer or null, got {t.microbatch!r}")
             if t.replica_batch is not None:
@@ -218,7 +223,8 @@ class Plan:
         for name, t in self.towers.items():
             batch = "+".join(map(str, t.replica_batch)) if t.replica_batch else "even"
             rows.append(
-                (name, _ranks_str(t.ranks), str(t.dp), str(t.tp), str(t.pp), batch, str(t.microbatch or "-"), t.schedule)
+                (name, _ranks_str(t.ranks), str(t.dp), str(t.tp), str(t.pp), batch, str(t.microbatch or "-"),
+                 t.schedule + ("+recompute" if t.recompute else ""))
             )
         widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)

@@ -1,0 +1,371 @@
+"""Modality-aware partitioner: every way one tower can run on ``n`` devices, priced and filtered.
+
+For each tower, enumerate tensor parallelism ``tp`` (divides the heads, fits in a node), pipeline
+parallelism ``pp`` (divides the layers), the schedule and the number of microbatches ``K``; the
+data-parallel degree follows from the device count. Everything that depends on the replica count
+is evaluated as numpy arrays over (replicas x microbatch counts), so thousands of combinations
+cost a few array operations. Configurations that exceed device memory are dropped.
+
+Why keep only the best ``K`` per (tp, pp, schedule, replicas): forward and backward phases both
+grow with the same slot count ``(K + P - 1)`` times the slot time, so the ``K`` that minimises one
+minimises the other (up to the constant all-reduce); choosing it here leaves the balancer a few
+candidates per device count instead of hundreds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from lightning_distmm.plan.cluster import GB, Cluster
+from lightning_distmm.plan.cost import (
+    CostOptions,
+    TowerChoice,
+    compact_dp_allreduce,
+    even_split,
+    exposed_allreduce,
+    grad_bytes_per_device,
+    last_slot,
+    memory_per_device,
+    optimizer_time,
+    phases,
+    pp_comm,
+    stage_compute,
+    tp_comm,
+)
+from lightning_distmm.plan.plan import PlanError
+from lightning_distmm.plan.profile import TowerProfile
+
+
+class InfeasibleError(PlanError):
+    """No plan exists; the message names the tower, the limit and by how much it is missed."""
+
+
+def k_grid(max_batch: int, limit: int | None = None) -> np.ndarray:
+    """Microbatch counts tried: 1, 2, 3, 4, 6, 8, 12, 16, ... up to the replica batch."""
+    vals = {1, 2, 3}
+    x = 4
+    top = max_batch if limit is None else min(max_batch, limit)
+    while x <= top:
+        vals.update({x, x * 3 // 2})
+        x *= 2
+    vals.add(top)
+    return np.array(sorted(v for v in vals if 1 <= v <= top), dtype=float)
+
+
+@dataclass
+class SearchSpace:
+    """Per tower: the tp and pp values allowed, the schedules, the microbatch-count limit."""
+
+    tps: dict[str, list[int]]
+    pps: dict[str, list[int]]
+    schedules: tuple[str, ...] = ("gpipe", "cached", "distmm")
+    max_microbatches: int | None = None
+
+
+def tower_space(
+    profile: TowerProfile, cluster: Cluster, world: int, max_tp: int | None, max_pp: int | None, tp: int | None, pp: int | None
+) -> tuple[list[int], list[int]]:
+    """The tp and pp values a tower may use, or an :class:`InfeasibleError` naming the limit."""
+    dpn = cluster.devices_per_node
+    name = profile.name
+    if tp is not None:
+        if tp > dpn:
+            raise InfeasibleError(
+                f"tp={tp} exceeds the {dpn} devices of a node by {tp - dpn}: tensor-parallel groups must stay inside a node"
+            )
+        if profile.analytic and profile.heads % tp:
+            ok = [t for t in profile.valid_tp(dpn)]
+            raise InfeasibleError(
+                f"tower {name!r}: tp={tp} does not divide its {profile.heads} attention heads"
+                f" ({profile.heads} % {tp} = {profile.heads % tp}); valid tp within a node of {dpn}: {ok}"
+            )
+        if not profile.analytic and tp != 1:
+            raise InfeasibleError(f"tower {name!r} has only a measured profile: it can only use tp=1, not tp={tp}")
+        tps = [tp]
+    else:
+        tps = [t for t in profile.valid_tp(dpn) if max_tp is None or t <= max_tp]
+    if pp is not None:
+        if profile.analytic and profile.layers % pp:
+            raise InfeasibleError(
+                f"tower {name!r}: pp={pp} does not divide its {profile.layers} layers"
+                f" ({profile.layers} % {pp} = {profile.layers % pp}); valid pp: {profile.valid_pp(world)}"
+            )
+        if not profile.analytic and pp != 1:
+            raise InfeasibleError(f"tower {name!r} has only a measured profile: it can only use pp=1, not pp={pp}")
+        pps = [pp]
+    else:
+        pps = [p for p in profile.valid_pp(world) if max_pp is None or p <= max_pp]
+    return tps, pps
+
+
+@dataclass
+class Candidates:
+    """One tower's feasible configurations (one per tp, pp, schedule, replica count: the best K).
+
+    ``F`` forward phase, ``B`` backward phase + exposed gradient all-reduce + optimizer step
+    (compact placement), ``mem`` bytes per device.
+    """
+
+    tower: str
+    n: np.ndarray
+    F: np.ndarray
+    B: np.ndarray
+    tp: np.ndarray
+    pp: np.ndarray
+    sched: np.ndarray
+    K: np.ndarray
+    mb: np.ndarray
+    mem: np.ndarray
+    schedules: tuple[str, ...]
+    global_batch: int
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.n)
+
+    def take(self, idx: Any) -> "Candidates":
+        return Candidates(
+            self.tower, self.n[idx], self.F[idx], self.B[idx], self.tp[idx], self.pp[idx], self.sched[idx],
+            self.K[idx], self.mb[idx], self.mem[idx], self.schedules, self.global_batch, self.notes,
+        )
+
+    def pareto(self) -> "Candidates":
+        """Per device count, only configurations no other beats in both F and B."""
+        if len(self) == 0:
+            return self
+        order = np.lexsort((self.B, self.F, self.n))
+        n, B = self.n[order], self.B[order]
+        keep = np.zeros(len(order), dtype=bool)
+        best = math.inf
+        prev = None
+        for i in range(len(order)):  # F ascending within each n: keep strictly better B
+            if n[i] != prev:
+                prev, best = n[i], math.inf
+            if B[i] < best - 1e-15:
+                keep[i], best = True, B[i]
+        return self.take(order[keep])
+
+    def choice(self, i: int) -> TowerChoice:
+        tp, pp, n = int(self.tp[i]), int(self.pp[i]), int(self.n[i])
+        dp = n // (tp * pp)
+        return TowerChoice(
+            name=self.tower,
+            n=n,
+            tp=tp,
+            pp=pp,
+            microbatch=int(self.mb[i]),
+            schedule=self.schedules[int(self.sched[i])],
+            replica_batch=even_split(self.global_batch, dp),
+        )
+
+
+def _grid(
+    profile: TowerProfile,
+    cluster: Cluster,
+    opts: CostOptions,
+    G: int,
+    dp: np.ndarray,
+    Ks: np.ndarray,
+    tp: int,
+    pp: int,
+    schedules: Sequence[str],
+    loss_b: float,
+    separate: bool,
+) -> dict[str, dict[str, np.ndarray]]:
+    """Costs over the grid replicas x microbatch-counts for each schedule (arrays [len(dp), len(Ks)])."""
+    w = tp * pp
+    dpn = cluster.devices_per_node
+    b = np.ceil(G / dp)[:, None]
+    K = Ks[None, :]
+    valid = K <= b
+    mb = np.ceil(b / K)
+    Keff = np.ceil(b / mb)
+    fc, bc = stage_compute(profile, cluster, opts, mb, tp, pp)
+    tpc = tp_comm(profile, cluster, opts, mb, tp, pp, False)
+    ppc = pp_comm(profile, cluster, opts, mb, pp, w > dpn)
+    f = fc + tpc + ppc
+    bb = np.zeros_like(f) if profile.frozen else bc + tpc + ppc
+    gb = grad_bytes_per_device(profile, opts, tp, pp)
+    ar = compact_dp_allreduce(cluster, gb, dp, tp, pp)[:, None] if gb > 0 else np.zeros((len(dp), 1))
+    opt_t = optimizer_time(profile, cluster, opts, tp, pp)
+    cross = 0.0
+    if separate and profile.cross_from:
+        cross = opts.bytes_el * b * profile.cross_elems / (cluster.inter.effective / dpn if cluster.nodes > 1 else cluster.intra.effective)
+    limit = cluster.device.memory * opts.memory_margin
+    out = {}
+    for s in (["gpipe"] if profile.frozen else schedules):
+        Fp, Bp, _ = phases(s, profile.frozen, Keff, pp, f, bb)
+        Fp = Fp + cross
+        Bp = Bp + (0.0 if profile.frozen else cross)
+        window = last_slot(s, f, bb)  # colocated towers may also hide it behind each other (priced exactly later)
+        Bx = Bp + exposed_allreduce(ar, window, gb, opts) + opt_t
+        mem = memory_per_device(profile, opts, s, mb, Keff, b, tp, pp, loss_b)["total"]
+        shape = mb.shape
+        mem = np.broadcast_to(mem, shape)
+        ok = valid & (mem <= limit)
+        out[s] = {
+            "F": np.broadcast_to(Fp, shape), "B": np.broadcast_to(Bx, shape), "mem": mem, "ok": ok, "mb": mb,
+            "K": Keff, "Bphase": np.broadcast_to(Bp, shape), "ar": np.broadcast_to(ar, shape),
+            "slot": np.broadcast_to(window, shape), "opt": opt_t, "gb": gb,
+        }
+    return out
+
+
+def tower_candidates(
+    profile: TowerProfile,
+    cluster: Cluster,
+    opts: CostOptions,
+    global_batch: int,
+    world: int,
+    space: SearchSpace,
+    loss_b: float,
+    max_devices: int | None = None,
+) -> Candidates:
+    """Feasible configurations of one tower on 1..``max_devices`` devices of its own."""
+    name = profile.name
+    tps, pps = space.tps[name], space.pps[name]
+    D = max_devices if max_devices is not None else world
+    Ks = k_grid(global_batch, space.max_microbatches)
+    scheds = tuple(space.schedules)
+    names = scheds if "gpipe" in scheds else scheds + ("gpipe",)  # a frozen tower always runs "gpipe"
+    rows: dict[str, list[np.ndarray]] = {k: [] for k in ("n", "F", "B", "tp", "pp", "sched", "K", "mb", "mem")}
+    for tp in tps:
+        for pp in pps:
+            w = tp * pp
+            if w > D:
+                continue
+            dp = np.arange(1, min(D // w, global_batch) + 1, dtype=float)
+            if len(dp) == 0:
+                continue
+            g = _grid(profile, cluster, opts, global_batch, dp, Ks, tp, pp, scheds, loss_b, True)
+            for s, d in g.items():
+                obj = np.where(d["ok"], d["F"] + d["B"], np.inf)
+                j = np.argmin(obj, axis=1)
+                i = np.arange(len(dp))
+                good = np.isfinite(obj[i, j])
+                if not good.any():
+                    continue
+                i, j = i[good], j[good]
+                rows["n"].append(dp[i] * w)
+                rows["F"].append(d["F"][i, j])
+                rows["B"].append(d["B"][i, j])
+                rows["tp"].append(np.full(len(i), tp))
+                rows["pp"].append(np.full(len(i), pp))
+                rows["sched"].append(np.full(len(i), names.index(s)))
+                rows["K"].append(d["K"][i, j])
+                rows["mb"].append(d["mb"][i, j])
+                rows["mem"].append(d["mem"][i, j])
+    cat = {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in rows.items()}
+    return Candidates(
+        name,
+        cat["n"].astype(int),
+        cat["F"],
+        cat["B"],
+        cat["tp"].astype(int),
+        cat["pp"].astype(int),
+        cat["sched"].astype(int),
+        cat["K"].astype(int),
+        cat["mb"].astype(int),
+        cat["mem"],
+        names,
+        global_batch,
+    )
+
+
+def colocated_options(
+    profile: TowerProfile,
+    cluster: Cluster,
+    opts: CostOptions,
+    global_batch: int,
+    world: int,
+    space: SearchSpace,
+    tps: Sequence[int] | None = None,
+    pps: Sequence[int] | None = None,
+) -> list[dict[str, Any]]:
+    """Every (tp, pp, schedule, K) of one tower on all ``world`` devices, with its time and memory
+    *excluding* loss buffers (the caller adds them once per device). Pareto-pruned on (time, memory)."""
+    Ks = k_grid(global_batch, space.max_microbatches)
+    out: list[dict[str, Any]] = []
+    for tp in tps if tps is not None else space.tps[profile.name]:
+        for pp in pps if pps is not None else space.pps[profile.name]:
+            w = tp * pp
+            if world % w or world // w > global_batch:
+                continue
+            dp = np.array([world // w], dtype=float)
+            g = _grid(profile, cluster, opts, global_batch, dp, Ks, tp, pp, space.schedules, 0.0, False)
+            for s, d in g.items():
+                for j in range(len(Ks)):
+                    if not d["ok"][0, j]:
+                        continue
+                    out.append(option(d, tp, pp, s, j))
+    # two Pareto fronts on (time, memory): with the all-reduce exposed after the tower's own last
+    # microbatch, and with it fully hidden (behind the other towers' backward)
+    keep: dict[int, dict[str, Any]] = {}
+    for key in (lambda r: r["F"] + r["B"], lambda r: r["F"] + r["Bphase"] + r["opt"]):
+        best_mem = math.inf
+        for r in sorted(out, key=lambda r: (key(r), r["mem"])):
+            if r["mem"] < best_mem:
+                keep[id(r)] = r
+                best_mem = r["mem"]
+    return sorted(keep.values(), key=lambda r: (r["F"] + r["B"], r["mem"]))
+
+
+def option(d: dict[str, np.ndarray], tp: int, pp: int, schedule: str, j: int, i: int = 0) -> dict[str, Any]:
+    """One grid point as a plain record (for the colocated searches)."""
+    return {
+        "tp": tp, "pp": pp, "schedule": schedule, "K": int(d["K"][i, j]), "mb": int(d["mb"][i, j]),
+        "F": float(d["F"][i, j]), "B": float(d["B"][i, j]), "Bphase": float(d["Bphase"][i, j]), "ar": float(d["ar"][i, j]),
+        "slot": float(d["slot"][i, j]), "opt": float(d["opt"]), "gb": float(d["gb"]), "mem": float(d["mem"][i, j]),
+    }
+
+
+def min_memory(profile: TowerProfile, cluster: Cluster, opts: CostOptions, global_batch: int, world: int, space: SearchSpace, loss_b: float) -> dict[str, Any]:
+    """The least memory per device this tower can need in the search space (largest split, one-sample
+    microbatches, the leanest schedule), to say by how much an infeasible tower misses."""
+    best: dict[str, Any] | None = None
+    tps, pps = space.tps[profile.name] or [1], space.pps[profile.name] or [1]
+    for tp in tps:
+        for pp in pps:
+            w = tp * pp
+            if w > world:
+                continue
+            dp = max(1, min(world // w, global_batch))
+            b = math.ceil(global_batch / dp)
+            for s in (["gpipe"] if profile.frozen else space.schedules):
+                K = b
+                m = memory_per_device(profile, opts, s, 1, K, b, tp, pp, loss_b)
+                tot = float(m["total"])
+                if best is None or tot < best["total"]:
+                    best = {"total": tot, "static": float(m["static"]), "activations": float(m["activations"]), "tp": tp, "pp": pp, "schedule": s}
+    assert best is not None
+    return best
+
+
+def describe_no_fit(profile: TowerProfile, cluster: Cluster, opts: CostOptions, need: dict[str, Any], world: int) -> str:
+    limit = cluster.device.memory * opts.memory_margin
+    w = need["tp"] * need["pp"]
+    return (
+        f"tower {profile.name!r} ({profile.params / 1e9:.2f}B parameters) fits no device even split"
+        f" tp*pp = {need['tp']}*{need['pp']} = {w} ways (the most its {profile.heads} heads, {profile.layers} layers,"
+        f" nodes of {cluster.devices_per_node} and {world} devices allow): it needs {need['total'] / GB:.2f} GB per device"
+        f" (static {need['static'] / GB:.2f} GB + activations {need['activations'] / GB:.2f} GB at microbatch 1,"
+        f" schedule {need['schedule']}) but one {cluster.device.name} offers {cluster.device.memory / GB:.1f} GB x"
+        f" memory_margin {opts.memory_margin} = {limit / GB:.2f} GB: over by {(need['total'] - limit) / GB:.2f} GB"
+    )
+
+
+__all__ = [
+    "InfeasibleError",
+    "SearchSpace",
+    "Candidates",
+    "k_grid",
+    "tower_space",
+    "tower_candidates",
+    "colocated_options",
+    "min_memory",
+    "describe_no_fit",
+]

@@ -1,0 +1,460 @@
+"""What one sample costs a tower: parameters, FLOPs, bytes moved, activations kept for backward.
+
+Why per *block* and per *sample*: the partitioner needs the cost of any slice of a tower (``L/pp``
+layers, split ``tp`` ways) at any microbatch size, so a tower is described as a ``pre`` block
+(embeddings), ``layers`` identical transformer blocks and a ``post`` block (final norm, head), each
+as the GEMM shapes, attention sizes, elementwise traffic and stored activations of one sample.
+Everything else (time on a device, memory per device, bytes on links) is derived in ``cost.py``.
+
+Two sources:
+
+* **analytic**, from the model config shared with the model builders (``conf/model/*.yaml``); the
+  parameter counts follow timm's ``VisionTransformer``, transformers' ``CLIPTextModel`` and
+  ``BertModel`` layer by layer (tests compare them with real modules);
+* **measured**, by timing the real module forward and backward at a few microbatch sizes in this
+  process and fitting ``t(b) = a + c * b`` (:func:`measure_tower`); activation bytes are measured by
+  counting the tensors autograd saves. A measured fit replaces the analytic compute time at
+  ``tp = pp = 1`` and rescales the analytic time for other splits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+ARCHS = ("vit", "clip_text", "bert", "text_decoder")
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """``tokens`` per sample times a ``[k, n]`` weight; ``split`` under tensor parallelism:
+    ``col`` divides ``n``, ``row`` divides ``k``, ``rep`` is replicated."""
+
+    tokens: int
+    k: int
+    n: int
+    split: str = "rep"
+
+
+@dataclass(frozen=True)
+class Attn:
+    """Attention core of one sample: ``q`` query tokens against ``kv`` key tokens over ``width``
+    channels in ``heads`` heads (split by tp)."""
+
+    q: int
+    kv: int
+    width: int
+    heads: int
+
+
+@dataclass
+class Block:
+    """Per-sample costs of one piece of a tower (elements, not bytes: the precision decides bytes)."""
+
+    params: int = 0
+    gemms: tuple[Gemm, ...] = ()
+    attn: tuple[Attn, ...] = ()
+    elem_rep: float = 0.0  # elementwise elements read+written, replicated under tp
+    elem_split: float = 0.0  # elementwise elements divided by tp
+    act_rep: float = 0.0  # activation elements kept for backward, replicated under tp
+    act_split: float = 0.0  # activation elements kept for backward, divided by tp
+    act_scores: float = 0.0  # attention probabilities kept without flash attention (divided by tp)
+    tp_allreduce: float = 0.0  # elements all-reduced per sample in forward when tp > 1
+    kernels: int = 0
+    boundary: float = 0.0  # elements per sample handed to the next pipeline stage
+
+    def flops(self) -> float:
+        """Forward FLOPs of one sample."""
+        f = sum(2.0 * g.tokens * g.k * g.n for g in self.gemms)
+        f += sum(4.0 * a.q * a.kv * a.width for a in self.attn)
+        return f
+
+
+@dataclass
+class MeasuredFit:
+    """Forward / backward seconds and activation bytes as ``a + c * microbatch`` on one device."""
+
+    device: str
+    batch_sizes: list[int]
+    fwd: tuple[float, float]
+    bwd: tuple[float, float]
+    act_bytes: tuple[float, float]
+    params: int
+    trainable_params: int
+    raw: list[dict[str, float]] = field(default_factory=list)
+
+    def fwd_time(self, mb: Any) -> Any:
+        return self.fwd[0] + self.fwd[1] * mb
+
+    def bwd_time(self, mb: Any) -> Any:
+        return self.bwd[0] + self.bwd[1] * mb
+
+
+@dataclass
+class TowerProfile:
+    """One tower: ``pre`` + ``layers`` x ``layer`` + ``post``, plus what the planner must respect.
+
+    ``heads`` bounds tensor parallelism (tp must divide it), ``layers`` bounds pipeline parallelism
+    (pp must divide it). ``embed_dim`` is the feature width exchanged at the batch sync.
+    ``cross_from``/``cross_elems``: a tower fed by another tower's tokens (CoCa's multimodal text
+    decoder reads the image tokens), ``cross_elems`` elements per sample.
+    """
+
+    name: str
+    arch: str
+    frozen: bool
+    layers: int
+    heads: int
+    width: int
+    seq: int
+    embed_dim: int
+    pre: Block
+    layer: Block
+    post: Block
+    cross_from: str | None = None
+    cross_elems: float = 0.0
+    measured: MeasuredFit | None = None
+    analytic: bool = True
+
+    @property
+    def params(self) -> int:
+        if not self.analytic and self.measured is not None:
+            return self.measured.params
+        return self.pre.params + self.layers * self.layer.params + self.post.params
+
+    @property
+    def trainable_params(self) -> int:
+        if self.frozen:
+            return 0
+        if not self.analytic and self.measured is not None:
+            return self.measured.trainable_params
+        return self.params
+
+    def flops_per_sample(self) -> float:
+        """Forward FLOPs of one sample (training adds 2x for backward unless frozen)."""
+        if not self.analytic and self.measured is not None:
+            return 0.0
+        return self.pre.flops() + self.layers * self.layer.flops() + self.post.flops()
+
+    def train_flops_per_sample(self) -> float:
+        return self.flops_per_sample() * (1.0 if self.frozen else 3.0)
+
+    def valid_tp(self, devices_per_node: int) -> list[int]:
+        """tp values that divide the heads (and the MLP width) and fit in a node."""
+        if not self.analytic:
+            return [1]
+        return [t for t in range(1, devices_per_node + 1) if devices_per_node % t == 0 and self.heads % t == 0]
+
+    def valid_pp(self, limit: int) -> list[int]:
+        if not self.analytic:
+            return [1]
+        return [p for p in range(1, min(self.layers, limit) + 1) if self.layers % p == 0]
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "arch": self.arch,
+            "params": self.params,
+            "frozen": self.frozen,
+            "layers": self.layers,
+            "width": self.width,
+            "heads": self.heads,
+            "tokens": self.seq,
+            "gflops_per_sample": self.flops_per_sample() / 1e9,
+        }
+
+
+# ---------------------------------------------------------------------- analytic
+def _layer(s: int, h: int, heads: int, m: int) -> Block:
+    """A pre-LN transformer block (self-attention + MLP), as in timm ViT, CLIP text and BERT."""
+    params = 4 * h * h + 4 * h + 2 * h * m + m + h + 4 * h  # qkv+o (+bias), fc1, fc2 (+bias), 2 LayerNorms
+    return Block(
+        params=params,
+        gemms=(Gemm(s, h, 3 * h, "col"), Gemm(s, h, h, "row"), Gemm(s, h, m, "col"), Gemm(s, m, h, "row")),
+        attn=(Attn(s, s, h, heads),),
+        elem_rep=10.0 * s * h,  # 2 LayerNorms (read+write), 2 residual adds (2 reads + write)
+        elem_split=2.0 * s * m,  # GELU read+write
+        act_rep=4.0 * s * h,  # LN inputs, attention input, MLP input
+        act_split=4.0 * s * h + 2.0 * s * m,  # q, k, v, proj input; fc1 out, GELU out
+        act_scores=float(heads * s * s),
+        tp_allreduce=2.0 * s * h,
+        kernels=10,
+        boundary=float(s * h),
+    )
+
+
+def _cross_block(s: int, h: int, heads: int, m: int, n_ctx: int, h_ctx: int) -> Block:
+    """A cross-attention residual block with its own MLP (open_clip CoCa's multimodal decoder)."""
+    params = 2 * h * h + 2 * h_ctx * h + 4 * h + 2 * h + 2 * h_ctx + 2 * h * m + m + h + 2 * h
+    return Block(
+        params=params,
+        gemms=(
+            Gemm(s, h, h, "col"),
+            Gemm(n_ctx, h_ctx, 2 * h, "col"),
+            Gemm(s, h, h, "row"),
+            Gemm(s, h, m, "col"),
+            Gemm(s, m, h, "row"),
+        ),
+        attn=(Attn(s, n_ctx, h, heads),),
+        elem_rep=10.0 * s * h + 2.0 * n_ctx * h_ctx,
+        elem_split=2.0 * s * m,
+        act_rep=4.0 * s * h + n_ctx * h_ctx,
+        act_split=2.0 * s * h + 2.0 * n_ctx * h + 2.0 * s * m,
+        act_scores=float(heads * s * n_ctx),
+        tp_allreduce=2.0 * s * h,
+        kernels=10,
+        boundary=0.0,
+    )
+
+
+def _merge(a: Block, b: Block) -> Block:
+    return Block(
+        params=a.params + b.params,
+        gemms=a.gemms + b.gemms,
+        attn=a.attn + b.attn,
+        elem_rep=a.elem_rep + b.elem_rep,
+        elem_split=a.elem_split + b.elem_split,
+        act_rep=a.act_rep + b.act_rep,
+        act_split=a.act_split + b.act_split,
+        act_scores=a.act_scores + b.act_scores,
+        tp_allreduce=a.tp_allreduce + b.tp_allreduce,
+        kernels=a.kernels + b.kernels,
+        boundary=max(a.boundary, b.boundary),
+    )
+
+
+def _req(cfg: Mapping[str, Any], key: str, name: str) -> Any:
+    if key not in cfg:
+        raise ValueError(f"tower {name!r} ({cfg.get('arch')}): model config lacks {key!r}")
+    return cfg[key]
+
+
+def tower_profile(name: str, cfg: Mapping[str, Any], embed_dim: int, towers: Mapping[str, Any] | None = None) -> TowerProfile:
+    """The analytic profile of one tower from its model-config entry.
+
+    ``towers`` (the whole ``towers`` mapping) lets a ``text_decoder`` find the width and token count
+    of the tower it cross-attends to (``cross_from``, default ``image``).
+    """
+    arch = cfg.get("arch")
+    if arch not in ARCHS:
+        raise ValueError(f"tower {name!r}: unknown arch {arch!r}; known: {', '.join(ARCHS)}")
+    h = int(_req(cfg, "width", name))
+    L = int(_req(cfg, "layers", name))
+    heads = int(_req(cfg, "heads", name))
+    m = int(h * float(cfg.get("mlp_ratio", 4.0)))
+    E = int(embed_dim)
+    frozen = bool(cfg.get("frozen", False))
+    if h % heads:
+        raise ValueError(f"tower {name!r}: width {h} is not divisible by its {heads} heads")
+
+    if arch == "vit":
+        img, p = int(_req(cfg, "img_size", name)), int(_req(cfg, "patch_size", name))
+        chans = int(cfg.get("in_chans", 3))
+        n = (img // p) ** 2
+        s = n + (1 if cfg.get("class_token", True) else 0)
+        pre = Block(
+            params=chans * p * p * h + h + h + s * h,  # patch conv (+bias), class token, position embedding
+            gemms=(Gemm(n, chans * p * p, h, "rep"),),
+            elem_rep=2.0 * chans * img * img + 3.0 * s * h,
+            act_rep=float(chans * img * img),
+            kernels=4,
+            boundary=float(s * h),
+        )
+        post = Block(params=2 * h + h * E + E, gemms=(Gemm(1, h, E, "rep"),), elem_rep=2.0 * s * h, kernels=3)
+        layer = _layer(s, h, heads, m)
+    elif arch in ("clip_text", "bert"):
+        V, ctx = int(_req(cfg, "vocab_size", name)), int(_req(cfg, "context_length", name))
+        s = ctx
+        if arch == "clip_text":
+            pre_params = V * h + ctx * h
+            post_params = 2 * h + h * E + (E if cfg.get("proj_bias", False) else 0)
+            post_gemms: tuple[Gemm, ...] = (Gemm(1, h, E, "rep"),)
+        else:
+            types = int(cfg.get("type_vocab_size", 2))
+            pre_params = V * h + int(cfg.get("max_position_embeddings", ctx)) * h + types * h + 2 * h
+            pooler = bool(cfg.get("pooler", True))
+            post_params = (h * h + h if pooler else 0) + h * E + (E if cfg.get("proj_bias", True) else 0)
+            post_gemms = ((Gemm(1, h, h, "rep"),) if pooler else ()) + (Gemm(1, h, E, "rep"),)
+        pre = Block(params=pre_params, elem_rep=4.0 * s * h, act_rep=float(s), kernels=3, boundary=float(s * h))
+        post = Block(params=post_params, gemms=post_gemms, elem_rep=2.0 * s * h, kernels=3)
+        layer = _layer(s, h, heads, m)
+    else:  # text_decoder
+        V, ctx = int(_req(cfg, "vocab_size", name)), int(_req(cfg, "context_length", name))
+        s = ctx
+        src = str(cfg.get("cross_from", "image"))
+        if "cross_tokens" in cfg and "cross_width" in cfg:
+            n_ctx, h_ctx = int(cfg["cross_tokens"]), int(cfg["cross_width"])
+        elif towers is not None and src in towers:
+            sp = tower_profile(src, towers[src], embed_dim)
+            n_ctx, h_ctx = sp.seq, sp.width
+        else:
+            raise ValueError(f"tower {name!r}: text_decoder needs cross_tokens and cross_width, or a tower {src!r}")
+        pre = Block(params=0, elem_rep=2.0 * s * h, kernels=1, boundary=float(s * h))
+        post = Block(params=2 * h + h * V, gemms=(Gemm(s, h, V, "col"),), elem_rep=2.0 * s * h + 3.0 * s * V, act_split=2.0 * s * V, kernels=4)
+        layer = _merge(_layer(s, h, heads, m), _cross_block(s, h, heads, m, n_ctx, h_ctx))
+        prof = TowerProfile(name, arch, frozen, L, heads, h, s, E, pre, layer, post, cross_from=src, cross_elems=float(n_ctx * h_ctx + s * h))
+        return prof
+    return TowerProfile(name, arch, frozen, L, heads, h, s, E, pre, layer, post)
+
+
+def model_profiles(model_cfg: Mapping[str, Any]) -> dict[str, TowerProfile]:
+    """Analytic profiles of every tower of a model config (``embed_dim`` + ``towers``)."""
+    cfg = _plain(model_cfg)
+    if "towers" not in cfg or not cfg["towers"]:
+        raise ValueError(f"model config {cfg.get('name', '?')!r} has no towers")
+    E = int(cfg.get("embed_dim", 512))
+    return {name: tower_profile(name, t, E, cfg["towers"]) for name, t in cfg["towers"].items()}
+
+
+def _plain(obj: Any) -> Any:
+    if type(obj).__module__.startswith("omegaconf"):
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(obj, resolve=True)
+    if isinstance(obj, Mapping):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+# ---------------------------------------------------------------------- measured
+def _affine(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """Least-squares ``y = a + c x`` with ``a, c >= 0`` (a single point gives ``a = 0``)."""
+    n = len(xs)
+    if n == 1:
+        return 0.0, max(ys[0] / xs[0], 0.0)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    c = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    c = max(c, 0.0)
+    a = my - c * mx
+    if a < 0:  # force through the origin
+        a, c = 0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+    return a, c
+
+
+def measure_tower(
+    module: Any,
+    make_inputs: Callable[[int], Sequence[Any]],
+    batch_sizes: Sequence[int] = (1, 2, 4),
+    device: Any = "cpu",
+    frozen: bool = False,
+    repeats: int = 2,
+    warmup: int = 1,
+) -> MeasuredFit:
+    """Time ``module(*make_inputs(b))`` forward and backward at each ``b`` and fit ``a + c * b``.
+
+    One process, no process group. Activation bytes per microbatch are the bytes of the tensors
+    autograd saves for backward (distinct storages), so they do not depend on allocator caching.
+    Backward runs on ``output.float().pow(2).mean()``, a stand-in for the loss. A frozen tower is
+    timed forward only, under ``no_grad``. Cheap: a few forward/backward passes of a small model.
+    """
+    import torch
+
+    dev = torch.device(device)
+    module = module.to(dev)
+    was_training = module.training
+    module.train()
+    params = sum(p.numel() for p in module.parameters())
+    trainable = 0 if frozen else sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    raw: list[dict[str, float]] = []
+    try:
+        for b in batch_sizes:
+            inputs = [x.to(dev) if hasattr(x, "to") else x for x in make_inputs(int(b))]
+            fwd_t, bwd_t, act = float("inf"), float("inf"), 0.0
+            for i in range(warmup + repeats):
+                module.zero_grad(set_to_none=True)
+                seen: dict[int, int] = {}
+
+                def pack(t: Any) -> Any:
+                    try:
+                        key = t.untyped_storage().data_ptr()
+                        seen[key] = max(seen.get(key, 0), t.untyped_storage().nbytes())
+                    except (RuntimeError, AttributeError):
+                        pass
+                    return t
+
+                sync()
+                t0 = time.perf_counter()
+                if frozen:
+                    with torch.no_grad():
+                        out = module(*inputs)
+                    sync()
+                    t1 = t2 = time.perf_counter()
+                else:
+                    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                        out = module(*inputs)
+                    out = _first_tensor(out)
+                    sync()
+                    t1 = time.perf_counter()
+                    out.float().pow(2).mean().backward()
+                    sync()
+                    t2 = time.perf_counter()
+                if i >= warmup:
+                    fwd_t, bwd_t = min(fwd_t, t1 - t0), min(bwd_t, t2 - t1)
+                    act = float(sum(seen.values()))
+            raw.append({"batch": float(b), "fwd": fwd_t, "bwd": bwd_t, "act_bytes": act})
+    finally:
+        module.zero_grad(set_to_none=True)
+        module.train(was_training)
+    xs = [r["batch"] for r in raw]
+    return MeasuredFit(
+        device=str(dev),
+        batch_sizes=[int(x) for x in xs],
+        fwd=_affine(xs, [r["fwd"] for r in raw]),
+        bwd=_affine(xs, [r["bwd"] for r in raw]),
+        act_bytes=_affine(xs, [r["act_bytes"] for r in raw]),
+        params=params,
+        trainable_params=trainable,
+        raw=raw,
+    )
+
+
+def _first_tensor(out: Any) -> Any:
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, Mapping):
+        out = list(out.values())
+    if hasattr(out, "to_tuple"):
+        out = out.to_tuple()
+    for x in out:
+        if isinstance(x, torch.Tensor):
+            return x
+    raise TypeError(f"tower output {type(out).__name__} holds no tensor to backpropagate")
+
+
+def measured_profile(name: str, fit: MeasuredFit, frozen: bool, embed_dim: int, analytic: TowerProfile | None = None) -> TowerProfile:
+    """A profile carrying a measured fit; with an ``analytic`` twin it can also be split tp/pp ways."""
+    if analytic is not None:
+        return dataclasses.replace(analytic, measured=fit, frozen=frozen)
+    empty = Block()
+    return TowerProfile(name, "measured", frozen, 1, 1, 0, 1, int(embed_dim), empty, empty, empty, measured=fit, analytic=False)
+
+
+def analytic_param_breakdown(p: TowerProfile) -> dict[str, int]:
+    return {"pre": p.pre.params, "layers": p.layers * p.layer.params, "post": p.post.params, "total": p.params}
+
+
+__all__ = [
+    "ARCHS",
+    "Gemm",
+    "Attn",
+    "Block",
+    "MeasuredFit",
+    "TowerProfile",
+    "tower_profile",
+    "model_profiles",
+    "measure_tower",
+    "measured_profile",
+    "analytic_param_breakdown",
+]
+

@@ -1,0 +1,351 @@
+"""Planner: balancer == brute force, simulator == closed forms, placement keeps TP in nodes, plans fit
+memory, never slower than the baselines, YAML round trip, infeasibility messages, solve time, recipes."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from lightning_distmm.plan import (
+    Plan,
+    PlanError,
+    auto_plan,
+    barrier_allocation,
+    brute_force_barrier,
+    brute_force_minmax,
+    load_cluster,
+    make_plan,
+    minmax_allocation,
+    simulate_pipeline,
+    tp_groups_inside_nodes,
+)
+from lightning_distmm.plan.balance import compositions
+from lightning_distmm.plan.cluster import CONF_DIR, GB, Cluster, Device, Link
+from lightning_distmm.plan.cost import phases
+from lightning_distmm.plan.partition import Candidates, InfeasibleError
+from lightning_distmm.plan.placement import candidate_layouts, place
+from lightning_distmm.plan.planner import TowerInfo
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def model(name: str) -> dict:
+    return yaml.safe_load((CONF_DIR / "model" / f"{name}.yaml").read_text())
+
+
+def small_cluster(nodes: int = 2, dpn: int = 4, memory_gb: float = 80.0) -> Cluster:
+    a100 = load_cluster("a100_8x8")
+    return dataclasses.replace(a100, nodes=nodes, devices_per_node=dpn, device=dataclasses.replace(a100.device, memory=memory_gb * GB))
+
+
+# ---------------------------------------------------------------------- balancer
+@pytest.mark.parametrize("seed", range(12))
+def test_minmax_dp_equals_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    K = int(rng.integers(2, 5))
+    D = int(rng.integers(K, 11))
+    tables = []
+    for _ in range(K):
+        t = rng.uniform(0.1, 10.0, D + 1)
+        t[rng.random(D + 1) < 0.3] = math.inf
+        tables.append(t)
+    value, alloc = minmax_allocation(tables, D)
+    assert value == brute_force_minmax(tables, D)
+    if math.isfinite(value):
+        assert sum(alloc) == D and min(alloc) >= 1
+        assert max(t[n] for t, n in zip(tables, alloc)) == value
+
+
+def _random_candidates(rng, name: str, D: int) -> Candidates:
+    rows = []
+    for n in range(1, D + 1):
+        for _ in range(int(rng.integers(0, 4))):
+            rows.append((n, rng.uniform(0.1, 5.0), rng.uniform(0.0, 5.0) if rng.random() > 0.2 else 0.0))
+    if not rows:
+        rows.append((1, 1.0, 1.0))
+    n, F, B = (np.array(x) for x in zip(*rows))
+    k = len(n)
+    z = np.ones(k, dtype=int)
+    return Candidates(name, n.astype(int), F, B, z, z, 0 * z, z, z, np.zeros(k), ("gpipe",), 8)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_barrier_balancer_equals_brute_force(seed):
+    rng = np.random.default_rng(100 + seed)
+    K = int(rng.integers(2, 4))
+    D = int(rng.integers(K, 8))
+    cands = [_random_candidates(rng, f"t{i}", D) for i in range(K)]
+    want = brute_force_barrier(cands, D)
+    if not math.isfinite(want):
+        with pytest.raises(InfeasibleError):
+            barrier_allocation(cands, D)
+        return
+    got = barrier_allocation(cands, D)
+    assert got.exact
+    assert got.objective == pytest.approx(want, rel=1e-12)
+    assert sum(got.alloc.values()) == D
+
+
+def test_balancer_on_real_towers_equals_brute_force():
+    """Real candidate tables (three towers, uneven replica batches, a frozen-free CoCa) vs brute force."""
+    from lightning_distmm.plan.cost import CostOptions, loss_bytes
+    from lightning_distmm.plan.partition import SearchSpace, tower_candidates, tower_space
+    from lightning_distmm.plan.profile import model_profiles
+
+    cl = small_cluster(2, 4)
+    profiles = model_profiles(model("coca_vit_l14"))
+    co = CostOptions()
+    degrees = {n: tower_space(p, cl, 8, None, None, None, None) for n, p in profiles.items()}
+    space = SearchSpace({n: d[0] for n, d in degrees.items()}, {n: d[1] for n, d in degrees.items()})
+    lb = loss_bytes(100, 8, 2, co, 768)
+    cands = [tower_candidates(p, cl, co, 100, 8, space, lb, max_devices=6) for p in profiles.values()]
+    got = barrier_allocation(cands, 8)
+    assert got.objective == pytest.approx(brute_force_barrier(cands, 8), rel=1e-12)
+
+
+def test_frozen_tower_has_no_backward_and_lit_balances_on_the_barrier():
+    plan, rep = make_plan(model("lit_l16_bert_large"), "a100_8x8_eth100", 4096, {"layouts": ["separate"]})
+    image = rep.chosen.cost.towers["image"]
+    assert image.backward_phase == 0 and image.dp_allreduce == 0 and image.optimizer == 0
+    assert image.memory["static"] == pytest.approx(rep.profiles["image"].params * 2 / rep.chosen.choices["image"].tp, rel=0.05)
+
+
+def test_uneven_replica_batches_follow_the_global_batch():
+    plan, _ = make_plan(model("clip_vit_b32"), "a100_8x8", 1000, {"layouts": ["separate"]})
+    for t in plan.towers.values():
+        assert sum(t.replica_batch) == 1000 and max(t.replica_batch) - min(t.replica_batch) <= 1
+
+
+# ---------------------------------------------------------------------- cost model
+@pytest.mark.parametrize("schedule", ["gpipe", "cached", "distmm"])
+def test_simulator_equals_closed_forms(schedule):
+    for K in (1, 2, 3, 7):
+        for P in (1, 2, 4):
+            f, b, sync = 1.0, 2.3, 0.7
+            sim = simulate_pipeline(schedule, K, P, f, b, sync)
+            Fp, Bp, _ = phases(schedule, False, K, P, f, b)
+            assert sim["forward_end"] == pytest.approx(Fp)
+            assert sim["end"] == pytest.approx(Fp + sync + Bp)
+
+
+def test_small_microbatches_underuse_a_gpu():
+    dev = load_cluster("a100_8x8").device
+    eff = [float(dev.wave_efficiency(77 * mb, 3840)) for mb in (1, 4, 16, 64)]
+    assert eff[0] < 0.5 < eff[-1] and eff == sorted(eff)
+
+
+def test_collectives_follow_the_link_they_cross():
+    cl = load_cluster("a100_8x8_eth100")
+    inside = cl.allreduce_time(1e9, 8, nodes=1)
+    across = cl.allreduce_time(1e9, 8, nodes=8, per_node=1)
+    assert across > 10 * inside
+
+
+# ---------------------------------------------------------------------- placement
+@pytest.mark.parametrize(
+    "sizes, tps, dpn",
+    [({"a": 12, "b": 4}, {"a": 4, "b": 2}, 8), ({"a": 6, "b": 6, "c": 4}, {"a": 2, "b": 2, "c": 4}, 8), ({"a": 10, "b": 6}, {"a": 2, "b": 2}, 4)],
+)
+def test_placement_keeps_tp_groups_inside_nodes(sizes, tps, dpn):
+    D = sum(sizes.values())
+    cl = small_cluster(D // dpn, dpn)
+    layouts = candidate_layouts(sizes, tps, cl)
+    assert layouts
+    for lay in layouts:
+        assert sorted(r for rs in lay.values() for r in rs) == list(range(D))
+        for name, ranks in lay.items():
+            assert len(ranks) == sizes[name] and tp_groups_inside_nodes(ranks, tps[name], dpn)
+    lay, _ = place(sizes, tps, cl, "hetero")
+    assert all(tp_groups_inside_nodes(lay[n], tps[n], dpn) for n in sizes)
+
+
+@pytest.mark.parametrize("name, cluster, batch", [("distmm_26b", "a100_8x8", 2048), ("distmm_10b", "a100_8x8_eth100", 1024), ("coca_vit_l14", "h100_8x8", 4096)])
+def test_chosen_plans_keep_tp_inside_nodes_and_fit_memory(name, cluster, batch):
+    plan, rep = make_plan(model(name), cluster, batch)
+    dpn = rep.cluster.devices_per_node
+    for t in plan.towers.values():
+        for i in range(t.dp):
+            replica = t.replica_ranks(i)
+            assert tp_groups_inside_nodes(replica, t.tp, dpn)
+    limit = rep.cluster.device.memory * rep.options.cost.memory_margin
+    assert rep.chosen.cost.extra["fits"] and rep.chosen.cost.extra["peak_memory"] <= limit
+    for ev in [*rep.baselines.values(), *rep.candidates.values()]:
+        if ev is not None:
+            assert ev.cost.extra["peak_memory"] <= limit
+
+
+def test_tensor_parallel_plans_exist_and_fit():
+    """A 26B model cannot run data parallel: the plan must split it, and every device must fit."""
+    plan, rep = make_plan(model("distmm_26b"), "a100_8x8", 512)
+    image = plan.towers["image"]
+    assert image.tp * image.pp > 1
+    assert rep.chosen.cost.extra["fits"]
+
+
+# ---------------------------------------------------------------------- baselines
+@pytest.mark.parametrize(
+    "name, cluster, batch",
+    [
+        ("clip_vit_b32", "a100_8x8_eth100", 1024),
+        ("clip_vit_bigg14", "a100_8x8", 32768),
+        ("lit_l16_bert_large", "h100_8x8", 2048),
+        ("coca_vit_l14", "a100_8x8", 4096),
+        ("distmm_10b", "h200_8x8", 1024),
+    ],
+)
+def test_never_predicted_slower_than_a_baseline(name, cluster, batch):
+    _, rep = make_plan(model(name), cluster, batch)
+    for b in rep.baselines.values():
+        if b is not None:
+            assert rep.step_time <= b.step_time * (1 + 1e-9)
+
+
+def test_separate_towers_win_on_a_slow_network():
+    _, rep = make_plan(model("clip_vit_h14"), "a100_8x8_eth100", 1024)
+    assert rep.chosen.cost.layout == "separate"
+    assert rep.speedup("megatron") > 1.2
+
+
+def test_data_parallel_only_option():
+    plan, _ = make_plan(model("clip_vit_l14"), "a100_8x8", 4096, {"max_tp": 1, "max_pp": 1, "schedules": ["gpipe", "cached"]})
+    assert all(t.tp == 1 and t.pp == 1 and t.schedule in ("gpipe", "cached") for t in plan.towers.values())
+
+
+# ---------------------------------------------------------------------- YAML
+def test_plan_yaml_round_trip(tmp_path):
+    plan, rep = make_plan(model("coca_vit_l14"), "a100_8x8", 4096)
+    path = tmp_path / "plan.yaml"
+    plan.to_yaml(path)
+    again = Plan.from_yaml(path)
+    assert again == plan and set(again.towers) == {"image", "text", "decoder"}
+    assert yaml.safe_load(yaml.safe_dump(rep.to_dict()))["step_time"] == pytest.approx(rep.step_time)
+
+
+def test_plan_without_recompute_key_still_loads():
+    plan = Plan.from_yaml("world_size: 2\ntowers:\n  image: {ranks: [0]}\n  text: {ranks: [1], schedule: cached}\n")
+    assert plan.towers["image"].recompute is False
+    with pytest.raises(PlanError, match="recompute must be true or false"):
+        Plan.from_dict({"world_size": 1, "towers": {"image": {"ranks": [0], "recompute": "yes"}}})
+
+
+def test_cluster_presets_load_and_cite_their_constants():
+    for name in ("a100_8x8", "a100_8x8_eth100", "h100_8x8", "h200_8x8"):
+        cl = load_cluster(name)
+        assert cl.world_size == 64 and cl.inter.bandwidth < cl.intra.bandwidth
+        text = (CONF_DIR / "cluster" / f"{name}.yaml").read_text()
+        for line in text.splitlines():
+            if re.match(r"^\s+\w+:\s*[\d.]+\s*(#.*)?$", line) and not line.strip().startswith(("nodes", "devices_per_node")):
+                assert "#" in line, f"{name}: constant without a source: {line.strip()}"
+        assert Cluster.from_dict(cl.to_dict()).to_dict() == cl.to_dict()
+
+
+# ---------------------------------------------------------------------- infeasible
+def test_infeasible_tower_fits_no_device():
+    with pytest.raises(InfeasibleError) as err:
+        make_plan(model("distmm_26b"), small_cluster(1, 2, memory_gb=16), 64)
+    msg = str(err.value)
+    assert "tower 'image'" in msg and "fits no device even split" in msg and re.search(r"over by [\d.]+ GB", msg)
+
+
+def test_infeasible_global_batch_below_replica_count():
+    with pytest.raises(InfeasibleError) as err:
+        make_plan(model("clip_vit_b32"), "a100_8x8", 4, {"max_tp": 1, "max_pp": 1})
+    msg = str(err.value)
+    assert "global batch 4 is below the replica count" in msg and "short by" in msg and "tower '" in msg
+
+
+def test_infeasible_tp_divides_no_head_count():
+    with pytest.raises(InfeasibleError) as err:
+        make_plan(model("clip_vit_b32"), small_cluster(1, 6), 64, {"tp": 5})
+    msg = str(err.value)
+    assert "tp=5 divides no tower's head count" in msg and "image has 12 heads (12 % 5 = 2)" in msg and "text has 8 heads (8 % 5 = 3)" in msg
+    with pytest.raises(InfeasibleError, match=r"tower 'text': tp=3 does not divide its 8 attention heads \(8 % 3 = 2\)"):
+        make_plan(model("clip_vit_b32"), small_cluster(1, 6), 64, {"tp": 3})
+    with pytest.raises(InfeasibleError, match=r"tp=16 exceeds the 8 devices of a node by 8"):
+        make_plan(model("clip_vit_b32"), "a100_8x8", 64, {"tp": 16})
+
+
+def test_bad_options_are_named():
+    with pytest.raises(ValueError, match="planner.balancer='magic'"):
+        make_plan(model("clip_vit_b32"), "a100_8x8", 64, {"balancer": "magic"})
+    with pytest.raises(ValueError, match=r"unknown planner option\(s\) \['colour'\]"):
+        make_plan(model("clip_vit_b32"), "a100_8x8", 64, {"colour": 1})
+
+
+# ---------------------------------------------------------------------- speed
+def test_solve_time_at_64_and_4096_devices():
+    cfg = model("clip_vit_bigg14")
+    make_plan(cfg, "a100_8x8", 32768)  # warm imports and caches
+    t0 = time.perf_counter()
+    _, rep = make_plan(cfg, "a100_8x8", 32768)
+    assert time.perf_counter() - t0 < 1.0 and rep.solve_time < 1.0
+    big = dataclasses.replace(load_cluster("a100_8x8"), nodes=512)
+    _, rep = make_plan(cfg, big, 65536)
+    assert rep.solve_time < 30.0
+
+
+# ---------------------------------------------------------------------- auto
+def test_auto_plan_measures_live_towers():
+    import torch
+    from torch import nn
+
+    cl = Cluster("cpu2", 1, 2, Device("cpu", 8 * GB, 20e9, 10e9, 1.0, 5e-6), Link(2e9, 50e-6), Link(2e9, 50e-6))
+    big = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 32))
+    small = nn.Sequential(nn.Linear(16, 32))
+    towers = {
+        "image": TowerInfo(big, lambda b: [torch.randn(b, 64)]),
+        "text": TowerInfo(small, lambda b: [torch.randn(b, 16)], frozen=True),
+    }
+    plan = auto_plan(towers, world_size=2, global_batch=16, cluster=cl)
+    assert plan.world_size == 2 and plan.global_batch == 16
+    assert all(t.tp == 1 and t.pp == 1 for t in plan.towers.values())
+
+
+def test_measure_tower_fits_time_and_activations():
+    import torch
+    from torch import nn
+
+    from lightning_distmm.plan import measure_tower
+
+    m = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 8))
+    fit = measure_tower(m, lambda b: [torch.randn(b, 32)], (2, 8), repeats=1)
+    assert fit.params == sum(p.numel() for p in m.parameters())
+    assert fit.fwd_time(8) > 0 and fit.bwd_time(8) > 0
+    assert fit.act_bytes[1] > 0  # activations grow with the microbatch
+
+
+def test_local_cpu_is_measured():
+    from lightning_distmm.plan import measure_local_cpu
+
+    cl = measure_local_cpu(devices=2, measure_gloo=False, cache=False)
+    assert cl.device.peak_flops > 1e8 and cl.device.memory_bandwidth > 1e8 and cl.devices_per_node == 2
+
+
+# ---------------------------------------------------------------------- recipe
+def test_recipe_multirun_writes_plans(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [
+        sys.executable, str(ROOT / "recipes" / "plan.py"), "-m", "model=clip_vit_b32", "cluster=a100_8x8",
+        "global_batch=2048", "planner.balancer=dp,even", f"hydra.sweep.dir={tmp_path}",
+    ]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "predicted step time" in out.stdout and "speedup" in out.stdout
+    plans = sorted(tmp_path.glob("*/plan.yaml"))
+    assert len(plans) == 2
+    for p in plans:
+        assert Plan.from_yaml(p).world_size == 64
+
+
+def test_compositions_cover_everything():
+    assert len(list(compositions(6, 3))) == math.comb(5, 2)
