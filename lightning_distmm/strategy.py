@@ -21,6 +21,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
@@ -47,8 +48,9 @@ class DistMMStrategy(ModelParallelStrategy):
 
     Args:
         plan: a :class:`Plan`, a path to a plan YAML, ``"default"``/``None`` (ranks in proportion to
-            each tower's forward FLOPs, colocated with fewer ranks than towers), or ``"colocated"``
-            (every rank holds every tower: the DDP-like baseline through the same code path).
+            each tower's forward FLOPs, colocated with fewer ranks than towers), ``"colocated"``
+            (every rank holds every tower: the DDP-like baseline through the same code path), or
+            ``"auto"`` (the planner, on tower profiles measured on this device).
         start_method: ``"popen"`` re-runs the script per rank (scripts, torchrun, SLURM);
             ``"spawn"``; ``"fork"`` (the notebook-safe one).
     """
@@ -100,6 +102,8 @@ class DistMMStrategy(ModelParallelStrategy):
             self.plan = self._resolve_plan(trainer, module)
         self.plan.check_world(self.world_size)
         self.plan.check_towers(list(towers))
+        _check_runtime_supports(self.plan)
+        rank_zero_info(f"distmm {self.plan.table()}")
 
         groups = build_tower_groups(self.plan, self.root_device.type)
         self.runtime = TowerRuntime(module, self.plan, groups, self.root_device)
@@ -129,7 +133,27 @@ class DistMMStrategy(ModelParallelStrategy):
         if spec == "default":
             flops = tower_flops(module, _example_batch(trainer))
             return proportional_plan({n: flops[n] for n in names}, self.world_size)
+        if spec == "auto":
+            return self._auto_plan(trainer, module)
         raise PlanError(f"unknown plan {spec!r}")
+
+    def _auto_plan(self, trainer: "pl.Trainer", module: DistMMMixin) -> Plan:
+        """The planner on profiles measured here: rank 0 measures and plans, every rank gets its plan."""
+        from lightning_distmm.plan.planner import auto_plan, tower_info_from_batch
+
+        example, global_batch = _example_batch(trainer), _train_batch_size(trainer)
+        if example is None or global_batch is None:
+            raise PlanError("plan='auto' needs a training DataLoader with a batch_size to measure the towers on")
+        data = None
+        if self.global_rank == 0:
+            infos = {n: tower_info_from_batch(t, example) for n, t in module.tower_specs().items()}
+            # only what the runtime executes today: data parallelism per tower, whole-replica batches
+            options = {"max_tp": 1, "max_pp": 1, "schedules": ["gpipe"], "recompute": False}
+            plan = auto_plan(infos, self.world_size, global_batch, self.root_device, options=options)
+            data = plan.to_dict()
+            for tower in data["towers"].values():
+                tower["microbatch"] = None
+        return Plan.from_dict(self.broadcast(data, src=0))
 
     @override
     def model_to_device(self) -> None:
@@ -264,13 +288,37 @@ def _parse_plan_spec(plan: PlanSpec) -> Plan | str:
     if isinstance(plan, Mapping):
         return Plan.from_dict(plan)
     text = os.fspath(plan)
-    if text in ("default", "colocated"):
+    if text in ("default", "colocated", "auto"):
         return text
-    if text == "auto":
-        raise PlanError("plan='auto' needs the planner (issue 3), which is not wired in yet; use 'default' or a Plan")
     if not Path(text).is_file():
         raise FileNotFoundError(f"plan file {text!r} does not exist (plan= takes a Plan, a YAML path, 'default' or 'colocated')")
     return Plan.from_yaml(Path(text))
+
+
+def _check_runtime_supports(plan: Plan) -> None:
+    """Refuse plan features this version does not execute, rather than silently ignoring them."""
+    for name, t in plan.towers.items():
+        if t.tp > 1 or t.pp > 1:
+            raise PlanError(
+                f"tower {name!r}: tp={t.tp}, pp={t.pp}: tensor and pipeline parallelism inside a tower are not"
+                " executed by this version (data parallelism per tower only); use tp=1, pp=1"
+            )
+        if t.microbatch is not None:
+            raise PlanError(
+                f"tower {name!r}: microbatch={t.microbatch}: microbatched schedules are not executed by this"
+                " version; set microbatch: null (each replica runs its whole share of the batch)"
+            )
+        if t.schedule != "gpipe":
+            raise PlanError(f"tower {name!r}: schedule {t.schedule!r} is not executed by this version; use 'gpipe'")
+
+
+def _train_batch_size(trainer: "pl.Trainer") -> int | None:
+    try:
+        source = trainer.fit_loop._data_source
+        loader = source.dataloader() if source.is_defined() else None
+    except Exception:  # noqa: BLE001
+        return None
+    return getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
 
 
 def _example_batch(trainer: "pl.Trainer") -> Mapping[str, Any] | None:

@@ -76,3 +76,26 @@ def test_default_plan_follows_flops(tmp_path):
     run_reference(reference, loader(8), 2, str(tmp_path / "ref.json"))
     run_distmm(module, None, 3, loader(8), 2, str(tmp_path / "dist.json"))
     assert max_param_diff(reference, module) <= 1e-5
+
+
+@pytest.mark.slow
+def test_recompute_is_exact(tmp_path):
+    """Activation checkpointing of a tower changes memory, not the result."""
+    plan = ldm.Plan(2, {"image": {"ranks": [0], "recompute": True}, "text": {"ranks": [1], "recompute": True}})
+    L.seed_everything(0)
+    reference = TinyCLIP("adamw", lr=0.01)
+    module = copy.deepcopy(reference)
+    run_reference(reference, loader(8), 2, str(tmp_path / "ref.json"))
+    run_distmm(module, plan, 2, loader(8), 2, str(tmp_path / "dist.json"))
+    assert max_param_diff(reference, module) <= 1e-5
+
+
+@pytest.mark.slow
+def test_auto_plan_trains_exactly(tmp_path):
+    """plan='auto': rank 0 measures the towers and plans, every rank runs that plan."""
+    L.seed_everything(0)
+    reference = TinyCLIP("sgd", lr=0.05)
+    module = copy.deepcopy(reference)
+    run_reference(reference, loader(8), 2, str(tmp_path / "ref.json"))
+    run_distmm(module, "auto", 2, loader(8), 2, str(tmp_path / "dist.json"))
+    assert max_param_diff(reference, module) <= 1e-5

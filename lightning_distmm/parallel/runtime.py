@@ -26,6 +26,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from lightning_distmm.interaction import row_share
 from lightning_distmm.mixin import DistMMMixin, Tower
@@ -144,7 +145,11 @@ class TowerRuntime:
                         f" {sorted(k for k in batch if k != GLOBAL_BATCH_KEY)}"
                     )
                 rows[f] = _take_rows(batch[f], share.local)
-            local[name] = tower.encode(rows)
+            if self.plan.towers[name].recompute and torch.is_grad_enabled() and self.trainable(name):
+                # activation checkpointing: keep the tower's inputs, recompute its forward in backward
+                local[name] = checkpoint(tower.encode, rows, use_reentrant=False)
+            else:
+                local[name] = tower.encode(rows)
         if self.specs is None:
             self.specs = exchange_specs(local, list(self.towers))
         full = gather_features(local, self.slots(n), self.specs, self.device)
