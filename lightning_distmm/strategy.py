@@ -148,11 +148,9 @@ class DistMMStrategy(ModelParallelStrategy):
         if self.global_rank == 0:
             infos = {n: tower_info_from_batch(t, example) for n, t in module.tower_specs().items()}
             # only what the runtime executes today: data parallelism per tower, whole-replica batches
-            options = {"max_tp": 1, "max_pp": 1, "schedules": ["gpipe"], "recompute": False}
+            options = {"max_tp": 1, "max_pp": 1, "schedules": ["gpipe", "cached"], "recompute": False}
             plan = auto_plan(infos, self.world_size, global_batch, self.root_device, options=options)
             data = plan.to_dict()
-            for tower in data["towers"].values():
-                tower["microbatch"] = None
         return Plan.from_dict(self.broadcast(data, src=0))
 
     @override
@@ -303,13 +301,11 @@ def _check_runtime_supports(plan: Plan) -> None:
                 f"tower {name!r}: tp={t.tp}, pp={t.pp}: tensor and pipeline parallelism inside a tower are not"
                 " executed by this version (data parallelism per tower only); use tp=1, pp=1"
             )
-        if t.microbatch is not None:
+        if t.schedule == "distmm":
             raise PlanError(
-                f"tower {name!r}: microbatch={t.microbatch}: microbatched schedules are not executed by this"
-                " version; set microbatch: null (each replica runs its whole share of the batch)"
+                f"tower {name!r}: schedule 'distmm' (DistMM-Pipe) is not executed by this version;"
+                " use 'gpipe' or 'cached'"
             )
-        if t.schedule != "gpipe":
-            raise PlanError(f"tower {name!r}: schedule {t.schedule!r} is not executed by this version; use 'gpipe'")
 
 
 def _train_batch_size(trainer: "pl.Trainer") -> int | None:

@@ -14,8 +14,8 @@ order, so a held-out split of up to 288 samples has no two samples with the same
 exact-pair retrieval on it is well defined. Splits are disjoint ranges of one global index space
 (``train`` starts at 0, ``val`` and ``test`` far beyond any train size).
 
-Fields (:attr:`ShapesDataset.fields`): ``image`` ``[3, S, S]`` float (normalised to about
-``[-1, 1]``), ``caption`` (str), ``input_ids`` / ``attention_mask`` ``[context_length]`` long (see
+Fields (:attr:`ShapesDataset.fields`): ``image`` ``[3, S, S]`` float (normalised: zero mean,
+unit variance over the dataset), ``caption`` (str), ``input_ids`` / ``attention_mask`` ``[context_length]`` long (see
 :mod:`lightning_distmm.data.tokenizer`) and ``label`` (the combination id, an int). ``load`` does
 only the work of the fields asked for: no rendering without ``image``, no tokenizing without
 ``input_ids``/``attention_mask``.
@@ -24,12 +24,13 @@ only the work of the fields asked for: no rendering without ``image``, no tokeni
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, Iterable, Sequence
 
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from lightning_distmm.data.fields import FieldDataset
 
@@ -65,6 +66,10 @@ TEMPLATES: tuple[str, ...] = (
 NUM_COMBOS = len(COLORS) * len(SHAPES) * len(POSITIONS)
 _COLOR_NAMES = tuple(COLORS)
 _COLOR_VALUES = np.array([COLORS[c] for c in _COLOR_NAMES], dtype=np.float32)
+
+#: per-pixel mean and standard deviation of the images in [0, 1] (measured, all channels alike);
+#: normalising with them centres the dark background near 0 and makes the shape stand out
+PIXEL_MEAN, PIXEL_STD = 0.15, 0.16
 
 #: first global index of each split; disjoint for any split size below 288 * 2**20 (~3e8)
 SPLIT_OFFSETS: dict[str, int] = {"train": 0, "val": NUM_COMBOS * 2**20, "test": 2 * NUM_COMBOS * 2**20}
@@ -117,11 +122,11 @@ def render(
     """A ``[3, size, size]`` float32 image in ``[0, 1]`` of one shape; all randomness from ``rng``."""
     cell = size / 3.0
     row, col = divmod(position, 3)
-    radius = cell * rng.uniform(0.32, 0.46)
+    radius = cell * rng.uniform(0.36, 0.47)
     jitter = cell * 0.5 - radius  # keep the shape inside its cell
     cx = (col + 0.5) * cell + rng.uniform(-1, 1) * max(jitter, 0.0) * 0.6
     cy = (row + 0.5) * cell + rng.uniform(-1, 1) * max(jitter, 0.0) * 0.6
-    theta = rng.uniform(-0.3, 0.3)
+    theta = rng.uniform(-0.2, 0.2)
     x, y = _grid(size)
     dx, dy = x - cx, y - cy
     cos, sin = np.cos(theta), np.sin(theta)
@@ -129,7 +134,7 @@ def render(
     if shape == "circle":
         mask = u * u + v * v <= radius * radius
     elif shape == "square":
-        side = radius * 0.85
+        side = radius * 0.9
         mask = (np.abs(u) <= side) & (np.abs(v) <= side)
     elif shape == "triangle":  # pointing up
         mask = (v <= radius * 0.7) & (np.abs(u) <= (v + radius) * 0.62)
@@ -225,7 +230,7 @@ class ShapesDataset(FieldDataset):
         """The normalised ``[3, S, S]`` image of sample ``index`` (the expensive part)."""
         rng = np.random.default_rng([self.seed, self._global_index(index), _STREAM_IMAGE])
         image = render(attrs["color"], attrs["shape"], attrs["position"], rng, self.image_size, self.noise)
-        return torch.from_numpy((image - 0.5) / 0.5)
+        return torch.from_numpy((image - PIXEL_MEAN) / PIXEL_STD)
 
     def tokenize(self, caption: str) -> dict[str, torch.Tensor]:
         from lightning_distmm.data.tokenizer import build_caption_tokenizer, encode
@@ -266,7 +271,8 @@ class ShapesDataModule(L.LightningDataModule):
 
     ``batch_size`` is the **global** batch: the samples that one contrastive loss sees (under distmm
     the strategy splits it across each tower's replicas). Training batches drop the last partial
-    batch; validation keeps it.
+    batch; validation keeps it. ``shuffle`` is a seeded permutation per epoch (see
+    :meth:`_shuffle_sampler`), identical under single-process and distmm training.
     """
 
     def __init__(
@@ -282,35 +288,55 @@ class ShapesDataModule(L.LightningDataModule):
         noise: float = 0.06,
         val_batch_size: int | None = None,
         pin_memory: bool = False,
+        shuffle_seed: int | None = None,
     ):
         super().__init__()
         self.save_hyperparameters()
         self.batch_size, self.val_batch_size = int(batch_size), int(val_batch_size or batch_size)
         self.num_workers, self.shuffle, self.pin_memory = int(num_workers), bool(shuffle), bool(pin_memory)
+        self.shuffle_seed = shuffle_seed
         common = dict(seed=seed, image_size=image_size, context_length=context_length, noise=noise)
         self.train_dataset = ShapesDataset("train", train_size, **common)
         self.val_dataset = ShapesDataset("val", val_size, **common)
 
-    def _loader(self, dataset: ShapesDataset, batch_size: int, shuffle: bool, drop_last: bool) -> DataLoader:
+    def _loader(
+        self, dataset: ShapesDataset, batch_size: int, drop_last: bool, sampler: Sampler | None = None
+    ) -> DataLoader:
         return DataLoader(
             dataset,
             batch_size=batch_size,
-            shuffle=shuffle,
+            sampler=sampler,
             drop_last=drop_last,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             pin_memory=self.pin_memory,
         )
 
+    def _shuffle_sampler(self) -> DistributedSampler:
+        """A seeded shuffle, the same permutation under every strategy (and resumable by epoch).
+
+        Seeded from ``shuffle_seed`` or else ``PL_GLOBAL_SEED`` (``seed_everything``), the seed
+        distmm uses for an unseeded shuffle, so single-process and distmm runs see the same batches.
+        It shards like the strategy asks (``distributed_sampler_kwargs``: DDP gives each rank its
+        share; single-process and distmm iterate the whole dataset, every rank the same).
+        """
+        seed = self.shuffle_seed if self.shuffle_seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+        kwargs: dict[str, Any] = {"num_replicas": 1, "rank": 0}
+        trainer = self.trainer
+        if trainer is not None:
+            kwargs.update(getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {})
+        return DistributedSampler(self.train_dataset, shuffle=True, seed=seed, drop_last=False, **kwargs)
+
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_dataset, self.batch_size, self.shuffle, drop_last=True)
+        sampler = self._shuffle_sampler() if self.shuffle else None
+        return self._loader(self.train_dataset, self.batch_size, drop_last=True, sampler=sampler)
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_dataset, self.val_batch_size, False, drop_last=False)
+        return self._loader(self.val_dataset, self.val_batch_size, drop_last=False)
 
     def eval_dataloader(self, batch_size: int | None = None) -> DataLoader:
         """The held-out (val) split in order, for retrieval metrics."""
-        return self._loader(self.val_dataset, batch_size or self.val_batch_size, False, drop_last=False)
+        return self._loader(self.val_dataset, batch_size or self.val_batch_size, drop_last=False)
 
 
 __all__ = [

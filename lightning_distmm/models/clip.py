@@ -44,17 +44,17 @@ from lightning_distmm.mixin import DistMMMixin, Tower
 CLIP_TINY: dict[str, Any] = {
     "name": "clip_tiny",
     "embed_dim": 64,
-    "init_logit_scale": math.log(1 / 0.07),
+    "init_logit_scale": 2.659,  # log(1 / 0.07)
     "towers": {
         "image": {
             "arch": "vit",
             "input": "image",
             "img_size": 32,
-            "patch_size": 4,
+            "patch_size": 8,
             "width": 64,
             "layers": 2,
             "heads": 2,
-            "mlp_ratio": 2.0,
+            "mlp_ratio": 4.0,
             "frozen": False,
         },
         "text": {
@@ -65,19 +65,20 @@ CLIP_TINY: dict[str, Any] = {
             "width": 64,
             "layers": 2,
             "heads": 2,
-            "mlp_ratio": 2.0,
+            "mlp_ratio": 4.0,
             "frozen": False,
         },
     },
 }
 
 DEFAULT_OPTIM: dict[str, Any] = {
-    "lr": 1e-3,
+    "name": "adamw",
+    "lr": 3e-3,
     "weight_decay": 0.1,
     "betas": [0.9, 0.98],
     "eps": 1e-6,
     "scheduler": "cosine",  # cosine | constant
-    "warmup_steps": 50,
+    "warmup_steps": 100,
     "min_lr_ratio": 0.0,
 }
 
@@ -329,6 +330,8 @@ class CLIPModel(DistMMMixin, L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         o = self.optim_cfg
+        if o.get("name", "adamw") != "adamw":
+            raise ValueError(f"optim.name {o.get('name')!r} is not supported; CLIPModel builds AdamW ('adamw')")
         optimizer = torch.optim.AdamW(
             self._param_groups(), lr=float(o["lr"]), betas=tuple(o["betas"]), eps=float(o["eps"])
         )

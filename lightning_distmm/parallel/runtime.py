@@ -17,11 +17,12 @@ One training step on a rank:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -46,12 +47,21 @@ GLOBAL_BATCH_KEY = "__distmm_global_batch__"
 
 
 @dataclass
+class _CachedMicrobatch:
+    """A microbatch of a ``cached`` tower: its inputs and the RNG state to recompute it identically."""
+
+    rows: Mapping[str, Any]
+    rng: tuple[Tensor, Tensor | None]
+
+
+@dataclass
 class _Pending:
-    """What the forward leaves for the backward: local features and the whole-batch leaves."""
+    """What the forward leaves for the backward: local features, the whole-batch leaves, cached microbatches."""
 
     local: dict[str, Tensor]
     full: dict[str, Tensor]
     batch: RankBatch
+    cached: dict[str, list[_CachedMicrobatch]]
 
 
 def tower_parameters(module: nn.Module, towers: Mapping[str, Tower]) -> tuple[dict[str, dict[str, nn.Parameter]], dict[str, nn.Parameter]]:
@@ -134,26 +144,35 @@ class TowerRuntime:
         n = self.global_batch_size(batch)
         rank_batch = self.layout.batch(n)
         local: dict[str, Tensor] = {}
+        cached: dict[str, list[_CachedMicrobatch]] = {}
+        training = torch.is_grad_enabled()
         for name in self.layout.local_towers:
             share = rank_batch.towers[name]
             tower = self.towers[name]
-            rows = {}
             for f in tower.fields:
                 if f not in batch:
                     raise KeyError(
                         f"tower {name!r} reads batch field {f!r} but the batch has only"
                         f" {sorted(k for k in batch if k != GLOBAL_BATCH_KEY)}"
                     )
-                rows[f] = _take_rows(batch[f], share.local)
-            if self.plan.towers[name].recompute and torch.is_grad_enabled() and self.trainable(name):
-                # activation checkpointing: keep the tower's inputs, recompute its forward in backward
-                local[name] = checkpoint(tower.encode, rows, use_reentrant=False)
+            chunks = [
+                {f: _take_rows(batch[f], part) for f in tower.fields}
+                for part in _microbatches(share.local, self.plan.towers[name].microbatch)
+            ]
+            if self.plan.towers[name].schedule == "cached" and training and self.trainable(name):
+                # gradient cache: features now without activations, recomputed per microbatch in backward
+                cached[name] = []
+                outs = []
+                with torch.no_grad():
+                    for rows in chunks:
+                        cached[name].append(_CachedMicrobatch(rows, _rng_state(self.device)))
+                        outs.append(tower.encode(rows))
+                local[name] = torch.cat(outs)
             else:
-                local[name] = tower.encode(rows)
+                local[name] = torch.cat([self._encode(name, rows, training) for rows in chunks])
         if self.specs is None:
             self.specs = exchange_specs(local, list(self.towers))
         full = gather_features(local, self.slots(n), self.specs, self.device)
-        training = torch.is_grad_enabled()
         for name, feats in full.items():
             feats.requires_grad_(training and self.trainable(name))
         with row_share(self.rank, self.world) as share:
@@ -165,8 +184,15 @@ class TowerRuntime:
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         if not (training and loss.requires_grad):
             return total
-        self._pending = _Pending(local, full, rank_batch)
+        self._pending = _Pending(local, full, rank_batch, cached)
         return loss + (total - loss.detach())
+
+    def _encode(self, name: str, rows: Mapping[str, Any], training: bool) -> Tensor:
+        tower = self.towers[name]
+        if self.plan.towers[name].recompute and training and self.trainable(name):
+            # activation checkpointing: keep the tower's inputs, recompute its forward in backward
+            return checkpoint(tower.encode, rows, use_reentrant=False)
+        return tower.encode(rows)
 
     # ------------------------------------------------------------------ backward
     def finish_backward(self, sync: bool) -> None:
@@ -185,10 +211,20 @@ class TowerRuntime:
         allreduce_sum(list(grads.values()))
         outputs, output_grads = [], []
         for name in self.layout.local_towers:
-            if name in grads:
-                share = pending.batch.towers[name]
+            if name not in grads:
+                continue
+            share = pending.batch.towers[name]
+            grad = grads[name][share.start : share.stop]
+            if name in pending.cached:
+                start = 0
+                for micro in pending.cached[name]:
+                    with _restored_rng(micro.rng, self.device):
+                        out = self.towers[name].encode(micro.rows)
+                    torch.autograd.backward(out, grad[start : start + out.shape[0]])
+                    start += out.shape[0]
+            else:
                 outputs.append(pending.local[name])
-                output_grads.append(grads[name][share.start : share.stop])
+                output_grads.append(grad)
         if outputs:
             torch.autograd.backward(outputs, output_grads)
         if sync:
@@ -271,6 +307,29 @@ def return_freed_memory() -> None:
         pass
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _microbatches(rows: slice, size: int | None) -> list[slice]:
+    """``rows`` cut into consecutive slices of ``size`` (the last may be shorter); whole without a size."""
+    if size is None or size >= rows.stop - rows.start:
+        return [rows]
+    return [slice(a, min(a + size, rows.stop)) for a in range(rows.start, rows.stop, size)]
+
+
+def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+@contextlib.contextmanager
+def _restored_rng(state: tuple[Tensor, Tensor | None], device: torch.device) -> Iterator[None]:
+    """Replay a microbatch with the RNG state of its first forward (dropout masks match), then continue."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
+        yield
 
 
 def _take_rows(value: Any, rows: slice) -> Any:
