@@ -22,6 +22,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 
+# torch 2.14 renamed all_gather_into_tensor (and deprecated the old name); older torch has only that
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 @dataclass(frozen=True)
 class FeatureSpec:
     """The trailing shape and dtype of one tower's per-sample features."""
@@ -83,7 +87,7 @@ def gather_features(
                 send[start : start + flat.numel()] = flat
             start += size
         recv = torch.empty(world * send.numel(), dtype=dtype, device=device)
-        dist.all_gather_into_tensor(recv, send)
+        _all_gather_single(recv, send)
         recv = recv.view(world, -1)
         start = 0
         for name, size in zip(names, sizes):
