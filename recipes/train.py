@@ -13,12 +13,10 @@ config and shares one output directory. Only global rank 0 prints and writes ``m
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +30,7 @@ _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
+from lightning_distmm import DistMMStrategy, consolidated_state_dict  # noqa: E402
 from lightning_distmm.data.shapes import ShapesDataModule  # noqa: E402
 from lightning_distmm.data.tokenizer import build_caption_tokenizer  # noqa: E402
 from lightning_distmm.models.clip import CLIPModel, num_parameters, to_plain  # noqa: E402
@@ -51,18 +50,6 @@ def build_strategy(scfg: DictConfig, trainer_kwargs: dict[str, Any]) -> Any:
     if name == DDP:
         return "ddp"
     if name == "distmm":
-        try:
-            from lightning_distmm import DistMMStrategy
-        except ImportError as err:
-            from lightning.pytorch.strategies import StrategyRegistry
-
-            if "distmm" in StrategyRegistry:
-                warnings.warn(f"cannot import lightning_distmm.DistMMStrategy ({err}); using the registered 'distmm'")
-                return "distmm"
-            raise SystemExit(
-                f"strategy=distmm needs lightning_distmm.DistMMStrategy, which cannot be imported ({err});"
-                " run with strategy=single or strategy=ddp"
-            ) from err
         plan = scfg.get("plan")
         if isinstance(plan, DictConfig):
             plan = to_plain(plan)
@@ -103,18 +90,6 @@ def check_text_vocab(cfg: DictConfig) -> None:
             raise SystemExit(f"model.towers.{name}.vocab_size={tower.vocab_size} < the caption tokenizer's {vocab} tokens")
 
 
-def _consolidation_fn() -> Any:
-    """``consolidated_state_dict`` from ``lightning_distmm.export`` or the package, if there is one."""
-    for modname in ("lightning_distmm.export", "lightning_distmm"):
-        try:
-            mod = __import__(modname, fromlist=["consolidated_state_dict"])
-        except ImportError:
-            continue
-        if hasattr(mod, "consolidated_state_dict"):
-            return mod.consolidated_state_dict
-    return None
-
-
 def evaluation_module(trainer: L.Trainer, model: CLIPModel, cfg: DictConfig) -> CLIPModel | None:
     """A module with every tower's trained weights on global rank 0 (None on other ranks).
 
@@ -124,12 +99,7 @@ def evaluation_module(trainer: L.Trainer, model: CLIPModel, cfg: DictConfig) -> 
         return model if trainer.global_rank == 0 else None
     if cfg.strategy.name == DDP:  # every replica holds the same full weights
         return model if trainer.global_rank == 0 else None
-    consolidate = _consolidation_fn()
-    if consolidate is None:
-        rank_zero_info("no lightning_distmm consolidated_state_dict: rank 0 may not hold every tower; skipping evaluation")
-        return None
-    params = list(inspect.signature(consolidate).parameters)
-    state = consolidate(trainer.strategy if params and params[0].startswith("strategy") else trainer)
+    state = consolidated_state_dict(trainer)  # towers live on different ranks: assemble them on rank 0
     if trainer.global_rank != 0:
         return None
     fresh = CLIPModel(cfg.model, cfg.optim)
