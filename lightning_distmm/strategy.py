@@ -308,26 +308,26 @@ def _check_runtime_supports(plan: Plan) -> None:
             )
 
 
-def _train_batch_size(trainer: "pl.Trainer") -> int | None:
-    try:
-        source = trainer.fit_loop._data_source
-        loader = source.dataloader() if source.is_defined() else None
-    except Exception:  # noqa: BLE001
-        return None
-    return getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
-
-
-def _example_batch(trainer: "pl.Trainer") -> Mapping[str, Any] | None:
-    """One collated sample of the training data, to count the towers' FLOPs (None if unavailable)."""
+def _train_dataloader(trainer: "pl.Trainer") -> DataLoader | None:
+    """The training DataLoader the fit will use, before Lightning processes it (None if unavailable)."""
     try:
         source = trainer.fit_loop._data_source
         loader = source.dataloader() if source.is_defined() else None
     except Exception:  # noqa: BLE001 - planning falls back to parameter counts
         return None
-    if not isinstance(loader, DataLoader) or len(loader.dataset) == 0:  # type: ignore[arg-type]
+    return loader if isinstance(loader, DataLoader) else None
+
+
+def _train_batch_size(trainer: "pl.Trainer") -> int | None:
+    return getattr(getattr(_train_dataloader(trainer), "batch_sampler", None), "batch_size", None)
+
+
+def _example_batch(trainer: "pl.Trainer") -> Mapping[str, Any] | None:
+    """One collated sample of the training data, to count or time the towers (None if unavailable)."""
+    loader = _train_dataloader(trainer)
+    if loader is None or len(loader.dataset) == 0:  # type: ignore[arg-type]
         return None
-    sample = loader.dataset[0]
-    batch = loader.collate_fn([sample])
+    batch = loader.collate_fn([loader.dataset[0]])
     return batch if isinstance(batch, Mapping) else None
 
 
