@@ -2,6 +2,8 @@
 
 import copy
 
+import torch
+
 import lightning as L
 import pytest
 
@@ -136,3 +138,65 @@ def test_cached_recompute_replays_dropout():
     with _restored_rng(state, torch.device("cpu")):
         again = drop(x)
     assert torch.equal(first, again) and not torch.equal(first, after)
+
+
+class SigLIP(TinyCLIP):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.logit_bias = torch.nn.Parameter(torch.tensor(-10.0))
+
+    def interaction_loss(self, features):
+        return ldm.losses.siglip_loss(features["image"], features["text"], self.logit_scale, self.logit_bias)
+
+
+class ThreeTowers(TinyCLIP):
+    """A third tower (a second image encoder on a coarser view) and pairwise CLIP losses."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        from timm.models.vision_transformer import VisionTransformer
+
+        from distmm_testing import EMBED
+
+        self.coarse = VisionTransformer(
+            img_size=8, patch_size=8, embed_dim=16, depth=1, num_heads=2, num_classes=EMBED, qkv_bias=False
+        )
+
+    def towers(self):
+        return {**super().towers(), "coarse": ldm.Tower(self.coarse, input="image")}
+
+    def interaction_loss(self, f):
+        clip = ldm.losses.clip_loss
+        return (
+            clip(f["image"], f["text"], self.logit_scale)
+            + clip(f["coarse"], f["text"], self.logit_scale)
+            + 0.5 * clip(f["image"], f["coarse"], self.logit_scale)
+        )
+
+
+class WholeBatchLoss(TinyCLIP):
+    """A loss that never asks for its rows: computed on every rank, still counted once."""
+
+    def interaction_loss(self, f):
+        return ((f["image"] - f["text"]) ** 2).mean() + 0.0 * self.logit_scale
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "cls, plan",
+    [
+        (SigLIP, ldm.Plan(3, {"image": {"ranks": [0, 1]}, "text": {"ranks": [2]}})),
+        (ThreeTowers, ldm.Plan(4, {"image": {"ranks": [0, 1]}, "text": {"ranks": [2]}, "coarse": {"ranks": [3]}})),
+        (ThreeTowers, ldm.Plan(3, {"image": {"ranks": [0, 1, 2]}, "text": {"ranks": [0]}, "coarse": {"ranks": [1, 2]}})),
+        (WholeBatchLoss, ldm.Plan(3, {"image": {"ranks": [0]}, "text": {"ranks": [1, 2]}})),
+    ],
+    ids=["siglip", "three-towers-separate", "three-towers-overlapping", "whole-batch-loss"],
+)
+def test_other_losses_and_towers(cls, plan, tmp_path):
+    L.seed_everything(0)
+    reference = cls("adamw", lr=0.01)
+    module = copy.deepcopy(reference)
+    run_reference(reference, loader(9), 3, str(tmp_path / "ref.json"))
+    run_distmm(module, plan, plan.world_size, loader(9), 3, str(tmp_path / "dist.json"))
+    assert max_param_diff(reference, module) <= 1e-5
+    assert read_losses(tmp_path / "dist.json") == pytest.approx(read_losses(tmp_path / "ref.json"), abs=1e-5)
