@@ -1,0 +1,113 @@
+"""Tensor parallelism for the towers, applied from outside (torchtitan's ``parallelize`` style).
+
+One function per tower family; the towers stay plain timm / transformers modules:
+
+* :func:`apply_tp_vit` - timm ``VisionTransformer`` blocks: the fused ``attn.qkv`` is sharded so
+  that each rank holds the q, k and v rows of its own heads (``_StridedShard(0, split_factor=3)``:
+  a plain column shard would hand rank 0 all of q and half of k), ``attn.proj`` row-wise,
+  ``mlp.fc1`` column-wise, ``mlp.fc2`` row-wise; ``num_heads`` and ``attn_dim`` become local.
+* :func:`apply_tp_clip_text` - transformers CLIP text (and BERT-like) layers: ``q/k/v_proj`` and
+  ``fc1`` column-wise, ``out_proj`` and ``fc2`` row-wise (DTensor ``parallelize_module``).
+
+Everything else (embeddings, norms, heads) stays replicated. Sharded parameters are DTensors, so
+DCP checkpoints and ``full_tensor()`` see their global shapes.
+
+Status: building block for issue 4, tested on its own (tests/test_tensor_parallel.py); the
+runtime does not run tp > 1 plans yet.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.placement_types import _StridedShard
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Identity forward; backward sums the partial input gradients of the tensor-parallel ranks."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None
+
+
+class _FusedQKVColwise(nn.Module):
+    """Runs a fused qkv Linear on this rank's heads; the parameters stay DTensors of the full layer."""
+
+    def __init__(self, linear: nn.Linear, mesh: DeviceMesh):
+        super().__init__()
+        placement = [_StridedShard(0, split_factor=3)]
+        self.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), mesh, placement))
+        self.bias = (
+            nn.Parameter(distribute_tensor(linear.bias.detach(), mesh, placement)) if linear.bias is not None else None
+        )
+        self.group = mesh.get_group()
+        self.weight.requires_grad_(linear.weight.requires_grad)
+        if self.bias is not None:
+            self.bias.requires_grad_(linear.bias.requires_grad)  # type: ignore[union-attr]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _CopyToTensorParallel.apply(x, self.group)
+        bias = self.bias.to_local() if self.bias is not None else None
+        return F.linear(x, self.weight.to_local(), bias)
+
+
+def _check_heads(heads: int, tp: int, where: str) -> None:
+    if heads % tp:
+        raise ValueError(f"{where}: {heads} attention heads do not divide by tp={tp}")
+
+
+def apply_tp_vit(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Shard a timm VisionTransformer's blocks over the 1-D tensor-parallel ``mesh`` (in place)."""
+    tp = mesh.size()
+    for i, block in enumerate(model.blocks):  # type: ignore[union-attr]
+        attn = block.attn
+        _check_heads(attn.num_heads, tp, f"blocks.{i}.attn")
+        if not isinstance(attn.norm, nn.Identity) or getattr(attn, "gate", None) is not None:
+            raise ValueError(f"blocks.{i}.attn: scale-norm / gated attention mixes heads and cannot be sharded by head")
+        attn.qkv = _FusedQKVColwise(attn.qkv, mesh)
+        attn.num_heads //= tp
+        attn.attn_dim //= tp
+        parallelize_module(block, mesh, {"attn.proj": RowwiseParallel(), "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()})
+    return model
+
+
+def apply_tp_clip_text(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Shard the layers of a transformers CLIP text encoder (any module with ``encoder.layers``) in place."""
+    tp = mesh.size()
+    layers = [m for name, m in model.named_modules() if name.endswith("encoder.layers")]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no 'encoder.layers' to shard")
+    for i, layer in enumerate(layers[0]):
+        attn = layer.self_attn
+        _check_heads(attn.num_heads, tp, f"encoder.layers.{i}.self_attn")
+        plan = {
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.out_proj": RowwiseParallel(),
+            "mlp.fc1": ColwiseParallel(),
+            "mlp.fc2": RowwiseParallel(),
+        }
+        parallelize_module(layer, mesh, plan)
+        attn.num_heads //= tp
+        if hasattr(attn, "embed_dim"):
+            attn.embed_dim //= tp
+    return model
+
+
+__all__ = ["apply_tp_vit", "apply_tp_clip_text", "Replicate"]
