@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim import Optimizer
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -41,6 +43,24 @@ def local_state_dict(module: nn.Module) -> dict[str, Any]:
     return {k: v for k, v in module.state_dict().items() if not (isinstance(v, torch.Tensor) and v.is_meta)}
 
 
+def _is_strided(v: Any) -> bool:
+    return isinstance(v, DTensor) and any(isinstance(p, _StridedShard) for p in v.placements)
+
+
+def for_dcp(state: dict[str, Any]) -> dict[str, Any]:
+    """DCP describes a shard as one contiguous block, so it cannot store the head-aligned strided
+    shards of a fused qkv (tensor parallelism): those are saved replicated across their tp group."""
+    return {k: v.redistribute(v.device_mesh, [Replicate()] * len(v.placements)) if _is_strided(v) else v for k, v in state.items()}
+
+
+def from_dcp(loaded: dict[str, Any], like: dict[str, Any]) -> dict[str, Any]:
+    """Undo :func:`for_dcp` after a load: re-shard what was saved replicated like the live tensors."""
+    return {
+        k: distribute_tensor(v.to_local(), like[k].device_mesh, like[k].placements) if _is_strided(like.get(k)) else v
+        for k, v in loaded.items()
+    }
+
+
 def drop_remote_parameters(optimizers: Iterable[Optimizer]) -> None:
     """Remove parameters released to the meta device from the optimizers' groups (no state for them)."""
     for optimizer in optimizers:
@@ -55,30 +75,36 @@ def optimizer_state_dict(module: nn.Module, optimizer: Optimizer) -> dict[str, A
     return get_optimizer_state_dict(module, optimizer, options=_flat_options())
 
 
+def _load_optimizer_state(module: nn.Module, optimizer: Optimizer, loaded: dict[str, Any], like: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(
+        module, getattr(optimizer, "_optimizer", optimizer), from_dcp(loaded, like), options=_flat_options()
+    )
+
+
 def load_sharded(
     path: Path, module: nn.Module, optimizers: list[Optimizer], weights_only: Optional[bool] = None
 ) -> dict[str, Any]:
     """Load this rank's tensors (and optimizer state) from a DCP folder; return the remaining metadata."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     if not path.is_dir() or not (path / _METADATA).is_file():
         raise FileNotFoundError(
             f"{path} is not a distmm checkpoint folder (expected a directory with {_METADATA} and DCP shards)"
         )
     model_state = local_state_dict(module)
-    state: dict[str, Any] = {"state_dict": model_state}
+    live = {"state_dict": model_state}
     for i, optimizer in enumerate(optimizers):
-        state[f"optimizer_{i}"] = optimizer_state_dict(module, optimizer)
+        live[f"optimizer_{i}"] = optimizer_state_dict(module, optimizer)
+    state = {key: for_dcp(value) for key, value in live.items()}
     dcp.load(state, checkpoint_id=path)
-    missing, unexpected = module.load_state_dict(state["state_dict"], strict=False)
+    missing, unexpected = module.load_state_dict(from_dcp(state["state_dict"], model_state), strict=False)
     not_meta_missing = [k for k in missing if k in model_state]
     if not_meta_missing or unexpected:
         raise RuntimeError(f"checkpoint {path} does not match the module: missing {not_meta_missing}, unexpected {unexpected}")
     for i, optimizer in enumerate(optimizers):
-        set_optimizer_state_dict(
-            module, getattr(optimizer, "_optimizer", optimizer), state[f"optimizer_{i}"], options=_flat_options()
-        )
+        _load_optimizer_state(module, optimizer, state[f"optimizer_{i}"], live[f"optimizer_{i}"])
     return torch.load(path / _METADATA, weights_only=bool(weights_only) if weights_only is not None else False)
 
 
@@ -96,19 +122,27 @@ def consolidated_state_dict(trainer_or_strategy: Any) -> dict[str, torch.Tensor]
     assert module is not None and runtime is not None
     rank = dist.get_rank()
     full = module.state_dict()
-    out: dict[str, torch.Tensor] = {k: v.detach().cpu().clone() for k, v in full.items() if not v.is_meta}
+    out: dict[str, torch.Tensor] = {
+        k: v.detach().cpu().clone() for k, v in full.items() if not v.is_meta and not isinstance(v, DTensor)
+    }
     prefixes = {name: _prefix(module, tower.module) for name, tower in runtime.towers.items()}
     for name in runtime.towers:
-        src = runtime.plan.towers[name].ranks[0]
-        if src == 0:
-            continue
+        tower = runtime.plan.towers[name]
+        src = tower.ranks[0]
         keys = [k for k in full if k.startswith(prefixes[name])]
+        if rank in tower.replica_ranks(0):
+            # tensor-parallel shards are assembled within the first replica (a collective there)
+            tensors = {k: (full[k].full_tensor() if isinstance(full[k], DTensor) else full[k]).detach() for k in keys}
+        if src == 0:
+            if rank == 0:
+                out.update({k: v.cpu().clone() for k, v in tensors.items()})
+            continue
         by_dtype: dict[torch.dtype, list[str]] = {}
         for k in keys:
             by_dtype.setdefault(full[k].dtype, []).append(k)
         for dtype, ks in by_dtype.items():
             if rank == src:
-                flat = torch.cat([full[k].detach().reshape(-1) for k in ks]).to(strategy.root_device)
+                flat = torch.cat([tensors[k].reshape(-1) for k in ks]).to(strategy.root_device)
                 dist.send(flat, dst=0)
             elif rank == 0:
                 flat = torch.empty(sum(full[k].numel() for k in ks), dtype=dtype, device=strategy.root_device)

@@ -108,6 +108,7 @@ class DistMMStrategy(ModelParallelStrategy):
         groups = build_tower_groups(self.plan, self.root_device.type)
         self.runtime = TowerRuntime(module, self.plan, groups, self.root_device)
         self.runtime.release_remote_towers()
+        self.runtime.parallelize_local_towers()
         module._distmm_runtime = self.runtime
 
         self.model = self.precision_plugin.convert_module(self.model)
@@ -239,12 +240,12 @@ class DistMMStrategy(ModelParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
-        return ckpt.local_state_dict(self.lightning_module)
+        return ckpt.for_dcp(ckpt.local_state_dict(self.lightning_module))
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.lightning_module is not None
-        return ckpt.optimizer_state_dict(self.lightning_module, optimizer)
+        return ckpt.for_dcp(ckpt.optimizer_state_dict(self.lightning_module, optimizer))
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -296,10 +297,10 @@ def _parse_plan_spec(plan: PlanSpec) -> Plan | str:
 def _check_runtime_supports(plan: Plan) -> None:
     """Refuse plan features this version does not execute, rather than silently ignoring them."""
     for name, t in plan.towers.items():
-        if t.tp > 1 or t.pp > 1:
+        if t.pp > 1:
             raise PlanError(
-                f"tower {name!r}: tp={t.tp}, pp={t.pp}: tensor and pipeline parallelism inside a tower are not"
-                " executed by this version (data parallelism per tower only); use tp=1, pp=1"
+                f"tower {name!r}: pp={t.pp}: pipeline parallelism inside a tower is not executed by this"
+                " version (data and tensor parallelism per tower only); use pp=1"
             )
         if t.schedule == "distmm":
             raise PlanError(

@@ -11,10 +11,13 @@ import lightning_distmm as ldm
 from distmm_testing import TinyCLIP, loader, max_param_diff, read_losses, run_distmm
 
 PLAN = ldm.Plan(3, {"image": {"ranks": [0, 1]}, "text": {"ranks": [2]}})
+TP_PLAN = ldm.Plan(3, {"image": {"ranks": [0, 1], "tp": 2}, "text": {"ranks": [2]}})
 
 
 @pytest.mark.slow
-def test_resume_continues_exactly(tmp_path):
+@pytest.mark.parametrize("plan", [PLAN, TP_PLAN], ids=["dp", "image-tp2"])
+def test_resume_continues_exactly(plan, tmp_path):
+    PLAN = plan  # noqa: N806 - the plan under test
     L.seed_everything(0)
     straight = TinyCLIP("adamw", lr=0.01)
     first_half = copy.deepcopy(straight)
@@ -36,7 +39,9 @@ def test_resume_continues_exactly(tmp_path):
 
 
 @pytest.mark.slow
-def test_export_loads_into_plain_module(tmp_path):
+@pytest.mark.parametrize("plan", [PLAN, TP_PLAN], ids=["dp", "image-tp2"])
+def test_export_loads_into_plain_module(plan, tmp_path):
+    PLAN = plan  # noqa: N806 - the plan under test
     L.seed_everything(0)
     module = TinyCLIP("sgd", lr=0.05)
     saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)

@@ -27,6 +27,7 @@ from typing import Any, Iterator, Mapping
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
 from lightning_distmm.interaction import row_share
@@ -119,6 +120,18 @@ class TowerRuntime:
             # ``Module.to("meta")`` may swap in new Parameter objects: drop our references to the old ones
             self.tower_params, self.interaction_params = tower_parameters(self.module, self.towers)  # type: ignore[arg-type]
             return_freed_memory()
+
+    def parallelize_local_towers(self) -> None:
+        """Shard the local towers that the plan gives tensor parallelism (tp > 1) over their tp mesh."""
+        from lightning_distmm.parallel.tensor_parallel import apply_tp
+
+        changed = False
+        for name in self.layout.local_towers:
+            if self.plan.towers[name].tp > 1:
+                apply_tp(self.towers[name].module, self.groups[name].mesh["tp"])
+                changed = True
+        if changed:
+            self.tower_params, self.interaction_params = tower_parameters(self.module, self.towers)  # type: ignore[arg-type]
 
     def trainable(self, name: str) -> bool:
         return not self.towers[name].frozen and any(p.requires_grad for p in self.tower_params[name].values())
@@ -237,7 +250,7 @@ class TowerRuntime:
                 continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            out.append(p.grad)
+            out.append(_local(p.grad))
         return out
 
     def sync_gradients(self) -> None:
@@ -248,7 +261,7 @@ class TowerRuntime:
             if tower.dp == 1 or not self.trainable(name):
                 continue
             grads = self._grads_for(self.tower_params[name])
-            if len(tower.ranks) == self.world:
+            if tower.dp == self.world:
                 world_grads.extend(grads)  # the replicas span the world: one collective for all
             else:
                 allreduce_sum(grads, self.groups[name].dp_group)
@@ -265,16 +278,21 @@ class TowerRuntime:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip by the norm of the gradient of the whole model, across all towers and ranks.
 
-        Each tower's gradient is counted once (by its first replica), the interaction
-        parameters once (by rank 0), then every rank scales its own gradients.
+        Each tower's gradient is counted once, by its first replica: tensor-parallel shards by
+        every rank of that replica, replicated parameters by its first rank; the interaction
+        parameters once (by rank 0). Then every rank scales its own gradients.
         """
         norm_type = float(norm_type)
         counted: list[Tensor] = []
         if self.rank == 0:
             counted.extend(p.grad for p in self.interaction_params.values() if p.grad is not None)
         for name in self.layout.local_towers:
-            if self.plan.towers[name].feature_rank(0) == self.rank:
-                counted.extend(p.grad for p in self.tower_params[name].values() if p.grad is not None)
+            tower = self.plan.towers[name]
+            if self.rank not in tower.replica_ranks(0):
+                continue
+            for p in self.tower_params[name].values():
+                if p.grad is not None and (_is_sharded(p) or self.rank == tower.feature_rank(0)):
+                    counted.append(_local(p.grad))
         if math.isinf(norm_type):
             part = torch.stack([g.detach().abs().max() for g in counted]).max() if counted else torch.zeros(())
             part = part.to(self.device, torch.float32)
@@ -289,8 +307,18 @@ class TowerRuntime:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in self.local_parameters():
             if p.grad is not None:
-                p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))
+                grad = _local(p.grad)
+                grad.detach().mul_(coef.to(grad.device, grad.dtype))
         return total
+
+
+def _local(t: Tensor) -> Tensor:
+    """The tensor this rank stores: a DTensor's local shard (collectives and in-place ops act on it)."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _is_sharded(t: Tensor) -> bool:
+    return isinstance(t, DTensor) and any(not isinstance(pl, Replicate) for pl in t.placements)
 
 
 def return_freed_memory() -> None:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, distribute_tensor
+from torch.distributed.tensor import distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -110,4 +110,17 @@ def apply_tp_clip_text(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-__all__ = ["apply_tp_vit", "apply_tp_clip_text", "Replicate"]
+def apply_tp(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Shard a tower by its family: a timm ViT (``blocks[*].attn.qkv``) or a text encoder with ``encoder.layers``."""
+    blocks = getattr(module, "blocks", None)
+    if blocks is not None and all(hasattr(b, "attn") and hasattr(b.attn, "qkv") for b in blocks):
+        return apply_tp_vit(module, mesh)
+    if any(name.endswith("encoder.layers") for name, _ in module.named_modules()):
+        return apply_tp_clip_text(module, mesh)
+    raise ValueError(
+        f"no tensor-parallel plan for a {type(module).__name__} tower: supported are timm VisionTransformer"
+        " and transformers CLIP-style text encoders (modules with 'encoder.layers'); use tp=1 for this tower"
+    )
+
+
+__all__ = ["apply_tp", "apply_tp_vit", "apply_tp_clip_text"]

@@ -21,7 +21,15 @@ from lightning_distmm.plan.balance import (  # noqa: E402
     minmax_allocation,
 )
 from lightning_distmm.plan.baselines import Evaluated, colocated_search  # noqa: E402
-from lightning_distmm.plan.cluster import Cluster, Device, Link, list_presets, load_cluster, measure_local_cpu  # noqa: E402
+from lightning_distmm.plan.cluster import (  # noqa: E402
+    Cluster,
+    ConcurrencyProbe,
+    Device,
+    Link,
+    list_presets,
+    load_cluster,
+    measure_local_cpu,
+)
 from lightning_distmm.plan.cost import CostOptions, StepCost, TowerChoice, TowerCost, evaluate_plan, simulate_pipeline  # noqa: E402
 from lightning_distmm.plan.partition import Candidates, InfeasibleError, SearchSpace, tower_candidates  # noqa: E402
 from lightning_distmm.plan.placement import place, tp_groups_inside_nodes  # noqa: E402
@@ -32,6 +40,9 @@ from lightning_distmm.plan.planner import (  # noqa: E402
     auto_plan,
     local_cluster,
     make_plan,
+    plan_choices,
+    price_plan,
+    runtime_cost_defaults,
     to_plan,
     tower_info_from_batch,
 )
@@ -53,6 +64,7 @@ __all__ += [
     "Evaluated",
     "colocated_search",
     "Cluster",
+    "ConcurrencyProbe",
     "Device",
     "Link",
     "list_presets",
@@ -76,6 +88,9 @@ __all__ += [
     "auto_plan",
     "local_cluster",
     "make_plan",
+    "plan_choices",
+    "price_plan",
+    "runtime_cost_defaults",
     "to_plan",
     "tower_info_from_batch",
     "MeasuredFit",

@@ -40,6 +40,9 @@ class Device:
     Units: bytes, FLOP/s, bytes/s, seconds. ``gemm_efficiency`` is the sustained fraction of
     ``peak_flops`` reached by large GEMMs; ``kernel_overhead`` the fixed cost of one kernel/op.
     ``efficiency_points`` ([[gemm_flops, fraction_of_peak], ...], increasing) overrides the roofline.
+    ``concurrency`` is how much longer compute takes while the other devices of the node compute
+    too (time with all busy / time alone): 1 for GPUs, measured for CPU processes, which share the
+    host's cores, caches and memory bandwidth (:func:`measure_local_cpu`).
     """
 
     name: str
@@ -50,6 +53,7 @@ class Device:
     kernel_overhead: float = 0.0
     efficiency_points: list[list[float]] | None = None
     sm_count: int | None = None
+    concurrency: float = 1.0
     gemm_tiles: tuple[tuple[int, int], ...] = ((128, 128), (128, 64), (64, 64))
 
     def wave_efficiency(self, m: Any, n: Any, batch: Any = 1) -> Any:
@@ -201,6 +205,7 @@ class Cluster:
                 "kernel_overhead_us": _r(self.device.kernel_overhead * 1e6),
                 **({"sm_count": self.device.sm_count} if self.device.sm_count else {}),
                 **({"efficiency_points": self.device.efficiency_points} if self.device.efficiency_points else {}),
+                **({"concurrency": _r(self.device.concurrency)} if self.device.concurrency != 1.0 else {}),
             },
             "intra_node": {
                 "bandwidth_gbps": _r(self.intra.bandwidth / GB),
@@ -243,6 +248,7 @@ class Cluster:
             kernel_overhead=float(dev.get("kernel_overhead_us", 0.0)) * 1e-6,
             efficiency_points=[list(map(float, p)) for p in dev["efficiency_points"]] if dev.get("efficiency_points") else None,
             sm_count=int(dev["sm_count"]) if dev.get("sm_count") else None,
+            concurrency=float(dev.get("concurrency", 1.0)),
         )
 
         def link(d: Mapping[str, Any]) -> Link:
@@ -306,14 +312,22 @@ def _best_time(fn: Any, repeats: int = 5) -> float:
 
 
 def measure_local_cpu(
-    devices: int = 2, measure_gloo: bool = True, cache: bool = True, name: str = "local_cpu"
+    devices: int = 2,
+    measure_gloo: bool = True,
+    cache: bool = True,
+    name: str = "local_cpu",
+    measure_concurrency: bool | None = None,
 ) -> Cluster:
     """Measure this host as one node of ``devices`` CPU processes ("devices").
 
     Each process gets ``cores // devices`` threads. Measured: fp32 matmul throughput at several sizes
     (the efficiency curve; peak is the best seen), memory copy bandwidth, per-op overhead and, with
     ``measure_gloo``, gloo all-reduce latency and bandwidth between two spawned processes (a few
-    seconds, cached per host in ``~/.cache/lightning_distmm``). Memory per device is the host's RAM
+    seconds, cached per host in ``~/.cache/lightning_distmm``). With ``measure_concurrency``
+    (default: as ``measure_gloo``) also how much slower a transformer-like MLP step runs when all
+    ``devices`` processes compute at once than in one process alone (``Device.concurrency``: the
+    processes share the host's cores, caches and memory bandwidth, and whatever else runs on it).
+    ``cache=False`` measures afresh (and stores nothing). Memory per device is the host's RAM
     divided by ``devices``.
     """
     import torch
@@ -329,7 +343,14 @@ def measure_local_cpu(
         except (OSError, ValueError):
             stored = {}
     m = stored.get(key)
-    if m is None or (measure_gloo and "gloo" not in m and not m.get("gloo_failed")):
+    if measure_concurrency is None:
+        measure_concurrency = measure_gloo
+    measure_concurrency = measure_concurrency and devices > 1
+    if (
+        m is None
+        or (measure_gloo and "gloo" not in m and not m.get("gloo_failed"))
+        or (measure_concurrency and "concurrency" not in m)
+    ):
         m = dict(m or {})
         old = torch.get_num_threads()
         torch.set_num_threads(threads)
@@ -358,12 +379,16 @@ def measure_local_cpu(
             m["kernel_overhead"] = _best_time(small_ops, repeats=5) / 150
         finally:
             torch.set_num_threads(old)
-        if measure_gloo:
+        if measure_gloo and "gloo" not in m:
             gloo = _measure_gloo()
             if gloo is not None:
                 m["gloo"] = gloo
             else:
                 m["gloo_failed"] = True
+        if measure_concurrency and "concurrency" not in m:
+            conc = _measure_concurrency(devices, threads)
+            if conc is not None:
+                m["concurrency"] = conc
         if cache:
             stored[key] = m
             try:
@@ -388,6 +413,8 @@ def measure_local_cpu(
         gemm_efficiency=1.0,
         kernel_overhead=m["kernel_overhead"],
         efficiency_points=m["efficiency_points"],
+        # without a measurement: devices are assumed not to slow each other down
+        concurrency=float(m.get("concurrency", 1.0)) if devices > 1 else 1.0,
     )
     return Cluster(
         name=name,
@@ -454,9 +481,117 @@ def _measure_gloo(world: int = 2, timeout: float = 120.0) -> dict[str, float] | 
     return {"latency": lat / (2 * (world - 1)), "bandwidth": bw}  # the model adds a latency per ring step
 
 
+_CONCURRENCY_WORKER = r"""
+import json, sys, time
+import torch
+import torch.nn.functional as F
+torch.set_num_threads(int(sys.argv[1]))
+torch.manual_seed(0)
+# one transformer-like MLP block (width 128, 4x expansion, 256 tokens), forward and backward
+x = torch.randn(256, 128)
+w1 = (torch.randn(512, 128) * 0.05).requires_grad_()
+w2 = (torch.randn(128, 512) * 0.05).requires_grad_()
+def step():
+    F.layer_norm(F.linear(F.gelu(F.linear(x, w1)), w2) + x, (128,)).pow(2).mean().backward()
+for _ in range(10):
+    step()
+print("ready", flush=True)
+for line in sys.stdin:
+    n = int(line)
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        step()
+        ts.append(time.perf_counter() - t0)
+    ts.sort()
+    print(json.dumps(ts[len(ts) // 2]), flush=True)
+"""
+
+
+class ConcurrencyProbe:
+    """``devices`` worker processes that time a fixed compute step (a transformer-like MLP block,
+    forward and backward), alone and all at once, on request (:meth:`measure`).
+
+    Started once (the workers import torch, a few seconds), it can then re-measure in under a
+    second, e.g. right before each of several jobs on a host whose load changes. Use as a context
+    manager or call :meth:`close`.
+    """
+
+    def __init__(self, devices: int, threads: int = 1, timeout: float = 120.0) -> None:
+        import subprocess
+        import sys
+
+        self.timeout = timeout
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", _CONCURRENCY_WORKER, str(threads)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            )
+            for _ in range(devices)
+        ]
+        try:
+            for p in self.procs:
+                if p.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
+                    raise RuntimeError("concurrency worker failed to start")
+        except BaseException:
+            self.close()
+            raise
+
+    def _ask(self, procs: list[Any], iters: int) -> list[float]:
+        deadline = time.monotonic() + self.timeout
+        for p in procs:
+            p.stdin.write(f"{iters}\n")
+            p.stdin.flush()
+        out = []
+        for p in procs:
+            line = p.stdout.readline()
+            if not line or time.monotonic() > deadline:
+                raise RuntimeError("concurrency worker stopped")
+            out.append(float(json.loads(line)))
+        return out
+
+    def measure(self, rounds: int = 3, iters: int = 60) -> float:
+        """Median over ``rounds`` of (mean step time with all workers busy) / (step time of one alone),
+        at least 1."""
+        ratios = []
+        for _ in range(rounds):
+            alone = self._ask(self.procs[:1], iters)[0]
+            together = self._ask(self.procs, iters)
+            ratios.append(sum(together) / len(together) / alone)
+        ratios.sort()
+        return max(1.0, ratios[len(ratios) // 2])
+
+    def close(self) -> None:
+        import subprocess
+
+        for p in self.procs:
+            try:
+                p.stdin.close()  # type: ignore[union-attr]
+                p.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                p.kill()
+        self.procs = []
+
+    def __enter__(self) -> "ConcurrencyProbe":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _measure_concurrency(devices: int, threads: int) -> float | None:
+    """``Device.concurrency`` of this host (see :class:`ConcurrencyProbe`); None when it fails (the
+    caller then assumes 1)."""
+    try:
+        with ConcurrencyProbe(devices, threads) as probe:
+            return probe.measure()
+    except (RuntimeError, ValueError, OSError):
+        return None
+
+
 def list_presets(kind: str = "cluster") -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / kind).glob("*.yaml"))
 
 
-__all__ = ["Device", "Link", "Cluster", "load_cluster", "measure_local_cpu", "list_presets", "CONF_DIR", "GB"]
+__all__ = ["Device", "Link", "Cluster", "load_cluster", "measure_local_cpu", "ConcurrencyProbe", "list_presets", "CONF_DIR", "GB"]
 

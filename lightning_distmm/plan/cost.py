@@ -243,8 +243,13 @@ def grad_bytes_per_device(profile: TowerProfile, opts: CostOptions, tp: int, pp:
 
 
 def optimizer_time(profile: TowerProfile, cluster: Cluster, opts: CostOptions, tp: int, pp: int) -> float:
+    """One Adam step on a device: measured when the profile has a timed step (its share of the
+    tower's parameters for tp/pp splits), else the optimizer's memory traffic over HBM bandwidth."""
     if profile.frozen:
         return 0.0
+    fit = profile.measured
+    if fit is not None and fit.opt_time is not None:
+        return fit.opt_time * stage_params(profile, tp, pp) / max(profile.params, 1)
     frac = profile.trainable_params / max(profile.params, 1)
     return stage_params(profile, tp, pp) * frac * opts.optimizer_traffic / cluster.device.memory_bandwidth
 
@@ -338,6 +343,7 @@ class TowerCost:
     memory: dict[str, float]
     bytes_intra: float
     bytes_inter: float
+    contention: float = 0.0  # seconds the tower's compute is stretched by other devices of its node (Device.concurrency)
 
     @property
     def comm(self) -> float:
@@ -447,6 +453,38 @@ def simulate_pipeline(schedule: str, K: int, P: int, f: float, b: float, sync: f
     fkind = "F" if schedule != "cached" else "N"
     fwd_end = max(done[(fkind, P - 1, j)] for j in range(K))
     return {"forward_end": fwd_end, "sync_ready": sync_ready, "end": max(o.end for o in ops), "ops": ops}
+
+
+# ---------------------------------------------------------------------- devices sharing a host
+def shared_host_phases(
+    times: Mapping[str, float], ranks: Mapping[str, Sequence[int]], devices_per_node: int, concurrency: float, colocated: bool
+) -> dict[str, float]:
+    """Wall time of each tower's phase when devices of a node slow each other down.
+
+    ``concurrency`` (``Device.concurrency``, measured for CPU processes) is the factor by which
+    compute stretches while other devices of the node compute too. Colocated towers run on every
+    rank at once, so each phase stretches by it whenever a node holds two or more of the ranks.
+    For separate towers, a tower is stretched only while a device it shares a node with is busy:
+    with ``T`` its phase alone and ``O`` the longest phase of the other busy devices of its nodes
+    (its own other replicas included, ``O >= T`` then), everyone progresses at ``1/concurrency``
+    until the shorter of the two ends, so the wall time is ``T + (concurrency - 1) * min(T, O)``.
+    """
+    node = lambda r: r // devices_per_node  # noqa: E731
+    extra = concurrency - 1.0
+    if colocated:
+        shared = any(sum(1 for r in rs if node(r) == nd) > 1 for rs in ranks.values() for nd in {node(r) for r in rs})
+        return {n: t * (concurrency if shared else 1.0) for n, t in times.items()}
+    out = {}
+    for n, t in times.items():
+        counts: dict[int, int] = {}
+        for r in ranks[n]:
+            counts[node(r)] = counts.get(node(r), 0) + 1
+        other = t if any(k > 1 for k in counts.values()) else 0.0
+        for m, rs in ranks.items():
+            if m != n and any(node(r) in counts for r in rs):
+                other = max(other, times[m])
+        out[n] = t + extra * min(t, other)
+    return out
 
 
 # ---------------------------------------------------------------------- whole plans
@@ -637,16 +675,18 @@ def evaluate_plan(
 
     n_distmm = sum(1 for n in contrastive if choices[n].schedule == "distmm")
     sync = sync_time(cluster, opts, global_batch, embed, world, len(used_nodes), len(contrastive), n_distmm / max(len(contrastive), 1))
+    fwd = {n: c.forward_phase for n, c in costs.items()}
+    bwd = {n: c.backward_phase + c.optimizer for n, c in costs.items()}
+    conc = cluster.device.concurrency
+    if conc != 1.0:
+        fwd = shared_host_phases(fwd, ranks, dpn, conc, colocated)
+        bwd = shared_host_phases(bwd, ranks, dpn, conc, colocated)
+        for n, tc in costs.items():
+            tc.contention = fwd[n] - tc.forward_phase + bwd[n] - tc.backward_phase - tc.optimizer
     if colocated:
-        step = (
-            sum(c.forward_phase for c in costs.values())
-            + sync["total"]
-            + sum(c.backward_phase for c in costs.values())
-            + sum(c.dp_exposed for c in costs.values())
-            + sum(c.optimizer for c in costs.values())
-        )
+        step = sum(fwd.values()) + sync["total"] + sum(bwd.values()) + sum(c.dp_exposed for c in costs.values())
     else:
-        step = max(c.forward_phase for c in costs.values()) + sync["total"] + max(c.backward_phase + c.dp_exposed + c.optimizer for c in costs.values())
+        step = max(fwd.values()) + sync["total"] + max(bwd[n] + c.dp_exposed for n, c in costs.items())
     limit = cluster.device.memory * opts.memory_margin
     if colocated:
         for tc in costs.values():
@@ -680,6 +720,7 @@ __all__ = [
     "exposed_allreduce",
     "last_slot",
     "sync_time",
+    "shared_host_phases",
     "TowerCost",
     "StepCost",
     "Op",

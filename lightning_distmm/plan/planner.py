@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 from lightning_distmm.plan.balance import Balance, barrier_allocation, even_allocation, proportional_allocation
 from lightning_distmm.plan.baselines import Evaluated, colocated_search
 from lightning_distmm.plan.cluster import GB, Cluster, load_cluster
-from lightning_distmm.plan.cost import RECOMPUTE, CostOptions, evaluate_plan, loss_bytes
+from lightning_distmm.plan.cost import RECOMPUTE, CostOptions, StepCost, TowerChoice, evaluate_plan, loss_bytes
 from lightning_distmm.plan.partition import (
     InfeasibleError,
     SearchSpace,
@@ -369,6 +369,37 @@ def to_plan(ev: Evaluated, world: int, global_batch: int) -> Plan:
     return Plan(world_size=world, towers=towers, global_batch=global_batch)
 
 
+def plan_choices(plan: Plan, global_batch: int | None = None) -> tuple[dict[str, TowerChoice], dict[str, list[int]]]:
+    """The cost model's view of a runtime :class:`Plan`: per tower its :class:`TowerChoice` and ranks."""
+    G = global_batch if global_batch is not None else plan.global_batch
+    if G is None:
+        raise ValueError("plan_choices needs the global batch (the plan has none)")
+    choices, ranks = {}, {}
+    for name, t in plan.towers.items():
+        rb = tuple(t.split(int(G)))
+        schedule = RECOMPUTE if t.recompute and t.schedule == "gpipe" else t.schedule
+        mb = min(t.microbatch, max(rb)) if t.microbatch else max(rb)
+        choices[name] = TowerChoice(name, len(t.ranks), t.tp, t.pp, mb, schedule, rb)
+        ranks[name] = list(t.ranks)
+    return choices, ranks
+
+
+def price_plan(
+    plan: Plan,
+    profiles: Mapping[str, TowerProfile],
+    cluster: "Cluster | str | Mapping[str, Any]",
+    options: "PlannerOptions | Mapping[str, Any] | None" = None,
+    global_batch: int | None = None,
+) -> StepCost:
+    """The predicted :class:`StepCost` of a runtime :class:`Plan` (any plan, not only the planner's)."""
+    cl = load_cluster(cluster)
+    if cl.world_size != plan.world_size:
+        cl = cl.with_world(plan.world_size)
+    choices, ranks = plan_choices(plan, global_batch)
+    G = global_batch if global_batch is not None else int(plan.global_batch)  # type: ignore[arg-type]
+    return evaluate_plan(profiles, cl, PlannerOptions.from_any(options).cost, choices, ranks, G)
+
+
 def _baseline_space(profiles: Mapping[str, TowerProfile], cl: Cluster, D: int, opts: PlannerOptions, kind: str) -> SearchSpace:
     """Baselines search their own full space (not DistMM's restrictions). DDP: tp = pp = 1 with the
     schedules open_clip offers (keep activations, --grad-checkpointing, --accum-freq = cached);
@@ -509,6 +540,22 @@ def local_cluster(device: Any, world_size: int, devices_per_node: int | None = N
     return Cluster(f"local_{props.name}", max(1, world_size // dpn), dpn, device_spec, intra, inter, lat, notes="measured")
 
 
+def runtime_cost_defaults(options: Mapping[str, Any] | None, device: Any = "cpu") -> dict[str, Any]:
+    """``options`` with the cost options of what the runtime does, where the mapping leaves them
+    unset: no overlap of the gradient all-reduce with the backward (the runtime sums gradients after
+    it), and fp32 on CPU."""
+    import torch
+
+    d = dict(_plain(options) or {})
+    cost = dict(d.get("cost") or {})
+    given = set(d) | set(cost)
+    if "overlap_grad_sync" not in given:
+        d["overlap_grad_sync"] = False
+    if "precision" not in given and torch.device(device).type == "cpu":
+        d["precision"] = "32"
+    return d
+
+
 def auto_plan(
     towers: Mapping[str, TowerInfo],
     world_size: int,
@@ -528,7 +575,9 @@ def auto_plan(
         device: where to measure (this rank's device).
         options: planner options; defaults restrict to ``max_tp = max_pp = 1`` (data parallel per
             tower, what the runtime executes today), ``schedules = ("gpipe", "cached")`` and no
-            activation checkpointing.
+            activation checkpointing. Unless a mapping sets them, the cost options follow the
+            runtime: ``overlap_grad_sync=False`` (it sums gradients after the whole backward) and,
+            on CPU, ``precision="32"``.
         devices_per_node: ranks per node (default: all ranks on one node for CPU, the visible
             GPUs for CUDA).
         batch_sizes: microbatch sizes timed per tower.
@@ -541,6 +590,8 @@ def auto_plan(
 
     if options is None:
         options = {"max_tp": 1, "max_pp": 1, "schedules": ["gpipe", "cached"], "recompute": False}
+    if not isinstance(options, PlannerOptions):
+        options = runtime_cost_defaults(options, device)
     cl = cluster or local_cluster(device, world_size, devices_per_node)
     if cl.world_size != world_size:
         cl = cl.with_world(world_size)
@@ -565,9 +616,12 @@ __all__ = [
     "Report",
     "make_plan",
     "to_plan",
+    "plan_choices",
+    "price_plan",
     "TowerInfo",
     "tower_info_from_batch",
     "local_cluster",
+    "runtime_cost_defaults",
     "auto_plan",
     "BALANCERS",
     "PLACEMENTS",

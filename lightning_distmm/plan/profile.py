@@ -84,6 +84,8 @@ class MeasuredFit:
     params: int
     trainable_params: int
     raw: list[dict[str, float]] = field(default_factory=list)
+    opt_time: float | None = None  # seconds of one AdamW step over the tower's trainable parameters
+
 
     def fwd_time(self, mb: Any) -> Any:
         return self.fwd[0] + self.fwd[1] * mb
@@ -365,6 +367,7 @@ def measure_tower(
             torch.cuda.synchronize(dev)
 
     raw: list[dict[str, float]] = []
+    opt_time: float | None = None
     try:
         for b in batch_sizes:
             inputs = [x.to(dev) if hasattr(x, "to") else x for x in make_inputs(int(b))]
@@ -401,6 +404,8 @@ def measure_tower(
                     fwd_t, bwd_t = min(fwd_t, t1 - t0), min(bwd_t, t2 - t1)
                     act = float(sum(seen.values()))
             raw.append({"batch": float(b), "fwd": fwd_t, "bwd": bwd_t, "act_bytes": act})
+        if not frozen and trainable:
+            opt_time = _time_adamw(module, repeats, sync)
     finally:
         module.zero_grad(set_to_none=True)
         module.train(was_training)
@@ -414,7 +419,33 @@ def measure_tower(
         params=params,
         trainable_params=trainable,
         raw=raw,
+        opt_time=opt_time,
     )
+
+
+def _time_adamw(module: Any, repeats: int, sync: Callable[[], None]) -> float:
+    """Seconds of one ``torch.optim.AdamW`` step (default implementation for the device) over copies
+    of ``module``'s trainable parameters and their gradients: the module itself is not changed.
+    AdamW because the cost model prices Adam's state and traffic (``CostOptions``); on CPU its cost
+    is dominated by a dozen small ops per parameter tensor, which no bandwidth model sees."""
+    import torch
+
+    copies = []
+    for p in module.parameters():
+        if p.requires_grad:
+            c = p.detach().clone().requires_grad_()
+            c.grad = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(c)
+            copies.append(c)
+    opt = torch.optim.AdamW(copies, lr=1e-6)
+    opt.step()  # creates the moments
+    best = float("inf")
+    for _ in range(max(2, repeats)):
+        sync()
+        t0 = time.perf_counter()
+        opt.step()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def _first_tensor(out: Any) -> Any:
