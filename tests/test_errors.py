@@ -36,6 +36,7 @@ CASES = {
     "world-size": (3, ldm.Plan(2, {"image": {"ranks": [0]}, "text": {"ranks": [1]}}), lambda: loader(8), "world_size=2 but the trainer runs 3"),
     "unknown-tower": (2, ldm.Plan(2, {"image": {"ranks": [0]}, "audio": {"ranks": [1]}}), lambda: loader(8), r"\['audio'\] that the module does not define"),
     "missing-field": (2, "colocated", lambda: DataLoader(NoMask(), batch_size=4), r"tower 'text' reads batch field\(s\) \['attention_mask'\]"),
+    "tp-heads": (3, ldm.Plan(3, {"image": {"ranks": [0, 1, 2], "tp": 3}, "text": {"ranks": [0]}}), lambda: loader(6), r"tower 'image', tp=3: blocks.0.attn: 2 attention heads do not divide by tp=3"),
     "batch-below-replicas": (3, ldm.Plan(3, {"image": {"ranks": [0, 1, 2]}, "text": {"ranks": [0]}}), lambda: loader(2), "global batch 2 is smaller than its 3"),
 }
 

@@ -123,8 +123,11 @@ class TowerRuntime:
 
     def parallelize_local_towers(self) -> None:
         """Shard the local towers that the plan gives tensor parallelism (tp > 1) over their tp mesh."""
-        from lightning_distmm.parallel.tensor_parallel import apply_tp
+        from lightning_distmm.parallel.tensor_parallel import apply_tp, check_tp
 
+        for name, tower in self.plan.towers.items():  # every rank checks every tower: fail together
+            if tower.tp > 1:
+                check_tp(self.towers[name].module, tower.tp, name)
         changed = False
         for name in self.layout.local_towers:
             if self.plan.towers[name].tp > 1:

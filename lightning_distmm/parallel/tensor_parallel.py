@@ -110,17 +110,37 @@ def apply_tp_clip_text(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-def apply_tp(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """Shard a tower by its family: a timm ViT (``blocks[*].attn.qkv``) or a text encoder with ``encoder.layers``."""
+def _family(module: nn.Module) -> str:
     blocks = getattr(module, "blocks", None)
     if blocks is not None and all(hasattr(b, "attn") and hasattr(b.attn, "qkv") for b in blocks):
-        return apply_tp_vit(module, mesh)
+        return "vit"
     if any(name.endswith("encoder.layers") for name, _ in module.named_modules()):
-        return apply_tp_clip_text(module, mesh)
+        return "clip_text"
     raise ValueError(
         f"no tensor-parallel plan for a {type(module).__name__} tower: supported are timm VisionTransformer"
         " and transformers CLIP-style text encoders (modules with 'encoder.layers'); use tp=1 for this tower"
     )
 
 
-__all__ = ["apply_tp", "apply_tp_vit", "apply_tp_clip_text"]
+def check_tp(module: nn.Module, tp: int, tower: str) -> None:
+    """Raise if ``module`` cannot be sharded ``tp`` ways; needs only the module's structure (meta is fine),
+    so every rank can check every tower and a bad plan fails everywhere at once."""
+    try:
+        family = _family(module)
+        if family == "vit":
+            for i, block in enumerate(module.blocks):  # type: ignore[union-attr]
+                _check_heads(block.attn.num_heads, tp, f"blocks.{i}.attn")
+        else:
+            layers = [m for name, m in module.named_modules() if name.endswith("encoder.layers")][0]
+            for i, layer in enumerate(layers):
+                _check_heads(layer.self_attn.num_heads, tp, f"encoder.layers.{i}.self_attn")
+    except ValueError as err:
+        raise ValueError(f"tower {tower!r}, tp={tp}: {err}") from None
+
+
+def apply_tp(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Shard a tower by its family: a timm ViT (``blocks[*].attn.qkv``) or a text encoder with ``encoder.layers``."""
+    return apply_tp_vit(module, mesh) if _family(module) == "vit" else apply_tp_clip_text(module, mesh)
+
+
+__all__ = ["apply_tp", "check_tp", "apply_tp_vit", "apply_tp_clip_text"]
