@@ -113,8 +113,9 @@ def consolidated_state_dict(trainer_or_strategy: Any) -> dict[str, torch.Tensor]
 
     Takes the ``Trainer`` or its ``DistMMStrategy``.
 
-    Each tower's tensors come from the first rank of its first replica; rank 0 receives what it
-    does not hold itself (it knows the shapes from its meta tensors).
+    Each tensor comes from the first rank of its tower's first replica that holds it (pipeline
+    stages hold different tensors; tensor-parallel shards are assembled there first); rank 0
+    receives what it does not hold itself (it knows the shapes from its meta tensors).
     """
     strategy: "DistMMStrategy" = getattr(trainer_or_strategy, "strategy", trainer_or_strategy)
     module = strategy.lightning_module
@@ -126,33 +127,48 @@ def consolidated_state_dict(trainer_or_strategy: Any) -> dict[str, torch.Tensor]
         k: v.detach().cpu().clone() for k, v in full.items() if not v.is_meta and not isinstance(v, DTensor)
     }
     prefixes = {name: _prefix(module, tower.module) for name, tower in runtime.towers.items()}
+    held = {k for k, v in full.items() if not v.is_meta}
+    everyone: list[set[str]] = [set()] * dist.get_world_size()
+    dist.all_gather_object(everyone, held)
     for name in runtime.towers:
-        tower = runtime.plan.towers[name]
-        src = tower.ranks[0]
-        keys = [k for k in full if k.startswith(prefixes[name])]
-        if rank in tower.replica_ranks(0):
-            # tensor-parallel shards are assembled within the first replica (a collective there)
-            tensors = {k: (full[k].full_tensor() if isinstance(full[k], DTensor) else full[k]).detach() for k in keys}
-        if src == 0:
-            if rank == 0:
-                out.update({k: v.cpu().clone() for k, v in tensors.items()})
-            continue
-        by_dtype: dict[torch.dtype, list[str]] = {}
-        for k in keys:
-            by_dtype.setdefault(full[k].dtype, []).append(k)
-        for dtype, ks in by_dtype.items():
-            if rank == src:
-                flat = torch.cat([tensors[k].reshape(-1) for k in ks]).to(strategy.root_device)
-                dist.send(flat, dst=0)
-            elif rank == 0:
-                flat = torch.empty(sum(full[k].numel() for k in ks), dtype=dtype, device=strategy.root_device)
-                dist.recv(flat, src=src)
-                start = 0
-                for k in ks:
-                    out[k] = flat[start : start + full[k].numel()].view(full[k].shape).cpu().clone()
-                    start += full[k].numel()
+        replica = runtime.plan.towers[name].replica_ranks(0)
+        by_source: dict[int, list[str]] = {}
+        for k in (k for k in full if k.startswith(prefixes[name])):
+            # the first rank of the first replica that holds it (pipeline stages hold different keys)
+            by_source.setdefault(next(r for r in replica if k in everyone[r]), []).append(k)
+        for src, keys in by_source.items():
+            peers = [r for r in replica if set(keys) <= everyone[r]]  # the source's tensor-parallel group
+            if rank in peers:
+                # tensor-parallel shards are assembled among the peers (a collective there)
+                tensors = {k: (full[k].full_tensor() if isinstance(full[k], DTensor) else full[k]).detach() for k in keys}
+            if src == 0:
+                if rank == 0:
+                    out.update({k: v.cpu().clone() for k, v in tensors.items()})
+                continue
+            _send_to_zero(keys, full, tensors if rank == src else None, src, rank, strategy.root_device, out)
     dist.barrier()
     return out if rank == 0 else None
+
+
+def _send_to_zero(
+    keys: list[str], full: dict[str, Any], tensors: dict[str, torch.Tensor] | None, src: int, rank: int,
+    device: torch.device, out: dict[str, torch.Tensor],
+) -> None:
+    """Move ``keys`` from ``src`` to rank 0, one flat message per dtype (rank 0 knows the shapes)."""
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for k in keys:
+        by_dtype.setdefault(full[k].dtype, []).append(k)
+    for dtype, ks in by_dtype.items():
+        if rank == src:
+            assert tensors is not None
+            dist.send(torch.cat([tensors[k].reshape(-1) for k in ks]).to(device), dst=0)
+        elif rank == 0:
+            flat = torch.empty(sum(full[k].numel() for k in ks), dtype=dtype, device=device)
+            dist.recv(flat, src=src)
+            start = 0
+            for k in ks:
+                out[k] = flat[start : start + full[k].numel()].view(full[k].shape).cpu().clone()
+                start += full[k].numel()
 
 
 def _prefix(module: nn.Module, sub: nn.Module) -> str:

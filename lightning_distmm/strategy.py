@@ -108,6 +108,7 @@ class DistMMStrategy(ModelParallelStrategy):
         groups = build_tower_groups(self.plan, self.root_device.type)
         self.runtime = TowerRuntime(module, self.plan, groups, self.root_device)
         self.runtime.release_remote_towers()
+        self.runtime.cut_pipelines()
         self.runtime.parallelize_local_towers()
         module._distmm_runtime = self.runtime
 
@@ -297,11 +298,6 @@ def _parse_plan_spec(plan: PlanSpec) -> Plan | str:
 def _check_runtime_supports(plan: Plan) -> None:
     """Refuse plan features this version does not execute, rather than silently ignoring them."""
     for name, t in plan.towers.items():
-        if t.pp > 1:
-            raise PlanError(
-                f"tower {name!r}: pp={t.pp}: pipeline parallelism inside a tower is not executed by this"
-                " version (data and tensor parallelism per tower only); use pp=1"
-            )
         if t.schedule == "distmm":
             raise PlanError(
                 f"tower {name!r}: schedule 'distmm' (DistMM-Pipe) is not executed by this version;"

@@ -165,3 +165,13 @@ def max_param_diff(a: nn.Module, b: nn.Module) -> float:
 
 def read_losses(path: str | Path) -> list[float]:
     return json.loads(Path(path).read_text())
+
+
+class DeepCLIP(TinyCLIP):
+    """Two ViT blocks (and 4 heads) so the image tower can be cut into two stages and sharded in two."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.visual = VisionTransformer(
+            img_size=8, patch_size=4, embed_dim=16, depth=2, num_heads=4, mlp_ratio=2.0, num_classes=EMBED, qkv_bias=False
+        )

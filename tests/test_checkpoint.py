@@ -8,18 +8,21 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_distmm as ldm
-from distmm_testing import TinyCLIP, loader, max_param_diff, read_losses, run_distmm
+from distmm_testing import DeepCLIP, loader, max_param_diff, read_losses, run_distmm
 
 PLAN = ldm.Plan(3, {"image": {"ranks": [0, 1]}, "text": {"ranks": [2]}})
 TP_PLAN = ldm.Plan(3, {"image": {"ranks": [0, 1], "tp": 2}, "text": {"ranks": [2]}})
+PP_PLAN = ldm.Plan(3, {"image": {"ranks": [0, 1], "pp": 2, "microbatch": 4}, "text": {"ranks": [2]}})
+PLANS = [PLAN, TP_PLAN, PP_PLAN]
+IDS = ["dp", "image-tp2", "image-pp2"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plan", [PLAN, TP_PLAN], ids=["dp", "image-tp2"])
+@pytest.mark.parametrize("plan", PLANS, ids=IDS)
 def test_resume_continues_exactly(plan, tmp_path):
     PLAN = plan  # noqa: N806 - the plan under test
     L.seed_everything(0)
-    straight = TinyCLIP("adamw", lr=0.01)
+    straight = DeepCLIP("adamw", lr=0.01)
     first_half = copy.deepcopy(straight)
     resumed = copy.deepcopy(straight)
     data = lambda: loader(8, size=48, shuffle=True)  # noqa: E731 - 6 batches an epoch: step 2 is mid-epoch
@@ -39,16 +42,16 @@ def test_resume_continues_exactly(plan, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plan", [PLAN, TP_PLAN], ids=["dp", "image-tp2"])
+@pytest.mark.parametrize("plan", PLANS, ids=IDS)
 def test_export_loads_into_plain_module(plan, tmp_path):
     PLAN = plan  # noqa: N806 - the plan under test
     L.seed_everything(0)
-    module = TinyCLIP("sgd", lr=0.05)
+    module = DeepCLIP("sgd", lr=0.05)
     saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
     run_distmm(module, PLAN, 3, loader(8), 2, str(tmp_path / "l.json"), callbacks=[saver], enable_checkpointing=True)
 
     state = ldm.export_checkpoint(tmp_path / "ckpt" / "epoch=0-step=2.ckpt", tmp_path / "plain.pt")
-    plain = TinyCLIP()
+    plain = DeepCLIP()
     plain.load_state_dict(torch.load(tmp_path / "plain.pt"), strict=True)
     assert state.keys() == plain.state_dict().keys()
     # the fork launcher hands the parent the consolidated weights: the export matches them

@@ -8,7 +8,7 @@ import lightning as L
 import pytest
 
 import lightning_distmm as ldm
-from distmm_testing import TinyCLIP, loader, max_param_diff, read_losses, run_distmm, run_reference
+from distmm_testing import DeepCLIP, TinyCLIP, loader, max_param_diff, read_losses, run_distmm, run_reference
 
 PLANS = {
     "colocated-2": (2, 8, ldm.Plan(2, {"image": {"ranks": [0, 1]}, "text": {"ranks": [0, 1]}})),
@@ -229,3 +229,32 @@ def test_tensor_parallel_towers_are_exact(name, optimizer, clip, tmp_path):
     assert max_param_diff(reference, initial) > 1e-3
     assert max_param_diff(reference, module) <= 1e-5
     assert read_losses(tmp_path / "dist.json") == pytest.approx(read_losses(tmp_path / "ref.json"), abs=1e-5)
+
+
+PP_PLANS = {
+    "image-pp2+text1": ldm.Plan(3, {"image": {"ranks": [0, 1], "pp": 2, "microbatch": 3}, "text": {"ranks": [2]}}),
+    "image-pp2-cached+text1": ldm.Plan(
+        3, {"image": {"ranks": [0, 1], "pp": 2, "microbatch": 2, "schedule": "cached"}, "text": {"ranks": [2]}}
+    ),
+    "image-tp2xpp2+text-colocated": ldm.Plan(
+        4, {"image": {"ranks": [0, 1, 2, 3], "pp": 2, "tp": 2, "microbatch": 4}, "text": {"ranks": [0]}}
+    ),
+    "image-dp2xpp2+text1": ldm.Plan(
+        4, {"image": {"ranks": [0, 1, 2, 3], "pp": 2, "replica_batch": [6, 4]}, "text": {"ranks": [0]}}, 10
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PP_PLANS))
+def test_pipeline_parallel_towers_are_exact(name, tmp_path):
+    plan = PP_PLANS[name]
+    L.seed_everything(0)
+    reference = DeepCLIP("adamw", lr=0.01)
+    module = copy.deepcopy(reference)
+    initial = copy.deepcopy(reference)
+    run_reference(reference, loader(10), 2, str(tmp_path / "ref.json"))
+    run_distmm(module, plan, plan.world_size, loader(10), 2, str(tmp_path / "dist.json"))
+    assert max_param_diff(reference, module) <= 1e-5
+    assert read_losses(tmp_path / "dist.json") == pytest.approx(read_losses(tmp_path / "ref.json"), abs=1e-5)
+    assert max_param_diff(reference, initial) > 1e-3

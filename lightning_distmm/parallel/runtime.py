@@ -56,6 +56,26 @@ class _CachedMicrobatch:
 
 
 @dataclass
+class _StagedMicrobatch:
+    """A microbatch through a pipeline stage: its input activation (None on stage 0), batch rows,
+    output with its graph (gpipe) or None plus the RNG state to recompute it (cached)."""
+
+    input: Tensor | None
+    rows: Mapping[str, Any]
+    output: Tensor | None
+    rng: tuple[Tensor, Tensor | None] | None
+
+
+@dataclass
+class _StageInfo:
+    stage: Any
+    index: int
+    count: int
+    prev: int | None
+    next: int | None
+
+
+@dataclass
 class _Pending:
     """What the forward leaves for the backward: local features, the whole-batch leaves, cached microbatches."""
 
@@ -63,6 +83,7 @@ class _Pending:
     full: dict[str, Tensor]
     batch: RankBatch
     cached: dict[str, list[_CachedMicrobatch]]
+    staged: dict[str, list[_StagedMicrobatch]]
 
 
 def tower_parameters(module: nn.Module, towers: Mapping[str, Tower]) -> tuple[dict[str, dict[str, nn.Parameter]], dict[str, nn.Parameter]]:
@@ -107,6 +128,7 @@ class TowerRuntime:
         self.specs: dict[str, FeatureSpec] | None = None
         self._pending: _Pending | None = None
         self._slots: dict[int, dict[str, GatherSlot]] = {}
+        self.stages: dict[str, _StageInfo] = {}
 
     # ------------------------------------------------------------------ memory
     def release_remote_towers(self) -> None:
@@ -118,6 +140,31 @@ class TowerRuntime:
                 released = True
         if released:
             # ``Module.to("meta")`` may swap in new Parameter objects: drop our references to the old ones
+            self.tower_params, self.interaction_params = tower_parameters(self.module, self.towers)  # type: ignore[arg-type]
+            return_freed_memory()
+
+    def cut_pipelines(self) -> None:
+        """For towers with pp > 1: keep only this rank's stage of the tower, release the rest."""
+        from lightning_distmm.parallel.pipeline import release_unowned, tower_stages
+
+        changed = False
+        for name in self.layout.local_towers:
+            tower = self.plan.towers[name]
+            if tower.pp == 1:
+                continue
+            dp, stage, tp = self.groups[name].mesh.get_coordinate()  # type: ignore[misc]
+            layout = self.groups[name].mesh.mesh
+            stages = tower_stages(self.towers[name].module, tower.pp, self.towers[name].fields)
+            release_unowned(self.towers[name].module, stages[stage])
+            self.stages[name] = _StageInfo(
+                stages[stage],
+                stage,
+                tower.pp,
+                int(layout[dp, stage - 1, tp]) if stage > 0 else None,
+                int(layout[dp, stage + 1, tp]) if stage < tower.pp - 1 else None,
+            )
+            changed = True
+        if changed:
             self.tower_params, self.interaction_params = tower_parameters(self.module, self.towers)  # type: ignore[arg-type]
             return_freed_memory()
 
@@ -161,6 +208,7 @@ class TowerRuntime:
         rank_batch = self.layout.batch(n)
         local: dict[str, Tensor] = {}
         cached: dict[str, list[_CachedMicrobatch]] = {}
+        staged: dict[str, list[_StagedMicrobatch]] = {}
         training = torch.is_grad_enabled()
         for name in self.layout.local_towers:
             share = rank_batch.towers[name]
@@ -175,7 +223,11 @@ class TowerRuntime:
                 {f: _take_rows(batch[f], part) for f in tower.fields}
                 for part in _microbatches(share.local, self.plan.towers[name].microbatch)
             ]
-            if self.plan.towers[name].schedule == "cached" and training and self.trainable(name):
+            if name in self.stages:
+                out = self._pipeline_forward(name, chunks, training, staged)
+                if out is not None:
+                    local[name] = out
+            elif self.plan.towers[name].schedule == "cached" and training and self.trainable(name):
                 # gradient cache: features now without activations, recomputed per microbatch in backward
                 cached[name] = []
                 outs = []
@@ -200,8 +252,63 @@ class TowerRuntime:
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         if not (training and loss.requires_grad):
             return total
-        self._pending = _Pending(local, full, rank_batch, cached)
+        self._pending = _Pending(local, full, rank_batch, cached, staged)
         return loss + (total - loss.detach())
+
+    def _pipeline_forward(
+        self, name: str, chunks: list[dict[str, Any]], training: bool, staged: dict[str, list["_StagedMicrobatch"]]
+    ) -> Tensor | None:
+        """Run this rank's stage on every microbatch; the last stage returns the features."""
+        from lightning_distmm.parallel.pipeline import recv_tensor, send_tensor
+
+        info = self.stages[name]
+        grad = training and self.trainable(name)
+        cached = grad and self.plan.towers[name].schedule == "cached"
+        records: list[_StagedMicrobatch] = []
+        outs = []
+        for rows in chunks:
+            x_in = recv_tensor(info.prev, self.device) if info.prev is not None else None
+            if cached:
+                rng = _rng_state(self.device)
+                with torch.no_grad():
+                    x = info.stage.run(x_in, rows)
+                records.append(_StagedMicrobatch(x_in, rows, None, rng))
+            else:
+                if grad and x_in is not None:
+                    x_in.requires_grad_(True)
+                x = info.stage.run(x_in, rows)
+                records.append(_StagedMicrobatch(x_in, rows, x if grad else None, None))
+            if info.next is not None:
+                send_tensor(x, info.next)
+            else:
+                outs.append(x)
+        if grad:
+            staged[name] = records
+        return torch.cat(outs) if outs else None
+
+    def _pipeline_backward(self, name: str, records: list["_StagedMicrobatch"], grad: Tensor | None) -> None:
+        """Backward through this rank's stage, microbatch by microbatch, passing input gradients back."""
+        from lightning_distmm.parallel.pipeline import recv_tensor, send_tensor
+
+        info = self.stages[name]
+        start = 0
+        for rec in records:
+            if rec.output is None:  # cached: recompute the stage from its saved input
+                x_in = rec.input.requires_grad_(True) if rec.input is not None else None
+                with _restored_rng(rec.rng, self.device):  # type: ignore[arg-type]
+                    out = info.stage.run(x_in, rec.rows)
+            else:
+                x_in, out = rec.input, rec.output
+            if info.next is None:
+                assert grad is not None
+                g_out = grad[start : start + out.shape[0]]
+                start += out.shape[0]
+            else:
+                g_out = recv_tensor(info.next, self.device)
+            torch.autograd.backward(out, g_out)
+            if info.prev is not None:
+                assert x_in is not None
+                send_tensor(x_in.grad if x_in.grad is not None else torch.zeros_like(x_in), info.prev)
 
     def _encode(self, name: str, rows: Mapping[str, Any], training: bool) -> Tensor:
         tower = self.towers[name]
@@ -231,7 +338,9 @@ class TowerRuntime:
                 continue
             share = pending.batch.towers[name]
             grad = grads[name][share.start : share.stop]
-            if name in pending.cached:
+            if name in pending.staged:
+                self._pipeline_backward(name, pending.staged[name], grad)
+            elif name in pending.cached:
                 start = 0
                 for micro in pending.cached[name]:
                     with _restored_rng(micro.rng, self.device):
@@ -249,7 +358,7 @@ class TowerRuntime:
     def _grads_for(self, params: Mapping[str, nn.Parameter]) -> list[Tensor]:
         out = []
         for p in params.values():
-            if not p.requires_grad:
+            if not p.requires_grad or p.is_meta:
                 continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -282,7 +391,8 @@ class TowerRuntime:
         """Clip by the norm of the gradient of the whole model, across all towers and ranks.
 
         Each tower's gradient is counted once, by its first replica: tensor-parallel shards by
-        every rank of that replica, replicated parameters by its first rank; the interaction
+        every rank of that replica, replicated parameters by the first tensor-parallel rank of each
+        pipeline stage (stages hold different parameters); the interaction
         parameters once (by rank 0). Then every rank scales its own gradients.
         """
         norm_type = float(norm_type)
@@ -293,8 +403,9 @@ class TowerRuntime:
             tower = self.plan.towers[name]
             if self.rank not in tower.replica_ranks(0):
                 continue
+            first_tp = tower.replica_ranks(0).index(self.rank) % tower.tp == 0
             for p in self.tower_params[name].values():
-                if p.grad is not None and (_is_sharded(p) or self.rank == tower.feature_rank(0)):
+                if p.grad is not None and (_is_sharded(p) or first_tp):
                     counted.append(_local(p.grad))
         if math.isinf(norm_type):
             part = torch.stack([g.detach().abs().max() for g in counted]).max() if counted else torch.zeros(())

@@ -77,6 +77,8 @@ def apply_tp_vit(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     for i, block in enumerate(model.blocks):  # type: ignore[union-attr]
         attn = block.attn
         _check_heads(attn.num_heads, tp, f"blocks.{i}.attn")
+        if attn.qkv.weight.is_meta:
+            continue  # another pipeline stage's block
         if not isinstance(attn.norm, nn.Identity) or getattr(attn, "gate", None) is not None:
             raise ValueError(f"blocks.{i}.attn: scale-norm / gated attention mixes heads and cannot be sharded by head")
         attn.qkv = _FusedQKVColwise(attn.qkv, mesh)
@@ -95,6 +97,8 @@ def apply_tp_clip_text(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     for i, layer in enumerate(layers[0]):
         attn = layer.self_attn
         _check_heads(attn.num_heads, tp, f"encoder.layers.{i}.self_attn")
+        if attn.q_proj.weight.is_meta:
+            continue  # another pipeline stage's layer
         plan = {
             "self_attn.q_proj": ColwiseParallel(),
             "self_attn.k_proj": ColwiseParallel(),

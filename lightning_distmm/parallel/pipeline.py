@@ -1,0 +1,146 @@
+"""Pipeline stages of a tower and the point-to-point moves between them.
+
+A tower with ``pp > 1`` is cut into ``pp`` stages, each on its own rank of the replica; a rank
+keeps only its stage's parameters. The cut is per tower family (like tensor parallelism):
+
+* timm ``VisionTransformer``: stage 0 holds the patch embedding, tokens and position embedding;
+  the blocks are split evenly (equal blocks cost the same, so the profile's balance is even);
+  the last stage holds the final norm and the head.
+* any tower can define ``pipeline_stages(pp) -> list[Stage]`` itself.
+
+Activations travel between consecutive stages of the same replica (and the same tensor-parallel
+coordinate) with ``send``/``recv``: a small header with the shape, then the tensor. Every rank runs
+its towers and microbatches in the same order, so the chain of sends and receives has no cycle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+_HEADER = 8  # ndim, up to 6 dims, dtype
+
+
+@dataclass
+class Stage:
+    """One stage: the submodules it owns and how it maps its input to its output.
+
+    ``run(x, rows)``: ``x`` is the previous stage's activation (``None`` on stage 0) and ``rows`` the
+    microbatch's batch fields (stage 0 reads its inputs there; later stages may read masks).
+    """
+
+    modules: list[nn.Module]
+    run: Callable[[Tensor | None, Mapping[str, Any]], Tensor]
+    #: loose parameters of the tower module itself that the stage uses (ViT ``cls_token``, ``pos_embed``)
+    extra: tuple[str, ...] = ()
+
+
+def _even_split(n: int, parts: int) -> list[tuple[int, int]]:
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        size = base + (1 if i < extra else 0)
+        out.append((start, start + size))
+        start += size
+    return out
+
+
+def vit_stages(model: nn.Module, pp: int, fields: tuple[str, ...]) -> list[Stage]:
+    blocks = model.blocks  # type: ignore[union-attr]
+    if len(blocks) < pp:
+        raise ValueError(f"a ViT with {len(blocks)} blocks cannot be cut into pp={pp} stages")
+    stages = []
+    for s, (a, b) in enumerate(_even_split(len(blocks), pp)):
+        first, last = s == 0, s == pp - 1
+        own: list[nn.Module] = list(blocks[a:b])
+
+        if first:
+            own += [model.patch_embed, model.norm_pre]  # type: ignore[list-item]
+        if last:
+            own += [model.norm, model.fc_norm, model.head]  # type: ignore[list-item]
+            if getattr(model, "attn_pool", None) is not None:
+                own.append(model.attn_pool)  # type: ignore[arg-type]
+
+        def run(x: Tensor | None, rows: Mapping[str, Any], a: int = a, b: int = b, first: bool = first, last: bool = last) -> Tensor:
+            if first:
+                x = model.patch_embed(rows[fields[0]])  # type: ignore[operator]
+                x = model._pos_embed(x)  # type: ignore[operator]
+                x = model.patch_drop(x)  # type: ignore[operator]
+                x = model.norm_pre(x)  # type: ignore[operator]
+            for block in blocks[a:b]:
+                x = block(x)
+            if last:
+                x = model.norm(x)  # type: ignore[operator]
+                x = model.forward_head(x)  # type: ignore[operator]
+            return x  # type: ignore[return-value]
+
+        loose = tuple(n for n in ("cls_token", "reg_token", "pos_embed") if first and getattr(model, n, None) is not None)
+        stages.append(Stage(own, run, loose))
+    return stages
+
+
+def tower_stages(module: nn.Module, pp: int, fields: tuple[str, ...]) -> list[Stage]:
+    """The ``pp`` stages of a tower: its own ``pipeline_stages`` or the family's cut."""
+    custom = getattr(module, "pipeline_stages", None)
+    if callable(custom):
+        return custom(pp)
+    blocks = getattr(module, "blocks", None)
+    if blocks is not None and hasattr(module, "patch_embed") and hasattr(module, "forward_head"):
+        return vit_stages(module, pp, fields)
+    raise ValueError(
+        f"no pipeline cut for a {type(module).__name__} tower: timm VisionTransformer is supported, or give the"
+        " tower a pipeline_stages(pp) method returning lightning_distmm.parallel.pipeline.Stage objects; use pp=1"
+    )
+
+
+def owned_names(tower: nn.Module, stage: Stage) -> set[str]:
+    """Fully-qualified names (inside the tower) of everything the stage owns, parameters and buffers.
+
+    Loose tensors of the tower (ViT ``cls_token``, ``pos_embed``) belong to the first stage that
+    uses them: stage 0 for a ViT, so they go with the first stage's embedding modules.
+    """
+    names: set[str] = set(stage.extra)
+    owned_modules = {id(m) for top in stage.modules for m in top.modules()}
+    for fqn, sub in tower.named_modules():
+        if id(sub) in owned_modules:
+            names.update(f"{fqn}.{n}" if fqn else n for n, _ in sub.named_parameters(recurse=False))
+            names.update(f"{fqn}.{n}" if fqn else n for n, _ in sub.named_buffers(recurse=False))
+    return names
+
+
+def release_unowned(tower: nn.Module, stage: Stage) -> None:
+    """Move every parameter and buffer of ``tower`` that ``stage`` does not own to the meta device."""
+    owned = owned_names(tower, stage)
+    for fqn, sub in tower.named_modules():
+        for n, p in list(sub.named_parameters(recurse=False)):
+            if p is not None and (f"{fqn}.{n}" if fqn else n) not in owned and not p.is_meta:
+                sub._parameters[n] = nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
+        for n, b in list(sub.named_buffers(recurse=False)):
+            if b is not None and (f"{fqn}.{n}" if fqn else n) not in owned and not b.is_meta:
+                sub._buffers[n] = b.to("meta")
+
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+def send_tensor(t: Tensor, dst: int) -> None:
+    """Send an activation or gradient of any shape: a header (ndim, dims, dtype), then the data."""
+    header = torch.zeros(_HEADER, dtype=torch.int64, device=t.device)
+    header[0] = t.dim()
+    header[1 : 1 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    header[_HEADER - 1] = _DTYPES.index(t.dtype)
+    dist.send(header, dst)
+    dist.send(t.detach().contiguous(), dst)
+
+
+def recv_tensor(src: int, device: torch.device) -> Tensor:
+    header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+    dist.recv(header, src)
+    ndim = int(header[0])
+    out = torch.empty(tuple(int(d) for d in header[1 : 1 + ndim]), dtype=_DTYPES[int(header[-1])], device=device)
+    dist.recv(out, src)
+    return out
