@@ -37,6 +37,7 @@ CASES = {
     "unknown-tower": (2, ldm.Plan(2, {"image": {"ranks": [0]}, "audio": {"ranks": [1]}}), lambda: loader(8), r"\['audio'\] that the module does not define"),
     "missing-field": (2, "colocated", lambda: DataLoader(NoMask(), batch_size=4), r"tower 'text' reads batch field\(s\) \['attention_mask'\]"),
     "tp-heads": (3, ldm.Plan(3, {"image": {"ranks": [0, 1, 2], "tp": 3}, "text": {"ranks": [0]}}), lambda: loader(6), r"tower 'image', tp=3: blocks.0.attn: 2 attention heads do not divide by tp=3"),
+    "pp-too-deep": (2, ldm.Plan(2, {"image": {"ranks": [0, 1], "pp": 2}, "text": {"ranks": [0]}}), lambda: loader(4), r"tower 'image', pp=2: a ViT with 1 blocks cannot be cut into pp=2 stages"),
     "batch-below-replicas": (3, ldm.Plan(3, {"image": {"ranks": [0, 1, 2]}, "text": {"ranks": [0]}}), lambda: loader(2), "global batch 2 is smaller than its 3"),
 }
 
@@ -91,7 +92,7 @@ def test_module_without_mixin_is_rejected():
 
 @pytest.mark.slow
 def test_plan_features_not_yet_run_are_refused():
-    plan = ldm.Plan(2, {"image": {"ranks": [0, 1], "pp": 2}, "text": {"ranks": [0, 1]}})
+    plan = ldm.Plan(2, {"image": {"ranks": [0, 1], "microbatch": 2, "schedule": "distmm"}, "text": {"ranks": [0, 1]}})
     trainer = L.Trainer(devices=2, max_steps=1, strategy=ldm.DistMMStrategy(plan, start_method="fork"), **trainer_kwargs())
-    with pytest.raises(Exception, match="tower 'image': pp=2: pipeline parallelism inside a tower is not executed"):
+    with pytest.raises(Exception, match="tower 'image': schedule 'distmm' \\(DistMM-Pipe\\) is not executed"):
         trainer.fit(TinyCLIP(), loader(4))

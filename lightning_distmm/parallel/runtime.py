@@ -147,6 +147,12 @@ class TowerRuntime:
         """For towers with pp > 1: keep only this rank's stage of the tower, release the rest."""
         from lightning_distmm.parallel.pipeline import release_unowned, tower_stages
 
+        for name, tower in self.plan.towers.items():  # every rank checks every cut: fail together
+            if tower.pp > 1:
+                try:
+                    tower_stages(self.towers[name].module, tower.pp, self.towers[name].fields)
+                except ValueError as err:
+                    raise ValueError(f"tower {name!r}, pp={tower.pp}: {err}") from None
         changed = False
         for name in self.layout.local_towers:
             tower = self.plan.towers[name]
