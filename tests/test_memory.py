@@ -52,3 +52,22 @@ def test_remote_towers_are_released(tmp_path):
     assert text_rank["held"] == text_bytes + 4
     # the text rank gave back (nearly) all of the image tower's memory
     assert text_rank["before"] - text_rank["after"] > 0.8 * image_bytes
+
+
+@pytest.mark.slow
+def test_pipeline_stages_hold_only_their_part(tmp_path):
+    from distmm_testing import DeepCLIP
+
+    module = DeepCLIP()
+    image_bytes = sum(p.numel() * p.element_size() for p in module.visual.parameters())
+    text_bytes = sum(p.numel() * p.element_size() for p in module.text.parameters())
+    plan = ldm.Plan(3, {"image": {"ranks": [0, 1], "pp": 2}, "text": {"ranks": [2]}})
+    trainer = L.Trainer(
+        devices=3, max_steps=1, strategy=ldm.DistMMStrategy(plan, start_method="fork"),
+        callbacks=[MemoryProbe(str(tmp_path))], **trainer_kwargs(),
+    )
+    trainer.fit(module, loader(4))
+    held = [json.loads((tmp_path / f"rank{r}.json").read_text())["held"] - 4 for r in range(3)]
+    assert held[2] == text_bytes
+    assert 0 < held[0] < image_bytes and 0 < held[1] < image_bytes
+    assert held[0] + held[1] == image_bytes  # the two stages partition the tower
