@@ -237,6 +237,19 @@ class DistMMStrategy(ModelParallelStrategy):
         assert self.runtime is not None
         self.runtime.clip_grad_norm_(float(clip_val))
 
+    # ------------------------------------------------------------------ failures
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """End every rank with the error that stopped the job, not with the broken pipe it left.
+
+        The first rank to fail writes its error to the process group's store; a rank whose own
+        failure came later (a peer closed its connection mid-collective) raises that first error.
+        """
+        super().on_exception(exception)
+        first = _record_first_failure(self.global_rank, exception)
+        if first is not None and not first.startswith(f"rank {self.global_rank}:"):
+            raise DistMMRankFailure(f"distmm: {first}") from exception
+
     # ------------------------------------------------------------------ checkpoints
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -253,6 +266,29 @@ class DistMMStrategy(ModelParallelStrategy):
         assert self.lightning_module is not None
         path = Path(self.broadcast(checkpoint_path))
         return ckpt.load_sharded(path, self.lightning_module, self.optimizers, weights_only=weights_only)
+
+
+class DistMMRankFailure(RuntimeError):
+    """Another rank failed first; the message is that rank's error."""
+
+
+_FIRST_FAILURE_KEY = "distmm/first_failure"
+
+
+def _record_first_failure(rank: int, exception: BaseException) -> str | None:
+    """Write this rank's error to the store unless another rank's is there; return the first one."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    mine = f"rank {rank}: {type(exception).__name__}: {exception}"
+    try:
+        store = _get_default_store()
+        first = store.compare_set(_FIRST_FAILURE_KEY, "", mine)
+    except Exception:  # noqa: BLE001 - the store's host may be gone already
+        return None
+    return first.decode() if isinstance(first, bytes) else str(first)
 
 
 class _DistMMMultiProcessingLauncher(_MultiProcessingLauncher):

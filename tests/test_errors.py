@@ -96,3 +96,21 @@ def test_plan_features_not_yet_run_are_refused():
     trainer = L.Trainer(devices=2, max_steps=1, strategy=ldm.DistMMStrategy(plan, start_method="fork"), **trainer_kwargs())
     with pytest.raises(Exception, match="tower 'image': schedule 'distmm' \\(DistMM-Pipe\\) is not executed"):
         trainer.fit(TinyCLIP(), loader(4))
+
+
+@pytest.mark.slow
+def test_failing_stage_ends_every_rank_with_its_error():
+    """Rank 1 (a pipeline stage) raises mid-training; all three ranks end with that error, well within 60 s."""
+    script = Path(__file__).parent / "scripts" / "stage_fails.py"
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert elapsed < 60, f"took {elapsed:.0f} s"
+    out = proc.stdout + proc.stderr
+    assert re.search(r"\[rank1\]: RuntimeError: stage 1 exploded in its forward", out), out[-3000:]
+    for rank in (0, 2):
+        assert re.search(rf"\[rank{rank}\]: .*DistMMRankFailure: distmm: rank 1: RuntimeError: stage 1 exploded", out), out[-3000:]
