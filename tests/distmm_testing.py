@@ -26,10 +26,10 @@ SEQ = 6
 
 
 class TinyText(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, layers: int = 1) -> None:
         super().__init__()
         cfg = CLIPTextConfig(
-            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=layers, num_attention_heads=2,
             max_position_embeddings=SEQ, eos_token_id=VOCAB - 1, bos_token_id=VOCAB - 2, pad_token_id=0,
         )
         self.encoder = CLIPTextModel(cfg)
@@ -42,8 +42,16 @@ class TinyText(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self._pool(hidden, attention_mask)
+
+    def _pool(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         last = attention_mask.sum(dim=1) - 1
         return self.proj(hidden[torch.arange(hidden.shape[0]), last])
+
+    def pipeline_stages(self, pp: int) -> list:
+        from lightning_distmm.parallel.pipeline import clip_text_stages
+
+        return clip_text_stages(self.encoder, pp, lambda h, rows: self._pool(h, rows["attention_mask"]), [self.proj])
 
 
 class TinyCLIP(ldm.DistMMMixin, L.LightningModule):
@@ -168,10 +176,11 @@ def read_losses(path: str | Path) -> list[float]:
 
 
 class DeepCLIP(TinyCLIP):
-    """Two ViT blocks (and 4 heads) so the image tower can be cut into two stages and sharded in two."""
+    """Two ViT blocks (4 heads) and two text layers: both towers can be cut into two stages and sharded in two."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.visual = VisionTransformer(
             img_size=8, patch_size=4, embed_dim=16, depth=2, num_heads=4, mlp_ratio=2.0, num_classes=EMBED, qkv_bias=False
         )
+        self.text = TinyText(layers=2)

@@ -239,6 +239,12 @@ PP_PLANS = {
     "image-tp2xpp2+text-colocated": ldm.Plan(
         4, {"image": {"ranks": [0, 1, 2, 3], "pp": 2, "tp": 2, "microbatch": 4}, "text": {"ranks": [0]}}
     ),
+    "text-pp2-cached+image1": ldm.Plan(
+        3, {"image": {"ranks": [0]}, "text": {"ranks": [1, 2], "pp": 2, "microbatch": 3, "schedule": "cached"}}
+    ),
+    "text-tp2xpp2+image-colocated": ldm.Plan(
+        4, {"image": {"ranks": [3]}, "text": {"ranks": [0, 1, 2, 3], "pp": 2, "tp": 2, "microbatch": 5}}
+    ),
     "image-dp2xpp2+text1": ldm.Plan(
         4, {"image": {"ranks": [0, 1, 2, 3], "pp": 2, "replica_batch": [6, 4]}, "text": {"ranks": [0]}}, 10
     ),

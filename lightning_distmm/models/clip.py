@@ -152,9 +152,20 @@ class TextTower(nn.Module):
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         hidden = self.transformer(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self._pool(hidden, attention_mask)
+
+    def _pool(self, hidden: Tensor, attention_mask: Tensor) -> Tensor:
         last = (attention_mask.long().sum(dim=-1) - 1).clamp(min=0)  # right padding: last real token
         pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
         return self.proj(pooled)
+
+    def pipeline_stages(self, pp: int) -> list:
+        """The cut used by distmm's pipeline parallelism (``pp`` stages of the encoder layers)."""
+        from lightning_distmm.parallel.pipeline import clip_text_stages
+
+        return clip_text_stages(
+            self.transformer, pp, lambda hidden, rows: self._pool(hidden, rows["attention_mask"]), [self.proj]
+        )
 
 
 class BertTower(nn.Module):

@@ -83,6 +83,47 @@ def vit_stages(model: nn.Module, pp: int, fields: tuple[str, ...]) -> list[Stage
     return stages
 
 
+def clip_text_stages(
+    text_model: nn.Module,
+    pp: int,
+    epilogue: Callable[[Tensor, Mapping[str, Any]], Tensor],
+    epilogue_modules: list[nn.Module],
+    ids_field: str = "input_ids",
+    mask_field: str | None = "attention_mask",
+) -> list[Stage]:
+    """Stages of a transformers ``CLIPTextModel``: embeddings on stage 0, ``encoder.layers`` split
+    evenly, ``final_layer_norm`` then ``epilogue(hidden, rows)`` (the wrapper's pooling and
+    projection) on the last. Every stage rebuilds the causal + padding mask from the batch rows."""
+    from transformers.masking_utils import create_causal_mask
+
+    layers = text_model.encoder.layers  # type: ignore[union-attr]
+    if len(layers) < pp:
+        raise ValueError(f"a text encoder with {len(layers)} layers cannot be cut into pp={pp} stages")
+    stages = []
+    for s, (a, b) in enumerate(_even_split(len(layers), pp)):
+        first, last = s == 0, s == pp - 1
+        own: list[nn.Module] = list(layers[a:b])
+        if first:
+            own.append(text_model.embeddings)  # type: ignore[arg-type]
+        if last:
+            own += [text_model.final_layer_norm, *epilogue_modules]  # type: ignore[list-item]
+
+        def run(x: Tensor | None, rows: Mapping[str, Any], a: int = a, b: int = b, first: bool = first, last: bool = last) -> Tensor:
+            if first:
+                x = text_model.embeddings(input_ids=rows[ids_field])  # type: ignore[operator]
+            assert x is not None
+            mask = rows[mask_field] if mask_field is not None else None
+            attn = create_causal_mask(config=text_model.config, inputs_embeds=x, attention_mask=mask, cache=None)
+            for layer in layers[a:b]:
+                x = layer(x, attn, is_causal=True)
+            if last:
+                x = epilogue(text_model.final_layer_norm(x), rows)  # type: ignore[operator]
+            return x
+
+        stages.append(Stage(own, run))
+    return stages
+
+
 def tower_stages(module: nn.Module, pp: int, fields: tuple[str, ...]) -> list[Stage]:
     """The ``pp`` stages of a tower: its own ``pipeline_stages`` or the family's cut."""
     custom = getattr(module, "pipeline_stages", None)

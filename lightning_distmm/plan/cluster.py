@@ -487,13 +487,14 @@ import torch
 import torch.nn.functional as F
 torch.set_num_threads(int(sys.argv[1]))
 torch.manual_seed(0)
-# one transformer-like MLP block (width 128, 4x expansion, 256 tokens), forward and backward
-x = torch.randn(256, 128)
+# one transformer-like MLP block (width 128, 4x expansion, 1024 tokens: activations of 0.5-2 MB,
+# beyond a core's L2 like a real microbatch's), forward and backward
+x = torch.randn(1024, 128)
 w1 = (torch.randn(512, 128) * 0.05).requires_grad_()
 w2 = (torch.randn(128, 512) * 0.05).requires_grad_()
 def step():
     F.layer_norm(F.linear(F.gelu(F.linear(x, w1)), w2) + x, (128,)).pow(2).mean().backward()
-for _ in range(10):
+for _ in range(5):
     step()
 print("ready", flush=True)
 for line in sys.stdin:
@@ -550,7 +551,7 @@ class ConcurrencyProbe:
             out.append(float(json.loads(line)))
         return out
 
-    def measure(self, rounds: int = 3, iters: int = 60) -> float:
+    def measure(self, rounds: int = 3, iters: int = 20) -> float:
         """Median over ``rounds`` of (mean step time with all workers busy) / (step time of one alone),
         at least 1."""
         ratios = []

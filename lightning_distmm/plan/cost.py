@@ -56,6 +56,9 @@ class CostOptions:
     (``bucket_bytes`` = DDP's default 25 MB); the last bucket is always exposed.
     ``memory_margin``: fraction of device memory a plan may fill (allocator fragmentation, CUDA
     context, workspace).
+    ``step_overhead``: seconds per step the training framework spends outside what is priced here
+    (the Lightning loop and hooks, logging, the runtime's bookkeeping and its small collectives);
+    0 unless measured (docs/planner.md: about 5 ms for 2 CPU ranks on the development VM).
     """
 
     precision: str = "bf16-mixed"
@@ -64,6 +67,7 @@ class CostOptions:
     bucket_bytes: float = 25e6
     memory_margin: float = 0.9
     feature_bytes: int = 4
+    step_overhead: float = 0.0
 
     @property
     def bytes_el(self) -> int:
@@ -687,6 +691,7 @@ def evaluate_plan(
         step = sum(fwd.values()) + sync["total"] + sum(bwd.values()) + sum(c.dp_exposed for c in costs.values())
     else:
         step = max(fwd.values()) + sync["total"] + max(bwd[n] + c.dp_exposed for n, c in costs.items())
+    step += opts.step_overhead
     limit = cluster.device.memory * opts.memory_margin
     if colocated:
         for tc in costs.values():
