@@ -129,6 +129,8 @@ class TowerRuntime:
         self._pending: _Pending | None = None
         self._slots: dict[int, dict[str, GatherSlot]] = {}
         self.stages: dict[str, _StageInfo] = {}
+        #: bytes of stage-boundary activations the last forward kept outside autograd (cached schedule)
+        self.stash_bytes = 0
 
     # ------------------------------------------------------------------ memory
     def release_remote_towers(self) -> None:
@@ -213,6 +215,7 @@ class TowerRuntime:
         n = self.global_batch_size(batch)
         rank_batch = self.layout.batch(n)
         local: dict[str, Tensor] = {}
+        self.stash_bytes = 0
         cached: dict[str, list[_CachedMicrobatch]] = {}
         staged: dict[str, list[_StagedMicrobatch]] = {}
         training = torch.is_grad_enabled()
@@ -290,6 +293,8 @@ class TowerRuntime:
                 outs.append(x)
         if grad:
             staged[name] = records
+            if cached:
+                self.stash_bytes += sum(r.input.numel() * r.input.element_size() for r in records if r.input is not None)
         return torch.cat(outs) if outs else None
 
     def _pipeline_backward(self, name: str, records: list["_StagedMicrobatch"], grad: Tensor | None) -> None:

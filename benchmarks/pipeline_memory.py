@@ -1,0 +1,187 @@
+"""Activation memory of the pipeline schedules, measured side by side in one run.
+
+Image tower cut into 2 pipeline stages (ranks 0, 1), text tower on rank 2 (3 CPU ranks, gloo).
+For each schedule the activation bytes autograd keeps for backward are counted on every rank
+(``lightning_distmm.parallel.memory.ActivationMeter``: saved-tensor accounting, weights excluded,
+plus the stage inputs that ``cached`` keeps outside autograd for its recompute)
+and the step time is timed on rank 0:
+
+1. peak activation bytes per rank at a fixed global batch, ``gpipe`` vs ``cached``;
+2. the largest contrastive batch that fits a per-rank activation budget (the budget is gpipe's
+   peak at the fixed batch, so gpipe's largest batch is that batch): cached is run at growing
+   batches until a rank exceeds the budget;
+3. step time of cached vs gpipe at the same batch (cached recomputes each microbatch once).
+
+The ``distmm`` schedule (DistMM-Pipe) is not executed yet and is listed as such.
+
+    python benchmarks/pipeline_memory.py --batch 32 --microbatch 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+import warnings
+from contextlib import ExitStack
+from pathlib import Path
+
+import lightning as L
+import torch
+from timm.models.vision_transformer import VisionTransformer
+from torch import nn
+from torch.utils.data import DataLoader
+from transformers import CLIPTextConfig, CLIPTextModel
+
+import lightning_distmm as ldm
+from lightning_distmm.parallel.memory import ActivationMeter
+
+EMBED, VOCAB, SEQ, IMG = 64, 128, 16, 32
+
+
+class TextTower(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        cfg = CLIPTextConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
+            max_position_embeddings=SEQ, eos_token_id=VOCAB - 1, bos_token_id=VOCAB - 2, pad_token_id=0,
+        )
+        self.encoder = CLIPTextModel(cfg)
+        self.proj = nn.Linear(64, EMBED, bias=False)
+
+    def forward(self, input_ids, attention_mask):
+        return self._pool(self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state, attention_mask)
+
+    def _pool(self, hidden, mask):
+        return self.proj(hidden[torch.arange(hidden.shape[0]), mask.sum(1) - 1])
+
+    def pipeline_stages(self, pp):
+        from lightning_distmm.parallel.pipeline import clip_text_stages
+
+        return clip_text_stages(self.encoder, pp, lambda h, rows: self._pool(h, rows["attention_mask"]), [self.proj])
+
+
+class BenchCLIP(ldm.DistMMMixin, L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.visual = VisionTransformer(img_size=IMG, patch_size=4, embed_dim=64, depth=4, num_heads=2, num_classes=EMBED)
+        self.text = TextTower()
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
+
+    def towers(self):
+        return {"image": ldm.Tower(self.visual, "image"), "text": ldm.Tower(self.text, ["input_ids", "attention_mask"])}
+
+    def interaction_loss(self, features):
+        return ldm.losses.clip_loss(features["image"], features["text"], self.logit_scale)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class Pairs(ldm.FieldDataset):
+    fields = ("image", "input_ids", "attention_mask")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def load(self, index, fields):
+        g = torch.Generator().manual_seed(index)
+        ids = torch.randint(1, VOCAB - 2, (SEQ,), generator=g)
+        ids[-1] = VOCAB - 1
+        out = {"image": torch.randn(3, IMG, IMG, generator=g), "input_ids": ids, "attention_mask": torch.ones(SEQ, dtype=torch.long)}
+        return {k: out[k] for k in fields}
+
+
+class Probe(L.Callback):
+    """Per rank: peak activation bytes over the timed steps; rank 0 also times each step."""
+
+    def __init__(self, folder: str, warmup: int) -> None:
+        self.folder, self.warmup = folder, warmup
+        self.meter, self.stack, self.t0 = ActivationMeter(), ExitStack(), 0.0
+        self.peaks: list[int] = []
+        self.times: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.meter.reset()
+        self.stack.enter_context(self.meter.track())
+        self.t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.times.append(time.perf_counter() - self.t0)
+        self.stack.close()
+        # cached keeps each microbatch's stage input outside autograd until its recompute: count it
+        self.peaks.append(self.meter.peak + pl_module._distmm_runtime.stash_bytes)
+        Path(self.folder, f"rank{trainer.global_rank}.json").write_text(
+            json.dumps({"peak": max(self.peaks), "times": self.times[self.warmup :]})
+        )
+
+
+def run(schedule: str, batch: int, microbatch: int, steps: int, warmup: int) -> tuple[list[int], float]:
+    L.seed_everything(0, verbose=False)
+    tower = {"microbatch": microbatch, "schedule": schedule}
+    plan = ldm.Plan(3, {"image": {"ranks": [0, 1], "pp": 2, **tower}, "text": {"ranks": [2], **tower}})
+    with tempfile.TemporaryDirectory() as folder:
+        trainer = L.Trainer(
+            accelerator="cpu", devices=3, strategy=ldm.DistMMStrategy(plan, start_method="fork"), max_steps=steps,
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[Probe(folder, warmup)],
+        )
+        trainer.fit(BenchCLIP(), DataLoader(Pairs(batch * steps), batch_size=batch, drop_last=True))
+        ranks = [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(3)]
+    return [r["peak"] for r in ranks], statistics.median(ranks[0]["times"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=32, help="the fixed global batch")
+    parser.add_argument("--microbatch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds for the step times")
+    parser.add_argument("--max-batch", type=int, default=1024)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+
+    peaks, times = {}, {"gpipe": [], "cached": []}
+    for _ in range(args.rounds):
+        for schedule in ("gpipe", "cached"):
+            peaks[schedule], t = run(schedule, args.batch, args.microbatch, args.steps, args.warmup)
+            times[schedule].append(t)
+    budget = max(peaks["gpipe"])
+    largest = {"gpipe": args.batch}
+    batch, fitted = args.batch, args.batch
+    while batch * 2 <= args.max_batch:
+        batch *= 2
+        trial, _ = run("cached", batch, args.microbatch, 2, 0)
+        if max(trial) > budget:
+            break
+        fitted = batch
+    largest["cached"] = fitted
+
+    mib = 1 / 2**20
+    print(f"\nactivation memory, image pp=2 (ranks 0,1) + text (rank 2), global batch {args.batch}, microbatch {args.microbatch}")
+    print(f"{'schedule':<10} {'rank0 MiB':>10} {'rank1 MiB':>10} {'rank2 MiB':>10} {'step ms':>9} {'largest batch':>14}")
+    for schedule in ("gpipe", "cached"):
+        p = peaks[schedule]
+        print(f"{schedule:<10} {p[0] * mib:>10.2f} {p[1] * mib:>10.2f} {p[2] * mib:>10.2f}"
+              f" {statistics.median(times[schedule]) * 1e3:>9.1f} {largest[schedule]:>14}")
+    print(f"{'distmm':<10} {'(DistMM-Pipe is not executed yet)':>45}")
+    ratio_batch = largest["cached"] / largest["gpipe"]
+    ratio_time = statistics.median(times["cached"]) / statistics.median(times["gpipe"])
+    print(f"\nbudget = gpipe's peak {budget * mib:.2f} MiB per rank")
+    print(f"largest batch, cached / gpipe: {ratio_batch:.0f}x (target >= 8x: {'yes' if ratio_batch >= 8 else 'no'};"
+          f" capped at --max-batch {args.max_batch})")
+    print(f"step time at batch {args.batch}, cached / gpipe: {ratio_time:.2f} (target <= 1.5: {'yes' if ratio_time <= 1.5 else 'no'})")
+
+
+if __name__ == "__main__":
+    main()
