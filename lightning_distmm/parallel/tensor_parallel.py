@@ -143,8 +143,18 @@ def check_tp(module: nn.Module, tp: int, tower: str) -> None:
 
 
 def apply_tp(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """Shard a tower by its family: a timm ViT (``blocks[*].attn.qkv``) or a text encoder with ``encoder.layers``."""
-    return apply_tp_vit(module, mesh) if _family(module) == "vit" else apply_tp_clip_text(module, mesh)
+    """Shard a tower by its family: a timm ViT (``blocks[*].attn.qkv``) or a text encoder with ``encoder.layers``.
+
+    Idempotent: a second ``Trainer`` call in the same process (fit, then validate) finds the tower
+    already sharded over this mesh.
+    """
+    if getattr(module, "_distmm_tp_mesh", None) is not None:
+        if module._distmm_tp_mesh != mesh:  # type: ignore[comparison-overlap]
+            raise ValueError("this tower is already sharded over another tensor-parallel mesh")
+        return module
+    apply_tp_vit(module, mesh) if _family(module) == "vit" else apply_tp_clip_text(module, mesh)
+    module._distmm_tp_mesh = mesh  # type: ignore[assignment]
+    return module
 
 
 __all__ = ["apply_tp", "check_tp", "apply_tp_vit", "apply_tp_clip_text"]
