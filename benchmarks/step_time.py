@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 from transformers import CLIPTextConfig, CLIPTextModel
 
 import lightning_distmm as ldm

@@ -6,12 +6,15 @@ finish in seconds.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import lightning as L
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
@@ -184,3 +187,32 @@ class DeepCLIP(TinyCLIP):
             img_size=8, patch_size=4, embed_dim=16, depth=2, num_heads=4, mlp_ratio=2.0, num_classes=EMBED, qkv_bias=False
         )
         self.text = TinyText(layers=2)
+
+
+@dataclass
+class Comparison:
+    """One module trained twice on the same global batches: in one process and under distmm."""
+
+    reference: nn.Module
+    distributed: nn.Module
+    initial: nn.Module
+    reference_losses: list[float]
+    distributed_losses: list[float]
+
+    def assert_exact(self, tol: float = 1e-5) -> None:
+        """Same weights and same logged losses, and the weights really moved (not trivially equal)."""
+        assert max_param_diff(self.reference, self.distributed) <= tol
+        assert len(self.distributed_losses) == len(self.reference_losses) > 0
+        assert self.distributed_losses == pytest.approx(self.reference_losses, abs=tol)
+        assert max_param_diff(self.reference, self.initial) > 1e-3
+
+
+def compare_with_reference(
+    make: Callable[[], L.LightningModule], plan: Any, devices: int, batch: int, steps: int, tmp_path: Path, **extra: Any
+) -> Comparison:
+    L.seed_everything(0)
+    reference = make()
+    module, initial = copy.deepcopy(reference), copy.deepcopy(reference)
+    run_reference(reference, loader(batch), steps, str(tmp_path / "ref.json"), **extra)
+    run_distmm(module, plan, devices, loader(batch), steps, str(tmp_path / "dist.json"), **extra)
+    return Comparison(reference, module, initial, read_losses(tmp_path / "ref.json"), read_losses(tmp_path / "dist.json"))

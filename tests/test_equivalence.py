@@ -1,6 +1,5 @@
 """Every plan trains exactly like one process on the same global batches."""
 
-import copy
 
 import torch
 
@@ -8,7 +7,7 @@ import lightning as L
 import pytest
 
 import lightning_distmm as ldm
-from distmm_testing import DeepCLIP, TinyCLIP, loader, max_param_diff, read_losses, run_distmm, run_reference
+from distmm_testing import DeepCLIP, TinyCLIP, compare_with_reference, loader, max_param_diff
 
 PLANS = {
     "colocated-2": (2, 8, ldm.Plan(2, {"image": {"ranks": [0, 1]}, "text": {"ranks": [0, 1]}})),
@@ -25,34 +24,19 @@ PLANS = {
 @pytest.mark.parametrize("name", list(PLANS))
 def test_matches_single_process(name, optimizer, tmp_path):
     world, batch, plan = PLANS[name]
-    L.seed_everything(0)
-    reference = TinyCLIP(optimizer, lr=0.05 if optimizer == "sgd" else 0.01)
-    module = copy.deepcopy(reference)
-    initial = copy.deepcopy(reference)
-    run_reference(reference, loader(batch), 3, str(tmp_path / "ref.json"))
-    run_distmm(module, plan, world, loader(batch), 3, str(tmp_path / "dist.json"))
-    assert max_param_diff(reference, module) <= 1e-5
-    ref_losses, dist_losses = read_losses(tmp_path / "ref.json"), read_losses(tmp_path / "dist.json")
-    assert len(ref_losses) == len(dist_losses) == 3
-    for a, b in zip(ref_losses, dist_losses):
-        assert abs(a - b) <= 1e-5
-    # the weights really moved: equality is not the trivial one
-    assert max_param_diff(reference, initial) > 1e-3
+    lr = 0.05 if optimizer == "sgd" else 0.01
+    result = compare_with_reference(lambda: TinyCLIP(optimizer, lr=lr), plan, world, batch, 3, tmp_path)
+    assert len(result.distributed_losses) == 3
+    result.assert_exact()
 
 
 @pytest.mark.slow
 def test_frozen_tower_lit(tmp_path):
     """LiT: a frozen text tower runs without gradients on its own rank; the rest matches one process."""
     plan = ldm.Plan(3, {"image": {"ranks": [0, 1]}, "text": {"ranks": [2]}})
-    L.seed_everything(0)
-    reference = TinyCLIP("adamw", lr=0.01, frozen_text=True)
-    module = copy.deepcopy(reference)
-    initial = copy.deepcopy(reference)
-    run_reference(reference, loader(8), 3, str(tmp_path / "ref.json"))
-    run_distmm(module, plan, 3, loader(8), 3, str(tmp_path / "dist.json"))
-    assert max_param_diff(reference, module) <= 1e-5
-    assert max_param_diff(module.text, initial.text) == 0.0
-    assert max_param_diff(module.visual, initial.visual) > 1e-3
+    result = compare_with_reference(lambda: TinyCLIP("adamw", lr=0.01, frozen_text=True), plan, 3, 8, 3, tmp_path)
+    result.assert_exact()
+    assert max_param_diff(result.distributed.text, result.initial.text) == 0.0
 
 
 def test_registered_strategies():
@@ -70,37 +54,22 @@ def test_default_plan_follows_flops(tmp_path):
     """No plan given: ranks in proportion to the towers' counted FLOPs, still exact."""
     from lightning_distmm.plan.flops import tower_flops
 
-    L.seed_everything(0)
-    reference = TinyCLIP("sgd", lr=0.05)
-    module = copy.deepcopy(reference)
-    flops = tower_flops(reference, next(iter(loader(1))))
+    flops = tower_flops(TinyCLIP(), next(iter(loader(1))))
     assert flops["image"] > 0 and flops["text"] > 0
-    run_reference(reference, loader(8), 2, str(tmp_path / "ref.json"))
-    run_distmm(module, None, 3, loader(8), 2, str(tmp_path / "dist.json"))
-    assert max_param_diff(reference, module) <= 1e-5
+    compare_with_reference(lambda: TinyCLIP("sgd", lr=0.05), None, 3, 8, 2, tmp_path).assert_exact()
 
 
 @pytest.mark.slow
 def test_recompute_is_exact(tmp_path):
     """Activation checkpointing of a tower changes memory, not the result."""
     plan = ldm.Plan(2, {"image": {"ranks": [0], "recompute": True}, "text": {"ranks": [1], "recompute": True}})
-    L.seed_everything(0)
-    reference = TinyCLIP("adamw", lr=0.01)
-    module = copy.deepcopy(reference)
-    run_reference(reference, loader(8), 2, str(tmp_path / "ref.json"))
-    run_distmm(module, plan, 2, loader(8), 2, str(tmp_path / "dist.json"))
-    assert max_param_diff(reference, module) <= 1e-5
+    compare_with_reference(lambda: TinyCLIP("adamw", lr=0.01), plan, 2, 8, 2, tmp_path).assert_exact()
 
 
 @pytest.mark.slow
 def test_auto_plan_trains_exactly(tmp_path):
     """plan='auto': rank 0 measures the towers and plans, every rank runs that plan."""
-    L.seed_everything(0)
-    reference = TinyCLIP("sgd", lr=0.05)
-    module = copy.deepcopy(reference)
-    run_reference(reference, loader(8), 2, str(tmp_path / "ref.json"))
-    run_distmm(module, "auto", 2, loader(8), 2, str(tmp_path / "dist.json"))
-    assert max_param_diff(reference, module) <= 1e-5
+    compare_with_reference(lambda: TinyCLIP("sgd", lr=0.05), "auto", 2, 8, 2, tmp_path).assert_exact()
 
 
 MICRO_PLANS = {
@@ -115,13 +84,7 @@ MICRO_PLANS = {
 def test_microbatched_schedules_are_exact(name, tmp_path):
     """Microbatches (gpipe keeps their activations, cached recomputes them) give the whole-batch gradient."""
     plan = MICRO_PLANS[name]
-    L.seed_everything(0)
-    reference = TinyCLIP("adamw", lr=0.01)
-    module = copy.deepcopy(reference)
-    run_reference(reference, loader(10), 3, str(tmp_path / "ref.json"))
-    run_distmm(module, plan, plan.world_size, loader(10), 3, str(tmp_path / "dist.json"))
-    assert max_param_diff(reference, module) <= 1e-5
-    assert read_losses(tmp_path / "dist.json") == pytest.approx(read_losses(tmp_path / "ref.json"), abs=1e-5)
+    compare_with_reference(lambda: TinyCLIP("adamw", lr=0.01), plan, plan.world_size, 10, 3, tmp_path).assert_exact()
 
 
 def test_cached_recompute_replays_dropout():
@@ -193,13 +156,7 @@ class WholeBatchLoss(TinyCLIP):
     ids=["siglip", "three-towers-separate", "three-towers-overlapping", "whole-batch-loss"],
 )
 def test_other_losses_and_towers(cls, plan, tmp_path):
-    L.seed_everything(0)
-    reference = cls("adamw", lr=0.01)
-    module = copy.deepcopy(reference)
-    run_reference(reference, loader(9), 3, str(tmp_path / "ref.json"))
-    run_distmm(module, plan, plan.world_size, loader(9), 3, str(tmp_path / "dist.json"))
-    assert max_param_diff(reference, module) <= 1e-5
-    assert read_losses(tmp_path / "dist.json") == pytest.approx(read_losses(tmp_path / "ref.json"), abs=1e-5)
+    compare_with_reference(lambda: cls("adamw", lr=0.01), plan, plan.world_size, 9, 3, tmp_path).assert_exact()
 
 
 TP_PLANS = {
@@ -220,15 +177,10 @@ def test_tensor_parallel_towers_are_exact(name, optimizer, clip, tmp_path):
     """TP changes float summation order; with AdamW + clipping Adam amplifies those 1e-7 differences
     in near-zero gradient entries past 1e-5, so clipping is checked with SGD (the norm is what matters)."""
     plan = TP_PLANS[name]
-    L.seed_everything(0)
-    reference = TinyCLIP(optimizer, lr=0.01 if optimizer == "adamw" else 0.05)
-    module = copy.deepcopy(reference)
-    initial = copy.deepcopy(reference)
-    run_reference(reference, loader(10), 3, str(tmp_path / "ref.json"), gradient_clip_val=clip)
-    run_distmm(module, plan, plan.world_size, loader(10), 3, str(tmp_path / "dist.json"), gradient_clip_val=clip)
-    assert max_param_diff(reference, initial) > 1e-3
-    assert max_param_diff(reference, module) <= 1e-5
-    assert read_losses(tmp_path / "dist.json") == pytest.approx(read_losses(tmp_path / "ref.json"), abs=1e-5)
+    lr = 0.01 if optimizer == "adamw" else 0.05
+    compare_with_reference(
+        lambda: TinyCLIP(optimizer, lr=lr), plan, plan.world_size, 10, 3, tmp_path, gradient_clip_val=clip
+    ).assert_exact()
 
 
 PP_PLANS = {
@@ -255,12 +207,4 @@ PP_PLANS = {
 @pytest.mark.parametrize("name", list(PP_PLANS))
 def test_pipeline_parallel_towers_are_exact(name, tmp_path):
     plan = PP_PLANS[name]
-    L.seed_everything(0)
-    reference = DeepCLIP("adamw", lr=0.01)
-    module = copy.deepcopy(reference)
-    initial = copy.deepcopy(reference)
-    run_reference(reference, loader(10), 2, str(tmp_path / "ref.json"))
-    run_distmm(module, plan, plan.world_size, loader(10), 2, str(tmp_path / "dist.json"))
-    assert max_param_diff(reference, module) <= 1e-5
-    assert read_losses(tmp_path / "dist.json") == pytest.approx(read_losses(tmp_path / "ref.json"), abs=1e-5)
-    assert max_param_diff(reference, initial) > 1e-3
+    compare_with_reference(lambda: DeepCLIP("adamw", lr=0.01), plan, plan.world_size, 10, 2, tmp_path).assert_exact()
