@@ -42,23 +42,16 @@ from lightning_distmm.parallel.exchange import (
 from lightning_distmm.parallel.groups import TowerGroups
 from lightning_distmm.parallel.layout import RankBatch, RankLayout
 from lightning_distmm.plan.plan import Plan
+from lightning_distmm.plan.schedule import Backward, BatchSync, Forward, GradSync, Instruction, rank_schedule
 
 #: the batch key under which the distmm data loader tells every rank the global batch size
 GLOBAL_BATCH_KEY = "__distmm_global_batch__"
 
 
 @dataclass
-class _CachedMicrobatch:
-    """A microbatch of a ``cached`` tower: its inputs and the RNG state to recompute it identically."""
-
-    rows: Mapping[str, Any]
-    rng: tuple[Tensor, Tensor | None]
-
-
-@dataclass
-class _StagedMicrobatch:
-    """A microbatch through a pipeline stage: its input activation (None on stage 0), batch rows,
-    output with its graph (gpipe) or None plus the RNG state to recompute it (cached)."""
+class _Microbatch:
+    """A microbatch on this rank's stage: its input activation (None on the first stage), batch rows,
+    and either its output with the graph (kept) or the RNG state to recompute it (cached)."""
 
     input: Tensor | None
     rows: Mapping[str, Any]
@@ -77,13 +70,12 @@ class _StageInfo:
 
 @dataclass
 class _Pending:
-    """What the forward leaves for the backward: local features, the whole-batch leaves, cached microbatches."""
+    """What the forward leaves for the backward: the whole-batch leaves and this rank's microbatches."""
 
-    local: dict[str, Tensor]
     full: dict[str, Tensor]
     batch: RankBatch
-    cached: dict[str, list[_CachedMicrobatch]]
-    staged: dict[str, list[_StagedMicrobatch]]
+    records: dict[str, list[_Microbatch]]
+    n: int
 
 
 def tower_parameters(module: nn.Module, towers: Mapping[str, Tower]) -> tuple[dict[str, dict[str, nn.Parameter]], dict[str, nn.Parameter]]:
@@ -128,6 +120,7 @@ class TowerRuntime:
         self.specs: dict[str, FeatureSpec] | None = None
         self._pending: _Pending | None = None
         self._slots: dict[int, dict[str, GatherSlot]] = {}
+        self._schedules: dict[int, list[Instruction]] = {}
         self.stages: dict[str, _StageInfo] = {}
         #: bytes of stage-boundary activations the last forward kept outside autograd (cached schedule)
         self.stash_bytes = 0
@@ -211,16 +204,19 @@ class TowerRuntime:
             }
         return self._slots[n]
 
+    def schedule(self, n: int) -> list[Instruction]:
+        """This rank's instructions for a global batch of ``n`` (the plan's schedule, as data)."""
+        if n not in self._schedules:
+            self._schedules[n] = rank_schedule(self.plan, self.rank, n)
+        return self._schedules[n]
+
     def contrastive_loss(self, module: DistMMMixin, batch: Mapping[str, Any]) -> Tensor:
+        """Run the schedule up to the batch-sync, then the interaction forward on this rank's rows."""
         n = self.global_batch_size(batch)
         rank_batch = self.layout.batch(n)
-        local: dict[str, Tensor] = {}
-        self.stash_bytes = 0
-        cached: dict[str, list[_CachedMicrobatch]] = {}
-        staged: dict[str, list[_StagedMicrobatch]] = {}
         training = torch.is_grad_enabled()
+        chunks: dict[str, list[dict[str, Any]]] = {}
         for name in self.layout.local_towers:
-            share = rank_batch.towers[name]
             tower = self.towers[name]
             for f in tower.fields:
                 if f not in batch:
@@ -228,25 +224,19 @@ class TowerRuntime:
                         f"tower {name!r} reads batch field {f!r} but the batch has only"
                         f" {sorted(k for k in batch if k != GLOBAL_BATCH_KEY)}"
                     )
-            chunks = [
+            chunks[name] = [
                 {f: _take_rows(batch[f], part) for f in tower.fields}
-                for part in _microbatches(share.local, self.plan.towers[name].microbatch)
+                for part in _microbatches(rank_batch.towers[name].local, self.plan.towers[name].microbatch)
             ]
-            if name in self.stages:
-                out = self._pipeline_forward(name, chunks, training, staged)
-                if out is not None:
-                    local[name] = out
-            elif self.plan.towers[name].schedule == "cached" and training and self.trainable(name):
-                # gradient cache: features now without activations, recomputed per microbatch in backward
-                cached[name] = []
-                outs = []
-                with torch.no_grad():
-                    for rows in chunks:
-                        cached[name].append(_CachedMicrobatch(rows, _rng_state(self.device)))
-                        outs.append(tower.encode(rows))
-                local[name] = torch.cat(outs)
-            else:
-                local[name] = torch.cat([self._encode(name, rows, training) for rows in chunks])
+        self.stash_bytes = 0
+        records: dict[str, list[_Microbatch]] = {}
+        outputs: dict[str, list[Tensor]] = {}
+        for ins in self.schedule(n):
+            if isinstance(ins, BatchSync):
+                break
+            assert isinstance(ins, Forward)
+            self._forward(ins, chunks[ins.tower][ins.mb], training, records, outputs)
+        local = {name: torch.cat(outs) for name, outs in outputs.items()}
         if self.specs is None:
             self.specs = exchange_specs(local, list(self.towers))
         full = gather_features(local, self.slots(n), self.specs, self.device)
@@ -261,110 +251,93 @@ class TowerRuntime:
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         if not (training and loss.requires_grad):
             return total
-        self._pending = _Pending(local, full, rank_batch, cached, staged)
+        self._pending = _Pending(full, rank_batch, records, n)
         return loss + (total - loss.detach())
 
-    def _pipeline_forward(
-        self, name: str, chunks: list[dict[str, Any]], training: bool, staged: dict[str, list["_StagedMicrobatch"]]
-    ) -> Tensor | None:
-        """Run this rank's stage on every microbatch; the last stage returns the features."""
-        from lightning_distmm.parallel.pipeline import recv_tensor, send_tensor
-
-        info = self.stages[name]
-        grad = training and self.trainable(name)
-        cached = grad and self.plan.towers[name].schedule == "cached"
-        records: list[_StagedMicrobatch] = []
-        outs = []
-        for rows in chunks:
-            x_in = recv_tensor(info.prev, self.device) if info.prev is not None else None
-            if cached:
-                rng = _rng_state(self.device)
-                with torch.no_grad():
-                    x = info.stage.run(x_in, rows)
-                records.append(_StagedMicrobatch(x_in, rows, None, rng))
-            else:
-                if grad and x_in is not None:
-                    x_in.requires_grad_(True)
-                x = info.stage.run(x_in, rows)
-                records.append(_StagedMicrobatch(x_in, rows, x if grad else None, None))
-            if info.next is not None:
-                send_tensor(x, info.next)
-            else:
-                outs.append(x)
-        if grad:
-            staged[name] = records
-            if cached:
-                self.stash_bytes += sum(r.input.numel() * r.input.element_size() for r in records if r.input is not None)
-        return torch.cat(outs) if outs else None
-
-    def _pipeline_backward(self, name: str, records: list["_StagedMicrobatch"], grad: Tensor | None) -> None:
-        """Backward through this rank's stage, microbatch by microbatch, passing input gradients back."""
-        from lightning_distmm.parallel.pipeline import recv_tensor, send_tensor
-
-        info = self.stages[name]
-        start = 0
-        for rec in records:
-            if rec.output is None:  # cached: recompute the stage from its saved input
-                x_in = rec.input.requires_grad_(True) if rec.input is not None else None
-                with _restored_rng(rec.rng, self.device):  # type: ignore[arg-type]
-                    out = info.stage.run(x_in, rec.rows)
-            else:
-                x_in, out = rec.input, rec.output
-            if info.next is None:
-                assert grad is not None
-                g_out = grad[start : start + out.shape[0]]
-                start += out.shape[0]
-            else:
-                g_out = recv_tensor(info.next, self.device)
-            torch.autograd.backward(out, g_out)
-            if info.prev is not None:
-                assert x_in is not None
-                send_tensor(x_in.grad if x_in.grad is not None else torch.zeros_like(x_in), info.prev)
-
-    def _encode(self, name: str, rows: Mapping[str, Any], training: bool) -> Tensor:
+    def _run_stage(self, name: str, x: Tensor | None, rows: Mapping[str, Any], training: bool) -> Tensor:
+        if name in self.stages:
+            return self.stages[name].stage.run(x, rows)
         tower = self.towers[name]
         if self.plan.towers[name].recompute and training and self.trainable(name):
             # activation checkpointing: keep the tower's inputs, recompute its forward in backward
             return checkpoint(tower.encode, rows, use_reentrant=False)
         return tower.encode(rows)
 
+    def _forward(
+        self, ins: Forward, rows: Mapping[str, Any], training: bool,
+        records: dict[str, list["_Microbatch"]], outputs: dict[str, list[Tensor]],
+    ) -> None:
+        """One microbatch through this rank's stage of a tower (the whole tower without pipeline)."""
+        from lightning_distmm.parallel.pipeline import recv_tensor, send_tensor
+
+        grad = training and self.trainable(ins.tower)
+        x_in = recv_tensor(ins.recv_from, self.device) if ins.recv_from is not None else None
+        if grad and not ins.keep:  # cached: no activations now, recompute from the input in backward
+            rng = _rng_state(self.device)
+            with torch.no_grad():
+                x = self._run_stage(ins.tower, x_in, rows, training)
+            records.setdefault(ins.tower, []).append(_Microbatch(x_in, rows, None, rng))
+            if x_in is not None:
+                self.stash_bytes += x_in.numel() * x_in.element_size()
+        else:
+            if grad and x_in is not None:
+                x_in.requires_grad_(True)
+            x = self._run_stage(ins.tower, x_in, rows, training)
+            if grad:
+                records.setdefault(ins.tower, []).append(_Microbatch(x_in, rows, x, None))
+        if ins.send_to is not None:
+            send_tensor(x, ins.send_to)
+        else:
+            outputs.setdefault(ins.tower, []).append(x)
+
+    def _backward(self, ins: Backward, micro: "_Microbatch", feature_grad: Tensor | None) -> None:
+        """One microbatch backward through this rank's stage; the input gradient goes to the previous stage."""
+        from lightning_distmm.parallel.pipeline import recv_tensor, send_tensor
+
+        if micro.output is None:  # cached: recompute the stage from its saved input, same RNG
+            x_in = micro.input.requires_grad_(True) if micro.input is not None else None
+            with _restored_rng(micro.rng, self.device):  # type: ignore[arg-type]
+                out = self._run_stage(ins.tower, x_in, micro.rows, True)
+        else:
+            x_in, out = micro.input, micro.output
+        g_out = recv_tensor(ins.recv_from, self.device) if ins.recv_from is not None else feature_grad
+        torch.autograd.backward(out, g_out)
+        if ins.send_to is not None:
+            assert x_in is not None
+            send_tensor(x_in.grad if x_in.grad is not None else torch.zeros_like(x_in), ins.send_to)
+
     # ------------------------------------------------------------------ backward
     def finish_backward(self, sync: bool) -> None:
-        """After ``loss.backward()``: sum feature gradients over ranks, resume the towers' backward, sync."""
+        """After ``loss.backward()``: finish the batch-sync, then run the schedule's backward part."""
         pending, self._pending = self._pending, None
         if pending is None:
             raise RuntimeError(
                 "distmm: backward() was called without a loss from contrastive_loss() in this step;"
                 " the training_step must return the loss that DistMMMixin.contrastive_loss(batch) gave"
             )
-        names = [n for n in pending.full if self.trainable(n)]
+        # batch-sync, second half: partial feature gradients summed over ranks
         grads = {}
-        for name in names:
-            leaf = pending.full[name]
-            grads[name] = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+        for name, leaf in pending.full.items():
+            if self.trainable(name):
+                grads[name] = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
         allreduce_sum(list(grads.values()))
-        outputs, output_grads = [], []
-        for name in self.layout.local_towers:
-            if name not in grads:
+        offsets: dict[str, int] = {}
+        instructions = self.schedule(pending.n)
+        for ins in instructions[instructions.index(BatchSync()) + 1 :]:
+            if isinstance(ins, GradSync):
+                if sync:
+                    self.sync_gradients()
                 continue
-            share = pending.batch.towers[name]
-            grad = grads[name][share.start : share.stop]
-            if name in pending.staged:
-                self._pipeline_backward(name, pending.staged[name], grad)
-            elif name in pending.cached:
-                start = 0
-                for micro in pending.cached[name]:
-                    with _restored_rng(micro.rng, self.device):
-                        out = self.towers[name].encode(micro.rows)
-                    torch.autograd.backward(out, grad[start : start + out.shape[0]])
-                    start += out.shape[0]
-            else:
-                outputs.append(pending.local[name])
-                output_grads.append(grad)
-        if outputs:
-            torch.autograd.backward(outputs, output_grads)
-        if sync:
-            self.sync_gradients()
+            assert isinstance(ins, Backward)
+            if ins.tower not in grads:
+                continue  # frozen tower: nothing to backpropagate
+            feature_grad = None
+            if ins.recv_from is None:  # last stage: this microbatch's rows of the feature gradient
+                share = pending.batch.towers[ins.tower]
+                start = share.start + offsets.get(ins.tower, 0)
+                feature_grad = grads[ins.tower][start : start + ins.rows]
+                offsets[ins.tower] = offsets.get(ins.tower, 0) + ins.rows
+            self._backward(ins, pending.records[ins.tower][ins.mb], feature_grad)
 
     def _grads_for(self, params: Mapping[str, nn.Parameter]) -> list[Tensor]:
         out = []

@@ -1,0 +1,195 @@
+"""The schedule is data: per rank, the list of instructions of one training step.
+
+One generator per schedule emits, for every rank, what it does in order: forward a microbatch
+through its stage of a tower (receiving the input from the previous stage, sending the output to
+the next), the batch-sync, backward a microbatch (receiving the output gradient, sending the
+input gradient), the gradient sums. The runtime's executor runs this list
+(``lightning_distmm.parallel.runtime``), :func:`simulate` turns the same lists into a timeline
+(and a bubble fraction), and :func:`timeline_svg` draws it: one source of truth.
+
+Pure Python: no process groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+from lightning_distmm.plan.plan import Plan
+
+
+@dataclass(frozen=True)
+class Forward:
+    """Microbatch ``mb`` of ``tower`` through this rank's stage; ``keep``: keep activations for backward."""
+
+    tower: str
+    mb: int
+    rows: int
+    recv_from: int | None
+    send_to: int | None
+    keep: bool
+
+
+@dataclass(frozen=True)
+class BatchSync:
+    """Features of every tower meet: gather, the interaction loss forward and backward, gradient split."""
+
+
+@dataclass(frozen=True)
+class Backward:
+    """Microbatch ``mb`` of ``tower`` backward through this stage (``recompute``: rerun its forward first)."""
+
+    tower: str
+    mb: int
+    rows: int
+    recv_from: int | None
+    send_to: int | None
+    recompute: bool
+
+
+@dataclass(frozen=True)
+class GradSync:
+    """Gradient sums over data-parallel peers (and of the interaction parameters over all ranks)."""
+
+
+Instruction = Forward | BatchSync | Backward | GradSync
+
+
+def microbatch_sizes(rows: int, microbatch: int | None) -> list[int]:
+    if microbatch is None or microbatch >= rows:
+        return [rows]
+    return [min(microbatch, rows - a) for a in range(0, rows, microbatch)]
+
+
+def stage_neighbours(plan: Plan, tower: str, rank: int) -> tuple[int, int, int | None, int | None]:
+    """(replica, stage, previous stage's rank, next stage's rank) of ``rank`` in ``tower``."""
+    t = plan.towers[tower]
+    replica = t.replica_of(rank)
+    assert replica is not None
+    ranks = t.replica_ranks(replica)
+    pos = ranks.index(rank)
+    stage, tp = divmod(pos, t.tp)
+    prev = ranks[(stage - 1) * t.tp + tp] if stage > 0 else None
+    nxt = ranks[(stage + 1) * t.tp + tp] if stage < t.pp - 1 else None
+    return replica, stage, prev, nxt
+
+
+def rank_schedule(plan: Plan, rank: int, n: int) -> list[Instruction]:
+    """What ``rank`` does in one step on a global batch of ``n`` (schedules ``gpipe`` and ``cached``).
+
+    Towers in the plan's order, microbatches in order, forwards before the batch-sync, backwards
+    after it: the same order on every rank, so the chain of blocking point-to-point moves has no
+    cycle.
+    """
+    forwards: list[Instruction] = []
+    backwards: list[Instruction] = []
+    for name, t in plan.towers.items():
+        if rank not in t.ranks:
+            continue
+        replica, _, prev, nxt = stage_neighbours(plan, name, rank)
+        sizes = microbatch_sizes(t.split(n)[replica], t.microbatch)
+        cached = t.schedule == "cached"
+        for mb, rows in enumerate(sizes):
+            forwards.append(Forward(name, mb, rows, prev, nxt, keep=not cached))
+            backwards.append(Backward(name, mb, rows, nxt, prev, recompute=cached))
+    return [*forwards, BatchSync(), *backwards, GradSync()]
+
+
+def schedules(plan: Plan, n: int) -> dict[int, list[Instruction]]:
+    return {rank: rank_schedule(plan, rank, n) for rank in range(plan.world_size)}
+
+
+# ---------------------------------------------------------------------- simulation
+@dataclass(frozen=True)
+class Interval:
+    rank: int
+    instruction: Instruction
+    start: float
+    end: float
+
+
+def simulate(
+    plan_schedules: Mapping[int, Sequence[Instruction]], duration: Callable[[int, Instruction], float], link: float = 0.0
+) -> list[Interval]:
+    """Play every rank's list: a receive waits for its send (plus ``link`` seconds), the batch-sync
+    and the gradient sync wait for every rank. Returns each instruction's interval."""
+    clock = {r: 0.0 for r in plan_schedules}
+    pc = {r: 0 for r in plan_schedules}
+    sent: dict[tuple, float] = {}
+    out: list[Interval] = []
+    barrier_arrivals: dict[tuple[str, int], dict[int, float]] = {}
+    barrier_count = {r: 0 for r in plan_schedules}
+    while any(pc[r] < len(plan_schedules[r]) for r in plan_schedules):
+        progressed = False
+        for r, instrs in plan_schedules.items():
+            while pc[r] < len(instrs):
+                ins = instrs[pc[r]]
+                if isinstance(ins, (BatchSync, GradSync)):
+                    key = (type(ins).__name__, barrier_count[r])
+                    arrivals = barrier_arrivals.setdefault(key, {})
+                    arrivals.setdefault(r, clock[r])
+                    if len(arrivals) < len(plan_schedules):
+                        break
+                    start = max(arrivals.values())
+                    end = start + duration(r, ins)
+                    barrier_count[r] += 1
+                else:
+                    direction = "act" if isinstance(ins, Forward) else "grad"
+                    start = clock[r]
+                    if ins.recv_from is not None:
+                        key = (direction, ins.tower, ins.mb, ins.recv_from, r)
+                        if key not in sent:
+                            break
+                        start = max(start, sent[key] + link)
+                    end = start + duration(r, ins)
+                    if ins.send_to is not None:
+                        sent[(direction, ins.tower, ins.mb, r, ins.send_to)] = end
+                out.append(Interval(r, ins, start, end))
+                clock[r] = end
+                pc[r] += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError("the schedule deadlocks: a receive has no matching send")
+    return out
+
+
+def bubble_fraction(intervals: Sequence[Interval]) -> float:
+    """Idle share of the ranks' time over the step (compute and sync intervals count as busy)."""
+    if not intervals:
+        return 0.0
+    span = max(i.end for i in intervals) - min(i.start for i in intervals)
+    ranks = {i.rank for i in intervals}
+    busy = sum(i.end - i.start for i in intervals)
+    return max(0.0, 1.0 - busy / (span * len(ranks))) if span > 0 else 0.0
+
+
+_COLOURS = {"Forward": "#4C9BE8", "Backward": "#E8894C", "BatchSync": "#6BBF59", "GradSync": "#9B59B6"}
+
+
+def timeline_svg(intervals: Sequence[Interval], title: str = "", width: int = 900, row: int = 28) -> str:
+    """A timeline picture (SVG): one row per rank, one box per instruction, labelled tower/microbatch."""
+    ranks = sorted({i.rank for i in intervals})
+    span = max(i.end for i in intervals) or 1.0
+    left, top = 70, 30
+    scale = (width - left - 10) / span
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{top + row * len(ranks) + 30}" font-family="sans-serif" font-size="10">',
+        f'<text x="{left}" y="18" font-size="13">{title}</text>',
+    ]
+    for idx, r in enumerate(ranks):
+        y = top + idx * row
+        parts.append(f'<text x="4" y="{y + row / 2 + 4}">rank {r}</text>')
+    for i in intervals:
+        y = top + ranks.index(i.rank) * row
+        kind = type(i.instruction).__name__
+        x, w = left + i.start * scale, max((i.end - i.start) * scale, 1.0)
+        label = ""
+        if isinstance(i.instruction, (Forward, Backward)):
+            label = f"{i.instruction.tower[0]}{i.instruction.mb}" + ("r" if getattr(i.instruction, "recompute", False) else "")
+        parts.append(
+            f'<rect x="{x:.1f}" y="{y + 3}" width="{w:.1f}" height="{row - 6}" fill="{_COLOURS[kind]}" stroke="white"/>'
+        )
+        if label and w > 14:
+            parts.append(f'<text x="{x + 2:.1f}" y="{y + row / 2 + 4}" fill="white">{label}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts)
