@@ -10,7 +10,9 @@ and the step time is timed on rank 0:
 2. the largest contrastive batch that fits a per-rank activation budget (the budget is gpipe's
    peak at the fixed batch, so gpipe's largest batch is that batch): cached is run at growing
    batches until a rank exceeds the budget;
-3. step time of cached vs gpipe at the same batch (cached recomputes each microbatch once).
+3. step time of cached vs gpipe at the same batch (cached recomputes each microbatch once);
+4. the bubble fraction (idle share of the ranks' time in a step), as measured from the executor's
+   trace of compute intervals, and from the schedule IR simulated with those measured durations.
 
 The ``distmm`` schedule (DistMM-Pipe) is not executed yet and is listed as such.
 
@@ -109,6 +111,7 @@ class Probe(L.Callback):
         self.times: list[float] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        pl_module._distmm_runtime.trace = []
         self.meter.reset()
         self.stack.enter_context(self.meter.track())
         self.t0 = time.perf_counter()
@@ -118,15 +121,46 @@ class Probe(L.Callback):
         self.stack.close()
         # cached keeps each microbatch's stage input outside autograd until its recompute: count it
         self.peaks.append(self.meter.peak + pl_module._distmm_runtime.stash_bytes)
+        trace = [(type(i).__name__, i.tower, i.mb, a, b) for i, a, b in pl_module._distmm_runtime.trace]
         Path(self.folder, f"rank{trainer.global_rank}.json").write_text(
-            json.dumps({"peak": max(self.peaks), "times": self.times[self.warmup :]})
+            json.dumps({"peak": max(self.peaks), "times": self.times[self.warmup :], "trace": trace})
         )
 
 
-def run(schedule: str, batch: int, microbatch: int, steps: int, warmup: int) -> tuple[list[int], float]:
-    L.seed_everything(0, verbose=False)
+def make_plan(schedule: str, microbatch: int) -> ldm.Plan:
     tower = {"microbatch": microbatch, "schedule": schedule}
-    plan = ldm.Plan(3, {"image": {"ranks": [0, 1], "pp": 2, **tower}, "text": {"ranks": [2], **tower}})
+    return ldm.Plan(3, {"image": {"ranks": [0, 1], "pp": 2, **tower}, "text": {"ranks": [2], **tower}})
+
+
+def bubbles(plan: ldm.Plan, batch: int, traces: list[list]) -> tuple[float, float, list]:
+    """(measured, from the IR, the simulated intervals): the idle share of the ranks' compute time
+    over the last step, as traced by the executor and as the IR simulated with those durations."""
+    from lightning_distmm.plan.schedule import Backward, Forward, bubble_fraction, schedules, simulate
+
+    start = min(t[3] for trace in traces for t in trace)
+    end = max(t[4] for trace in traces for t in trace)
+    busy = sum(t[4] - t[3] for trace in traces for t in trace)
+    measured = 1 - busy / ((end - start) * len(traces))
+    medians = {}
+    for rank, trace in enumerate(traces):
+        for kind in ("Forward", "Backward"):
+            for tower in {t[1] for t in trace}:
+                times = [t[4] - t[3] for t in trace if t[0] == kind and t[1] == tower]
+                if times:
+                    medians[(rank, kind, tower)] = statistics.median(times)
+
+    def duration(rank, ins):
+        if isinstance(ins, (Forward, Backward)):
+            return medians.get((rank, type(ins).__name__, ins.tower), 0.0)
+        return 0.0  # the syncs count as idle, as in the measurement
+
+    intervals = simulate(schedules(plan, batch), duration)
+    return measured, bubble_fraction(intervals), intervals
+
+
+def run(schedule: str, batch: int, microbatch: int, steps: int, warmup: int) -> tuple[list[int], float, tuple[float, float]]:
+    L.seed_everything(0, verbose=False)
+    plan = make_plan(schedule, microbatch)
     with tempfile.TemporaryDirectory() as folder:
         trainer = L.Trainer(
             accelerator="cpu", devices=3, strategy=ldm.DistMMStrategy(plan, start_method="fork"), max_steps=steps,
@@ -135,7 +169,8 @@ def run(schedule: str, batch: int, microbatch: int, steps: int, warmup: int) -> 
         )
         trainer.fit(BenchCLIP(), DataLoader(Pairs(batch * steps), batch_size=batch, drop_last=True))
         ranks = [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(3)]
-    return [r["peak"] for r in ranks], statistics.median(ranks[0]["times"])
+    bubble = bubbles(plan, batch, [r["trace"] for r in ranks])
+    return [r["peak"] for r in ranks], statistics.median(ranks[0]["times"]), bubble
 
 
 def main() -> None:
@@ -146,22 +181,23 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds for the step times")
     parser.add_argument("--max-batch", type=int, default=1024)
+    parser.add_argument("--svg", default=None, help="folder for timeline pictures of the simulated schedules")
     args = parser.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
 
-    peaks, times = {}, {"gpipe": [], "cached": []}
+    peaks, times, bubble = {}, {"gpipe": [], "cached": []}, {}
     for _ in range(args.rounds):
         for schedule in ("gpipe", "cached"):
-            peaks[schedule], t = run(schedule, args.batch, args.microbatch, args.steps, args.warmup)
+            peaks[schedule], t, bubble[schedule] = run(schedule, args.batch, args.microbatch, args.steps, args.warmup)
             times[schedule].append(t)
     budget = max(peaks["gpipe"])
     largest = {"gpipe": args.batch}
     batch, fitted = args.batch, args.batch
     while batch * 2 <= args.max_batch:
         batch *= 2
-        trial, _ = run("cached", batch, args.microbatch, 2, 0)
+        trial, _, _ = run("cached", batch, args.microbatch, 2, 0)
         if max(trial) > budget:
             break
         fitted = batch
@@ -169,12 +205,22 @@ def main() -> None:
 
     mib = 1 / 2**20
     print(f"\nactivation memory, image pp=2 (ranks 0,1) + text (rank 2), global batch {args.batch}, microbatch {args.microbatch}")
-    print(f"{'schedule':<10} {'rank0 MiB':>10} {'rank1 MiB':>10} {'rank2 MiB':>10} {'step ms':>9} {'largest batch':>14}")
+    print(f"{'schedule':<10} {'rank0 MiB':>10} {'rank1 MiB':>10} {'rank2 MiB':>10} {'step ms':>9} {'largest batch':>14}"
+          f" {'bubble measured':>16} {'bubble IR':>10}")
     for schedule in ("gpipe", "cached"):
         p = peaks[schedule]
         print(f"{schedule:<10} {p[0] * mib:>10.2f} {p[1] * mib:>10.2f} {p[2] * mib:>10.2f}"
-              f" {statistics.median(times[schedule]) * 1e3:>9.1f} {largest[schedule]:>14}")
+              f" {statistics.median(times[schedule]) * 1e3:>9.1f} {largest[schedule]:>14}"
+              f" {bubble[schedule][0]:>16.2f} {bubble[schedule][1]:>10.2f}")
     print(f"{'distmm':<10} {'(DistMM-Pipe is not executed yet)':>45}")
+    if args.svg:
+        from lightning_distmm.plan.schedule import timeline_svg
+
+        Path(args.svg).mkdir(parents=True, exist_ok=True)
+        for schedule in ("gpipe", "cached"):
+            title = f"{schedule}: image pp=2 (ranks 0-1) + text (rank 2), batch {args.batch}, microbatch {args.microbatch}"
+            Path(args.svg, f"timeline_{schedule}.svg").write_text(timeline_svg(bubble[schedule][2], title))
+        print(f"timelines written to {args.svg}/timeline_{{gpipe,cached}}.svg")
     ratio_batch = largest["cached"] / largest["gpipe"]
     ratio_time = statistics.median(times["cached"]) / statistics.median(times["gpipe"])
     print(f"\nbudget = gpipe's peak {budget * mib:.2f} MiB per rank")

@@ -21,6 +21,7 @@ import contextlib
 import ctypes
 import gc
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
@@ -121,6 +122,8 @@ class TowerRuntime:
         self._pending: _Pending | None = None
         self._slots: dict[int, dict[str, GatherSlot]] = {}
         self._schedules: dict[int, list[Instruction]] = {}
+        #: when a list, the executor appends ``(instruction, start, end)`` of its compute (perf_counter)
+        self.trace: list[tuple[Instruction, float, float]] | None = None
         self.stages: dict[str, _StageInfo] = {}
         #: bytes of stage-boundary activations the last forward kept outside autograd (cached schedule)
         self.stash_bytes = 0
@@ -272,6 +275,7 @@ class TowerRuntime:
 
         grad = training and self.trainable(ins.tower)
         x_in = recv_tensor(ins.recv_from, self.device) if ins.recv_from is not None else None
+        start = time.perf_counter()
         if grad and not ins.keep:  # cached: no activations now, recompute from the input in backward
             rng = _rng_state(self.device)
             with torch.no_grad():
@@ -285,6 +289,8 @@ class TowerRuntime:
             x = self._run_stage(ins.tower, x_in, rows, training)
             if grad:
                 records.setdefault(ins.tower, []).append(_Microbatch(x_in, rows, x, None))
+        if self.trace is not None:
+            self.trace.append((ins, start, time.perf_counter()))
         if ins.send_to is not None:
             send_tensor(x, ins.send_to)
         else:
@@ -294,14 +300,17 @@ class TowerRuntime:
         """One microbatch backward through this rank's stage; the input gradient goes to the previous stage."""
         from lightning_distmm.parallel.pipeline import recv_tensor, send_tensor
 
+        g_out = recv_tensor(ins.recv_from, self.device) if ins.recv_from is not None else feature_grad
+        start = time.perf_counter()
         if micro.output is None:  # cached: recompute the stage from its saved input, same RNG
             x_in = micro.input.requires_grad_(True) if micro.input is not None else None
             with _restored_rng(micro.rng, self.device):  # type: ignore[arg-type]
                 out = self._run_stage(ins.tower, x_in, micro.rows, True)
         else:
             x_in, out = micro.input, micro.output
-        g_out = recv_tensor(ins.recv_from, self.device) if ins.recv_from is not None else feature_grad
         torch.autograd.backward(out, g_out)
+        if self.trace is not None:
+            self.trace.append((ins, start, time.perf_counter()))
         if ins.send_to is not None:
             assert x_in is not None
             send_tensor(x_in.grad if x_in.grad is not None else torch.zeros_like(x_in), ins.send_to)
