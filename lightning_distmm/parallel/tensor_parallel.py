@@ -12,8 +12,9 @@ One function per tower family; the towers stay plain timm / transformers modules
 Everything else (embeddings, norms, heads) stays replicated. Sharded parameters are DTensors, so
 DCP checkpoints and ``full_tensor()`` see their global shapes.
 
-Status: building block for issue 4, tested on its own (tests/test_tensor_parallel.py); the
-runtime does not run tp > 1 plans yet.
+The runtime applies it to each local tower whose plan has ``tp > 1``, after cutting pipeline
+stages (a stage shards only its own blocks). Tested on its own (tests/test_tensor_parallel.py)
+and in training (tests/test_equivalence.py).
 """
 
 from __future__ import annotations
