@@ -9,7 +9,15 @@ import dataclasses
 
 import pytest
 
-from lightning_distmm.plan import Plan, make_plan, measure_tower, measured_profile, plan_choices, price_plan, runtime_cost_defaults
+from lightning_distmm.plan import (
+    Plan,
+    make_plan,
+    measure_tower,
+    measured_profile,
+    plan_choices,
+    price_plan,
+    runtime_cost_defaults,
+)
 from lightning_distmm.plan.cluster import GB, Cluster, Device, Link
 from lightning_distmm.plan.cost import RECOMPUTE, CostOptions, shared_host_phases
 from lightning_distmm.plan.profile import MeasuredFit
@@ -144,3 +152,30 @@ def test_predicted_ordering_on_measured_towers():
     cl = dataclasses.replace(cpu_cluster(), device=dataclasses.replace(cpu_cluster().device, concurrency=1.0))
     o = {"precision": "32", "overlap_grad_sync": False}
     assert price_plan(COLOCATED, measured, cl, o).step_time < price_plan(SEPARATE, measured, cl, o).step_time
+
+
+def test_concurrency_is_cached_only_when_measured_quietly(tmp_path, monkeypatch):
+    from lightning_distmm.plan import cluster as cluster_mod
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cluster_mod, "_measure_concurrency", lambda devices, threads: (2.5, False))
+    busy = cluster_mod.measure_local_cpu(devices=2, measure_gloo=False, measure_concurrency=True)
+    assert busy.device.concurrency == 2.5  # used for this call ...
+    monkeypatch.setattr(cluster_mod, "_measure_concurrency", lambda devices, threads: (1.1, True))
+    quiet = cluster_mod.measure_local_cpu(devices=2, measure_gloo=False, measure_concurrency=True)
+    assert quiet.device.concurrency == 1.1  # ... but not cached: measured again
+    monkeypatch.setattr(cluster_mod, "_measure_concurrency", lambda devices, threads: pytest.fail("cached value not used"))
+    assert cluster_mod.measure_local_cpu(devices=2, measure_gloo=False, measure_concurrency=True).device.concurrency == 1.1
+    assert cluster_mod.measure_local_cpu(devices=1, measure_gloo=False).device.concurrency == 1.0
+
+
+@pytest.mark.slow
+def test_concurrency_probe_measures_this_host():
+    from lightning_distmm.plan import ConcurrencyProbe, host_busy_seconds
+
+    before = host_busy_seconds()
+    with ConcurrencyProbe(2, 1) as probe:
+        c = probe.measure(rounds=1, iters=3, attempts=1)
+    assert c >= 1.0 and isinstance(probe.quiet, bool) and not probe.procs
+    if before is not None:
+        assert host_busy_seconds() > before

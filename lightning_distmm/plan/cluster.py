@@ -343,13 +343,14 @@ def measure_local_cpu(
         except (OSError, ValueError):
             stored = {}
     m = stored.get(key)
+    concurrency: float | None = None  # measured now on a busy host: used, not cached
     if measure_concurrency is None:
         measure_concurrency = measure_gloo
     measure_concurrency = measure_concurrency and devices > 1
     if (
         m is None
         or (measure_gloo and "gloo" not in m and not m.get("gloo_failed"))
-        or (measure_concurrency and "concurrency" not in m)
+        or (measure_concurrency and "host_concurrency" not in m)
     ):
         m = dict(m or {})
         old = torch.get_num_threads()
@@ -385,10 +386,12 @@ def measure_local_cpu(
                 m["gloo"] = gloo
             else:
                 m["gloo_failed"] = True
-        if measure_concurrency and "concurrency" not in m:
-            conc = _measure_concurrency(devices, threads)
-            if conc is not None:
-                m["concurrency"] = conc
+        if measure_concurrency and "host_concurrency" not in m:
+            measured = _measure_concurrency(devices, threads)
+            if measured is not None:
+                concurrency = measured[0]
+                if measured[1]:  # kept only when measured on an otherwise quiet host
+                    m["host_concurrency"] = concurrency
         if cache:
             stored[key] = m
             try:
@@ -414,7 +417,7 @@ def measure_local_cpu(
         kernel_overhead=m["kernel_overhead"],
         efficiency_points=m["efficiency_points"],
         # without a measurement: devices are assumed not to slow each other down
-        concurrency=float(m.get("concurrency", 1.0)) if devices > 1 else 1.0,
+        concurrency=float(m.get("host_concurrency", concurrency or 1.0)) if devices > 1 else 1.0,
     )
     return Cluster(
         name=name,
@@ -509,6 +512,30 @@ for line in sys.stdin:
 """
 
 
+def host_busy_seconds() -> float | None:
+    """CPU seconds all processes of this host have run (all cores, user + system, from /proc/stat);
+    None where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [float(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return (sum(ticks) - ticks[3] - ticks[4]) / _CLK_TCK  # minus idle and iowait
+
+
+def _proc_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (0 if it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (float(fields[11]) + float(fields[12])) / _CLK_TCK
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+_CLK_TCK = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
+
+
 class ConcurrencyProbe:
     """``devices`` worker processes that time a fixed compute step (a transformer-like MLP block,
     forward and backward), alone and all at once, on request (:meth:`measure`).
@@ -523,6 +550,7 @@ class ConcurrencyProbe:
         import sys
 
         self.timeout = timeout
+        self.quiet = True
         self.procs = [
             subprocess.Popen(
                 [sys.executable, "-c", _CONCURRENCY_WORKER, str(threads)],
@@ -551,16 +579,39 @@ class ConcurrencyProbe:
             out.append(float(json.loads(line)))
         return out
 
-    def measure(self, rounds: int = 3, iters: int = 20) -> float:
+    def measure(self, rounds: int = 3, iters: int = 20, quiet: float = 0.25, attempts: int = 3) -> float:
         """Median over ``rounds`` of (mean step time with all workers busy) / (step time of one alone),
-        at least 1."""
-        ratios = []
-        for _ in range(rounds):
+        at least 1.
+
+        Only rounds during which other processes of the host kept fewer than ``quiet`` cores busy
+        count (up to ``attempts * rounds`` tries): the factor describes the host, not a passing job
+        of someone else. :attr:`quiet` says whether it was measured so; if no round was, the
+        median of all rounds is returned (it then includes that foreign load).
+        """
+        quiet_ratios, all_ratios = [], []
+        for _ in range(max(1, attempts) * rounds):
+            busy, mine, t0 = host_busy_seconds(), self._cpu_seconds(), time.perf_counter()
             alone = self._ask(self.procs[:1], iters)[0]
             together = self._ask(self.procs, iters)
-            ratios.append(sum(together) / len(together) / alone)
-        ratios.sort()
-        return max(1.0, ratios[len(ratios) // 2])
+            ratio = sum(together) / len(together) / alone
+            all_ratios.append(ratio)
+            if busy is None:
+                quiet_ratios.append(ratio)
+            else:
+                wall = time.perf_counter() - t0
+                other = ((host_busy_seconds() or 0.0) - busy - (self._cpu_seconds() - mine)) / max(wall, 1e-9)
+                if other < quiet:
+                    quiet_ratios.append(ratio)
+            if len(quiet_ratios) >= rounds:
+                break
+        self.quiet = bool(quiet_ratios)
+        use = sorted(quiet_ratios or all_ratios)
+        return max(1.0, use[len(use) // 2])
+
+    def _cpu_seconds(self) -> float:
+        """CPU seconds of the workers and of this process."""
+        t = os.times()
+        return t.user + t.system + sum(_proc_cpu_seconds(p.pid) for p in self.procs)
 
     def close(self) -> None:
         import subprocess
@@ -576,16 +627,16 @@ class ConcurrencyProbe:
     def __enter__(self) -> "ConcurrencyProbe":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def _measure_concurrency(devices: int, threads: int) -> float | None:
-    """``Device.concurrency`` of this host (see :class:`ConcurrencyProbe`); None when it fails (the
-    caller then assumes 1)."""
+def _measure_concurrency(devices: int, threads: int) -> tuple[float, bool] | None:
+    """``Device.concurrency`` of this host and whether it was measured with the host otherwise quiet
+    (see :class:`ConcurrencyProbe`); None when it fails (the caller then assumes 1)."""
     try:
         with ConcurrencyProbe(devices, threads) as probe:
-            return probe.measure()
+            return probe.measure(), probe.quiet
     except (RuntimeError, ValueError, OSError):
         return None
 
@@ -594,5 +645,5 @@ def list_presets(kind: str = "cluster") -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / kind).glob("*.yaml"))
 
 
-__all__ = ["Device", "Link", "Cluster", "load_cluster", "measure_local_cpu", "ConcurrencyProbe", "list_presets", "CONF_DIR", "GB"]
+__all__ = ["Device", "Link", "Cluster", "load_cluster", "measure_local_cpu", "ConcurrencyProbe", "host_busy_seconds", "list_presets", "CONF_DIR", "GB"]
 

@@ -58,7 +58,7 @@ class CostOptions:
     context, workspace).
     ``step_overhead``: seconds per step the training framework spends outside what is priced here
     (the Lightning loop and hooks, logging, the runtime's bookkeeping and its small collectives);
-    0 unless measured (docs/planner.md: about 5 ms for 2 CPU ranks on the development VM).
+    0 unless measured (docs/planner.md section 12: 5-7 ms for 2 CPU ranks on the development VM).
     """
 
     precision: str = "bf16-mixed"

@@ -86,7 +86,6 @@ class MeasuredFit:
     raw: list[dict[str, float]] = field(default_factory=list)
     opt_time: float | None = None  # seconds of one AdamW step over the tower's trainable parameters
 
-
     def fwd_time(self, mb: Any) -> Any:
         return self.fwd[0] + self.fwd[1] * mb
 
@@ -404,7 +403,8 @@ def measure_tower(
                     fwd_t, bwd_t = min(fwd_t, t1 - t0), min(bwd_t, t2 - t1)
                     act = float(sum(seen.values()))
             raw.append({"batch": float(b), "fwd": fwd_t, "bwd": bwd_t, "act_bytes": act})
-        if not frozen and trainable:
+        nbytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+        if not frozen and trainable and 4 * nbytes <= ADAMW_TIMING_BYTES:
             opt_time = _time_adamw(module, repeats, sync)
     finally:
         module.zero_grad(set_to_none=True)
@@ -421,6 +421,11 @@ def measure_tower(
         raw=raw,
         opt_time=opt_time,
     )
+
+
+#: the AdamW step is timed on copies (weights, gradients and two moments: 4x the trainable bytes)
+#: only up to this size; larger towers keep the cost model's bandwidth estimate of the step
+ADAMW_TIMING_BYTES = 2**30
 
 
 def _time_adamw(module: Any, repeats: int, sync: Callable[[], None]) -> float:
