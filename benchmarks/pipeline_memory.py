@@ -40,6 +40,7 @@ from torch.utils.data import DataLoader
 from transformers import CLIPTextConfig, CLIPTextModel
 
 import lightning_distmm as ldm
+from synthetic import SyntheticPairs
 from lightning_distmm.parallel.memory import ActivationMeter
 
 EMBED, VOCAB, SEQ, IMG = 64, 128, 16, 32
@@ -82,23 +83,6 @@ class BenchCLIP(ldm.DistMMMixin, L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)
-
-
-class Pairs(ldm.FieldDataset):
-    fields = ("image", "input_ids", "attention_mask")
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def load(self, index, fields):
-        g = torch.Generator().manual_seed(index)
-        ids = torch.randint(1, VOCAB - 2, (SEQ,), generator=g)
-        ids[-1] = VOCAB - 1
-        out = {"image": torch.randn(3, IMG, IMG, generator=g), "input_ids": ids, "attention_mask": torch.ones(SEQ, dtype=torch.long)}
-        return {k: out[k] for k in fields}
 
 
 class Probe(L.Callback):
@@ -167,7 +151,7 @@ def run(schedule: str, batch: int, microbatch: int, steps: int, warmup: int) -> 
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             callbacks=[Probe(folder, warmup)],
         )
-        trainer.fit(BenchCLIP(), DataLoader(Pairs(batch * steps), batch_size=batch, drop_last=True))
+        trainer.fit(BenchCLIP(), DataLoader(SyntheticPairs(batch * steps, IMG, VOCAB, SEQ), batch_size=batch, drop_last=True))
         ranks = [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(3)]
     bubble = bubbles(plan, batch, [r["trace"] for r in ranks])
     return [r["peak"] for r in ranks], statistics.median(ranks[0]["times"]), bubble

@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader
 from transformers import CLIPTextConfig, CLIPTextModel
 
 import lightning_distmm as ldm
+from synthetic import SyntheticPairs
 
 EMBED, VOCAB, SEQ, IMG = 128, 256, 32, 32
 
@@ -96,23 +97,6 @@ class OpenClipDDP(BenchCLIP):
         return loss
 
 
-class Pairs(ldm.FieldDataset):
-    fields = ("image", "input_ids", "attention_mask")
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def load(self, index, fields):
-        g = torch.Generator().manual_seed(index)
-        out = {"image": torch.randn(3, IMG, IMG, generator=g), "input_ids": torch.randint(1, VOCAB - 2, (SEQ,), generator=g)}
-        out["input_ids"][-1] = VOCAB - 1
-        out["attention_mask"] = torch.ones(SEQ, dtype=torch.long)
-        return {k: out[k] for k in fields}
-
-
 class StepTimer(L.Callback):
     def __init__(self, path: str) -> None:
         self.path, self.times, self.t0 = path, [], 0.0
@@ -142,7 +126,7 @@ def run(config: str, args: argparse.Namespace, out: str) -> list[float]:
             plan = ldm.Plan(world, {"image": {"ranks": list(range(image))}, "text": {"ranks": list(range(image, world))}})
         strategy = ldm.DistMMStrategy(plan=plan, start_method="fork")
         per_rank = args.batch
-    data = DataLoader(Pairs(args.batch * args.steps), batch_size=per_rank, shuffle=False, drop_last=True)
+    data = DataLoader(SyntheticPairs(args.batch * args.steps, IMG, VOCAB, SEQ), batch_size=per_rank, shuffle=False, drop_last=True)
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, max_steps=args.steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -1,0 +1,29 @@
+"""Synthetic image / caption pairs for the benchmarks: deterministic per index, no download."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+import lightning_distmm as ldm
+
+
+class SyntheticPairs(ldm.FieldDataset):
+    """``size`` random images ``[3, image_size, image_size]`` with token ids ending in ``[EOS]`` (the last id)."""
+
+    fields = ("image", "input_ids", "attention_mask")
+
+    def __init__(self, size: int, image_size: int, vocab: int, seq: int) -> None:
+        self.size, self.image_size, self.vocab, self.seq = size, image_size, vocab, seq
+
+    def __len__(self) -> int:
+        return self.size
+
+    def load(self, index: int, fields: Iterable[str]) -> dict[str, Any]:
+        g = torch.Generator().manual_seed(index)
+        out = {"image": torch.randn(3, self.image_size, self.image_size, generator=g)}
+        out["input_ids"] = torch.randint(1, self.vocab - 2, (self.seq,), generator=g)
+        out["input_ids"][-1] = self.vocab - 1
+        out["attention_mask"] = torch.ones(self.seq, dtype=torch.long)
+        return {k: out[k] for k in fields}
