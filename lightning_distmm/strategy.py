@@ -107,9 +107,7 @@ class DistMMStrategy(ModelParallelStrategy):
 
         groups = build_tower_groups(self.plan, self.root_device.type)
         self.runtime = TowerRuntime(module, self.plan, groups, self.root_device)
-        self.runtime.release_remote_towers()
-        self.runtime.cut_pipelines()
-        self.runtime.parallelize_local_towers()
+        self.runtime.prepare_local_towers()
         module._distmm_runtime = self.runtime
 
         self.model = self.precision_plugin.convert_module(self.model)

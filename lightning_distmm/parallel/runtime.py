@@ -43,7 +43,16 @@ from lightning_distmm.parallel.exchange import (
 from lightning_distmm.parallel.groups import TowerGroups
 from lightning_distmm.parallel.layout import RankBatch, RankLayout
 from lightning_distmm.plan.plan import Plan
-from lightning_distmm.plan.schedule import Backward, BatchSync, Forward, GradSync, Instruction, rank_schedule
+from lightning_distmm.parallel.pipeline import Stage
+from lightning_distmm.plan.schedule import (
+    Backward,
+    BatchSync,
+    Forward,
+    GradSync,
+    Instruction,
+    rank_schedule,
+    stage_neighbours,
+)
 
 #: the batch key under which the distmm data loader tells every rank the global batch size
 GLOBAL_BATCH_KEY = "__distmm_global_batch__"
@@ -58,15 +67,6 @@ class _Microbatch:
     rows: Mapping[str, Any]
     output: Tensor | None
     rng: tuple[Tensor, Tensor | None] | None
-
-
-@dataclass
-class _StageInfo:
-    stage: Any
-    index: int
-    count: int
-    prev: int | None
-    next: int | None
 
 
 @dataclass
@@ -124,22 +124,29 @@ class TowerRuntime:
         self._schedules: dict[int, list[Instruction]] = {}
         #: when a list, the executor appends ``(instruction, start, end)`` of its compute (perf_counter)
         self.trace: list[tuple[Instruction, float, float]] | None = None
-        self.stages: dict[str, _StageInfo] = {}
+        self.stages: dict[str, Stage] = {}  # this rank's stage of each local tower with pp > 1
         #: bytes of stage-boundary activations the last forward kept outside autograd (cached schedule)
         self.stash_bytes = 0
 
     # ------------------------------------------------------------------ memory
+    def prepare_local_towers(self) -> None:
+        """Keep only what this rank runs: release remote towers, cut pipelines, shard for TP.
+
+        Each step may swap in new Parameter objects (``Module.to("meta")``, DTensor sharding), so
+        the parameter table is rebuilt once at the end, dropping references to the old ones, and
+        the freed memory is handed back.
+        """
+        self.release_remote_towers()
+        self.cut_pipelines()
+        self.parallelize_local_towers()
+        self.tower_params, self.interaction_params = tower_parameters(self.module, self.towers)  # type: ignore[arg-type]
+        return_freed_memory()
+
     def release_remote_towers(self) -> None:
-        """Move the parameters of towers this rank does not run to the meta device (frees their memory)."""
-        released = False
+        """Move the parameters of towers this rank does not run to the meta device."""
         for name, tower in self.towers.items():
             if name not in self.layout.local_towers:
                 tower.module.to("meta")
-                released = True
-        if released:
-            # ``Module.to("meta")`` may swap in new Parameter objects: drop our references to the old ones
-            self.tower_params, self.interaction_params = tower_parameters(self.module, self.towers)  # type: ignore[arg-type]
-            return_freed_memory()
 
     def cut_pipelines(self) -> None:
         """For towers with pp > 1: keep only this rank's stage of the tower, release the rest."""
@@ -151,26 +158,13 @@ class TowerRuntime:
                     tower_stages(self.towers[name].module, tower.pp, self.towers[name].fields)
                 except ValueError as err:
                     raise ValueError(f"tower {name!r}, pp={tower.pp}: {err}") from None
-        changed = False
         for name in self.layout.local_towers:
             tower = self.plan.towers[name]
             if tower.pp == 1:
                 continue
-            dp, stage, tp = self.groups[name].mesh.get_coordinate()  # type: ignore[misc]
-            layout = self.groups[name].mesh.mesh
-            stages = tower_stages(self.towers[name].module, tower.pp, self.towers[name].fields)
-            release_unowned(self.towers[name].module, stages[stage])
-            self.stages[name] = _StageInfo(
-                stages[stage],
-                stage,
-                tower.pp,
-                int(layout[dp, stage - 1, tp]) if stage > 0 else None,
-                int(layout[dp, stage + 1, tp]) if stage < tower.pp - 1 else None,
-            )
-            changed = True
-        if changed:
-            self.tower_params, self.interaction_params = tower_parameters(self.module, self.towers)  # type: ignore[arg-type]
-            return_freed_memory()
+            stage = stage_neighbours(self.plan, name, self.rank)[1]
+            self.stages[name] = tower_stages(self.towers[name].module, tower.pp, self.towers[name].fields)[stage]
+            release_unowned(self.towers[name].module, self.stages[name])
 
     def parallelize_local_towers(self) -> None:
         """Shard the local towers that the plan gives tensor parallelism (tp > 1) over their tp mesh."""
@@ -179,13 +173,9 @@ class TowerRuntime:
         for name, tower in self.plan.towers.items():  # every rank checks every tower: fail together
             if tower.tp > 1:
                 check_tp(self.towers[name].module, tower.tp, name)
-        changed = False
         for name in self.layout.local_towers:
             if self.plan.towers[name].tp > 1:
                 apply_tp(self.towers[name].module, self.groups[name].mesh["tp"])
-                changed = True
-        if changed:
-            self.tower_params, self.interaction_params = tower_parameters(self.module, self.towers)  # type: ignore[arg-type]
 
     def trainable(self, name: str) -> bool:
         return not self.towers[name].frozen and any(p.requires_grad for p in self.tower_params[name].values())
@@ -218,27 +208,25 @@ class TowerRuntime:
         n = self.global_batch_size(batch)
         rank_batch = self.layout.batch(n)
         training = torch.is_grad_enabled()
-        chunks: dict[str, list[dict[str, Any]]] = {}
         for name in self.layout.local_towers:
-            tower = self.towers[name]
-            for f in tower.fields:
+            for f in self.towers[name].fields:
                 if f not in batch:
                     raise KeyError(
                         f"tower {name!r} reads batch field {f!r} but the batch has only"
                         f" {sorted(k for k in batch if k != GLOBAL_BATCH_KEY)}"
                     )
-            chunks[name] = [
-                {f: _take_rows(batch[f], part) for f in tower.fields}
-                for part in _microbatches(rank_batch.towers[name].local, self.plan.towers[name].microbatch)
-            ]
         self.stash_bytes = 0
         records: dict[str, list[_Microbatch]] = {}
         outputs: dict[str, list[Tensor]] = {}
+        next_row = {name: rank_batch.towers[name].local.start for name in self.layout.local_towers}
         for ins in self.schedule(n):
             if isinstance(ins, BatchSync):
                 break
             assert isinstance(ins, Forward)
-            self._forward(ins, chunks[ins.tower][ins.mb], training, records, outputs)
+            part = slice(next_row[ins.tower], next_row[ins.tower] + ins.rows)  # the instruction's microbatch
+            next_row[ins.tower] = part.stop
+            rows = {f: _take_rows(batch[f], part) for f in self.towers[ins.tower].fields}
+            self._forward(ins, rows, training, records, outputs)
         local = {name: torch.cat(outs) for name, outs in outputs.items()}
         if self.specs is None:
             self.specs = exchange_specs(local, list(self.towers))
@@ -259,7 +247,7 @@ class TowerRuntime:
 
     def _run_stage(self, name: str, x: Tensor | None, rows: Mapping[str, Any], training: bool) -> Tensor:
         if name in self.stages:
-            return self.stages[name].stage.run(x, rows)
+            return self.stages[name].run(x, rows)
         tower = self.towers[name]
         if self.plan.towers[name].recompute and training and self.trainable(name):
             # activation checkpointing: keep the tower's inputs, recompute its forward in backward
@@ -442,13 +430,6 @@ def return_freed_memory() -> None:
         pass
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def _microbatches(rows: slice, size: int | None) -> list[slice]:
-    """``rows`` cut into consecutive slices of ``size`` (the last may be shorter); whole without a size."""
-    if size is None or size >= rows.stop - rows.start:
-        return [rows]
-    return [slice(a, min(a + size, rows.stop)) for a in range(rows.start, rows.stop, size)]
 
 
 def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
