@@ -117,6 +117,8 @@ def consolidated_state_dict(trainer_or_strategy: Any) -> dict[str, torch.Tensor]
     stages hold different tensors; tensor-parallel shards are assembled there first); rank 0
     receives what it does not hold itself (it knows the shapes from its meta tensors).
     """
+    from lightning_distmm.parallel.runtime import tower_prefixes
+
     strategy: "DistMMStrategy" = getattr(trainer_or_strategy, "strategy", trainer_or_strategy)
     module = strategy.lightning_module
     runtime = strategy.runtime
@@ -126,7 +128,7 @@ def consolidated_state_dict(trainer_or_strategy: Any) -> dict[str, torch.Tensor]
     out: dict[str, torch.Tensor] = {
         k: v.detach().cpu().clone() for k, v in full.items() if not v.is_meta and not isinstance(v, DTensor)
     }
-    prefixes = {name: _prefix(module, tower.module) for name, tower in runtime.towers.items()}
+    prefixes = {name: fqn + "." for name, fqn in tower_prefixes(module, runtime.towers).items()}
     held = {k for k, v in full.items() if not v.is_meta}
     everyone: list[set[str]] = [set()] * dist.get_world_size()
     dist.all_gather_object(everyone, held)
@@ -169,13 +171,6 @@ def _send_to_zero(
             for k in ks:
                 out[k] = flat[start : start + full[k].numel()].view(full[k].shape).cpu().clone()
                 start += full[k].numel()
-
-
-def _prefix(module: nn.Module, sub: nn.Module) -> str:
-    for fqn, m in module.named_modules():
-        if m is sub:
-            return fqn + "."
-    raise ValueError("tower module is not a submodule of the LightningModule")
 
 
 def export_checkpoint(checkpoint_dir: str | Path, output: str | Path | None = None) -> dict[str, torch.Tensor]:

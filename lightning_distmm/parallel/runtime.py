@@ -79,8 +79,8 @@ class _Pending:
     n: int
 
 
-def tower_parameters(module: nn.Module, towers: Mapping[str, Tower]) -> tuple[dict[str, dict[str, nn.Parameter]], dict[str, nn.Parameter]]:
-    """Split ``module``'s parameters by tower (by module identity); the rest are interaction parameters."""
+def tower_prefixes(module: nn.Module, towers: Mapping[str, Tower]) -> dict[str, str]:
+    """Each tower's submodule path inside ``module`` (found by identity), e.g. ``{"image": "visual"}``."""
     prefixes: dict[str, str] = {}
     for fqn, sub in module.named_modules():
         for name, tower in towers.items():
@@ -89,6 +89,12 @@ def tower_parameters(module: nn.Module, towers: Mapping[str, Tower]) -> tuple[di
     missing = [n for n in towers if n not in prefixes]
     if missing:
         raise ValueError(f"tower(s) {missing}: the Tower's module is not a submodule of {type(module).__name__}")
+    return prefixes
+
+
+def tower_parameters(module: nn.Module, towers: Mapping[str, Tower]) -> tuple[dict[str, dict[str, nn.Parameter]], dict[str, nn.Parameter]]:
+    """Split ``module``'s parameters by tower (by module identity); the rest are interaction parameters."""
+    prefixes = tower_prefixes(module, towers)
     per_tower: dict[str, dict[str, nn.Parameter]] = {n: {} for n in towers}
     rest: dict[str, nn.Parameter] = {}
     owner_of: dict[int, str] = {}
