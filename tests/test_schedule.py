@@ -1,5 +1,7 @@
 """The schedule as data: instruction lists, their simulation and picture (pure Python)."""
 
+import random
+
 import pytest
 
 from lightning_distmm.plan import Plan
@@ -22,9 +24,10 @@ def test_rank_lists_follow_the_pipeline():
     first, last, text = (rank_schedule(PLAN, r, 8) for r in range(3))
     assert first[:4] == [Forward("image", m, 2, None, 1, True) for m in range(4)]
     assert last[0] == Forward("image", 0, 2, 0, None, True)
-    assert first[4] == last[4] == BatchSync() and first[-1] == GradSync()
-    assert first[5] == Backward("image", 0, 2, 1, None, recompute=False)
-    assert text == [Forward("text", 0, 4, None, None, True), Forward("text", 1, 4, None, None, True), BatchSync(),
+    # only the last stages meet at the batch-sync: the first stage goes straight on to its backward
+    assert last[4] == BatchSync(0, (1, 2)) and BatchSync(0, (1, 2)) not in first and first[-1] == GradSync()
+    assert first[4] == Backward("image", 0, 2, 1, None, recompute=False)
+    assert text == [Forward("text", 0, 4, None, None, True), Forward("text", 1, 4, None, None, True), BatchSync(0, (1, 2)),
                     Backward("text", 0, 4, None, None, False), Backward("text", 1, 4, None, None, False), GradSync()]
 
 
@@ -55,3 +58,73 @@ def test_simulator_reports_a_deadlock():
     bad = {0: [Forward("t", 0, 1, 1, None, True)], 1: [Forward("t", 0, 1, 0, None, True)]}
     with pytest.raises(RuntimeError, match="deadlocks"):
         simulate(bad, lambda r, i: 1.0)
+
+
+def test_distmm_overlaps_one_wave_with_the_next():
+    """Two waves (sync groups) of half the batch: after wave 0's batch-sync, wave 1's forwards
+    alternate with wave 0's backwards (backward first on the last stage, forward first before it)."""
+    plan = Plan(3, {"image": {"ranks": [0, 1], "pp": 2, "microbatch": 2, "schedule": "distmm"},
+                    "text": {"ranks": [2], "microbatch": 2, "schedule": "distmm"}})
+    first, last, text = (rank_schedule(plan, r, 8) for r in range(3))
+    kinds = lambda ins: [f"{type(i).__name__[0]}{getattr(i, 'wave', '')}" for i in ins]  # noqa: E731
+    assert kinds(first) == ["F0", "F0", "F1", "B0", "F1", "B0", "B1", "B1", "G"]
+    assert kinds(last) == ["F0", "F0", "B0", "B0", "F1", "B0", "F1", "B1", "B1", "B1", "G"]
+    assert [i.mb for i in first if isinstance(i, Forward)] == [0, 1, 2, 3]
+    assert last[2] == BatchSync(0, (1, 2)) and text[2] == BatchSync(0, (1, 2))
+    # odd batch: the first sync group takes the extra row, each wave split in microbatches of 2
+    assert [i.rows for i in rank_schedule(plan, 2, 7) if isinstance(i, Forward)] == [2, 2, 2, 1]
+
+
+def test_distmm_holds_half_the_activations():
+    """Microbatches whose activations a stage holds at once: gpipe all of its replica's, distmm one
+    wave's plus one. In this compute-only simulation the step is no shorter: the last stage does
+    all its work plus a second batch-sync (docs/pipeline.md)."""
+    def plan(schedule):
+        return Plan(2, {"image": {"ranks": [0, 1], "pp": 2, "microbatch": 1, "schedule": schedule}})
+
+    def duration(rank, ins):
+        return {"Forward": 1.0, "Backward": 2.0, "BatchSync": 1.0}.get(type(ins).__name__, 0.0)
+
+    def held(ins):
+        live = peak = 0
+        for i in ins:
+            live += isinstance(i, Forward) - isinstance(i, Backward)
+            peak = max(peak, live)
+        return peak
+
+    for rank in (0, 1):
+        assert held(rank_schedule(plan("gpipe"), rank, 8)) == 8
+        assert held(rank_schedule(plan("distmm"), rank, 8)) == 4 + (rank == 0)
+    gpipe = simulate(schedules(plan("gpipe"), 8), duration)
+    distmm = simulate(schedules(plan("distmm"), 8), duration)
+    assert max(i.end for i in distmm) == max(i.end for i in gpipe) + 1.0  # the second batch-sync
+
+
+def _random_plan(rng: random.Random, schedule: str) -> Plan:
+    world = rng.randint(1, 6)
+    towers = {}
+    for name in ("image", "text", "audio")[: rng.randint(1, 3)]:
+        pp = rng.choice([d for d in (1, 2, 3) if d <= world])
+        tp = rng.choice([d for d in (1, 2) if d * pp <= world])
+        dp = rng.randint(1, world // (pp * tp))
+        towers[name] = {"ranks": rng.sample(range(world), dp * pp * tp), "pp": pp, "tp": tp,
+                        "microbatch": rng.choice([None, 1, 2]), "schedule": schedule}
+    unheld = set(range(world)) - {r for t in towers.values() for r in t["ranks"]}
+    first = next(iter(towers.values()))
+    if unheld:  # give idle ranks to the first tower as one-rank-wide extra replicas when its shape allows
+        if first["pp"] * first["tp"] != 1:
+            return _random_plan(rng, schedule)
+        first["ranks"] += sorted(unheld)
+    return Plan(world, towers)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "cached", "distmm"])
+def test_no_plan_deadlocks(schedule):
+    """Every rank's list, sends posted without blocking, receives and syncs blocking: the step always
+    completes, for random plans (towers sharing ranks in any order, pipelines, tp, replicas)."""
+    rng = random.Random(schedule)
+    for _ in range(300):
+        plan = _random_plan(rng, schedule)
+        lists = schedules(plan, rng.randint(2 * 6, 20))
+        intervals = simulate(lists, lambda r, i: rng.random())
+        assert len(intervals) == sum(len(v) for v in lists.values())

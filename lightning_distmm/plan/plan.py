@@ -145,6 +145,13 @@ class Plan:
                     f"{where}: global batch {self.global_batch} is smaller than its {t.dp} data-parallel replicas"
                 )
             held.update(t.ranks)
+        waves = sorted(n for n, t in self.towers.items() if t.schedule == "distmm")
+        if waves and len(waves) != len(self.towers):
+            others = sorted(set(self.towers) - set(waves))
+            raise PlanError(
+                f"schedule 'distmm' splits the whole batch into two sync groups that every tower must share;"
+                f" tower(s) {waves} use it but {others} do not: set schedule: distmm on every tower or on none"
+            )
         idle = sorted(set(range(self.world_size)) - held)
         if idle:
             raise PlanError(f"ranks {idle} run no tower: every rank of the world of {self.world_size} must hold one")
@@ -167,14 +174,37 @@ class Plan:
             raise PlanError(f"the plan has no entry for tower(s) {missing} of the module")
 
     def check_global_batch(self, n: int) -> None:
+        if self.sync_groups > 1 and n < self.sync_groups:
+            raise PlanError(f"schedule 'distmm' needs a global batch of at least {self.sync_groups} (one row per sync group), got {n}")
         for name, t in self.towers.items():
-            if n < t.dp:
+            if min(self.group_split(n)) < t.dp:
+                if self.sync_groups > 1:
+                    raise PlanError(
+                        f"tower {name!r}: each of the {self.sync_groups} sync groups of a global batch of {n}"
+                        f" ({self.group_split(n)}) must give each of its {t.dp} data-parallel replicas a sample"
+                    )
                 raise PlanError(
                     f"tower {name!r}: global batch {n} is smaller than its {t.dp} data-parallel replicas;"
                     f" raise the DataLoader batch_size or use drop_last=True to avoid a short last batch"
                 )
 
     # ------------------------------------------------------------------ queries
+    @property
+    def sync_groups(self) -> int:
+        """How many batch-syncs a step has: 2 under ``distmm`` (two waves, each with its own negatives), else 1."""
+        return 2 if any(t.schedule == "distmm" for t in self.towers.values()) else 1
+
+    def group_split(self, n: int) -> list[int]:
+        """Rows of each sync group of a global batch of ``n`` (contiguous, the first groups one larger)."""
+        return split_batch(n, None, self.sync_groups)
+
+    def group_offsets(self, n: int) -> list[int]:
+        """First row of each sync group, plus ``n``."""
+        out = [0]
+        for size in self.group_split(n):
+            out.append(out[-1] + size)
+        return out
+
     @property
     def colocated(self) -> bool:
         """Every rank holds every tower (the DDP-like baseline)."""

@@ -20,7 +20,11 @@ from lightning_distmm.plan.plan import Plan
 
 @dataclass(frozen=True)
 class Forward:
-    """Microbatch ``mb`` of ``tower`` through this rank's stage; ``keep``: keep activations for backward."""
+    """Microbatch ``mb`` of ``tower`` through this rank's stage; ``keep``: keep activations for backward.
+
+    ``mb`` numbers the rank's microbatches of the tower across the step (rows in that order);
+    ``wave`` is the sync group the microbatch belongs to.
+    """
 
     tower: str
     mb: int
@@ -28,11 +32,16 @@ class Forward:
     recv_from: int | None
     send_to: int | None
     keep: bool
+    wave: int = 0
 
 
 @dataclass(frozen=True)
 class BatchSync:
-    """Features of every tower meet: gather, the interaction loss forward and backward, gradient split."""
+    """Wave ``wave``'s features of every tower meet on ``ranks`` (the last stages): gather, the
+    interaction loss forward and backward on that sync group, the feature gradient split."""
+
+    wave: int = 0
+    ranks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,7 @@ class Backward:
     recv_from: int | None
     send_to: int | None
     recompute: bool
+    wave: int = 0
 
 
 @dataclass(frozen=True)
@@ -74,25 +84,63 @@ def stage_neighbours(plan: Plan, tower: str, rank: int) -> tuple[int, int, int |
     return replica, stage, prev, nxt
 
 
-def rank_schedule(plan: Plan, rank: int, n: int) -> list[Instruction]:
-    """What ``rank`` does in one step on a global batch of ``n`` (schedules ``gpipe`` and ``cached``).
+def sync_ranks(plan: Plan) -> tuple[int, ...]:
+    """The ranks that take part in the batch-sync: every rank of every tower's last pipeline stage."""
+    out: set[int] = set()
+    for t in plan.towers.values():
+        for replica in range(t.dp):
+            out.update(t.replica_ranks(replica)[(t.pp - 1) * t.tp :])
+    return tuple(sorted(out))
 
-    Towers in the plan's order, microbatches in order, forwards before the batch-sync, backwards
-    after it: the same order on every rank, so the chain of blocking point-to-point moves has no
-    cycle.
+
+def rank_schedule(plan: Plan, rank: int, n: int) -> list[Instruction]:
+    """What ``rank`` does in one step on a global batch of ``n``.
+
+    ``gpipe`` and ``cached`` have one wave: every forward (towers in the plan's order, microbatches
+    in order), the batch-sync (last stages only), the backwards of last stages, then of the other
+    stages. ``distmm`` has two waves, each its own sync group: wave 0's forwards, its batch-sync,
+    then wave 1's forwards interleaved one for one with wave 0's backwards (a last stage
+    backpropagates first, the others forward first, as in 1F1B), wave 1's batch-sync and
+    backwards. So a stage holds the activations of one wave (plus one microbatch), not of the
+    whole replica batch, and while the last stages meet at wave 0's batch-sync the earlier stages
+    run wave 1's forwards. Sends do not block (the runtime posts them and waits at the end of the
+    step); receives and syncs do; ``tests/test_schedule.py`` simulates random plans to check that
+    these lists never deadlock.
     """
-    forwards: list[Instruction] = []
-    backwards: list[Instruction] = []
+    waves = plan.group_split(n)
+    participants = sync_ranks(plan)
+    forwards: list[dict[str, list[Instruction]]] = [{} for _ in waves]
+    backwards: list[dict[str, list[Instruction]]] = [{} for _ in waves]
+    last: dict[str, bool] = {}
     for name, t in plan.towers.items():
         if rank not in t.ranks:
             continue
         replica, _, prev, nxt = stage_neighbours(plan, name, rank)
-        sizes = microbatch_sizes(t.split(n)[replica], t.microbatch)
+        last[name] = nxt is None
         cached = t.schedule == "cached"
-        for mb, rows in enumerate(sizes):
-            forwards.append(Forward(name, mb, rows, prev, nxt, keep=not cached))
-            backwards.append(Backward(name, mb, rows, nxt, prev, recompute=cached))
-    return [*forwards, BatchSync(), *backwards, GradSync()]
+        mb = 0
+        for w, wave_rows in enumerate(waves):
+            fw, bw = forwards[w].setdefault(name, []), backwards[w].setdefault(name, [])
+            for rows in microbatch_sizes(t.split(wave_rows)[replica], t.microbatch):
+                fw.append(Forward(name, mb, rows, prev, nxt, keep=not cached, wave=w))
+                bw.append(Backward(name, mb, rows, nxt, prev, recompute=cached, wave=w))
+                mb += 1
+    out: list[Instruction] = [i for ins in forwards[0].values() for i in ins]
+    for w in range(len(waves)):
+        if rank in participants:
+            out.append(BatchSync(w, participants))
+        if w + 1 == len(waves):
+            out.extend(i for name in last if last[name] for i in backwards[w][name])
+            out.extend(i for name in last if not last[name] for i in backwards[w][name])
+            break
+        steps = max(max(len(forwards[w + 1][t]), len(backwards[w][t])) for t in last)
+        for k in range(steps):
+            for name in last:
+                pair = [backwards[w][name][k : k + 1], forwards[w + 1][name][k : k + 1]]
+                for ins in pair if last[name] else pair[::-1]:
+                    out.extend(ins)
+    out.append(GradSync())
+    return out
 
 
 def schedules(plan: Plan, n: int) -> dict[int, list[Instruction]]:
@@ -111,28 +159,27 @@ class Interval:
 def simulate(
     plan_schedules: Mapping[int, Sequence[Instruction]], duration: Callable[[int, Instruction], float], link: float = 0.0
 ) -> list[Interval]:
-    """Play every rank's list: a receive waits for its send (plus ``link`` seconds), the batch-sync
-    and the gradient sync wait for every rank. Returns each instruction's interval."""
+    """Play every rank's list: a receive waits for its send (plus ``link`` seconds), a batch-sync
+    waits for its ranks, the gradient sync for every rank. Returns each instruction's interval."""
     clock = {r: 0.0 for r in plan_schedules}
     pc = {r: 0 for r in plan_schedules}
     sent: dict[tuple, float] = {}
     out: list[Interval] = []
     barrier_arrivals: dict[tuple[str, int], dict[int, float]] = {}
-    barrier_count = {r: 0 for r in plan_schedules}
     while any(pc[r] < len(plan_schedules[r]) for r in plan_schedules):
         progressed = False
         for r, instrs in plan_schedules.items():
             while pc[r] < len(instrs):
                 ins = instrs[pc[r]]
                 if isinstance(ins, (BatchSync, GradSync)):
-                    key = (type(ins).__name__, barrier_count[r])
+                    key = (type(ins).__name__, getattr(ins, "wave", 0))
                     arrivals = barrier_arrivals.setdefault(key, {})
                     arrivals.setdefault(r, clock[r])
-                    if len(arrivals) < len(plan_schedules):
+                    members = ins.ranks if isinstance(ins, BatchSync) and ins.ranks else tuple(plan_schedules)
+                    if len(arrivals) < len(members):
                         break
                     start = max(arrivals.values())
                     end = start + duration(r, ins)
-                    barrier_count[r] += 1
                 else:
                     direction = "act" if isinstance(ins, Forward) else "grad"
                     start = clock[r]
@@ -186,6 +233,8 @@ def timeline_svg(intervals: Sequence[Interval], title: str = "", width: int = 90
         label = ""
         if isinstance(i.instruction, (Forward, Backward)):
             label = f"{i.instruction.tower[0]}{i.instruction.mb}" + ("r" if getattr(i.instruction, "recompute", False) else "")
+        elif isinstance(i.instruction, BatchSync):
+            label = f"S{i.instruction.wave}"
         parts.append(
             f'<rect x="{x:.1f}" y="{y + 3}" width="{w:.1f}" height="{row - 6}" fill="{_COLOURS[kind]}" stroke="white"/>'
         )
