@@ -12,7 +12,7 @@ returns is the whole-batch loss on every rank, so logging it needs no reduction.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -52,10 +52,34 @@ class Tower:
         return self.module(*(batch[f] for f in self.fields))
 
 
+def grouped_loss(loss: Callable[[dict[str, Tensor]], Tensor], features: dict[str, Tensor], groups: int) -> Tensor:
+    """``loss`` over ``groups`` contiguous groups of rows, weighted by each group's share of the rows."""
+    from lightning_distmm.plan.plan import split_batch
+
+    n = next(iter(features.values())).shape[0]
+    total: Tensor | None = None
+    start = 0
+    for rows in split_batch(n, None, groups):
+        part = loss({k: f[start : start + rows] for k, f in features.items()}) * (rows / n)
+        total = part if total is None else total + part
+        start += rows
+    assert total is not None
+    return total
+
+
 class DistMMMixin:
-    """Mix into a ``LightningModule`` before it: ``class CLIP(DistMMMixin, L.LightningModule)``."""
+    """Mix into a ``LightningModule`` before it: ``class CLIP(DistMMMixin, L.LightningModule)``.
+
+    ``sync_groups``: how many groups the batch's loss is split into (default 1: one loss over the
+    whole batch). With ``g`` groups the batch is cut into ``g`` contiguous groups of rows (the first
+    ones a row larger when ``g`` does not divide it); each group's features meet only each other
+    (their own negatives) and the loss is the groups' losses weighted by their share of the rows.
+    The ``distmm`` schedule computes exactly this loss with 2 groups (one per wave), so a module
+    trained with it sets ``sync_groups = 2``; the single-process reference then computes the same.
+    """
 
     _distmm_runtime: "TowerRuntime | None" = None
+    sync_groups: int = 1
 
     # ------------------------------------------------------------------ user hooks
     def towers(self) -> dict[str, Tower]:
@@ -95,7 +119,10 @@ class DistMMMixin:
         runtime = self._distmm_runtime
         if runtime is not None:
             return runtime.contrastive_loss(self, batch)
-        return self.interaction_loss(self.encode(batch))
+        features = self.encode(batch)
+        if self.sync_groups == 1:
+            return self.interaction_loss(features)
+        return grouped_loss(self.interaction_loss, features, self.sync_groups)
 
     def global_batch_size(self, batch: Mapping[str, Any]) -> int:
         """Samples in the global batch (a rank under distmm only holds its share of them)."""

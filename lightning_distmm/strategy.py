@@ -102,7 +102,7 @@ class DistMMStrategy(ModelParallelStrategy):
             self.plan = self._resolve_plan(trainer, module)
         self.plan.check_world(self.world_size)
         self.plan.check_towers(list(towers))
-        _check_runtime_supports(self.plan)
+        _check_loss_semantics(self.plan, module)
         rank_zero_info(f"distmm {self.plan.table()}")
 
         groups = build_tower_groups(self.plan, self.root_device.type)
@@ -329,14 +329,15 @@ def _parse_plan_spec(plan: PlanSpec) -> Plan | str:
     return Plan.from_yaml(Path(text))
 
 
-def _check_runtime_supports(plan: Plan) -> None:
-    """Refuse plan features this version does not execute, rather than silently ignoring them."""
-    for name, t in plan.towers.items():
-        if t.schedule == "distmm":
-            raise PlanError(
-                f"tower {name!r}: schedule 'distmm' (DistMM-Pipe) is not executed by this version;"
-                " use 'gpipe' or 'cached'"
-            )
+def _check_loss_semantics(plan: Plan, module: DistMMMixin) -> None:
+    """The plan's number of sync groups changes the loss; the module must have asked for that loss."""
+    if plan.sync_groups != module.sync_groups:
+        raise PlanError(
+            f"the plan's schedule computes the loss over {plan.sync_groups} sync group(s) (each with its own negatives)"
+            f" but {type(module).__name__}.sync_groups is {module.sync_groups}; set sync_groups = {plan.sync_groups} on the"
+            f" module to train with that loss (the single-process reference then computes the same), or choose"
+            f" {'another schedule' if plan.sync_groups > 1 else 'schedule: distmm'}"
+        )
 
 
 def _train_dataloader(trainer: "pl.Trainer") -> DataLoader | None:

@@ -208,3 +208,49 @@ PP_PLANS = {
 def test_pipeline_parallel_towers_are_exact(name, tmp_path):
     plan = PP_PLANS[name]
     compare_with_reference(lambda: DeepCLIP("adamw", lr=0.01), plan, plan.world_size, 10, 2, tmp_path).assert_exact()
+
+
+class GroupedDeepCLIP(DeepCLIP):
+    """The loss of the distmm schedule: two sync groups of rows, each with its own negatives."""
+
+    sync_groups = 2
+
+
+DISTMM_PLANS = {
+    "image-pp2+text1": ldm.Plan(
+        3, {"image": {"ranks": [0, 1], "pp": 2, "microbatch": 2, "schedule": "distmm"},
+            "text": {"ranks": [2], "microbatch": 2, "schedule": "distmm"}}
+    ),
+    "image-tp2xpp2+text-colocated": ldm.Plan(
+        4, {"image": {"ranks": [0, 1, 2, 3], "pp": 2, "tp": 2, "microbatch": 2, "schedule": "distmm"},
+            "text": {"ranks": [0], "schedule": "distmm"}}
+    ),
+    "text-pp2+image-dp2-uneven": ldm.Plan(
+        4, {"image": {"ranks": [0, 3], "replica_batch": [6, 3], "schedule": "distmm"},
+            "text": {"ranks": [1, 2], "pp": 2, "microbatch": 2, "schedule": "distmm"}}, 9
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(DISTMM_PLANS))
+def test_distmm_schedule_is_exact_for_its_grouped_loss(name, tmp_path):
+    """DistMM-Pipe (two waves, a batch-sync each) against one process computing the same grouped loss."""
+    plan = DISTMM_PLANS[name]
+    batch = plan.global_batch or 10
+    compare_with_reference(lambda: GroupedDeepCLIP("adamw", lr=0.01), plan, plan.world_size, batch, 2, tmp_path).assert_exact()
+
+
+def test_grouped_loss_is_not_the_whole_batch_loss():
+    """The two losses really differ (so the test above would notice a schedule that ignored the groups),
+    and each group's loss only sees its own rows."""
+    L.seed_everything(0)
+    module = GroupedDeepCLIP()
+    batch = next(iter(loader(10)))
+    grouped = module.contrastive_loss(batch)
+    module.sync_groups = 1
+    whole = module.contrastive_loss(batch)
+    assert abs(float(grouped) - float(whole)) > 1e-3
+    features = module.encode(batch)
+    halves = [module.interaction_loss({k: f[a:b] for k, f in features.items()}) for a, b in ((0, 5), (5, 10))]
+    assert float(grouped) == pytest.approx(float(sum(halves) / 2), abs=1e-6)

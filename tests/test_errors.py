@@ -91,11 +91,15 @@ def test_module_without_mixin_is_rejected():
 
 
 @pytest.mark.slow
-def test_plan_features_not_yet_run_are_refused():
-    plan = ldm.Plan(2, {"image": {"ranks": [0, 1], "microbatch": 2, "schedule": "distmm"}, "text": {"ranks": [0, 1]}})
+def test_distmm_schedule_needs_the_grouped_loss_asked_for():
+    """The distmm schedule's loss has two sync groups: a module that did not ask for it is refused."""
+    distmm = {"microbatch": 2, "schedule": "distmm"}
+    plan = ldm.Plan(2, {"image": {"ranks": [0, 1], **distmm}, "text": {"ranks": [0, 1], **distmm}})
     trainer = L.Trainer(devices=2, max_steps=1, strategy=ldm.DistMMStrategy(plan, start_method="fork"), **trainer_kwargs())
-    with pytest.raises(Exception, match="tower 'image': schedule 'distmm' \\(DistMM-Pipe\\) is not executed"):
+    with pytest.raises(Exception, match="over 2 sync group\\(s\\).*sync_groups is 1; set sync_groups = 2"):
         trainer.fit(TinyCLIP(), loader(4))
+    with pytest.raises(ldm.PlanError, match="every tower or on none"):
+        ldm.Plan(2, {"image": {"ranks": [0, 1], **distmm}, "text": {"ranks": [0, 1]}})
 
 
 @pytest.mark.slow

@@ -50,11 +50,13 @@ class GatherSlot:
         return max(b - a for a, b in zip(self.offsets[:-1], self.offsets[1:]))
 
 
-def exchange_specs(local: Mapping[str, Tensor], names: Sequence[str]) -> dict[str, FeatureSpec]:
-    """Tell every rank the feature shape of every tower (each rank only computed its own towers)."""
+def exchange_specs(
+    local: Mapping[str, Tensor], names: Sequence[str], group: dist.ProcessGroup | None = None
+) -> dict[str, FeatureSpec]:
+    """Tell every rank of ``group`` the feature shape of every tower (each rank only computed its own towers)."""
     mine = {name: (tuple(t.shape[1:]), str(t.dtype).removeprefix("torch.")) for name, t in local.items()}
-    everyone: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
-    dist.all_gather_object(everyone, mine)
+    everyone: list[dict] = [None] * dist.get_world_size(group)  # type: ignore[list-item]
+    dist.all_gather_object(everyone, mine, group=group)
     specs: dict[str, FeatureSpec] = {}
     for name in names:
         seen = {d[name] for d in everyone if name in d}
@@ -70,9 +72,14 @@ def gather_features(
     slots: Mapping[str, GatherSlot],
     specs: Mapping[str, FeatureSpec],
     device: torch.device,
+    group: dist.ProcessGroup | None = None,
 ) -> dict[str, Tensor]:
-    """Whole-batch features of every tower on every rank (detached; no autograd across ranks)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    """Whole-batch features of every tower on every rank of ``group`` (detached; no autograd across ranks).
+
+    ``slots`` name owners by global rank; the gather runs over ``group`` (the last stages).
+    """
+    rank, world = dist.get_rank(), dist.get_world_size(group)
+    members = dist.get_process_group_ranks(group) if group is not None else list(range(world))
     out: dict[str, Tensor] = {}
     by_dtype: dict[torch.dtype, list[str]] = {}
     for name in slots:
@@ -87,14 +94,15 @@ def gather_features(
                 send[start : start + flat.numel()] = flat
             start += size
         recv = torch.empty(world * send.numel(), dtype=dtype, device=device)
-        _all_gather_single(recv, send)
+        _all_gather_single(recv, send, group=group)
         recv = recv.view(world, -1)
         start = 0
         for name, size in zip(names, sizes):
             slot, spec = slots[name], specs[name]
             parts = []
             for owner, a, b in zip(slot.owners, slot.offsets[:-1], slot.offsets[1:]):
-                parts.append(recv[owner, start : start + (b - a) * spec.numel].view(b - a, *spec.tail))
+                row = members.index(owner)
+                parts.append(recv[row, start : start + (b - a) * spec.numel].view(b - a, *spec.tail))
             out[name] = torch.cat(parts)
             start += size
     return out

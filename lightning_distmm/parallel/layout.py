@@ -14,10 +14,9 @@ from lightning_distmm.plan.plan import Plan
 
 
 @dataclass(frozen=True)
-class TowerShare:
-    """A tower's replica on this rank: global rows ``[start, stop)``, local rows ``[local_start, local_stop)``."""
+class Span:
+    """Global rows ``[start, stop)`` of the batch, found at local rows ``[local_start, ...)`` of this rank's batch."""
 
-    replica: int
     start: int
     stop: int
     local_start: int
@@ -29,6 +28,18 @@ class TowerShare:
     @property
     def local(self) -> slice:
         return slice(self.local_start, self.local_start + self.size)
+
+
+@dataclass(frozen=True)
+class TowerShare:
+    """A tower's replica on this rank: its rows of each sync group (one span per wave)."""
+
+    replica: int
+    waves: tuple[Span, ...]
+
+    @property
+    def size(self) -> int:
+        return sum(s.size for s in self.waves)
 
 
 @dataclass(frozen=True)
@@ -59,7 +70,7 @@ class RankLayout:
         self._batch = lru_cache(maxsize=8)(self._compute)
 
     def offsets(self, name: str, n: int) -> list[int]:
-        """Start row of each replica of tower ``name`` in a global batch of ``n`` (plus the end)."""
+        """Start row of each replica of tower ``name`` in a (sync group of a) batch of ``n`` (plus the end)."""
         sizes = self.plan.towers[name].split(n)
         out = [0]
         for s in sizes:
@@ -71,14 +82,20 @@ class RankLayout:
 
     def _compute(self, n: int) -> RankBatch:
         self.plan.check_global_batch(n)
-        spans = {}
+        group_start = self.plan.group_offsets(n)
+        spans: dict[str, tuple[int, list[tuple[int, int]]]] = {}
         for name in self.local_towers:
             replica = self.plan.towers[name].replica_of(self.rank)
-            off = self.offsets(name, n)
-            spans[name] = (replica, off[replica], off[replica + 1])
-        rows = sorted({r for _, a, b in spans.values() for r in range(a, b)})
+            assert replica is not None
+            waves = []
+            for g, size in enumerate(self.plan.group_split(n)):
+                off = self.offsets(name, size)
+                waves.append((group_start[g] + off[replica], group_start[g] + off[replica + 1]))
+            spans[name] = (replica, waves)
+        rows = sorted({r for _, waves in spans.values() for a, b in waves for r in range(a, b)})
         position = {r: i for i, r in enumerate(rows)}
         shares = {
-            name: TowerShare(replica, a, b, position[a] if b > a else 0) for name, (replica, a, b) in spans.items()
+            name: TowerShare(replica, tuple(Span(a, b, position[a] if b > a else 0) for a, b in waves))
+            for name, (replica, waves) in spans.items()
         }
         return RankBatch(n, tuple(rows), shares)

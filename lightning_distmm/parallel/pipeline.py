@@ -9,8 +9,10 @@ keeps only its stage's parameters. The cut is per tower family (like tensor para
 * any tower can define ``pipeline_stages(pp) -> list[Stage]`` itself.
 
 Activations travel between consecutive stages of the same replica (and the same tensor-parallel
-coordinate) with ``send``/``recv``: a small header with the shape, then the tensor. Every rank runs
-its towers and microbatches in the same order, so the chain of sends and receives has no cycle.
+coordinate) point to point: a small header with the shape, then the tensor. Sends are posted
+without blocking (``isend``; the runtime waits for them before the step ends) and receives block,
+so a rank never waits on a peer that waits on it (``plan/schedule.py`` orders the lists, and its
+tests simulate random plans for deadlocks).
 """
 
 from __future__ import annotations
@@ -168,14 +170,29 @@ def release_unowned(tower: nn.Module, stage: Stage) -> None:
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
 
-def send_tensor(t: Tensor, dst: int) -> None:
-    """Send an activation or gradient of any shape: a header (ndim, dims, dtype), then the data."""
+@dataclass
+class PendingSend:
+    """Posted sends and the tensors they read (kept alive until the sends complete)."""
+
+    works: list[Any]
+    tensors: tuple[Tensor, ...]
+
+    def done(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+
+def send_tensor(t: Tensor, dst: int) -> PendingSend:
+    """Post the send of an activation or gradient of any shape: a header (ndim, dims, dtype), then the data."""
     header = torch.zeros(_HEADER, dtype=torch.int64, device=t.device)
     header[0] = t.dim()
     header[1 : 1 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
     header[_HEADER - 1] = _DTYPES.index(t.dtype)
-    dist.send(header, dst)
-    dist.send(t.detach().contiguous(), dst)
+    data = t.detach().contiguous()
+    return PendingSend([dist.isend(header, dst), dist.isend(data, dst)], (header, data))
 
 
 def recv_tensor(src: int, device: torch.device) -> Tensor:

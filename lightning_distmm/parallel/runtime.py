@@ -1,18 +1,26 @@
-"""The per-rank runtime of a distmm plan (data parallelism inside each tower).
+"""The per-rank runtime of a distmm plan: one executor for the schedule's instruction list.
 
-One training step on a rank:
+One training step on a rank is its list from :func:`lightning_distmm.plan.schedule.rank_schedule`,
+run in full inside :meth:`TowerRuntime.contrastive_loss` (the module's ``training_step``):
 
-1. encode: each local tower runs on its replica's rows of the global batch;
-2. batch-sync forward: features of every tower are gathered into whole-batch tensors, which
-   become leaves; the interaction loss is computed on this rank's rows (see
-   :mod:`lightning_distmm.interaction`); the returned loss has the whole-batch value;
-3. batch-sync backward (in the strategy's ``backward``): the loss is backpropagated to the
-   leaves and the interaction parameters, the per-rank partial feature gradients are summed
-   over all ranks, and each local tower resumes its backward with its own rows of that sum;
-4. gradient sync: each tower's parameter gradients are summed over its data-parallel replicas,
-   the interaction parameters' gradients over all ranks. Sums, not means: every rank's loss is
-   already its share of the whole-batch mean, so the sum is exactly the single-process gradient,
-   whatever the replicas' batch sizes.
+1. ``Forward``: a microbatch of a local tower through this rank's stage (the whole tower without
+   pipeline), receiving its input from the previous stage and posting its output to the next;
+2. ``BatchSync`` (last stages only), the four steps of DESIGN section 1: the wave's features of
+   every tower are gathered into whole-group tensors, which become leaves; the interaction loss
+   runs forward on this rank's rows (:mod:`lightning_distmm.interaction`) and backward; the
+   per-rank partial feature gradients are summed over the last stages; each microbatch takes its
+   rows of that sum;
+3. ``Backward``: the microbatch's backward through the stage, from its feature gradient (last
+   stage) or the gradient received from the next stage, posting the input gradient back;
+4. ``GradSync``: each tower's gradients summed over its data-parallel replicas, the interaction
+   parameters' over all ranks. Sums, not means: every rank's loss is its share of the whole-batch
+   mean, so the sum is exactly the single-process gradient, whatever the replicas' batch sizes.
+
+Lightning zeroes gradients between ``training_step`` and ``backward``, so the gradients the step
+produced are set aside and handed back in the strategy's ``backward``, scaled by the gradient that
+reaches the returned loss (Lightning divides it for gradient accumulation; a user may scale it):
+the returned loss has the whole-batch value on every rank and a backward that records that scale.
+The gradient sums run there too, once per optimizer step.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import ctypes
 import gc
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -48,10 +56,10 @@ from lightning_distmm.plan.schedule import (
     Backward,
     BatchSync,
     Forward,
-    GradSync,
     Instruction,
     rank_schedule,
     stage_neighbours,
+    sync_ranks,
 )
 
 #: the batch key under which the distmm data loader tells every rank the global batch size
@@ -70,13 +78,56 @@ class _Microbatch:
 
 
 @dataclass
-class _Pending:
-    """What the forward leaves for the backward: the whole-batch leaves and this rank's microbatches."""
+class _Step:
+    """One step's state on this rank: microbatch rows and records, last-stage outputs, feature gradients."""
 
-    full: dict[str, Tensor]
-    batch: RankBatch
-    records: dict[str, list[_Microbatch]]
     n: int
+    batch: RankBatch
+    rows: dict[tuple[str, int], slice]
+    wave_of: dict[tuple[str, int], int] = field(default_factory=dict)
+    last: dict[str, bool] = field(default_factory=dict)
+    records: dict[tuple[str, int], _Microbatch] = field(default_factory=dict)
+    outputs: dict[tuple[int, str], list[Tensor]] = field(default_factory=dict)
+    feature_grads: dict[tuple[str, int], Tensor] = field(default_factory=dict)
+    loss: Tensor = field(default_factory=lambda: torch.zeros(()))
+
+
+def _new_step(instructions: list[Instruction], batch: RankBatch) -> _Step:
+    """A step's bookkeeping from the instructions: each (tower, microbatch)'s local rows (each wave's
+    rows of the replica, cut in microbatch order), its wave, and whether this rank is a last stage."""
+    step = _Step(batch.n, batch, {})
+    nxt: dict[tuple[str, int], int] = {}
+    for ins in instructions:
+        if isinstance(ins, Forward):
+            key = (ins.tower, ins.wave)
+            a = nxt.get(key, batch.towers[ins.tower].waves[ins.wave].local_start)
+            step.rows[ins.tower, ins.mb] = slice(a, a + ins.rows)
+            step.wave_of[ins.tower, ins.mb] = ins.wave
+            step.last[ins.tower] = ins.send_to is None
+            nxt[key] = a + ins.rows
+    return step
+
+
+@dataclass
+class _StepGradients:
+    """Gradients one ``contrastive_loss`` produced, set aside until the strategy's ``backward``."""
+
+    grads: list[tuple[nn.Parameter, Tensor]]
+    scale: Tensor | None = None  # the gradient that reached the returned loss
+
+
+class _DeferredGradients(torch.autograd.Function):
+    """The returned loss: its value is the whole-batch loss; its backward records the upstream gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, value: Tensor, anchor: Tensor, pending: _StepGradients) -> Tensor:  # type: ignore[override]
+        ctx.pending = pending
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None]:  # type: ignore[override]
+        ctx.pending.scale = grad.detach() if ctx.pending.scale is None else ctx.pending.scale + grad.detach()
+        return None, None, None
 
 
 def tower_prefixes(module: nn.Module, towers: Mapping[str, Tower]) -> dict[str, str]:
@@ -125,8 +176,12 @@ class TowerRuntime:
         self.module = module
         self.tower_params, self.interaction_params = tower_parameters(module, self.towers)  # type: ignore[arg-type]
         self.specs: dict[str, FeatureSpec] | None = None
-        self._pending: _Pending | None = None
+        self._pending: list[_StepGradients] = []
         self._slots: dict[int, dict[str, GatherSlot]] = {}
+        #: the ranks that meet at the batch-sync (every rank of a last stage) and their process group
+        self.sync_ranks = sync_ranks(plan)
+        self.sync_group = dist.new_group(list(self.sync_ranks)) if len(self.sync_ranks) < self.world else None
+        self._sends: list[Any] = []
         self._schedules: dict[int, list[Instruction]] = {}
         #: when a list, the executor appends ``(instruction, start, end)`` of its compute (perf_counter)
         self.trace: list[tuple[Instruction, float, float]] | None = None
@@ -196,6 +251,7 @@ class TowerRuntime:
         return int(batch[GLOBAL_BATCH_KEY])
 
     def slots(self, n: int) -> dict[str, GatherSlot]:
+        """Where each tower's features of a sync group of ``n`` rows come from (rows relative to the group)."""
         if n not in self._slots:
             self._slots[n] = {
                 name: GatherSlot([t.feature_rank(i) for i in range(t.dp)], self.layout.offsets(name, n))
@@ -210,7 +266,7 @@ class TowerRuntime:
         return self._schedules[n]
 
     def contrastive_loss(self, module: DistMMMixin, batch: Mapping[str, Any]) -> Tensor:
-        """Run the schedule up to the batch-sync, then the interaction forward on this rank's rows."""
+        """Run this rank's whole schedule for the step; return the whole-batch loss (grouped under ``distmm``)."""
         n = self.global_batch_size(batch)
         rank_batch = self.layout.batch(n)
         training = torch.is_grad_enabled()
@@ -221,36 +277,43 @@ class TowerRuntime:
                         f"tower {name!r} reads batch field {f!r} but the batch has only"
                         f" {sorted(k for k in batch if k != GLOBAL_BATCH_KEY)}"
                     )
+        instructions = self.schedule(n)
+        learns = training and (
+            any(self.trainable(t) for t in self.layout.local_towers)
+            or any(p.requires_grad for p in self.interaction_params.values())
+        )
+        earlier = self._take_gradients() if learns else []
+        step = _new_step(instructions, rank_batch)
         self.stash_bytes = 0
-        records: dict[str, list[_Microbatch]] = {}
-        outputs: dict[str, list[Tensor]] = {}
-        next_row = {name: rank_batch.towers[name].local.start for name in self.layout.local_towers}
-        for ins in self.schedule(n):
-            if isinstance(ins, BatchSync):
-                break
-            assert isinstance(ins, Forward)
-            part = slice(next_row[ins.tower], next_row[ins.tower] + ins.rows)  # the instruction's microbatch
-            next_row[ins.tower] = part.stop
-            rows = {f: _take_rows(batch[f], part) for f in self.towers[ins.tower].fields}
-            self._forward(ins, rows, training, records, outputs)
-        local = {name: torch.cat(outs) for name, outs in outputs.items()}
-        if self.specs is None:
-            self.specs = exchange_specs(local, list(self.towers))
-        full = gather_features(local, self.slots(n), self.specs, self.device)
-        for name, feats in full.items():
-            feats.requires_grad_(training and self.trainable(name))
-        with row_share(self.rank, self.world) as share:
-            loss = module.interaction_loss(full)
-        if not share.asked:
-            # a whole-batch loss computed identically on every rank: each contributes 1/world of it
-            loss = loss / self.world
-        total = loss.detach().clone()
+        try:
+            for ins in instructions:
+                self._sends = [s for s in self._sends if not s.done()]
+                if isinstance(ins, Forward):
+                    rows = {f: _take_rows(batch[f], step.rows[ins.tower, ins.mb]) for f in self.towers[ins.tower].fields}
+                    self._forward(ins, rows, training, step)
+                elif isinstance(ins, BatchSync):
+                    self._batch_sync(module, ins, step, training)
+                elif isinstance(ins, Backward):
+                    if training and self.trainable(ins.tower):
+                        self._backward(ins, step.records.pop((ins.tower, ins.mb)), step.feature_grads.pop((ins.tower, ins.mb), None))
+                # GradSync runs in finish_backward, once per optimizer step
+            for pending in self._sends:
+                pending.wait()
+        finally:
+            self._sends = []
+        # the loss value for every rank (the first stages hold none): one sum over the world
+        total = step.loss.reshape(1).to(self.device, torch.float32)
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        if not (training and loss.requires_grad):
+        total = total[0].to(step.loss.dtype)
+        if not learns:
             return total
-        self._pending = _Pending(full, rank_batch, records, n)
-        return loss + (total - loss.detach())
+        produced = _StepGradients(self._take_gradients())
+        self._restore_gradients(earlier)
+        self._pending.append(produced)
+        anchor = torch.zeros((), device=total.device, requires_grad=True)
+        return _DeferredGradients.apply(total, anchor, produced)
 
+    # ------------------------------------------------------------------ instructions
     def _run_stage(self, name: str, x: Tensor | None, rows: Mapping[str, Any], training: bool) -> Tensor:
         if name in self.stages:
             return self.stages[name].run(x, rows)
@@ -260,10 +323,7 @@ class TowerRuntime:
             return checkpoint(tower.encode, rows, use_reentrant=False)
         return tower.encode(rows)
 
-    def _forward(
-        self, ins: Forward, rows: Mapping[str, Any], training: bool,
-        records: dict[str, list["_Microbatch"]], outputs: dict[str, list[Tensor]],
-    ) -> None:
+    def _forward(self, ins: Forward, rows: Mapping[str, Any], training: bool, step: _Step) -> None:
         """One microbatch through this rank's stage of a tower (the whole tower without pipeline)."""
         from lightning_distmm.parallel.pipeline import recv_tensor, send_tensor
 
@@ -274,7 +334,7 @@ class TowerRuntime:
             rng = _rng_state(self.device)
             with torch.no_grad():
                 x = self._run_stage(ins.tower, x_in, rows, training)
-            records.setdefault(ins.tower, []).append(_Microbatch(x_in, rows, None, rng))
+            step.records[ins.tower, ins.mb] = _Microbatch(x_in, rows, None, rng)
             if x_in is not None:
                 self.stash_bytes += x_in.numel() * x_in.element_size()
         else:
@@ -282,15 +342,53 @@ class TowerRuntime:
                 x_in.requires_grad_(True)
             x = self._run_stage(ins.tower, x_in, rows, training)
             if grad:
-                records.setdefault(ins.tower, []).append(_Microbatch(x_in, rows, x, None))
+                step.records[ins.tower, ins.mb] = _Microbatch(x_in, rows, x, None)
         if self.trace is not None:
             self.trace.append((ins, start, time.perf_counter()))
         if ins.send_to is not None:
-            send_tensor(x, ins.send_to)
+            self._sends.append(send_tensor(x, ins.send_to))
         else:
-            outputs.setdefault(ins.tower, []).append(x)
+            step.outputs.setdefault((ins.wave, ins.tower), []).append(x)
 
-    def _backward(self, ins: Backward, micro: "_Microbatch", feature_grad: Tensor | None) -> None:
+    def _batch_sync(self, module: DistMMMixin, ins: BatchSync, step: _Step, training: bool) -> None:
+        """Wave ``ins.wave``'s features meet: gather, the loss forward and backward, the feature gradients split."""
+        start = time.perf_counter()
+        group_sizes = self.plan.group_split(step.n)
+        rows = group_sizes[ins.wave]
+        local = {tower: torch.cat(outs) for (wave, tower), outs in step.outputs.items() if wave == ins.wave}
+        if self.specs is None:
+            self.specs = exchange_specs(local, list(self.towers), self.sync_group)
+        full = gather_features(local, self.slots(rows), self.specs, self.device, self.sync_group)
+        for name, feats in full.items():
+            feats.requires_grad_(training and self.trainable(name))
+        index, parts = self.sync_ranks.index(self.rank), len(self.sync_ranks)
+        with row_share(index, parts) as share:
+            loss = module.interaction_loss(full)
+        if not share.asked:
+            # a whole-batch loss computed identically on every rank: each contributes 1/parts of it
+            loss = loss / parts
+        if len(group_sizes) > 1:
+            loss = loss * (rows / step.n)  # the grouped loss: each group's mean weighted by its share of rows
+        step.loss = step.loss + loss.detach()
+        if not (training and loss.requires_grad):
+            return
+        torch.autograd.backward(loss)
+        grads = {}
+        for name, leaf in full.items():
+            if self.trainable(name):
+                grads[name] = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+        allreduce_sum(list(grads.values()), self.sync_group)
+        # each of this rank's microbatches of the wave takes its rows of the summed feature gradient
+        for (tower, mb), part in step.rows.items():
+            if tower in grads and step.wave_of[tower, mb] == ins.wave and step.last[tower]:
+                offset = self.layout.offsets(tower, rows)[step.batch.towers[tower].replica]
+                span = step.batch.towers[tower].waves[ins.wave]
+                a = offset + part.start - span.local_start
+                step.feature_grads[tower, mb] = grads[tower][a : a + part.stop - part.start]
+        if self.trace is not None:
+            self.trace.append((ins, start, time.perf_counter()))
+
+    def _backward(self, ins: Backward, micro: _Microbatch, feature_grad: Tensor | None) -> None:
         """One microbatch backward through this rank's stage; the input gradient goes to the previous stage."""
         from lightning_distmm.parallel.pipeline import recv_tensor, send_tensor
 
@@ -307,40 +405,46 @@ class TowerRuntime:
             self.trace.append((ins, start, time.perf_counter()))
         if ins.send_to is not None:
             assert x_in is not None
-            send_tensor(x_in.grad if x_in.grad is not None else torch.zeros_like(x_in), ins.send_to)
+            self._sends.append(send_tensor(x_in.grad if x_in.grad is not None else torch.zeros_like(x_in), ins.send_to))
 
-    # ------------------------------------------------------------------ backward
+    # ------------------------------------------------------------------ gradients
+    def _take_gradients(self) -> list[tuple[nn.Parameter, Tensor]]:
+        """Remove and return the gradients of this rank's parameters (leaving ``.grad`` empty)."""
+        taken = []
+        for p in self.local_parameters():
+            if p.grad is not None:
+                taken.append((p, p.grad))
+                p.grad = None
+        return taken
+
+    @staticmethod
+    def _restore_gradients(grads: list[tuple[nn.Parameter, Tensor]]) -> None:
+        for p, g in grads:
+            p.grad = g
+
     def finish_backward(self, sync: bool) -> None:
-        """After ``loss.backward()``: finish the batch-sync, then run the schedule's backward part."""
-        pending, self._pending = self._pending, None
-        if pending is None:
+        """In the strategy's ``backward``: add the step's gradients (scaled by the loss's upstream
+        gradient) to ``.grad``, then the schedule's ``GradSync`` unless accumulating."""
+        pending, self._pending = self._pending, []
+        used = [p for p in pending if p.scale is not None]
+        if not used:
             raise RuntimeError(
-                "distmm: backward() was called without a loss from contrastive_loss() in this step;"
-                " the training_step must return the loss that DistMMMixin.contrastive_loss(batch) gave"
+                "distmm: backward() was called on a loss that does not come from contrastive_loss() in this step;"
+                " the training_step must return (a function of) the loss that DistMMMixin.contrastive_loss(batch) gave"
             )
-        # batch-sync, second half: partial feature gradients summed over ranks
-        grads = {}
-        for name, leaf in pending.full.items():
-            if self.trainable(name):
-                grads[name] = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-        allreduce_sum(list(grads.values()))
-        offsets: dict[str, int] = {}
-        instructions = self.schedule(pending.n)
-        for ins in instructions[instructions.index(BatchSync()) + 1 :]:
-            if isinstance(ins, GradSync):
-                if sync:
-                    self.sync_gradients()
-                continue
-            assert isinstance(ins, Backward)
-            if ins.tower not in grads:
-                continue  # frozen tower: nothing to backpropagate
-            feature_grad = None
-            if ins.recv_from is None:  # last stage: this microbatch's rows of the feature gradient
-                share = pending.batch.towers[ins.tower]
-                start = share.start + offsets.get(ins.tower, 0)
-                feature_grad = grads[ins.tower][start : start + ins.rows]
-                offsets[ins.tower] = offsets.get(ins.tower, 0) + ins.rows
-            self._backward(ins, pending.records[ins.tower][ins.mb], feature_grad)
+        for produced in used:
+            scale = produced.scale
+            assert scale is not None
+            unit = bool(torch.all(scale == 1))
+            for p, g in produced.grads:
+                if not unit:
+                    _local(g).mul_(scale.to(g.device, g.dtype))
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    _local(p.grad).add_(_local(g))
+        if sync:
+            self.sync_gradients()
 
     def _grads_for(self, params: Mapping[str, nn.Parameter]) -> list[Tensor]:
         out = []
