@@ -157,10 +157,16 @@ class Interval:
 
 
 def simulate(
-    plan_schedules: Mapping[int, Sequence[Instruction]], duration: Callable[[int, Instruction], float], link: float = 0.0
+    plan_schedules: Mapping[int, Sequence[Instruction]],
+    duration: Callable[[int, Instruction], float],
+    link: float | Callable[[Instruction], float] = 0.0,
 ) -> list[Interval]:
     """Play every rank's list: a receive waits for its send (plus ``link`` seconds), a batch-sync
-    waits for its ranks, the gradient sync for every rank. Returns each instruction's interval."""
+    waits for its ranks, the gradient sync for every rank. Returns each instruction's interval.
+
+    ``link``: seconds from a send to its receive, a number or a function of the receiving
+    instruction (a ``Forward`` receives the microbatch's activations, a ``Backward`` its gradient).
+    """
     clock = {r: 0.0 for r in plan_schedules}
     pc = {r: 0 for r in plan_schedules}
     sent: dict[tuple, float] = {}
@@ -187,7 +193,7 @@ def simulate(
                         key = (direction, ins.tower, ins.mb, ins.recv_from, r)
                         if key not in sent:
                             break
-                        start = max(start, sent[key] + link)
+                        start = max(start, sent[key] + (link(ins) if callable(link) else link))
                     end = start + duration(r, ins)
                     if ins.send_to is not None:
                         sent[(direction, ins.tower, ins.mb, r, ins.send_to)] = end
