@@ -185,14 +185,20 @@ def main() -> None:
             times[schedule].append(t)
     budget = max(peaks["gpipe"])
     largest = {"gpipe": args.batch}
+    step = 2 * args.microbatch  # batches searched in multiples of two microbatches (one per wave)
     for schedule in ("distmm", "cached"):
-        batch, fitted = args.batch, args.batch if max(peaks[schedule]) <= budget else 0
-        while fitted and batch * 2 <= args.max_batch:
-            batch *= 2
-            trial, _, _ = run(schedule, batch, args.microbatch, 2, 0)
-            if max(trial) > budget:
+        fits = lambda b: max(run(schedule, b, args.microbatch, 2, 0)[0]) <= budget  # noqa: E731
+        fitted, failed = (args.batch, None) if max(peaks[schedule]) <= budget else (0, args.batch)
+        while failed is None and fitted * 2 <= args.max_batch:  # doubling, then bisection
+            if fits(fitted * 2):
+                fitted *= 2
+            else:
+                failed = fitted * 2
+        while failed is not None and fitted and failed - fitted > step:
+            mid = (fitted + failed) // 2 // step * step
+            if mid <= fitted:
                 break
-            fitted = batch
+            fitted, failed = (mid, failed) if fits(mid) else (fitted, mid)
         largest[schedule] = fitted
 
     mib = 1 / 2**20
@@ -217,7 +223,7 @@ def main() -> None:
         ratio_batch = largest[schedule] / largest["gpipe"]
         ratio_time = statistics.median(times[schedule]) / statistics.median(times["gpipe"])
         target = f" (target >= 8x: {'yes' if ratio_batch >= 8 else 'no'})" if schedule == "cached" else ""
-        print(f"largest batch, {schedule} / gpipe: {ratio_batch:.0f}x{target}")
+        print(f"largest batch, {schedule} / gpipe: {ratio_batch:.1f}x{target}")
         target = f" (target <= 1.5: {'yes' if ratio_time <= 1.5 else 'no'})" if schedule == "cached" else ""
         print(f"step time at batch {args.batch}, {schedule} / gpipe: {ratio_time:.2f}{target}")
 

@@ -221,6 +221,26 @@ class DistMMStrategy(ModelParallelStrategy):
             self._sync_gradients = True
 
     @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._batch_idx = batch_idx
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        assert self.lightning_module is not None and self.runtime is not None
+        # Lightning zeroes the gradients after this step when it starts an accumulation window:
+        # the runtime may then drop the old ones before its backward instead of holding two copies
+        trainer = self.lightning_module.trainer
+        self.runtime.discard_earlier_gradients = bool(
+            self.lightning_module.automatic_optimization
+            and getattr(self, "_batch_idx", None) is not None
+            and self._batch_idx % trainer.accumulate_grad_batches == 0
+        )
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:
+            self.runtime.discard_earlier_gradients = False
+
+    @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         assert self.lightning_module is not None and self.runtime is not None
         self.pre_backward(closure_loss)

@@ -17,7 +17,8 @@ run in full inside :meth:`TowerRuntime.contrastive_loss` (the module's ``trainin
    mean, so the sum is exactly the single-process gradient, whatever the replicas' batch sizes.
 
 Lightning zeroes gradients between ``training_step`` and ``backward``, so the gradients the step
-produced are set aside and handed back in the strategy's ``backward``, scaled by the gradient that
+produced are set aside and handed back in the strategy's ``backward`` (the gradients from before
+the step are set aside meanwhile, or dropped when Lightning is about to zero them anyway), scaled by the gradient that
 reaches the returned loss (Lightning divides it for gradient accumulation; a user may scale it):
 the returned loss has the whole-batch value on every rank and a backward that records that scale.
 The gradient sums run there too, once per optimizer step.
@@ -182,6 +183,8 @@ class TowerRuntime:
         self.sync_ranks = sync_ranks(plan)
         self.sync_group = dist.new_group(list(self.sync_ranks)) if len(self.sync_ranks) < self.world else None
         self._sends: list[Any] = []
+        #: set by the strategy when Lightning will zero the gradients after this training_step
+        self.discard_earlier_gradients = False
         self._schedules: dict[int, list[Instruction]] = {}
         #: when a list, the executor appends ``(instruction, start, end)`` of its compute (perf_counter)
         self.trace: list[tuple[Instruction, float, float]] | None = None
@@ -283,6 +286,8 @@ class TowerRuntime:
             or any(p.requires_grad for p in self.interaction_params.values())
         )
         earlier = self._take_gradients() if learns else []
+        if self.discard_earlier_gradients:
+            earlier = []  # Lightning zeroes them after this step: free them before the backward
         step = _new_step(instructions, rank_batch)
         self.stash_bytes = 0
         try:
