@@ -185,20 +185,26 @@ class PendingSend:
             w.wait()
 
 
-def send_tensor(t: Tensor, dst: int) -> PendingSend:
-    """Post the send of an activation or gradient of any shape: a header (ndim, dims, dtype), then the data."""
+def send_tensor(t: Tensor, dst: int, group: dist.ProcessGroup | None = None) -> PendingSend:
+    """Post the send of an activation or gradient of any shape: a header (ndim, dims, dtype), then the data.
+
+    ``group`` spans the whole world (ranks are global); the runtime gives each tower and direction
+    its own, because NCCL pairs a communicator's sends and receives in the order both sides post
+    them, and under ``distmm`` a stage posts activations and gradients of different waves
+    interleaved.
+    """
     header = torch.zeros(_HEADER, dtype=torch.int64, device=t.device)
     header[0] = t.dim()
     header[1 : 1 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
     header[_HEADER - 1] = _DTYPES.index(t.dtype)
     data = t.detach().contiguous()
-    return PendingSend([dist.isend(header, dst), dist.isend(data, dst)], (header, data))
+    return PendingSend([dist.isend(header, dst, group=group), dist.isend(data, dst, group=group)], (header, data))
 
 
-def recv_tensor(src: int, device: torch.device) -> Tensor:
+def recv_tensor(src: int, device: torch.device, group: dist.ProcessGroup | None = None) -> Tensor:
     header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-    dist.recv(header, src)
+    dist.recv(header, src, group=group)
     ndim = int(header[0])
     out = torch.empty(tuple(int(d) for d in header[1 : 1 + ndim]), dtype=_DTYPES[int(header[-1])], device=device)
-    dist.recv(out, src)
+    dist.recv(out, src, group=group)
     return out

@@ -183,6 +183,11 @@ class TowerRuntime:
         self.sync_ranks = sync_ranks(plan)
         self.sync_group = dist.new_group(list(self.sync_ranks)) if len(self.sync_ranks) < self.world else None
         self._sends: list[Any] = []
+        #: per pipelined tower, one process group for activations and one for gradients (see send_tensor)
+        self.p2p_groups = {
+            (name, kind): dist.new_group(list(range(self.world)))
+            for name, t in plan.towers.items() if t.pp > 1 for kind in ("act", "grad")
+        }
         #: set by the strategy when Lightning will zero the gradients after this training_step
         self.discard_earlier_gradients = False
         self._schedules: dict[int, list[Instruction]] = {}
@@ -333,7 +338,7 @@ class TowerRuntime:
         from lightning_distmm.parallel.pipeline import recv_tensor, send_tensor
 
         grad = training and self.trainable(ins.tower)
-        x_in = recv_tensor(ins.recv_from, self.device) if ins.recv_from is not None else None
+        x_in = recv_tensor(ins.recv_from, self.device, self.p2p_groups.get((ins.tower, "act"))) if ins.recv_from is not None else None
         start = time.perf_counter()
         if grad and not ins.keep:  # cached: no activations now, recompute from the input in backward
             rng = _rng_state(self.device)
@@ -351,7 +356,7 @@ class TowerRuntime:
         if self.trace is not None:
             self.trace.append((ins, start, time.perf_counter()))
         if ins.send_to is not None:
-            self._sends.append(send_tensor(x, ins.send_to))
+            self._sends.append(send_tensor(x, ins.send_to, self.p2p_groups.get((ins.tower, "act"))))
         else:
             step.outputs.setdefault((ins.wave, ins.tower), []).append(x)
 
@@ -397,7 +402,8 @@ class TowerRuntime:
         """One microbatch backward through this rank's stage; the input gradient goes to the previous stage."""
         from lightning_distmm.parallel.pipeline import recv_tensor, send_tensor
 
-        g_out = recv_tensor(ins.recv_from, self.device) if ins.recv_from is not None else feature_grad
+        group = self.p2p_groups.get((ins.tower, "grad"))
+        g_out = recv_tensor(ins.recv_from, self.device, group) if ins.recv_from is not None else feature_grad
         start = time.perf_counter()
         if micro.output is None:  # cached: recompute the stage from its saved input, same RNG
             x_in = micro.input.requires_grad_(True) if micro.input is not None else None
@@ -410,7 +416,7 @@ class TowerRuntime:
             self.trace.append((ins, start, time.perf_counter()))
         if ins.send_to is not None:
             assert x_in is not None
-            self._sends.append(send_tensor(x_in.grad if x_in.grad is not None else torch.zeros_like(x_in), ins.send_to))
+            self._sends.append(send_tensor(x_in.grad if x_in.grad is not None else torch.zeros_like(x_in), ins.send_to, group))
 
     # ------------------------------------------------------------------ gradients
     def _take_gradients(self) -> list[tuple[nn.Parameter, Tensor]]:
