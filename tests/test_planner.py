@@ -1,5 +1,6 @@
-"""Planner: balancer == brute force, simulator == closed forms, placement keeps TP in nodes, plans fit
-memory, never slower than the baselines, YAML round trip, infeasibility messages, solve time, recipes."""
+"""Planner: balancer == brute force, the cost model's closed forms == the simulated schedule IR,
+distmm priced as two half-batch syncs, placement keeps TP in nodes, plans fit memory, never slower
+than the baselines, YAML round trip, infeasibility messages, solve time, recipes."""
 
 from __future__ import annotations
 
@@ -26,12 +27,25 @@ from lightning_distmm.plan import (
     load_cluster,
     make_plan,
     minmax_allocation,
-    simulate_pipeline,
     tp_groups_inside_nodes,
 )
 from lightning_distmm.plan.balance import compositions
 from lightning_distmm.plan.cluster import CONF_DIR, GB, Cluster, Device, Link
-from lightning_distmm.plan.cost import phases
+from lightning_distmm.plan.cost import (
+    RECOMPUTE,
+    CostOptions,
+    TowerChoice,
+    evaluate_plan,
+    even_split,
+    phases,
+    pp_comm,
+    replica_plan,
+    replica_timeline,
+    stage_compute,
+    sync_time,
+)
+from lightning_distmm.plan.profile import model_profiles
+from lightning_distmm.plan.schedule import Backward, BatchSync, Forward, schedules, simulate
 from lightning_distmm.plan.partition import Candidates, InfeasibleError
 from lightning_distmm.plan.placement import candidate_layouts, place
 from lightning_distmm.plan.planner import TowerInfo
@@ -127,15 +141,124 @@ def test_uneven_replica_batches_follow_the_global_batch():
 
 
 # ---------------------------------------------------------------------- cost model
+@pytest.mark.parametrize("frozen", [False, True])
+@pytest.mark.parametrize("schedule", ["gpipe", "cached", RECOMPUTE, "distmm"])
+def test_closed_forms_equal_the_simulated_instruction_lists(schedule, frozen):
+    """cost.phases (the partitioner's fast path) == schedule.simulate over the runtime's own lists of
+    a one-tower plan, for every schedule, over a grid of microbatch counts, stages, stage times,
+    transfer times and batch-sync durations."""
+    recompute = schedule in ("cached", RECOMPUTE)
+    for P in (1, 2, 3, 4, 6):
+        for rows in (2, 3, 5, 8, 13):
+            for mb in (1, 2):
+                for f, b, link, syncs in ((1.0, 2.3, 0.0, (0.7, 0.4)), (1.0, 0.4, 0.3, (0.0, 2.0)), (0.2, 1.0, 1.7, (5.0, 0.1))):
+                    b = 0.0 if frozen else b
+                    lists = schedules(replica_plan(schedule, P, mb), rows)
+                    if frozen:  # the runtime skips a frozen tower's backward
+                        lists = {r: [i for i in ins if not isinstance(i, Backward)] for r, ins in lists.items()}
+
+                    def duration(rank, ins):
+                        if isinstance(ins, Forward):
+                            return f
+                        if isinstance(ins, Backward):
+                            return b + (f if recompute else 0.0)
+                        return syncs[ins.wave] if isinstance(ins, BatchSync) else 0.0
+
+                    intervals = simulate(lists, duration, lambda ins: link)
+                    waves = (rows - rows // 2, rows // 2) if schedule == "distmm" else (rows,)
+                    counts = [math.ceil(w / mb) for w in waves]
+                    segments, bubble = phases(schedule, frozen, counts[0], P, f, b, link, counts[-1])
+                    segments = [float(x) for x in segments]
+                    # the first batch-sync starts after the first segment, the step ends after all of them
+                    first = min(i.start for i in intervals if isinstance(i.instruction, BatchSync))
+                    assert first == pytest.approx(segments[0])
+                    assert max(i.end for i in intervals) == pytest.approx(sum(segments) + sum(syncs[: len(waves)]))
+                    timeline = replica_timeline(schedule, frozen, P, rows, mb, f, b, link, syncs)
+                    assert timeline.segments == pytest.approx(segments)
+                    assert timeline.bubble == pytest.approx(float(bubble))
+
+
+def test_simulate_takes_a_transfer_time_per_message():
+    """schedule.simulate's link may be a function of the receiving instruction: activations and
+    gradients of different sizes take different times."""
+    lists = schedules(replica_plan("gpipe", 2, 1), 2)
+    intervals = simulate(lists, lambda r, i: 1.0 if isinstance(i, (Forward, Backward)) else 0.0,
+                         lambda ins: 0.5 if isinstance(ins, Forward) else 2.0)
+    end = max(i.end for i in intervals)
+    assert end == pytest.approx(3 + 0.5 + 3 + 2.0)  # (K+P-1) slots each way, one transfer of each kind
+    same = [max(i.end for i in simulate(lists, lambda r, i: 1.0, link)) for link in (0.5, lambda ins: 0.5)]
+    assert same[0] == pytest.approx(same[1])
+
+
+def _clip_choices(schedule: str, image_pp: int = 1, image_mb: int = 2, text_mb: int = 4, G: int = 16):
+    """clip_vit_b32 on 3 GPUs: image on ranks 0-1 (``image_pp`` stages), text on rank 2."""
+    dp = 2 // image_pp
+    choices = {
+        "image": TowerChoice("image", 2, 1, image_pp, image_mb, schedule, even_split(G, dp)),
+        "text": TowerChoice("text", 1, 1, 1, text_mb, schedule, (G,)),
+    }
+    return choices, {"image": [0, 1], "text": [2]}
+
+
+def test_distmm_is_priced_as_two_half_batch_syncs_and_one_wave_of_activations():
+    profiles = model_profiles(model("clip_vit_b32"))
+    cl, co = load_cluster("a100_8x8").with_world(3), CostOptions()
+    G = 64
+    priced = {s: evaluate_plan(profiles, cl, co, *_clip_choices(s, 1, 4, 8, G), G) for s in ("gpipe", "distmm")}
+    embed = max(p.embed_dim for p in profiles.values())
+    whole, half = (sync_time(cl, co, rows, embed, 3, 1, 2)["total"] for rows in (G, G // 2))
+    assert priced["gpipe"].sync["waves"] == pytest.approx([whole])
+    assert priced["distmm"].sync["waves"] == pytest.approx([half, half])  # no "hidden half of the gather"
+    assert priced["distmm"].sync["total"] == pytest.approx(2 * half)
+    for name in ("image", "text"):
+        g, d = priced["gpipe"].towers[name], priced["distmm"].towers[name]
+        assert len(d.segments) == 3 and len(g.segments) == 2
+        assert d.memory["activations"] == pytest.approx(g.memory["activations"] / 2)  # one wave at pp = 1
+        assert d.compute == pytest.approx(g.compute)
+    # pipelined: one wave plus the microbatch a stage runs ahead
+    piped = evaluate_plan(profiles, cl, co, *_clip_choices("distmm", 2, 2, 4, 16), 16)
+    gpiped = evaluate_plan(profiles, cl, co, *_clip_choices("gpipe", 2, 2, 4, 16), 16)
+    assert piped.towers["image"].memory["activations"] == pytest.approx(gpiped.towers["image"].memory["activations"] * (8 + 2) / 16)
+    with pytest.raises(ValueError, match="distmm"):
+        mixed = _clip_choices("distmm")[0]
+        evaluate_plan(profiles, cl, co, {**mixed, "text": dataclasses.replace(mixed["text"], schedule="gpipe")}, _clip_choices("gpipe")[1], 16)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "cached", "distmm"])
-def test_simulator_equals_closed_forms(schedule):
-    for K in (1, 2, 3, 7):
-        for P in (1, 2, 4):
-            f, b, sync = 1.0, 2.3, 0.7
-            sim = simulate_pipeline(schedule, K, P, f, b, sync)
-            Fp, Bp, _ = phases(schedule, False, K, P, f, b)
-            assert sim["forward_end"] == pytest.approx(Fp)
-            assert sim["end"] == pytest.approx(Fp + sync + Bp)
+def test_segments_compose_to_the_simulated_whole_plan(schedule):
+    """Separate towers, a pipelined one among them: the cost model's segments and batch-syncs add up
+    (sum over the syncs of the slowest tower's segment) to the simulation of the whole plan's lists."""
+    profiles = model_profiles(model("clip_vit_b32"))
+    cl, co = load_cluster("a100_8x8").with_world(3), CostOptions()
+    choices, ranks = _clip_choices(schedule, image_pp=2)
+    cost = evaluate_plan(profiles, cl, co, choices, ranks, 16)
+    plan = Plan(3, {n: {"ranks": ranks[n], "pp": c.pp, "microbatch": c.microbatch, "schedule": schedule} for n, c in choices.items()})
+    slot = {}
+    for n, c in choices.items():
+        fc, bc = (float(x) for x in stage_compute(profiles[n], cl, co, c.microbatch, 1, c.pp))
+        ppc = float(pp_comm(profiles[n], cl, co, c.microbatch, c.pp))
+        slot[n] = (max(fc, ppc), max(bc, ppc), ppc)
+
+    def duration(rank, ins):
+        if isinstance(ins, Forward):
+            return slot[ins.tower][0]
+        if isinstance(ins, Backward):
+            return slot[ins.tower][1] + (slot[ins.tower][0] if ins.recompute else 0.0)
+        return cost.sync["waves"][ins.wave] if isinstance(ins, BatchSync) else 0.0
+
+    end = max(i.end for i in simulate(schedules(plan, 16), duration, lambda ins: slot[ins.tower][2]))
+    waves = len(cost.sync["waves"])
+    composed = sum(max(t.segments[w] for t in cost.towers.values()) for w in range(waves + 1)) + cost.sync["total"]
+    assert end == pytest.approx(composed)
+
+
+def test_the_planner_keeps_distmm_on_every_tower_or_none():
+    plan, rep = make_plan(model("clip_vit_b32"), "a100_8x8", 4096, {"schedules": ["distmm"], "layouts": ["separate"]})
+    assert {t.schedule for t in plan.towers.values()} == {"distmm"} and plan.sync_groups == 2
+    assert len(rep.chosen.cost.sync["waves"]) == 2
+    for options in ({}, {"layouts": ["colocated"]}, {"schedules": ["gpipe", "distmm"]}):
+        plan, _ = make_plan(model("lit_l16_bert_large"), "a100_8x8", 4096, options)  # a frozen tower among them
+        assert len({t.schedule == "distmm" for t in plan.towers.values()}) == 1
 
 
 def test_small_microbatches_underuse_a_gpu():

@@ -31,7 +31,7 @@ from lightning_distmm.plan.cluster import (  # noqa: E402
     load_cluster,
     measure_local_cpu,
 )
-from lightning_distmm.plan.cost import CostOptions, StepCost, TowerChoice, TowerCost, evaluate_plan, simulate_pipeline  # noqa: E402
+from lightning_distmm.plan.cost import CostOptions, StepCost, TowerChoice, TowerCost, evaluate_plan, replica_timeline  # noqa: E402
 from lightning_distmm.plan.partition import Candidates, InfeasibleError, SearchSpace, tower_candidates  # noqa: E402
 from lightning_distmm.plan.placement import place, tp_groups_inside_nodes  # noqa: E402
 from lightning_distmm.plan.planner import (  # noqa: E402
@@ -77,7 +77,7 @@ __all__ += [
     "TowerChoice",
     "TowerCost",
     "evaluate_plan",
-    "simulate_pipeline",
+    "replica_timeline",
     "Candidates",
     "InfeasibleError",
     "SearchSpace",

@@ -7,7 +7,8 @@
   the same way, stage ``i`` holding the ``i``-th slice of every tower), one microbatch size and one
   schedule; every valid (tp, pp, schedule, microbatches) is tried and the fastest kept.
 * ``colocated`` — DistMM's colocated family: towers share all devices but each picks its own
-  tp, pp, microbatch and schedule (memory is shared, so they are chosen jointly). It contains both
+  tp, pp, microbatch and schedule (memory is shared, so they are chosen jointly; ``distmm`` is on
+  every tower or on none, as it splits the whole batch into two sync groups). It contains both
   baselines, which is why the DistMM plan is never predicted slower than either.
 """
 
@@ -19,7 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from lightning_distmm.plan.cluster import Cluster
-from lightning_distmm.plan.cost import CostOptions, StepCost, TowerChoice, even_split, evaluate_plan, loss_bytes
+from lightning_distmm.plan.cost import CostOptions, StepCost, TowerChoice, batch_syncs, even_split, evaluate_plan, loss_bytes
+from lightning_distmm.plan.plan import split_batch
 from lightning_distmm.plan.partition import SearchSpace, colocated_options, option
 from lightning_distmm.plan.profile import TowerProfile
 
@@ -57,15 +59,20 @@ def colocated_search(
     names = list(profiles)
     contrastive = [n for n, p in profiles.items() if p.arch != "text_decoder"]
     embed = max((profiles[n].embed_dim for n in contrastive), default=0)
-    lb = loss_bytes(global_batch, world, len(contrastive), opts, embed)
     limit = cluster.device.memory * opts.memory_margin
+    # per sync-group count (1, or 2 under distmm): the loss buffers (memory left for the towers) and
+    # the batch-syncs' seconds, which differ between the two families of plans
+    budget, sync = {}, {}
+    for groups in (1, 2):
+        budget[groups] = limit - loss_bytes(split_batch(global_batch, None, groups)[0], world, len(contrastive), opts, embed)
+        sync[groups] = batch_syncs(cluster, opts, global_batch, embed, world, cluster.nodes, len(contrastive), groups)["total"]
     combos: list[tuple[float, tuple[dict[str, Any], ...]]] = []
     if mode == "ddp":
         opts_per = [colocated_options(profiles[n], cluster, opts, global_batch, world, space, [1], [1]) for n in names]
-        combos = _combine(opts_per, limit - lb, opts)
+        combos = _combine(opts_per, budget, opts, sync)
     elif mode == "colocated":
         opts_per = [colocated_options(profiles[n], cluster, opts, global_batch, world, space) for n in names]
-        combos = _combine(opts_per, limit - lb, opts)
+        combos = _combine(opts_per, budget, opts, sync)
     elif mode == "megatron":
         tps = sorted(set.intersection(*(set(space.tps[n]) for n in names)))
         pps = sorted(set.intersection(*(set(space.pps[n]) for n in names)))
@@ -82,8 +89,9 @@ def colocated_search(
                 per.append(entries)
             for key in set.intersection(*(set(d) for d in per)):
                 group = tuple(d[key] for d in per)
-                if sum(o["mem"] for o in group) <= limit - lb:
-                    combos.append((colocated_estimate(group, opts), group))
+                groups = _sync_groups(group)
+                if groups and sum(o["mem"] for o in group) <= budget[groups]:
+                    combos.append((colocated_estimate(group, opts) + sync[groups], group))
     else:
         raise ValueError(f"unknown colocated mode {mode!r}")
     if not combos:
@@ -118,6 +126,12 @@ def _all_options(profile: TowerProfile, cluster: Cluster, opts: CostOptions, G: 
     return out
 
 
+def _sync_groups(group: Sequence[Mapping[str, Any]]) -> int:
+    """Batch-syncs of a step of these options: 2 if all run ``distmm``, 1 if none does, 0 (not a plan) if some do."""
+    uses = {o["schedule"] == "distmm" for o in group}
+    return 0 if len(uses) > 1 else 2 if True in uses else 1
+
+
 def colocated_estimate(group: Sequence[Mapping[str, Any]], opts: CostOptions) -> float:
     """Step of colocated towers without the (constant) sync: forwards, backwards, optimizer steps,
     and the gradient all-reduces on one stream, each hiding behind the later towers' backward."""
@@ -138,28 +152,35 @@ def colocated_estimate(group: Sequence[Mapping[str, Any]], opts: CostOptions) ->
 
 
 def _combine(
-    per: Sequence[list[dict[str, Any]]], budget: float, opts: CostOptions, cap: int = 20_000, keep: int = 16
+    per: Sequence[list[dict[str, Any]]],
+    budget: Mapping[int, float],
+    opts: CostOptions,
+    sync: Mapping[int, float],
+    cap: int = 20_000,
+    keep: int = 16,
 ) -> list[tuple[float, tuple[dict[str, Any], ...]]]:
-    """The ``keep`` best combinations (one option per tower, memory within ``budget``) by
-    :func:`colocated_estimate`, scanned in order of their all-reduce-free lower bound."""
-    if any(not p for p in per):
-        return []
-    total = math.prod(len(p) for p in per)
-    if total > cap:  # keep the fastest options of each tower
-        k = max(2, int(cap ** (1 / len(per))))
-        per = [p[:k] for p in per]
-    groups = []
-    for group in itertools.product(*per):
-        if sum(o["mem"] for o in group) <= budget:
-            # lower bound: whichever tower goes last exposes at least its all-reduce minus its last slot
-            tail = max(0.0, min(o["ar"] - o["slot"] for o in group)) if opts.overlap_grad_sync else sum(o["ar"] for o in group)
-            groups.append((sum(o["F"] + o["Bphase"] + o["opt"] for o in group) + tail, group))
-    groups.sort(key=lambda g: g[0])
+    """The ``keep`` best combinations (one option per tower, ``distmm`` on all or none, memory
+    within ``budget[sync groups]``) by :func:`colocated_estimate` plus ``sync[sync groups]``,
+    scanned in order of their all-reduce-free lower bound."""
+    scored = []
+    for n_sync in (1, 2):  # one family at a time: no tower on distmm, or every tower on it
+        family = [[o for o in p if (o["schedule"] == "distmm") == (n_sync == 2)] for p in per]
+        if any(not p for p in family):
+            continue
+        if math.prod(len(p) for p in family) > cap:  # keep the fastest options of each tower
+            k = max(2, int(cap ** (1 / len(family))))
+            family = [p[:k] for p in family]
+        for group in itertools.product(*family):
+            if sum(o["mem"] for o in group) <= budget[n_sync]:
+                # lower bound: whichever tower goes last exposes at least its all-reduce minus its last slot
+                tail = max(0.0, min(o["ar"] - o["slot"] for o in group)) if opts.overlap_grad_sync else sum(o["ar"] for o in group)
+                scored.append((sum(o["F"] + o["Bphase"] + o["opt"] for o in group) + tail + sync[n_sync], n_sync, group))
+    scored.sort(key=lambda g: g[0])
     best: list[tuple[float, tuple[dict[str, Any], ...]]] = []
-    for lower, group in groups:
+    for lower, n_sync, group in scored:
         if len(best) >= keep and lower >= best[-1][0]:
             break
-        best.append((colocated_estimate(group, opts), group))
+        best.append((colocated_estimate(group, opts) + sync[n_sync], group))
         best.sort(key=lambda g: g[0])
         del best[keep:]
     return best

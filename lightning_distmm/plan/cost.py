@@ -1,41 +1,53 @@
-"""Cost model: time, memory and link bytes of one training step of a plan, and a pipeline simulator.
+"""Cost model: time, memory and link bytes of one training step of a plan.
 
 Why one model for everything: the DistMM plan, the colocated DDP baseline and the Megatron-style
 baseline are all priced by the functions below, so a comparison between them measures the plans,
 not two different models. The functions accept numpy arrays (the partitioner evaluates thousands
 of (replicas, microbatches) combinations at once) and plain numbers (the final evaluation).
 
-A step of towers on *separate* devices (DESIGN.md section 4, contrastive loss):
+A replica's pipeline is priced from the schedule the runtime runs: :func:`replica_timeline`
+simulates (``schedule.simulate``) the instruction lists ``schedule.schedules`` emits for a
+one-tower plan of the replica's pipeline depth, microbatch and schedule, with per-microbatch
+forward and backward durations, the batch-sync durations and the stage-to-stage transfer time.
+Its result is cut at the batch-syncs into *segments*: the time before the first batch-sync,
+between the batch-syncs, after the last. :func:`phases` gives the same segments in closed form
+(uniform microbatches; numpy arrays over many candidates), derived from that simulation and
+checked against it by the tests; the partitioner uses it, and :func:`evaluate_plan` when a
+replica's lists are too long to simulate quickly.
 
-    step = max_t Fphase_t + sync + max_t (Bphase_t + exposed gradient all-reduce_t + optimizer_t)
+A batch-sync (features of its rows -> loss -> feature gradients) is a barrier between the towers'
+segments, so for towers on *separate* devices (DESIGN.md section 4, contrastive loss)
 
-because the batch sync (features of the whole batch -> loss -> feature gradients) is a barrier
-between every tower's forward and every tower's backward. Towers *colocated* on the same devices
-run one after the other: ``sum_t Fphase_t + sync + sum_t Bphase_t + ...``.
+    step = sum_w max_t segment_w,t + syncs + max_t (last segment_t + exposed all-reduce_t + optimizer_t)
 
-Per tower replica with ``K`` microbatches of ``mb`` samples over ``P`` pipeline stages, stage
-slot times ``f`` and ``b`` (compute + tensor-parallel all-reduces + stage-to-stage sends):
+(``gpipe``, ``cached``: one batch-sync, ``max F + sync + max B``; ``distmm``: two, each over half
+of the global batch). Towers *colocated* on the same devices run one after the other: every
+segment is a sum over the towers instead of a max.
 
-* ``gpipe``  Fphase = (K+P-1) f, Bphase = (K+P-1) b; keeps the activations of all K microbatches.
-* ``distmm`` as gpipe, but the features of the first half of the microbatches are exchanged while
-  the second half runs forward, hiding half of the tower's share of the feature all-gather.
-* ``cached`` forward without keeping activations, sync, then 1F1B of (recompute, backward):
-  Fphase = (K+P-1) f, Bphase = (K+P-1) (f + b); keeps at most min(K, P) microbatches.
+Per tower replica with ``K`` microbatches over ``P`` stages, stage times ``f`` and ``b`` per
+microbatch and transfer time ``L`` between stages (:func:`phases`):
 
-:func:`simulate_pipeline` runs the same schedules instruction by instruction; tests check that
-the closed forms equal the simulation.
+* ``gpipe``  before (K+P-1) f + (P-1) L, after (K+P-1) b + (P-1) L; keeps all K microbatches.
+* ``cached`` forward without keeping activations, batch-sync, then per microbatch recompute and
+  backward: after (K+P-1) (f+b) + (P-1) L; keeps at most min(K, P) microbatches.
+* ``distmm`` two sync groups (waves) of K0 and K1 microbatches (half of the replica's rows each):
+  wave 0's forwards, its batch-sync, wave 1's forwards interleaved one for one with wave 0's
+  backwards, wave 1's batch-sync and backwards; keeps one wave's microbatches plus one.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from lightning_distmm.plan import schedule as ir
 from lightning_distmm.plan.cluster import Cluster
+from lightning_distmm.plan.plan import Plan, TowerPlan, split_batch
 from lightning_distmm.plan.profile import Block, TowerProfile
 
 SCHEDULE_NAMES = ("gpipe", "distmm", "cached")
@@ -167,17 +179,170 @@ def pp_comm(profile: TowerProfile, cluster: Cluster, opts: CostOptions, mb: Any,
     return cluster.intra.latency + nbytes / cluster.intra.effective
 
 
-def phases(schedule: str, frozen: bool, K: Any, P: int, f: Any, b: Any) -> tuple[Any, Any, Any]:
-    """Closed-form forward phase, backward phase and bubble of one replica's pipeline."""
+def wave_rows(schedule: str, rows: Any) -> tuple[Any, ...]:
+    """Rows of a replica's sync groups: ``distmm`` halves them (the first wave takes the odd row)."""
+    if schedule == "distmm":
+        rows = np.asarray(rows)
+        return (rows - rows // 2, rows // 2)
+    return (rows,)
+
+
+def phases(schedule: str, frozen: bool, K: Any, P: int, f: Any, b: Any, link: Any = 0.0, K1: Any = None) -> tuple[tuple[Any, ...], Any]:
+    """Closed form of :func:`replica_timeline` for microbatches of equal durations.
+
+    ``K`` microbatches (``distmm``: ``K`` in wave 0 and ``K1`` in wave 1, ``K1`` in ``{K, K-1}``,
+    default ``K``), ``P`` stages, ``f``/``b`` forward/backward seconds of a microbatch on a stage
+    (``cached`` and ``gpipe+recompute`` add the recompute ``f`` to each backward), ``link`` seconds
+    from a stage's send to the next stage's receive. Returns the segments (before the first
+    batch-sync, between the batch-syncs, after the last) and the bubble (their sum less a stage's
+    compute). Every argument but ``schedule``, ``frozen`` and ``P`` may be a numpy array.
+
+    The formulas are the critical paths of the schedule's instruction lists (the tests check them
+    against the simulation). They do not depend on the batch-sync durations: every critical path
+    after a batch-sync runs through it. ``distmm``'s middle segment is wave 1's forwards
+    interleaved with wave 0's backwards: a stage before the last runs one wave-1 forward ahead, so
+    for ``P >= 3`` each further microbatch waits for its predecessor's gradient to travel down the
+    pipeline and its own activations back up, ``(P-1) (f+b)`` per microbatch.
+    """
+    if schedule not in (*SCHEDULE_NAMES, RECOMPUTE):
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
     K = np.asarray(K, dtype=float)
-    slots = K + P - 1
+    fill = (P - 1) * link
+    first = (K + P - 1) * f + fill
+    zero = 0.0 * first
+    if schedule != "distmm":
+        if frozen:
+            return (first, zero), first - K * f
+        back = f + b if schedule in ("cached", RECOMPUTE) else b
+        last = (K + P - 1) * back + fill
+        return (first, last), first + last - K * (f + back)
+    K1 = K if K1 is None else np.asarray(K1, dtype=float)
     if frozen:
-        return slots * f, np.zeros_like(slots * f), (P - 1) * f
-    if schedule in ("cached", RECOMPUTE):
-        return slots * f, slots * (f + b), (P - 1) * (2 * f + b)
-    if schedule in ("gpipe", "distmm"):
-        return slots * f, slots * b, (P - 1) * (f + b)
-    raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
+        middle = K1 * f + zero
+        return (first, middle, zero), first + middle - (K + K1) * f
+    steps = max(P - 1, 1) * (K1 - 1) + 1
+    middle = steps * f + (steps + K - K1) * b
+    if P == 2:
+        middle = middle + 2.0 * np.floor(K1 / 2) * link
+    elif P > 2:
+        middle = middle + (2.0 * (P - 2) * (K1 - 1) + 2.0 * (K1 >= 2)) * link
+    last = (K1 + P - 1) * b + fill
+    return (first, middle, last), first + middle + last - (K + K1) * (f + b)
+
+
+# ---------------------------------------------------------------------- the schedule, simulated
+SIMULATE_MAX_INSTRUCTIONS = 2048
+"""Above this many instructions (all stages of a replica) :func:`evaluate_plan` uses the closed
+form :func:`phases` instead of simulating (a long simulation takes a noticeable fraction of a second)."""
+
+
+@dataclass(frozen=True)
+class ReplicaTimeline:
+    """One replica's pipeline, simulated: segments between the batch-syncs and the bubble (seconds)."""
+
+    segments: tuple[float, ...]
+    bubble: float
+    microbatches: tuple[int, ...]  # rows of each microbatch, in the order a stage runs them
+
+
+def replica_plan(schedule: str, P: int, microbatch: int | None) -> Plan:
+    """A one-tower plan of one replica: ``P`` stages on ranks ``0..P-1`` (``gpipe+recompute`` is
+    ``gpipe`` with ``recompute``)."""
+    tower = TowerPlan(
+        ranks=list(range(P)),
+        pp=P,
+        microbatch=microbatch,
+        schedule="gpipe" if schedule == RECOMPUTE else schedule,
+        recompute=schedule == RECOMPUTE,
+    )
+    return Plan(P, {"tower": tower})
+
+
+@functools.lru_cache(maxsize=512)
+def _replica_lists(schedule: str, P: int, rows: int, microbatch: int | None, frozen: bool) -> dict[int, tuple[ir.Instruction, ...]]:
+    lists = ir.schedules(replica_plan(schedule, P, microbatch), rows)
+    # a frozen tower's backward is skipped by the runtime: no compute, no gradient sent or awaited
+    return {r: tuple(i for i in ins if not (frozen and isinstance(i, ir.Backward))) for r, ins in lists.items()}
+
+
+def microbatch_rows(schedule: str, rows: int, microbatch: int | None) -> tuple[list[int], set[int]]:
+    """Per sync group, how many microbatches ``schedule.rank_schedule`` cuts a replica's ``rows``
+    into, and the distinct microbatch sizes (without listing them)."""
+    counts, sizes = [], set()
+    for w in wave_rows(schedule, int(rows)):
+        w = int(w)
+        mb = w if microbatch is None or microbatch >= w else int(microbatch)
+        counts.append(max(1, math.ceil(w / mb)) if mb else 1)
+        sizes.update({mb, w % mb} - {0} if mb else {0})
+    return counts, sizes
+
+
+def replica_instructions(schedule: str, P: int, rows: int, microbatch: int | None) -> int:
+    """How many instructions all stages of such a replica run in a step (without building them)."""
+    counts, _ = microbatch_rows(schedule, rows, microbatch)
+    return P * (2 * sum(counts) + 1) + len(counts)
+
+
+def replica_timeline(
+    schedule: str,
+    frozen: bool,
+    P: int,
+    rows: int,
+    microbatch: int | None,
+    forward: "float | Callable[[int], float]",
+    backward: "float | Callable[[int], float]",
+    link: "float | Callable[[int], float]" = 0.0,
+    syncs: Sequence[float] = (),
+) -> ReplicaTimeline:
+    """Price one replica's pipeline by simulating the runtime's instruction lists.
+
+    The lists are ``schedule.schedules`` of a one-tower plan (:func:`replica_plan`) on ``rows``
+    samples; ``forward``, ``backward`` and ``link`` are the seconds of a microbatch's forward and
+    backward on a stage and of its transfer to the next stage (activations) or previous one
+    (gradient), each a number or a function of the microbatch's rows; a recomputing backward
+    (``cached``, ``gpipe+recompute``) lasts forward + backward. ``syncs``: seconds of each
+    batch-sync (0 when omitted). A frozen tower's backwards are left out, as the runtime skips them.
+    """
+    lists = _replica_lists(schedule, P, int(rows), None if microbatch is None else int(microbatch), frozen)
+    sizes = sorted({i.rows for i in lists[P - 1] if isinstance(i, ir.Forward)})
+    table = tuple(
+        (r, *(float(x(r)) if callable(x) else float(x) for x in (forward, backward, link))) for r in sizes
+    )
+    return _simulate_replica(schedule, frozen, P, int(rows), microbatch, table, tuple(float(x) for x in syncs))
+
+
+@functools.lru_cache(maxsize=4096)
+def _simulate_replica(
+    schedule: str, frozen: bool, P: int, rows: int, microbatch: int | None, table: tuple, syncs: tuple[float, ...]
+) -> ReplicaTimeline:
+    lists = _replica_lists(schedule, P, rows, microbatch, frozen)
+    by_rows = {r: (f, b, L) for r, f, b, L in table}
+    recompute = schedule in ("cached", RECOMPUTE)
+
+    def duration(rank: int, ins: ir.Instruction) -> float:
+        if isinstance(ins, ir.Forward):
+            return by_rows[ins.rows][0]
+        if isinstance(ins, ir.Backward):
+            f, b, _ = by_rows[ins.rows]
+            return b + (f if recompute else 0.0)
+        if isinstance(ins, ir.BatchSync):
+            return syncs[ins.wave] if ins.wave < len(syncs) else 0.0
+        return 0.0
+
+    intervals = ir.simulate(lists, duration, lambda ins: by_rows[ins.rows][2])
+    last = sorted((i for i in intervals if i.rank == P - 1 and isinstance(i.instruction, ir.BatchSync)), key=lambda i: i.instruction.wave)
+    end = max(i.end for i in intervals)
+    segments, clock = [], 0.0
+    for i in last:
+        segments.append(i.start - clock)
+        clock = i.end
+    segments.append(end - clock)
+    work = max(
+        sum(i.end - i.start for i in intervals if i.rank == r and isinstance(i.instruction, (ir.Forward, ir.Backward)))
+        for r in range(P)
+    )
+    mbs = tuple(i.rows for i in lists[P - 1] if isinstance(i, ir.Forward))
+    return ReplicaTimeline(tuple(segments), sum(segments) - work, mbs)
 
 
 # ---------------------------------------------------------------------- memory
@@ -226,6 +391,10 @@ def memory_per_device(
     elif schedule == RECOMPUTE:
         ckpt = opts.bytes_el * (profile.layers // pp * profile.layer.boundary) if profile.analytic else aps
         act = np.asarray(replica_batch, dtype=float) * ckpt + mb * layer_act * 2
+    elif schedule == "distmm":
+        # one wave's microbatches, plus (before the last stage) the wave-1 forward run ahead of its backward
+        wave0, wave1 = wave_rows("distmm", np.asarray(replica_batch, dtype=float))
+        act = (wave0 + (np.minimum(mb, wave1) if pp > 1 else 0.0)) * aps
     else:
         act = np.asarray(replica_batch, dtype=float) * aps
     return {"static": static + 0 * mb, "activations": act, "loss": np.asarray(loss_bytes, dtype=float) + 0 * mb, "total": static + act + loss_bytes}
@@ -308,13 +477,9 @@ def sync_time(
     world: int,
     nodes: int,
     n_contrastive: int,
-    distmm_fraction: float = 0.0,
 ) -> dict[str, float]:
-    """Feature all-gather + loss rows of this rank forward and backward + feature-gradient reduce-scatter.
-
-    ``distmm_fraction``: share of the gathered features that come from ``distmm`` towers, half of
-    which are exchanged while the tower's second wave still runs forward.
-    """
+    """One batch-sync over ``global_batch`` rows (a sync group): feature all-gather + this rank's
+    loss rows forward and backward + feature-gradient reduce-scatter (as large as the gather)."""
     if n_contrastive < 2:
         return {"gather": 0.0, "loss": 0.0, "total": 0.0}
     total = n_contrastive * global_batch * embed_dim * opts.feature_bytes
@@ -324,8 +489,27 @@ def sync_time(
     pairs = n_contrastive * (n_contrastive - 1) // 2
     flops = 12.0 * rows * global_batch * embed_dim * 2 * pairs
     loss = float(cluster.device.gemm_time(flops, 4.0 * (rows + global_batch) * embed_dim * 2 + 4.0 * rows * global_batch * 3))
-    exposed_gather = gather * (1.0 - 0.5 * distmm_fraction)
-    return {"gather": gather, "loss": loss, "total": exposed_gather + gather + loss}
+    return {"gather": gather, "loss": loss, "total": 2 * gather + loss}
+
+
+def batch_syncs(
+    cluster: Cluster, opts: CostOptions, global_batch: int, embed_dim: int, world: int, nodes: int, n_contrastive: int, groups: int = 1
+) -> dict[str, Any]:
+    """Every batch-sync of a step: one over the global batch, or under ``distmm`` one per sync
+    group (half of the batch each). ``waves``: seconds of each; the other keys sum them."""
+    each = [sync_time(cluster, opts, rows, embed_dim, world, nodes, n_contrastive) for rows in split_batch(global_batch, None, groups)]
+    out: dict[str, Any] = {k: sum(e[k] for e in each) for k in ("gather", "loss", "total")}
+    out["waves"] = [e["total"] for e in each]
+    return out
+
+
+def sync_groups(choices: Mapping[str, "TowerChoice"]) -> int:
+    """Batch-syncs per step: 2 when the towers run ``distmm`` (every tower must), else 1."""
+    uses = {c.schedule == "distmm" for c in choices.values()}
+    if len(uses) > 1:
+        odd = sorted(n for n, c in choices.items() if c.schedule == "distmm")
+        raise ValueError(f"schedule 'distmm' is on tower(s) {odd} but not on all towers: it splits the whole batch into two sync groups")
+    return 2 if True in uses else 1
 
 
 # ---------------------------------------------------------------------- breakdowns
@@ -348,6 +532,7 @@ class TowerCost:
     bytes_intra: float
     bytes_inter: float
     contention: float = 0.0  # seconds the tower's compute is stretched by other devices of its node (Device.concurrency)
+    segments: tuple[float, ...] = ()  # before the first batch-sync, between the batch-syncs, after the last
 
     @property
     def comm(self) -> float:
@@ -367,96 +552,6 @@ class StepCost:
     step_time: float
     layout: str
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-# ---------------------------------------------------------------------- pipeline simulator
-@dataclass
-class Op:
-    stage: int
-    kind: str  # F (forward, keeps activations), N (forward without keeping), R (recompute), B (backward)
-    mb: int
-    start: float = 0.0
-    end: float = 0.0
-
-
-def schedule_ops(schedule: str, K: int, P: int) -> list[list[tuple[str, int]]]:
-    """Per-stage instruction order of one replica (the batch sync sits between forward and backward)."""
-    orders: list[list[tuple[str, int]]] = []
-    for s in range(P):
-        if schedule in ("gpipe", "distmm"):
-            orders.append([("F", j) for j in range(K)] + [("B", j) for j in range(K)])
-        elif schedule == "cached":
-            warm = min(P - s - 1, K)
-            order = [("N", j) for j in range(K)] + [("R", j) for j in range(warm)]
-            r, bnext = warm, 0
-            while bnext < K:
-                if r < K:
-                    order.append(("R", r))
-                    r += 1
-                order.append(("B", bnext))
-                bnext += 1
-            orders.append(order)
-        else:
-            raise ValueError(f"unknown schedule {schedule!r}")
-    return orders
-
-
-def simulate_pipeline(schedule: str, K: int, P: int, f: float, b: float, sync: float = 0.0, others_forward_end: float = 0.0) -> dict[str, Any]:
-    """Event simulation of one replica: every stage runs its instructions in order, each as soon as
-    its input is ready. Backward of the last stage waits for the batch sync, which starts when this
-    replica's forwards (and ``others_forward_end``, the other towers') are done and lasts ``sync``.
-    Returns the forward-phase end, the step end and the ops with their times."""
-    orders = schedule_ops(schedule, K, P)
-    done: dict[tuple[str, int, int], float] = {}
-    free = [0.0] * P
-    pos = [0] * P
-    ops: list[Op] = []
-    fwd_kinds = ("F", "N")
-    sync_ready: float | None = None
-    total = sum(len(o) for o in orders)
-    while len(ops) < total:
-        progressed = False
-        if sync_ready is None and all(("F" if schedule != "cached" else "N", P - 1, j) in done for j in range(K)):
-            fwd_end = max(done[("F" if schedule != "cached" else "N", P - 1, j)] for j in range(K))
-            sync_ready = max(fwd_end, others_forward_end) + sync
-        for s in range(P):
-            while pos[s] < len(orders[s]):
-                kind, j = orders[s][pos[s]]
-                deps: list[float] = []
-                ok = True
-                if kind in fwd_kinds or kind == "R":
-                    if s > 0:
-                        key = (kind, s - 1, j)
-                        ok = key in done
-                        deps.append(done.get(key, 0.0))
-                    if kind == "R" and ok and sync_ready is None:
-                        ok = False  # recompute starts after the batch sync (see module docstring)
-                    elif kind == "R" and ok:
-                        deps.append(sync_ready)  # type: ignore[arg-type]
-                else:  # B
-                    if s == P - 1:
-                        ok = sync_ready is not None
-                        deps.append(sync_ready or 0.0)
-                        if schedule == "cached":
-                            ok = ok and ("R", s, j) in done
-                    else:
-                        ok = ("B", s + 1, j) in done
-                        deps.append(done.get(("B", s + 1, j), 0.0))
-                if not ok:
-                    break
-                start = max([free[s], *deps])
-                dur = b if kind == "B" else f
-                end = start + dur
-                done[(kind, s, j)] = end
-                free[s] = end
-                ops.append(Op(s, kind, j, start, end))
-                pos[s] += 1
-                progressed = True
-        if not progressed and len(ops) < total:
-            raise RuntimeError("pipeline simulation deadlocked (inconsistent instruction orders)")
-    fkind = "F" if schedule != "cached" else "N"
-    fwd_end = max(done[(fkind, P - 1, j)] for j in range(K))
-    return {"forward_end": fwd_end, "sync_ready": sync_ready, "end": max(o.end for o in ops), "ops": ops}
 
 
 # ---------------------------------------------------------------------- devices sharing a host
@@ -556,7 +651,9 @@ def evaluate_plan(
     bel = opts.bytes_el
     contrastive = [n for n, p in profiles.items() if p.arch != "text_decoder"]
     embed = max(profiles[n].embed_dim for n in contrastive) if contrastive else 0
-    lb = loss_bytes(global_batch, world, len(contrastive), opts, embed)
+    waves = sync_groups(choices)
+    sync = batch_syncs(cluster, opts, global_batch, embed, world, len(used_nodes), len(contrastive), waves)
+    lb = loss_bytes(split_batch(global_batch, None, waves)[0], world, len(contrastive), opts, embed)
 
     groups = {name: _groups(list(ranks[name]), c.tp, c.pp) for name, c in choices.items()}
     node_load: dict[int, float] = {}
@@ -593,13 +690,36 @@ def evaluate_plan(
         g = groups[name]
         tp_cross = any(len({node(r) for r in grp}) > 1 for grp in g["tp"])
         pp_cross = any(node(a) != node(b) for a, b in g["pp"])
-        mb, K, P = c.microbatch, c.K, c.pp
-        fc, bc = (float(x) for x in stage_compute(p, cluster, opts, mb, c.tp, c.pp))
-        tpc = float(tp_comm(p, cluster, opts, mb, c.tp, c.pp, tp_cross))
-        ppc = float(pp_comm(p, cluster, opts, mb, c.pp, pp_cross))
-        f = fc + tpc + ppc
-        b = (bc + tpc + ppc) if not p.frozen else 0.0
-        Fp, Bp, bubble = (float(x) for x in phases(c.schedule, p.frozen, K, P, f, b))
+        mb, P = c.microbatch, c.pp
+        if c.schedule == "distmm" and c.max_batch < 2:
+            raise ValueError(f"tower {name!r}: schedule 'distmm' needs at least 2 rows per replica (one per sync group), got {c.max_batch}")
+        # seconds per microbatch, by its rows: compute + tensor-parallel all-reduces of a stage (never
+        # below the transfer: a stage cannot pass microbatches on faster than its link carries
+        # them), and the transfer to the next stage
+        counts, distinct = microbatch_rows(c.schedule, c.max_batch, mb)
+        K = sum(counts)
+        sizes = sorted(distinct | {mb})
+        at = float(sizes[0]) if len(sizes) == 1 else np.asarray(sizes, dtype=float)  # (scalars are quicker)
+        fc_r, bc_r = (np.atleast_1d(x) for x in stage_compute(p, cluster, opts, at, c.tp, c.pp))
+        tpc_r = np.atleast_1d(tp_comm(p, cluster, opts, at, c.tp, c.pp, tp_cross))
+        ppc_r = np.atleast_1d(pp_comm(p, cluster, opts, at, c.pp, pp_cross))
+        f_r = np.maximum(fc_r + tpc_r, ppc_r)
+        b_r = np.zeros_like(f_r) if p.frozen else np.maximum(bc_r + tpc_r, ppc_r)
+        row = {r: i for i, r in enumerate(sizes)}
+        fc, bc, f, b, ppc = (float(x[row[mb]]) for x in (fc_r, bc_r, f_r, b_r, ppc_r))
+        if replica_instructions(c.schedule, P, c.max_batch, mb) <= SIMULATE_MAX_INSTRUCTIONS:
+            timeline = replica_timeline(
+                c.schedule, p.frozen, P, c.max_batch, mb,
+                lambda r: f_r[row[r]], lambda r: b_r[row[r]], lambda r: ppc_r[row[r]], sync["waves"],
+            )
+            segments, bubble, mbs = list(timeline.segments), timeline.bubble, list(timeline.microbatches)
+        else:  # too long to simulate quickly: the closed form of the same lists (microbatches of ``mb`` rows)
+            closed, closed_bubble = phases(c.schedule, p.frozen, counts[0], P, f, b, ppc, counts[-1])
+            segments, bubble, mbs = [float(x) for x in closed], float(closed_bubble), [mb] * K
+        pp_critical = 0.0  # the transfers' share of the critical path
+        if P > 1:
+            with_link, no_link = (phases(c.schedule, p.frozen, counts[0], P, f, b, x, counts[-1])[0] for x in (ppc, 0.0))
+            pp_critical = float(sum(with_link) - sum(no_link))
         cross = 0.0
         if p.cross_from and p.cross_from in ranks:
             src_nodes = {node(r) for r in ranks[p.cross_from]}
@@ -611,10 +731,11 @@ def evaluate_plan(
                 cross = nbytes / cluster.intra.effective
             else:
                 cross = nbytes / (cluster.inter.effective / dpn)
-            Fp += cross
-            Bp += cross if not p.frozen else 0.0
+            segments[0] += cross
+            segments[-1] += cross if not p.frozen else 0.0
+        Fp, Bp = segments[0], sum(segments[1:])
         recompute = c.schedule in ("cached", RECOMPUTE) and not p.frozen
-        compute = K * (fc + bc + (fc if recompute else 0.0))
+        compute = sum(float(fc_r[row[r]] + (0.0 if p.frozen else bc_r[row[r]] + (fc_r[row[r]] if recompute else 0.0))) for r in mbs)
         mem = {k: float(v) for k, v in memory_per_device(p, opts, c.schedule, mb, K, c.max_batch, c.tp, c.pp, lb).items()}
         for r in ranks[name]:
             # the loss buffers exist once per rank, however many towers it holds
@@ -636,8 +757,8 @@ def evaluate_plan(
             forward_phase=Fp,
             backward_phase=Bp,
             compute=compute,
-            tp_comm=(tpc * (K + P - 1) * (1 if p.frozen else 2 + (1 if recompute else 0))),
-            pp_comm=(ppc * (K + P - 1) * (1 if p.frozen else 2 + (1 if recompute else 0))),
+            tp_comm=sum(float(tpc_r[row[r]]) for r in mbs) * (1 if p.frozen else 2 + (1 if recompute else 0)),
+            pp_comm=pp_critical,
             bubble=bubble,
             dp_allreduce=0.0,
             dp_exposed=0.0,
@@ -646,6 +767,7 @@ def evaluate_plan(
             memory=mem,
             bytes_intra=intra_b,
             bytes_inter=inter_b,
+            segments=tuple(segments),
         )
         details[name] = {"tp_cross_node": tp_cross, "pp_cross_node": pp_cross, "f": f, "b": b, "K": K, "slot": float(last_slot(c.schedule, f, b)) if not p.frozen else 0.0}
 
@@ -659,7 +781,7 @@ def evaluate_plan(
         for order in itertools.permutations(choices):
             clock, stream = 0.0, 0.0
             for n in order:
-                clock += costs[n].backward_phase
+                clock += costs[n].segments[-1]
                 stream = max(stream, clock - details[n]["slot"]) + ar[n]
             gb_total = sum(dp_info[n]["grad_bytes"] for n in choices)
             total_ar = sum(ar.values())
@@ -677,20 +799,18 @@ def evaluate_plan(
             tc.dp_allreduce = a
             tc.dp_exposed = float(exposed_allreduce(a, details[n]["slot"], dp_info[n]["grad_bytes"], opts)) if a > 0 else 0.0
 
-    n_distmm = sum(1 for n in contrastive if choices[n].schedule == "distmm")
-    sync = sync_time(cluster, opts, global_batch, embed, world, len(used_nodes), len(contrastive), n_distmm / max(len(contrastive), 1))
-    fwd = {n: c.forward_phase for n, c in costs.items()}
-    bwd = {n: c.backward_phase + c.optimizer for n, c in costs.items()}
+    # the segments between the batch-syncs; the optimizer step ends the last one
+    seg = {n: [*c.segments[:-1], c.segments[-1] + c.optimizer] for n, c in costs.items()}
+    parts = [{n: seg[n][w] for n in costs} for w in range(waves + 1)]
     conc = cluster.device.concurrency
     if conc != 1.0:
-        fwd = shared_host_phases(fwd, ranks, dpn, conc, colocated)
-        bwd = shared_host_phases(bwd, ranks, dpn, conc, colocated)
+        parts = [shared_host_phases(part, ranks, dpn, conc, colocated) for part in parts]
         for n, tc in costs.items():
-            tc.contention = fwd[n] - tc.forward_phase + bwd[n] - tc.backward_phase - tc.optimizer
+            tc.contention = sum(part[n] for part in parts) - sum(seg[n])
     if colocated:
-        step = sum(fwd.values()) + sync["total"] + sum(bwd.values()) + sum(c.dp_exposed for c in costs.values())
+        step = sum(sum(part.values()) for part in parts) + sync["total"] + sum(c.dp_exposed for c in costs.values())
     else:
-        step = max(fwd.values()) + sync["total"] + max(bwd[n] + c.dp_exposed for n, c in costs.items())
+        step = sum(max(part.values()) for part in parts[:-1]) + sync["total"] + max(parts[-1][n] + c.dp_exposed for n, c in costs.items())
     step += opts.step_overhead
     limit = cluster.device.memory * opts.memory_margin
     if colocated:
@@ -725,12 +845,18 @@ __all__ = [
     "exposed_allreduce",
     "last_slot",
     "sync_time",
+    "batch_syncs",
+    "sync_groups",
+    "wave_rows",
+    "SIMULATE_MAX_INSTRUCTIONS",
+    "ReplicaTimeline",
+    "replica_plan",
+    "microbatch_rows",
+    "replica_instructions",
+    "replica_timeline",
     "shared_host_phases",
     "TowerCost",
     "StepCost",
-    "Op",
-    "schedule_ops",
-    "simulate_pipeline",
     "TowerChoice",
     "even_split",
     "evaluate_plan",

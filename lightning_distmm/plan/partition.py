@@ -6,8 +6,14 @@ data-parallel degree follows from the device count. Everything that depends on t
 is evaluated as numpy arrays over (replicas x microbatch counts), so thousands of combinations
 cost a few array operations. Configurations that exceed device memory are dropped.
 
+A configuration's forward phase ``F`` is its time before the (first) batch-sync, its backward
+phase ``B`` the rest: the closed forms of :func:`lightning_distmm.plan.cost.phases`, which equal
+the simulation of the runtime's instruction lists (``distmm``: ``B`` spans wave 1's interleaved
+forwards and both waves' backwards, the balancer's ``max F + max B`` then leaves out that the
+second batch-sync is a barrier too; :func:`evaluate_plan` prices it exactly).
+
 Why keep only the best ``K`` per (tp, pp, schedule, replicas): forward and backward phases both
-grow with the same slot count ``(K + P - 1)`` times the slot time, so the ``K`` that minimises one
+grow with the microbatch count times the stage time, so the ``K`` that minimises one mostly
 minimises the other (up to the constant all-reduce); choosing it here leaves the balancer a few
 candidates per device count instead of hundreds.
 """
@@ -35,6 +41,7 @@ from lightning_distmm.plan.cost import (
     pp_comm,
     stage_compute,
     tp_comm,
+    wave_rows,
 )
 from lightning_distmm.plan.plan import PlanError
 from lightning_distmm.plan.profile import TowerProfile
@@ -163,6 +170,14 @@ class Candidates:
         )
 
 
+def tower_schedules(profile: TowerProfile, schedules: Sequence[str]) -> list[str]:
+    """Schedules a tower is priced under: a frozen tower has no backward, so only ``gpipe`` and,
+    when allowed, ``distmm`` (its two waves: every tower of a ``distmm`` plan must run it)."""
+    if profile.frozen:
+        return ["gpipe"] + (["distmm"] if "distmm" in schedules else [])
+    return list(schedules)
+
+
 def _grid(
     profile: TowerProfile,
     cluster: Cluster,
@@ -175,8 +190,13 @@ def _grid(
     schedules: Sequence[str],
     loss_b: float,
     separate: bool,
+    distmm_loss_b: float | None = None,
 ) -> dict[str, dict[str, np.ndarray]]:
-    """Costs over the grid replicas x microbatch-counts for each schedule (arrays [len(dp), len(Ks)])."""
+    """Costs over the grid replicas x microbatch-counts for each schedule (arrays [len(dp), len(Ks)]).
+
+    ``K`` counts the replica's microbatches (``distmm``: over both waves, at least one each);
+    ``distmm_loss_b``: the loss buffers of a batch-sync over half the batch (default ``loss_b``).
+    """
     w = tp * pp
     dpn = cluster.devices_per_node
     b = np.ceil(G / dp)[:, None]
@@ -187,8 +207,9 @@ def _grid(
     fc, bc = stage_compute(profile, cluster, opts, mb, tp, pp)
     tpc = tp_comm(profile, cluster, opts, mb, tp, pp, False)
     ppc = pp_comm(profile, cluster, opts, mb, pp, w > dpn)
-    f = fc + tpc + ppc
-    bb = np.zeros_like(f) if profile.frozen else bc + tpc + ppc
+    # a stage's time per microbatch (never below the transfer), the transfer between stages apart
+    f = np.maximum(fc + tpc, ppc)
+    bb = np.zeros_like(f) if profile.frozen else np.maximum(bc + tpc, ppc)
     gb = grad_bytes_per_device(profile, opts, tp, pp)
     ar = compact_dp_allreduce(cluster, gb, dp, tp, pp)[:, None] if gb > 0 else np.zeros((len(dp), 1))
     opt_t = optimizer_time(profile, cluster, opts, tp, pp)
@@ -197,19 +218,32 @@ def _grid(
         cross = opts.bytes_el * b * profile.cross_elems / (cluster.inter.effective / dpn if cluster.nodes > 1 else cluster.intra.effective)
     limit = cluster.device.memory * opts.memory_margin
     out = {}
-    for s in (["gpipe"] if profile.frozen else schedules):
-        Fp, Bp, _ = phases(s, profile.frozen, Keff, pp, f, bb)
-        Fp = Fp + cross
-        Bp = Bp + (0.0 if profile.frozen else cross)
+    for s in tower_schedules(profile, schedules):
+        ok = valid
+        lb = loss_b
+        if s == "distmm":
+            # two sync groups: each replica gets rows of both (Plan.check_global_batch), K >= 2
+            # microbatches so that none is larger than a wave
+            w0, w1 = wave_rows(s, b)
+            K0, K1 = np.ceil(w0 / mb), np.ceil(w1 / mb)
+            segs, _ = phases(s, profile.frozen, K0, pp, f, bb, ppc, K1)
+            Ks_used = K0 + K1
+            ok = valid & (K >= 2) & (G // 2 >= dp)[:, None]
+            lb = loss_b if distmm_loss_b is None else distmm_loss_b
+        else:
+            segs, _ = phases(s, profile.frozen, Keff, pp, f, bb, ppc)
+            Ks_used = Keff
+        Fp = segs[0] + cross
+        Bp = sum(segs[1:]) + (0.0 if profile.frozen else cross)
         window = last_slot(s, f, bb)  # colocated towers may also hide it behind each other (priced exactly later)
         Bx = Bp + exposed_allreduce(ar, window, gb, opts) + opt_t
-        mem = memory_per_device(profile, opts, s, mb, Keff, b, tp, pp, loss_b)["total"]
+        mem = memory_per_device(profile, opts, s, mb, Ks_used, b, tp, pp, lb)["total"]
         shape = mb.shape
         mem = np.broadcast_to(mem, shape)
-        ok = valid & (mem <= limit)
+        ok = ok & (mem <= limit)
         out[s] = {
             "F": np.broadcast_to(Fp, shape), "B": np.broadcast_to(Bx, shape), "mem": mem, "ok": ok, "mb": mb,
-            "K": Keff, "Bphase": np.broadcast_to(Bp, shape), "ar": np.broadcast_to(ar, shape),
+            "K": np.broadcast_to(Ks_used, shape), "Bphase": np.broadcast_to(Bp, shape), "ar": np.broadcast_to(ar, shape),
             "slot": np.broadcast_to(window, shape), "opt": opt_t, "gb": gb,
         }
     return out
@@ -224,8 +258,10 @@ def tower_candidates(
     space: SearchSpace,
     loss_b: float,
     max_devices: int | None = None,
+    distmm_loss_b: float | None = None,
 ) -> Candidates:
-    """Feasible configurations of one tower on 1..``max_devices`` devices of its own."""
+    """Feasible configurations of one tower on 1..``max_devices`` devices of its own
+    (``distmm_loss_b``: the loss buffers of a ``distmm`` plan's half-batch sync, default ``loss_b``)."""
     name = profile.name
     tps, pps = space.tps[name], space.pps[name]
     D = max_devices if max_devices is not None else world
@@ -241,7 +277,7 @@ def tower_candidates(
             dp = np.arange(1, min(D // w, global_batch) + 1, dtype=float)
             if len(dp) == 0:
                 continue
-            g = _grid(profile, cluster, opts, global_batch, dp, Ks, tp, pp, scheds, loss_b, True)
+            g = _grid(profile, cluster, opts, global_batch, dp, Ks, tp, pp, scheds, loss_b, True, distmm_loss_b)
             for s, d in g.items():
                 obj = np.where(d["ok"], d["F"] + d["B"], np.inf)
                 j = np.argmin(obj, axis=1)
@@ -303,14 +339,17 @@ def colocated_options(
                         continue
                     out.append(option(d, tp, pp, s, j))
     # two Pareto fronts on (time, memory): with the all-reduce exposed after the tower's own last
-    # microbatch, and with it fully hidden (behind the other towers' backward)
+    # microbatch, and with it fully hidden (behind the other towers' backward); each for plans
+    # without and with distmm (the other towers must match, so neither family prunes the other)
     keep: dict[int, dict[str, Any]] = {}
-    for key in (lambda r: r["F"] + r["B"], lambda r: r["F"] + r["Bphase"] + r["opt"]):
-        best_mem = math.inf
-        for r in sorted(out, key=lambda r: (key(r), r["mem"])):
-            if r["mem"] < best_mem:
-                keep[id(r)] = r
-                best_mem = r["mem"]
+    for family in (False, True):
+        rows = [r for r in out if (r["schedule"] == "distmm") == family]
+        for key in (lambda r: r["F"] + r["B"], lambda r: r["F"] + r["Bphase"] + r["opt"]):
+            best_mem = math.inf
+            for r in sorted(rows, key=lambda r: (key(r), r["mem"])):
+                if r["mem"] < best_mem:
+                    keep[id(r)] = r
+                    best_mem = r["mem"]
     return sorted(keep.values(), key=lambda r: (r["F"] + r["B"], r["mem"]))
 
 
@@ -335,7 +374,7 @@ def min_memory(profile: TowerProfile, cluster: Cluster, opts: CostOptions, globa
                 continue
             dp = max(1, min(world // w, global_batch))
             b = math.ceil(global_batch / dp)
-            for s in (["gpipe"] if profile.frozen else space.schedules):
+            for s in tower_schedules(profile, space.schedules):
                 K = b
                 m = memory_per_device(profile, opts, s, 1, K, b, tp, pp, loss_b)
                 tot = float(m["total"])
@@ -364,6 +403,7 @@ __all__ = [
     "Candidates",
     "k_grid",
     "tower_space",
+    "tower_schedules",
     "tower_candidates",
     "colocated_options",
     "min_memory",

@@ -23,11 +23,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from lightning_distmm.plan.balance import Balance, barrier_allocation, even_allocation, proportional_allocation
+from lightning_distmm.plan.balance import Balance, _tables, barrier_allocation, even_allocation, minmax_allocation, proportional_allocation
 from lightning_distmm.plan.baselines import Evaluated, colocated_search
 from lightning_distmm.plan.cluster import GB, Cluster, load_cluster
-from lightning_distmm.plan.cost import RECOMPUTE, CostOptions, StepCost, TowerChoice, evaluate_plan, loss_bytes
+from lightning_distmm.plan.cost import RECOMPUTE, CostOptions, StepCost, TowerChoice, batch_syncs, evaluate_plan, loss_bytes
 from lightning_distmm.plan.partition import (
+    Candidates,
     InfeasibleError,
     SearchSpace,
     describe_no_fit,
@@ -36,7 +37,7 @@ from lightning_distmm.plan.partition import (
     tower_space,
 )
 from lightning_distmm.plan.placement import place
-from lightning_distmm.plan.plan import SCHEDULES, Plan, TowerPlan
+from lightning_distmm.plan.plan import SCHEDULES, Plan, TowerPlan, split_batch
 from lightning_distmm.plan.profile import TowerProfile, _plain, measure_tower, measured_profile, model_profiles, tower_profile
 
 BALANCERS = ("dp", "proportional", "even")
@@ -288,6 +289,8 @@ def make_plan(
     contrastive = [n for n, p in profiles.items() if p.arch != "text_decoder"]
     embed = max((profiles[n].embed_dim for n in contrastive), default=0)
     lb = loss_bytes(G, D, len(contrastive), co, embed)
+    lb_distmm = loss_bytes(split_batch(G, None, 2)[0], D, len(contrastive), co, embed)  # a batch-sync over half the batch
+    syncs = {k: batch_syncs(cl, co, G, embed, D, cl.nodes, len(contrastive), k)["total"] for k in (1, 2)}
     limit = cl.device.memory * co.memory_margin
     for n, p in profiles.items():
         need = min_memory(p, cl, co, G, D, space, lb)
@@ -300,31 +303,55 @@ def make_plan(
     balance: Balance | None = None
     scores: dict[str, float] = {}
     if "separate" in opts.layouts and 1 < len(names) <= D:
-        cands = [tower_candidates(profiles[n], cl, co, G, D, space, lb, max_devices=D - len(names) + 1) for n in names]
-        if all(len(c) for c in cands):
-            fixed = None
-            if opts.balancer == "proportional":
-                fixed = proportional_allocation({n: profiles[n].train_flops_per_sample() or 1.0 for n in names}, D)
-            elif opts.balancer == "even":
-                fixed = even_allocation(names, D)
+        cands = [
+            tower_candidates(profiles[n], cl, co, G, D, space, lb, max_devices=D - len(names) + 1, distmm_loss_b=lb_distmm)
+            for n in names
+        ]
+        fixed = None
+        if opts.balancer == "proportional":
+            fixed = proportional_allocation({n: profiles[n].train_flops_per_sample() or 1.0 for n in names}, D)
+        elif opts.balancer == "even":
+            fixed = even_allocation(names, D)
+        # a plan runs distmm on every tower or on none (one or two sync groups): balance each family,
+        # the second only when its lower bound (the min-max of F + B, plus its batch-syncs) can beat
+        # the first's objective plus its batch-sync, and place it only when its objective does
+        errors: list[InfeasibleError] = []
+        first: float | None = None
+        for n_sync, family in _sync_families(cands):
+            if fixed is not None:
+                family = [c.take(c.n == fixed[c.tower]) for c in family]
+            if not all(len(c) for c in family):
+                continue
+            if first is not None:
+                bound, _ = minmax_allocation(_tables(family, D, [c.F + c.B for c in family]), D)
+                if bound + syncs[n_sync] >= first:
+                    continue
             try:
-                balance = barrier_allocation(cands, D, opts.max_points, fixed=fixed)
-            except InfeasibleError:
-                if fixed is None:
-                    raise
-                balance = None
-            if balance is not None:
-                pruned = {c.tower: c for c in balance.notes["pruned"]}
-                choices = {n: pruned[n].choice(balance.index[n]) for n in names}
+                bal = barrier_allocation(family, D, opts.max_points, fixed=fixed)
+            except InfeasibleError as err:
+                errors.append(err)
+                continue
+            if first is None:
+                first = bal.objective + syncs[n_sync]
+            elif bal.objective + syncs[n_sync] >= first:
+                continue
+            pruned = {c.tower: c for c in bal.notes["pruned"]}
+            choices = {n: pruned[n].choice(bal.index[n]) for n in names}
 
-                def score(layout: Mapping[str, list[int]]) -> float:
-                    cost = evaluate_plan(profiles, cl, co, choices, layout, G)
-                    return cost.step_time if cost.extra["fits"] else math.inf
-
-                layout, scores = place({n: choices[n].n for n in names}, {n: choices[n].tp for n in names}, cl, opts.placement, score)
+            def score(layout: Mapping[str, list[int]], choices: dict[str, TowerChoice] = choices) -> float:
                 cost = evaluate_plan(profiles, cl, co, choices, layout, G)
-                if cost.extra["fits"]:
-                    candidates["separate"] = Evaluated("separate", choices, {n: list(layout[n]) for n in names}, cost)
+                return cost.step_time if cost.extra["fits"] else math.inf
+
+            layout, layout_scores = place({n: choices[n].n for n in names}, {n: choices[n].tp for n in names}, cl, opts.placement, score)
+            cost = evaluate_plan(profiles, cl, co, choices, layout, G)
+            if balance is None:
+                balance, scores = bal, layout_scores
+            best = candidates.get("separate")
+            if cost.extra["fits"] and (best is None or cost.step_time < best.step_time):
+                candidates["separate"] = Evaluated("separate", choices, {n: list(layout[n]) for n in names}, cost)
+                balance, scores = bal, layout_scores
+        if balance is None and errors and fixed is None:
+            raise errors[0]
         candidates.setdefault("separate", None)
     if "colocated" in opts.layouts:
         candidates["colocated"] = colocated_search(profiles, cl, co, G, space, "colocated")
@@ -351,6 +378,19 @@ def make_plan(
     plan = to_plan(chosen, D, G)
     report = Report(model_name, cl, G, plan, chosen, candidates, baselines, profiles, solve, opts, balance, scores)
     return plan, report
+
+
+def _sync_families(cands: Sequence[Candidates]) -> list[tuple[int, list[Candidates]]]:
+    """The towers' candidates split by batch-syncs per step: plans with one (no tower on
+    ``distmm``) and plans with two (every tower on ``distmm``); the schedule is the plan's choice."""
+    def family(c: Candidates, distmm: bool) -> Candidates:
+        code = c.schedules.index("distmm") if "distmm" in c.schedules else -1
+        return c.take((c.sched == code) == distmm)
+
+    out = [(1, [family(c, False) for c in cands])]
+    if any("distmm" in c.schedules for c in cands):
+        out.append((2, [family(c, True) for c in cands]))
+    return out
 
 
 def to_plan(ev: Evaluated, world: int, global_batch: int) -> Plan:
