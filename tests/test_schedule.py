@@ -62,7 +62,7 @@ def test_simulator_reports_a_deadlock():
 
 def test_distmm_overlaps_one_wave_with_the_next():
     """Two waves (sync groups) of half the batch: after wave 0's batch-sync, wave 1's forwards
-    alternate with wave 0's backwards (backward first on the last stage, forward first before it)."""
+    alternate with wave 0's backwards, after one warm-up forward on the first of two stages."""
     plan = Plan(3, {"image": {"ranks": [0, 1], "pp": 2, "microbatch": 2, "schedule": "distmm"},
                     "text": {"ranks": [2], "microbatch": 2, "schedule": "distmm"}})
     first, last, text = (rank_schedule(plan, r, 8) for r in range(3))
@@ -75,15 +75,17 @@ def test_distmm_overlaps_one_wave_with_the_next():
     assert [i.rows for i in rank_schedule(plan, 2, 7) if isinstance(i, Forward)] == [2, 2, 2, 1]
 
 
-def test_distmm_holds_half_the_activations():
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_distmm_holds_half_the_activations(stages):
     """Microbatches whose activations a stage holds at once: gpipe all of its replica's, distmm one
-    wave's plus one. In this compute-only simulation the step is no shorter: the last stage does
-    all its work plus a second batch-sync (docs/pipeline.md)."""
+    wave's plus its warm-up. In this compute-only simulation the step is no shorter: the last
+    stage does all its work plus a second batch-sync; the warm-up keeps deeper pipelines from
+    paying a forward round trip per microbatch (docs/pipeline.md)."""
     def plan(schedule):
-        return Plan(2, {"image": {"ranks": [0, 1], "pp": 2, "microbatch": 1, "schedule": schedule}})
+        return Plan(stages, {"image": {"ranks": list(range(stages)), "pp": stages, "microbatch": 1, "schedule": schedule}})
 
     def duration(rank, ins):
-        return {"Forward": 1.0, "Backward": 2.0, "BatchSync": 1.0}.get(type(ins).__name__, 0.0)
+        return {"Forward": 1.0, "Backward": 2.0, "BatchSync": 0.5}.get(type(ins).__name__, 0.0)
 
     def held(ins):
         live = peak = 0
@@ -92,12 +94,12 @@ def test_distmm_holds_half_the_activations():
             peak = max(peak, live)
         return peak
 
-    for rank in (0, 1):
-        assert held(rank_schedule(plan("gpipe"), rank, 8)) == 8
-        assert held(rank_schedule(plan("distmm"), rank, 8)) == 4 + (rank == 0)
-    gpipe = simulate(schedules(plan("gpipe"), 8), duration)
-    distmm = simulate(schedules(plan("distmm"), 8), duration)
-    assert max(i.end for i in distmm) == max(i.end for i in gpipe) + 1.0  # the second batch-sync
+    for rank in range(stages):
+        assert held(rank_schedule(plan("gpipe"), rank, 16)) == 16
+        assert held(rank_schedule(plan("distmm"), rank, 16)) == 8 + (stages - 1 - rank)
+    gpipe = simulate(schedules(plan("gpipe"), 16), duration)
+    distmm = simulate(schedules(plan("distmm"), 16), duration)
+    assert max(i.end for i in distmm) == max(i.end for i in gpipe) + 0.5  # the second batch-sync
 
 
 def _random_plan(rng: random.Random, schedule: str) -> Plan:

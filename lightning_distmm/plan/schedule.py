@@ -99,10 +99,11 @@ def rank_schedule(plan: Plan, rank: int, n: int) -> list[Instruction]:
     ``gpipe`` and ``cached`` have one wave: every forward (towers in the plan's order, microbatches
     in order), the batch-sync (last stages only), the backwards of last stages, then of the other
     stages. ``distmm`` has two waves, each its own sync group: wave 0's forwards, its batch-sync,
-    then wave 1's forwards interleaved one for one with wave 0's backwards (a last stage
-    backpropagates first, the others forward first, as in 1F1B), wave 1's batch-sync and
-    backwards. So a stage holds the activations of one wave (plus one microbatch), not of the
-    whole replica batch, and while the last stages meet at wave 0's batch-sync the earlier stages
+    then wave 1's forwards interleaved one for one with wave 0's backwards as in 1F1B (stage
+    ``s`` of ``p`` first runs ``p - 1 - s`` of wave 1's forwards, the last stage none, then one
+    backward and one forward per slot, so that no gradient waits for a forward round trip through
+    the pipeline), wave 1's batch-sync and backwards. So a stage holds one wave's activations plus
+    ``p - 1 - s`` microbatches, not the whole replica batch, and while the last stages meet at wave 0's batch-sync the earlier stages
     run wave 1's forwards. Sends do not block (the runtime posts them and waits at the end of the
     step); receives and syncs do; ``tests/test_schedule.py`` simulates random plans to check that
     these lists never deadlock.
@@ -111,12 +112,12 @@ def rank_schedule(plan: Plan, rank: int, n: int) -> list[Instruction]:
     participants = sync_ranks(plan)
     forwards: list[dict[str, list[Instruction]]] = [{} for _ in waves]
     backwards: list[dict[str, list[Instruction]]] = [{} for _ in waves]
-    last: dict[str, bool] = {}
+    ahead: dict[str, int] = {}  # wave-(w+1) forwards a stage runs before its first wave-w backward
     for name, t in plan.towers.items():
         if rank not in t.ranks:
             continue
-        replica, _, prev, nxt = stage_neighbours(plan, name, rank)
-        last[name] = nxt is None
+        replica, stage, prev, nxt = stage_neighbours(plan, name, rank)
+        ahead[name] = t.pp - 1 - stage  # 1F1B warm-up: one per later stage (none on the last)
         cached = t.schedule == "cached"
         mb = 0
         for w, wave_rows in enumerate(waves):
@@ -130,17 +131,28 @@ def rank_schedule(plan: Plan, rank: int, n: int) -> list[Instruction]:
         if rank in participants:
             out.append(BatchSync(w, participants))
         if w + 1 == len(waves):
-            out.extend(i for name in last if last[name] for i in backwards[w][name])
-            out.extend(i for name in last if not last[name] for i in backwards[w][name])
+            # last stages first: their backwards need nothing but the batch-sync
+            out.extend(i for name in ahead if ahead[name] == 0 for i in backwards[w][name])
+            out.extend(i for name in ahead if ahead[name] > 0 for i in backwards[w][name])
             break
-        steps = max(max(len(forwards[w + 1][t]), len(backwards[w][t])) for t in last)
-        for k in range(steps):
-            for name in last:
-                pair = [backwards[w][name][k : k + 1], forwards[w + 1][name][k : k + 1]]
-                for ins in pair if last[name] else pair[::-1]:
-                    out.extend(ins)
+        # per tower: the next wave's first forwards, then backward / forward pairs (1F1B)
+        slots = {name: _one_f_one_b(forwards[w + 1][name], backwards[w][name], ahead[name]) for name in ahead}
+        for k in range(max(len(v) for v in slots.values())):
+            for name in ahead:
+                out.extend(slots[name][k] if k < len(slots[name]) else [])
     out.append(GradSync())
     return out
+
+
+def _one_f_one_b(forwards: list[Instruction], backwards: list[Instruction], ahead: int) -> list[list[Instruction]]:
+    """Slots of one stage between two waves: ``ahead`` forwards of the next wave, then one backward
+    of this wave and one forward of the next per slot, then what is left of either."""
+    ahead = min(ahead, len(forwards))
+    slots = [[f] for f in forwards[:ahead]]
+    rest = forwards[ahead:]
+    for k in range(max(len(backwards), len(rest))):
+        slots.append(backwards[k : k + 1] + rest[k : k + 1])
+    return slots
 
 
 def schedules(plan: Plan, n: int) -> dict[int, list[Instruction]]:
