@@ -245,8 +245,9 @@ class DistMMStrategy(ModelParallelStrategy):
         assert self.lightning_module is not None and self.runtime is not None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        earlier = self.runtime.set_aside_gradients()
         self.precision_plugin.backward(closure_loss, self.lightning_module, optimizer, *args, **kwargs)
-        self.runtime.finish_backward(sync=self._sync_gradients)
+        self.runtime.finish_backward(self._sync_gradients, earlier)
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss

@@ -81,3 +81,32 @@ def _kwargs():
     kw.pop("limit_val_batches")
     kw["logger"] = L.pytorch.loggers.CSVLogger("/tmp/distmm_test_logs")
     return kw
+
+
+class TransformedLossCLIP(TinyCLIP):
+    """The training_step returns a function of the contrastive loss plus a term of its own."""
+
+    def training_step(self, batch, batch_idx):
+        loss = self.contrastive_loss(batch)
+        self.log("train/loss", loss, batch_size=self.global_batch_size(batch))
+        return 0.5 * loss + loss**2 + 0.1 * self.logit_scale**2
+
+
+@pytest.mark.slow
+def test_loss_transformed_in_training_step_is_exact(tmp_path):
+    """The schedule runs its backward inside training_step; the gradient reaching the returned loss
+    (here 0.5 + 2L, plus a regulariser outside the schedule) still scales it exactly. Image pp=2 so
+    the scaled gradients include a pipeline stage's."""
+    from distmm_testing import DeepCLIP
+
+    class Deep(TransformedLossCLIP, DeepCLIP):
+        pass
+
+    plan = ldm.Plan(3, {"image": {"ranks": [0, 1], "pp": 2, "microbatch": 2}, "text": {"ranks": [2]}})
+    L.seed_everything(0)
+    reference = Deep("sgd", lr=0.05)
+    module = copy.deepcopy(reference)
+    run_reference(reference, loader(8), 2, str(tmp_path / "r.json"))
+    run_distmm(module, plan, 3, loader(8), 2, str(tmp_path / "d.json"))
+    assert max_param_diff(reference, module) <= 1e-5
+    assert read_losses(tmp_path / "d.json") == pytest.approx(read_losses(tmp_path / "r.json"), abs=1e-5)

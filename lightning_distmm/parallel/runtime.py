@@ -433,29 +433,47 @@ class TowerRuntime:
         for p, g in grads:
             p.grad = g
 
-    def finish_backward(self, sync: bool) -> None:
-        """In the strategy's ``backward``: add the step's gradients (scaled by the loss's upstream
-        gradient) to ``.grad``, then the schedule's ``GradSync`` unless accumulating."""
+    def set_aside_gradients(self) -> list[tuple[nn.Parameter, Tensor]]:
+        """Before the strategy's autograd backward: take the accumulated gradients out of ``.grad``,
+        so that what the backward adds there is known to come from terms outside ``contrastive_loss``."""
+        return self._take_gradients()
+
+    def finish_backward(self, sync: bool, earlier: list[tuple[nn.Parameter, Tensor]] = ()) -> None:  # type: ignore[assignment]
+        """In the strategy's ``backward``, after autograd's: complete ``.grad`` and sum it (``GradSync``).
+
+        ``.grad`` then holds the gradients of the terms the training_step added outside
+        ``contrastive_loss`` (a regulariser): every rank that holds a parameter computed them, and
+        the gradient sums would count them once per rank, so they are averaged over those ranks
+        first (DDP's rule). Then the gradients set aside before the backward (``earlier``:
+        accumulation) are added back, and the schedule's gradients, scaled by the upstream gradient
+        of the loss that ``contrastive_loss`` returned.
+        """
         pending, self._pending = self._pending, []
         used = [p for p in pending if p.scale is not None]
         if not used:
+            self._restore_gradients(list(earlier))
             raise RuntimeError(
                 "distmm: backward() was called on a loss that does not come from contrastive_loss() in this step;"
                 " the training_step must return (a function of) the loss that DistMMMixin.contrastive_loss(batch) gave"
             )
-        for produced in used:
-            scale = produced.scale
-            assert scale is not None
-            unit = bool(torch.all(scale == 1))
-            for p, g in produced.grads:
-                if not unit:
-                    _local(g).mul_(scale.to(g.device, g.dtype))
-                if p.grad is None:
-                    p.grad = g
-                else:
-                    _local(p.grad).add_(_local(g))
+        for p, copies in self._copies():
+            if p.grad is not None and copies > 1:
+                _local(p.grad).div_(copies)
+        for p, g in [*earlier, *((p, _scaled(g, s.scale)) for s in used for p, g in s.grads)]:
+            if p.grad is None:
+                p.grad = g
+            else:
+                _local(p.grad).add_(_local(g))
         if sync:
             self.sync_gradients()
+
+    def _copies(self) -> list[tuple[nn.Parameter, int]]:
+        """Each local parameter with the number of ranks that hold the same copy of it (the interaction
+        parameters: every rank; a tower's: its data-parallel replicas)."""
+        out = [(p, self.world) for p in self.interaction_params.values()]
+        for name in self.layout.local_towers:
+            out.extend((p, self.plan.towers[name].dp) for p in self.tower_params[name].values())
+        return out
 
     def _grads_for(self, params: Mapping[str, nn.Parameter]) -> list[Tensor]:
         out = []
@@ -526,6 +544,13 @@ class TowerRuntime:
                 grad = _local(p.grad)
                 grad.detach().mul_(coef.to(grad.device, grad.dtype))
         return total
+
+
+def _scaled(g: Tensor, scale: Tensor | None) -> Tensor:
+    """``g`` multiplied in place by the upstream gradient ``scale`` (skipped when it is exactly 1)."""
+    if scale is not None and not bool(torch.all(scale == 1)):
+        _local(g).mul_(scale.to(g.device, g.dtype))
+    return g
 
 
 def _local(t: Tensor) -> Tensor:
