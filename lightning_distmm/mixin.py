@@ -87,7 +87,13 @@ class DistMMMixin:
         raise NotImplementedError(f"{type(self).__name__} must define towers() -> dict[str, Tower]")
 
     def interaction_loss(self, features: dict[str, Tensor]) -> Tensor:
-        """The loss over the whole batch's features ``{tower: [B, ...]}``; use :mod:`lightning_distmm.losses`."""
+        """The loss over the whole batch's features ``{tower: [B, ...]}``; use :mod:`lightning_distmm.losses`.
+
+        Under distmm each rank computes only its rows of a row-local loss (it asks
+        :func:`lightning_distmm.interaction.local_rows`); a term that is not a sum over rows (a
+        regulariser of the logit scale) belongs in ``training_step``, added to the returned loss,
+        where its gradient is averaged over ranks as under DDP.
+        """
         raise NotImplementedError(f"{type(self).__name__} must define interaction_loss(features) -> Tensor")
 
     # ------------------------------------------------------------------ machinery
