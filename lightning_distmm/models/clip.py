@@ -314,6 +314,8 @@ class CLIPModel(DistMMMixin, L.LightningModule):
             setattr(self, attr, build_tower(tower_cfg, embed_dim))
             self._tower_attrs[name] = attr
         self.logit_scale = nn.Parameter(torch.tensor(float(model_cfg.get("init_logit_scale", math.log(1 / 0.07)))))
+        # 2 with the distmm schedule: the loss over two sync groups (DistMMMixin.sync_groups)
+        self.sync_groups = int(model_cfg.get("sync_groups", 1))
 
     # ------------------------------------------------------------------ DistMM contract
     def towers(self) -> dict[str, Tower]:
