@@ -163,6 +163,16 @@ def test_clip_tiny_towers_and_size(batch):
     assert abs(loss.item() - math.log(8)) < 2.0  # near chance at init
 
 
+def test_sync_groups_from_the_config(batch):
+    """model.sync_groups=2 makes the module compute the distmm schedule's grouped loss."""
+    torch.manual_seed(0)
+    model = CLIPModel({**copy.deepcopy(CLIP_TINY), "sync_groups": 2})
+    assert model.sync_groups == 2
+    features = model.encode(batch)
+    halves = [model.interaction_loss({k: f[a:b] for k, f in features.items()}) for a, b in ((0, 4), (4, 8))]
+    assert model.contrastive_loss(batch).item() == pytest.approx((sum(halves) / 2).item(), abs=1e-6)
+
+
 def test_text_tower_pools_last_real_token():
     torch.manual_seed(0)
     tower = TextTower(vocab_size=64, context_length=16, width=32, layers=1, heads=2, mlp_ratio=2.0, embed_dim=8).eval()

@@ -45,6 +45,7 @@ CLIP_TINY: dict[str, Any] = {
     "name": "clip_tiny",
     "embed_dim": 64,
     "init_logit_scale": 2.659,  # log(1 / 0.07)
+    "sync_groups": 1,  # 2 for the distmm schedule's loss (DistMMMixin.sync_groups)
     "towers": {
         "image": {
             "arch": "vit",
