@@ -37,6 +37,7 @@ from lightning_distmm.plan.cost import (
     TowerChoice,
     evaluate_plan,
     even_split,
+    memory_per_device,
     phases,
     pp_comm,
     replica_plan,
@@ -148,10 +149,12 @@ def test_closed_forms_equal_the_simulated_instruction_lists(schedule, frozen):
     a one-tower plan, for every schedule, over a grid of microbatch counts, stages, stage times,
     transfer times and batch-sync durations."""
     recompute = schedule in ("cached", RECOMPUTE)
-    for P in (1, 2, 3, 4, 6):
-        for rows in (2, 3, 5, 8, 13):
+    for P in (1, 2, 3, 4, 5, 6):
+        for rows in (2, 3, 5, 8, 13, 22):
             for mb in (1, 2):
-                for f, b, link, syncs in ((1.0, 2.3, 0.0, (0.7, 0.4)), (1.0, 0.4, 0.3, (0.0, 2.0)), (0.2, 1.0, 1.7, (5.0, 0.1))):
+                for f, b, link, syncs in (
+                    (1.0, 2.3, 0.0, (0.7, 0.4)), (1.0, 0.4, 0.3, (0.0, 2.0)), (0.2, 1.0, 1.7, (5.0, 0.1)), (3.0, 0.5, 5.0, (0.0, 0.0)),
+                ):
                     b = 0.0 if frozen else b
                     lists = schedules(replica_plan(schedule, P, mb), rows)
                     if frozen:  # the runtime skips a frozen tower's backward
@@ -215,10 +218,14 @@ def test_distmm_is_priced_as_two_half_batch_syncs_and_one_wave_of_activations():
         assert len(d.segments) == 3 and len(g.segments) == 2
         assert d.memory["activations"] == pytest.approx(g.memory["activations"] / 2)  # one wave at pp = 1
         assert d.compute == pytest.approx(g.compute)
-    # pipelined: one wave plus the microbatch a stage runs ahead
+    # pipelined: one wave plus the P-1 microbatches stage 0 runs ahead (1F1B between the waves)
     piped = evaluate_plan(profiles, cl, co, *_clip_choices("distmm", 2, 2, 4, 16), 16)
     gpiped = evaluate_plan(profiles, cl, co, *_clip_choices("gpipe", 2, 2, 4, 16), 16)
     assert piped.towers["image"].memory["activations"] == pytest.approx(gpiped.towers["image"].memory["activations"] * (8 + 2) / 16)
+    image = profiles["image"]
+    for pp, mb, rows, held in ((4, 1, 16, 8 + 3), (4, 2, 16, 8 + 6), (3, 3, 11, 6 + 5), (6, 1, 4, 2 + 2), (1, 2, 16, 8)):
+        acts = {s: memory_per_device(image, co, s, mb, 0, rows, 1, pp)["activations"] for s in ("gpipe", "distmm")}
+        assert float(acts["distmm"]) == pytest.approx(float(acts["gpipe"]) * held / rows)
     with pytest.raises(ValueError, match="distmm"):
         mixed = _clip_choices("distmm")[0]
         evaluate_plan(profiles, cl, co, {**mixed, "text": dataclasses.replace(mixed["text"], schedule="gpipe")}, _clip_choices("gpipe")[1], 16)

@@ -31,8 +31,10 @@ microbatch and transfer time ``L`` between stages (:func:`phases`):
 * ``cached`` forward without keeping activations, batch-sync, then per microbatch recompute and
   backward: after (K+P-1) (f+b) + (P-1) L; keeps at most min(K, P) microbatches.
 * ``distmm`` two sync groups (waves) of K0 and K1 microbatches (half of the replica's rows each):
-  wave 0's forwards, its batch-sync, wave 1's forwards interleaved one for one with wave 0's
-  backwards, wave 1's batch-sync and backwards; keeps one wave's microbatches plus one.
+  wave 0's forwards, its batch-sync, then 1F1B between the waves (stage ``s`` first runs
+  ``P-1-s`` of wave 1's forwards, then one wave-0 backward and one wave-1 forward per slot), wave
+  1's batch-sync and backwards: before (K0+P-1) f + (P-1) L, between K1 f + K0 b + 2 (K1 -
+  ceil(K1/P)) L, after (K1+P-1) b + (P-1) L; keeps one wave's microbatches plus P-1 (stage 0).
 """
 
 from __future__ import annotations
@@ -199,10 +201,16 @@ def phases(schedule: str, frozen: bool, K: Any, P: int, f: Any, b: Any, link: An
 
     The formulas are the critical paths of the schedule's instruction lists (the tests check them
     against the simulation). They do not depend on the batch-sync durations: every critical path
-    after a batch-sync runs through it. ``distmm``'s middle segment is wave 1's forwards
-    interleaved with wave 0's backwards: a stage before the last runs one wave-1 forward ahead, so
-    for ``P >= 3`` each further microbatch waits for its predecessor's gradient to travel down the
-    pipeline and its own activations back up, ``(P-1) (f+b)`` per microbatch.
+    after a batch-sync runs through it. ``distmm``'s middle segment is 1F1B between the waves:
+    stage ``s`` has run ``P-1-s`` of wave 1's forwards before wave 0's batch-sync ends (as if the
+    forward stream of wave 0 went on), then runs one wave-0 backward and one wave-1 forward per
+    slot. Without transfer time that packs the last stage exactly (``K1 (f+b)``, plus one ``b``
+    when wave 0 has one microbatch more); every critical path to the last stage's last wave-1
+    forward does the same work, so the transfer time adds ``L`` per message on the path with the
+    most: a gradient going ``m <= P-1`` stages down and activations coming back up cost ``2 m L``
+    over ``m+1`` of the last stage's slots, so at most ``2 (K1 - ceil(K1/P)) L`` over the
+    wave. By then the other stages have finished wave 0's backwards (wave 1's gradients reach them
+    later along the same path), so the last segment is ``gpipe``'s backward of ``K1`` microbatches.
     """
     if schedule not in (*SCHEDULE_NAMES, RECOMPUTE):
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULE_NAMES)}")
@@ -220,12 +228,7 @@ def phases(schedule: str, frozen: bool, K: Any, P: int, f: Any, b: Any, link: An
     if frozen:
         middle = K1 * f + zero
         return (first, middle, zero), first + middle - (K + K1) * f
-    steps = max(P - 1, 1) * (K1 - 1) + 1
-    middle = steps * f + (steps + K - K1) * b
-    if P == 2:
-        middle = middle + 2.0 * np.floor(K1 / 2) * link
-    elif P > 2:
-        middle = middle + (2.0 * (P - 2) * (K1 - 1) + 2.0 * (K1 >= 2)) * link
+    middle = K1 * f + K * b + 2.0 * (K1 - np.ceil(K1 / P)) * link
     last = (K1 + P - 1) * b + fill
     return (first, middle, last), first + middle + last - (K + K1) * (f + b)
 
@@ -392,9 +395,10 @@ def memory_per_device(
         ckpt = opts.bytes_el * (profile.layers // pp * profile.layer.boundary) if profile.analytic else aps
         act = np.asarray(replica_batch, dtype=float) * ckpt + mb * layer_act * 2
     elif schedule == "distmm":
-        # one wave's microbatches, plus (before the last stage) the wave-1 forward run ahead of its backward
+        # one wave's microbatches, plus the P-1 wave-1 forwards stage 0 runs ahead of its first
+        # backward (1F1B between the waves; stage s runs P-1-s, so stage 0 is the heaviest)
         wave0, wave1 = wave_rows("distmm", np.asarray(replica_batch, dtype=float))
-        act = (wave0 + (np.minimum(mb, wave1) if pp > 1 else 0.0)) * aps
+        act = (wave0 + np.minimum((pp - 1) * mb, wave1)) * aps
     else:
         act = np.asarray(replica_batch, dtype=float) * aps
     return {"static": static + 0 * mb, "activations": act, "loss": np.asarray(loss_bytes, dtype=float) + 0 * mb, "total": static + act + loss_bytes}
