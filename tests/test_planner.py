@@ -49,7 +49,7 @@ from lightning_distmm.plan.profile import model_profiles
 from lightning_distmm.plan.schedule import Backward, BatchSync, Forward, schedules, simulate
 from lightning_distmm.plan.partition import Candidates, InfeasibleError
 from lightning_distmm.plan.placement import candidate_layouts, place
-from lightning_distmm.plan.planner import TowerInfo
+from lightning_distmm.plan.planner import DEFAULT_SCHEDULES, PlannerOptions, TowerInfo
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -266,6 +266,23 @@ def test_the_planner_keeps_distmm_on_every_tower_or_none():
     for options in ({}, {"layouts": ["colocated"]}, {"schedules": ["gpipe", "distmm"]}):
         plan, _ = make_plan(model("lit_l16_bert_large"), "a100_8x8", 4096, options)  # a frozen tower among them
         assert len({t.schedule == "distmm" for t in plan.towers.values()}) == 1
+
+
+@pytest.mark.parametrize("name, cluster, batch", [("clip_vit_bigg14", "a100_8x8", 4096), ("distmm_10b", "a100_8x8", 1024)])
+def test_distmm_only_when_listed(name, cluster, batch):
+    """distmm changes the loss (two sync groups, each with its own negatives): the default options
+    (and conf/planner/default.yaml) never plan it; listing it lets the planner pick it, on every tower."""
+    assert PlannerOptions().schedules == DEFAULT_SCHEDULES == ("gpipe", "cached")
+    conf = PlannerOptions.from_any(yaml.safe_load((CONF_DIR / "planner" / "default.yaml").read_text()))
+    assert "distmm" not in conf.schedules
+    plan, rep = make_plan(model(name), cluster, batch)
+    assert plan.sync_groups == 1 and all(t.schedule != "distmm" for t in plan.towers.values())
+    for ev in [*rep.candidates.values(), *rep.baselines.values()]:
+        assert ev is None or all(c.schedule != "distmm" for c in ev.choices.values())
+    opted, orep = make_plan(model(name), cluster, batch, {"schedules": ["gpipe", "cached", "distmm"]})
+    assert {t.schedule for t in opted.towers.values()} == {"distmm"} and opted.sync_groups == 2
+    assert len(orep.chosen.cost.sync["waves"]) == 2
+    assert orep.step_time < rep.step_time
 
 
 def test_small_microbatches_underuse_a_gpu():

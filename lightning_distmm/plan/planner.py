@@ -10,6 +10,11 @@
    (DDP, Megatron-style) priced by the same model; the fastest of all is chosen, so the plan is
    never predicted slower than a baseline.
 
+The ``distmm`` schedule is opt-in: it splits the batch into two sync groups, each with its own
+negatives, so it changes the loss (the module must set ``sync_groups = 2``). The default
+``schedules`` (:data:`DEFAULT_SCHEDULES`) are ``gpipe`` and ``cached``; listing ``distmm`` lets
+the planner consider it, on every tower or on none.
+
 ``auto_plan`` is the entry point for ``DistMMStrategy(plan="auto")``: it measures the live towers
 on the live device and plans for the live world size (tp = pp = 1 by default, what the runtime
 executes today).
@@ -41,6 +46,9 @@ from lightning_distmm.plan.plan import SCHEDULES, Plan, TowerPlan, split_batch
 from lightning_distmm.plan.profile import TowerProfile, _plain, measure_tower, measured_profile, model_profiles, tower_profile
 
 BALANCERS = ("dp", "proportional", "even")
+DEFAULT_SCHEDULES = ("gpipe", "cached")
+"""Schedules the planner considers unless told otherwise: those that leave the loss as it is
+(``distmm`` computes it over two sync groups, so a user opts in by listing it)."""
 PLACEMENTS = ("hetero", "naive")
 LAYOUTS = ("separate", "colocated")
 
@@ -50,7 +58,9 @@ class PlannerOptions:
     """Knobs of the search (Hydra group ``planner`` plus ``placement.strategy``).
 
     ``max_tp``/``max_pp`` bound the degrees (``1``/``1``: data parallel only, what the runtime runs
-    today); ``tp``/``pp`` fix them for every tower; ``schedules`` the schedules allowed; ``layouts``
+    today); ``tp``/``pp`` fix them for every tower; ``schedules`` the schedules allowed (default
+    ``gpipe`` and ``cached``; ``distmm`` changes the loss, two sync groups, and is considered only
+    when listed, on every tower or on none); ``layouts``
     whether towers may get their own devices (``separate``) and/or share all devices
     (``colocated``); ``recompute`` whether ``gpipe`` may checkpoint activations (TowerPlan.recompute);
     ``max_points`` the resolution of the balancer's parametric search; the rest are
@@ -59,7 +69,7 @@ class PlannerOptions:
 
     balancer: str = "dp"
     placement: str = "hetero"
-    schedules: tuple[str, ...] = SCHEDULES
+    schedules: tuple[str, ...] = DEFAULT_SCHEDULES
     layouts: tuple[str, ...] = LAYOUTS
     max_tp: int | None = None
     max_pp: int | None = None
@@ -664,6 +674,7 @@ __all__ = [
     "runtime_cost_defaults",
     "auto_plan",
     "BALANCERS",
+    "DEFAULT_SCHEDULES",
     "PLACEMENTS",
     "LAYOUTS",
 ]
