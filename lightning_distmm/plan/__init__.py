@@ -35,6 +35,7 @@ from lightning_distmm.plan.cost import CostOptions, StepCost, TowerChoice, Tower
 from lightning_distmm.plan.partition import Candidates, InfeasibleError, SearchSpace, tower_candidates  # noqa: E402
 from lightning_distmm.plan.placement import place, tp_groups_inside_nodes  # noqa: E402
 from lightning_distmm.plan.planner import (  # noqa: E402
+    DEFAULT_SCHEDULES,
     PlannerOptions,
     Report,
     TowerInfo,
@@ -84,6 +85,7 @@ __all__ += [
     "tower_candidates",
     "place",
     "tp_groups_inside_nodes",
+    "DEFAULT_SCHEDULES",
     "PlannerOptions",
     "Report",
     "TowerInfo",

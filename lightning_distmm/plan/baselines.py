@@ -7,8 +7,9 @@
   the same way, stage ``i`` holding the ``i``-th slice of every tower), one microbatch size and one
   schedule; every valid (tp, pp, schedule, microbatches) is tried and the fastest kept.
 * ``colocated`` — DistMM's colocated family: towers share all devices but each picks its own
-  tp, pp, microbatch and schedule (memory is shared, so they are chosen jointly; ``distmm`` is on
-  every tower or on none, as it splits the whole batch into two sync groups). It contains both
+  tp, pp, microbatch and schedule (memory is shared, so they are chosen jointly; ``distmm``, when
+  the options list it, is on every tower or on none, as it splits the whole batch into two sync
+  groups). It contains both
   baselines, which is why the DistMM plan is never predicted slower than either.
 """
 
