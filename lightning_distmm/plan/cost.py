@@ -208,8 +208,8 @@ def phases(schedule: str, frozen: bool, K: Any, P: int, f: Any, b: Any, link: An
     when wave 0 has one microbatch more); every critical path to the last stage's last wave-1
     forward does the same work, so the transfer time adds ``L`` per message on the path with the
     most: a gradient going ``m <= P-1`` stages down and activations coming back up cost ``2 m L``
-    over ``m+1`` of the last stage's slots, so at most ``2 (K1 - ceil(K1/P)) L`` over the
-    wave. By then the other stages have finished wave 0's backwards (wave 1's gradients reach them
+    over ``m+1`` of the last stage's slots, so the longest path carries ``2 (K1 - ceil(K1/P))``
+    transfers: middle ``K1 f + K b + 2 (K1 - ceil(K1/P)) L``. By then the other stages have finished wave 0's backwards (wave 1's gradients reach them
     later along the same path), so the last segment is ``gpipe``'s backward of ``K1`` microbatches.
     """
     if schedule not in (*SCHEDULE_NAMES, RECOMPUTE):
