@@ -147,8 +147,10 @@ class DistMMStrategy(ModelParallelStrategy):
         data = None
         if self.global_rank == 0:
             infos = {n: tower_info_from_batch(t, example) for n, t in module.tower_specs().items()}
-            # only what the runtime executes today: data parallelism per tower, whole-replica batches
-            options = {"max_tp": 1, "max_pp": 1, "schedules": ["gpipe", "cached"], "recompute": False}
+            # measured profiles price data parallelism per tower only (tp = pp = 1); the schedule
+            # must compute the module's loss: distmm's two sync groups exactly when it asks for them
+            schedules = ["distmm"] if module.sync_groups == 2 else ["gpipe", "cached"]
+            options = {"max_tp": 1, "max_pp": 1, "schedules": schedules, "recompute": False}
             plan = auto_plan(infos, self.world_size, global_batch, self.root_device, options=options)
             data = plan.to_dict()
         return Plan.from_dict(self.broadcast(data, src=0))

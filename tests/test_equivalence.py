@@ -72,6 +72,15 @@ def test_auto_plan_trains_exactly(tmp_path):
     compare_with_reference(lambda: TinyCLIP("sgd", lr=0.05), "auto", 2, 8, 2, tmp_path).assert_exact()
 
 
+@pytest.mark.slow
+def test_auto_plan_follows_the_modules_loss(tmp_path):
+    """A module asking for two sync groups gets an auto plan with the distmm schedule (its loss)."""
+    class Grouped(TinyCLIP):
+        sync_groups = 2
+
+    compare_with_reference(lambda: Grouped("sgd", lr=0.05), "auto", 2, 8, 2, tmp_path).assert_exact()
+
+
 MICRO_PLANS = {
     "cached-mb3": ldm.Plan(3, {"image": {"ranks": [0, 1], "microbatch": 3, "schedule": "cached"}, "text": {"ranks": [2], "microbatch": 3, "schedule": "cached"}}),
     "gpipe-mb2": ldm.Plan(3, {"image": {"ranks": [0, 1], "microbatch": 2}, "text": {"ranks": [2], "microbatch": 5}}),
