@@ -95,7 +95,8 @@ class Balance:
     notes: dict[str, Any] = field(default_factory=dict)
 
 
-def _tables(cands: Sequence[Candidates], D: int, values: Sequence[np.ndarray]) -> list[np.ndarray]:
+def best_by_devices(cands: Sequence[Candidates], D: int, values: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Per tower, the smallest of ``values`` over its candidates with each device count 0..D (inf: none)."""
     out = []
     for c, v in zip(cands, values):
         t = np.full(D + 1, INF)
@@ -148,7 +149,7 @@ def barrier_allocation(
     best, best_alloc, best_picks = INF, [], []
     # start: the min-max of F + B (DESIGN's formulation), and the minimisers of F and of B
     for values in ([c.F + c.B for c in cands], [c.F for c in cands], [c.B for c in cands]):
-        _, alloc = minmax_allocation(_tables(cands, D, values), D)
+        _, alloc = minmax_allocation(best_by_devices(cands, D, values), D)
         evals += 1
         if alloc:
             picks = []
@@ -160,8 +161,8 @@ def barrier_allocation(
                 best, best_alloc, best_picks = obj, alloc, picks
     if not best_alloc:
         raise InfeasibleError(_no_allocation_message(cands, D))
-    g_inf, _ = minmax_allocation(_tables(cands, D, [c.B for c in cands]), D)
-    f_lo, _ = minmax_allocation(_tables(cands, D, [c.F for c in cands]), D)
+    g_inf, _ = minmax_allocation(best_by_devices(cands, D, [c.B for c in cands]), D)
+    f_lo, _ = minmax_allocation(best_by_devices(cands, D, [c.F for c in cands]), D)
     hi = best - g_inf
     allF = np.unique(np.concatenate([c.F[(c.F >= f_lo * (1 - 1e-12)) & (c.F <= hi * (1 + 1e-12))] for c in cands]))
     exact = len(allF) <= max_points

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from lightning_distmm.plan.balance import Balance, _tables, barrier_allocation, even_allocation, minmax_allocation, proportional_allocation
+from lightning_distmm.plan.balance import Balance, best_by_devices, barrier_allocation, even_allocation, minmax_allocation, proportional_allocation
 from lightning_distmm.plan.baselines import Evaluated, colocated_search
 from lightning_distmm.plan.cluster import GB, Cluster, load_cluster
 from lightning_distmm.plan.cost import RECOMPUTE, CostOptions, StepCost, TowerChoice, batch_syncs, evaluate_plan, loss_bytes
@@ -333,7 +333,7 @@ def make_plan(
             if not all(len(c) for c in family):
                 continue
             if first is not None:
-                bound, _ = minmax_allocation(_tables(family, D, [c.F + c.B for c in family]), D)
+                bound, _ = minmax_allocation(best_by_devices(family, D, [c.F + c.B for c in family]), D)
                 if bound + syncs[n_sync] >= first:
                     continue
             try:
