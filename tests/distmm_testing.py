@@ -189,6 +189,12 @@ class DeepCLIP(TinyCLIP):
         self.text = TinyText(layers=2)
 
 
+class GroupedDeepCLIP(DeepCLIP):
+    """The loss of the distmm schedule: two sync groups of rows, each with its own negatives."""
+
+    sync_groups = 2
+
+
 @dataclass
 class Comparison:
     """One module trained twice on the same global batches: in one process and under distmm."""

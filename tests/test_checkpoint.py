@@ -8,13 +8,20 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_distmm as ldm
-from distmm_testing import DeepCLIP, loader, max_param_diff, read_losses, run_distmm
+from distmm_testing import DeepCLIP, GroupedDeepCLIP, loader, max_param_diff, read_losses, run_distmm
 
 PLAN = ldm.Plan(3, {"image": {"ranks": [0, 1]}, "text": {"ranks": [2]}})
 TP_PLAN = ldm.Plan(3, {"image": {"ranks": [0, 1], "tp": 2}, "text": {"ranks": [2]}})
 PP_PLAN = ldm.Plan(3, {"image": {"ranks": [0, 1], "pp": 2, "microbatch": 4}, "text": {"ranks": [2]}})
-PLANS = [PLAN, TP_PLAN, PP_PLAN]
-IDS = ["dp", "image-tp2", "image-pp2"]
+DISTMM = {"microbatch": 2, "schedule": "distmm"}
+DISTMM_PLAN = ldm.Plan(3, {"image": {"ranks": [0, 1], "pp": 2, **DISTMM}, "text": {"ranks": [2], **DISTMM}})
+PLANS = [PLAN, TP_PLAN, PP_PLAN, DISTMM_PLAN]
+IDS = ["dp", "image-tp2", "image-pp2", "image-pp2-distmm"]
+
+
+def model(plan: ldm.Plan, *args, **kwargs) -> DeepCLIP:
+    """The test module, computing the loss the plan's schedule computes."""
+    return (GroupedDeepCLIP if plan.sync_groups == 2 else DeepCLIP)(*args, **kwargs)
 
 
 @pytest.mark.slow
@@ -22,7 +29,7 @@ IDS = ["dp", "image-tp2", "image-pp2"]
 def test_resume_continues_exactly(plan, tmp_path):
     PLAN = plan  # noqa: N806 - the plan under test
     L.seed_everything(0)
-    straight = DeepCLIP("adamw", lr=0.01)
+    straight = model(plan, "adamw", lr=0.01)
     first_half = copy.deepcopy(straight)
     resumed = copy.deepcopy(straight)
     data = lambda: loader(8, size=48, shuffle=True)  # noqa: E731 - 6 batches an epoch: step 2 is mid-epoch
@@ -46,7 +53,7 @@ def test_resume_continues_exactly(plan, tmp_path):
 def test_export_loads_into_plain_module(plan, tmp_path):
     PLAN = plan  # noqa: N806 - the plan under test
     L.seed_everything(0)
-    module = DeepCLIP("sgd", lr=0.05)
+    module = model(plan, "sgd", lr=0.05)
     saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
     run_distmm(module, PLAN, 3, loader(8), 2, str(tmp_path / "l.json"), callbacks=[saver], enable_checkpointing=True)
 

@@ -7,7 +7,7 @@ import lightning as L
 import pytest
 
 import lightning_distmm as ldm
-from distmm_testing import DeepCLIP, TinyCLIP, compare_with_reference, loader, max_param_diff
+from distmm_testing import DeepCLIP, GroupedDeepCLIP, TinyCLIP, compare_with_reference, loader, max_param_diff
 
 PLANS = {
     "colocated-2": (2, 8, ldm.Plan(2, {"image": {"ranks": [0, 1]}, "text": {"ranks": [0, 1]}})),
@@ -219,12 +219,6 @@ def test_pipeline_parallel_towers_are_exact(name, tmp_path):
     compare_with_reference(lambda: DeepCLIP("adamw", lr=0.01), plan, plan.world_size, 10, 2, tmp_path).assert_exact()
 
 
-class GroupedDeepCLIP(DeepCLIP):
-    """The loss of the distmm schedule: two sync groups of rows, each with its own negatives."""
-
-    sync_groups = 2
-
-
 DISTMM_PLANS = {
     "image-pp2+text1": ldm.Plan(
         3, {"image": {"ranks": [0, 1], "pp": 2, "microbatch": 2, "schedule": "distmm"},
@@ -233,6 +227,10 @@ DISTMM_PLANS = {
     "image-tp2xpp2+text-colocated": ldm.Plan(
         4, {"image": {"ranks": [0, 1, 2, 3], "pp": 2, "tp": 2, "microbatch": 2, "schedule": "distmm"},
             "text": {"ranks": [0], "schedule": "distmm"}}
+    ),
+    "lit-frozen-text": ldm.Plan(
+        3, {"image": {"ranks": [0, 1], "pp": 2, "microbatch": 2, "schedule": "distmm"},
+            "text": {"ranks": [2], "schedule": "distmm"}}
     ),
     "text-pp2+image-dp2-uneven": ldm.Plan(
         4, {"image": {"ranks": [0, 3], "replica_batch": [6, 3], "schedule": "distmm"},
@@ -247,7 +245,10 @@ def test_distmm_schedule_is_exact_for_its_grouped_loss(name, tmp_path):
     """DistMM-Pipe (two waves, a batch-sync each) against one process computing the same grouped loss."""
     plan = DISTMM_PLANS[name]
     batch = plan.global_batch or 10
-    compare_with_reference(lambda: GroupedDeepCLIP("adamw", lr=0.01), plan, plan.world_size, batch, 2, tmp_path).assert_exact()
+    frozen = name.startswith("lit")
+    compare_with_reference(
+        lambda: GroupedDeepCLIP("adamw", lr=0.01, frozen_text=frozen), plan, plan.world_size, batch, 2, tmp_path
+    ).assert_exact()
 
 
 def test_grouped_loss_is_not_the_whole_batch_loss():
