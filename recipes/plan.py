@@ -3,10 +3,12 @@
     python recipes/plan.py model=clip_vit_bigg14 cluster=a100_8x8 global_batch=32768
     python recipes/plan.py -m planner.balancer=dp,proportional,even placement=hetero,naive
     python recipes/plan.py planner=data_parallel cluster=local_cpu model=clip_tiny global_batch=64
+    python recipes/plan.py model=clip_vit_l14 cluster=a100_8x8 global_batch=1024 draw=timeline.svg
 
 The plan file is what ``DistMMStrategy(plan="plan.yaml")`` loads; ``plan_report.yaml`` beside it
-holds the predicted costs, the baselines and the options. In a multirun every job writes into its
-own output folder.
+holds the predicted costs, the baselines and the options; ``draw=`` writes a picture of one
+predicted step (every rank's instructions, plans of up to 64 ranks). In a multirun every job
+writes into its own output folder.
 """
 
 from __future__ import annotations
@@ -44,6 +46,16 @@ def main(cfg: DictConfig) -> float:
         if cfg.get("report"):
             rep = out.parent / cfg.report
             rep.write_text(yaml.safe_dump(report.to_dict(), sort_keys=False))
+    if cfg.get("draw"):
+        from lightning_distmm.plan.schedule import timeline_svg
+
+        picture = Path(cfg.draw) if Path(cfg.draw).is_absolute() else base / cfg.draw
+        try:
+            title = f"{cfg.model.name} on {report.cluster.name}, batch {cfg.global_batch}: predicted step {report.step_time * 1e3:.1f} ms"
+            picture.write_text(timeline_svg(report.timeline(), title))
+            print(f"timeline drawn to {picture}")
+        except ValueError as err:
+            print(f"no timeline: {err}", file=sys.stderr)
     if hc.mode == RunMode.MULTIRUN:
         sep = report.candidates.get("separate")
         print(

@@ -496,3 +496,18 @@ def test_recipe_multirun_writes_plans(tmp_path):
 
 def test_compositions_cover_everything():
     assert len(list(compositions(6, 3))) == math.comb(5, 2)
+
+
+def test_report_draws_the_predicted_step():
+    """Report.timeline: every rank's instruction list simulated with the cost model's durations; the
+    drawn step is the priced step less what the lists leave out (gradient sums, optimizer, overhead)."""
+    from lightning_distmm.plan.schedule import timeline_svg
+
+    plan, report = make_plan(model("clip_vit_l14"), "a100_8x8", 1024)
+    intervals = report.timeline()
+    assert {i.rank for i in intervals} == set(range(plan.world_size))
+    span = max(i.end for i in intervals)
+    assert 0.7 * report.step_time < span <= report.step_time
+    assert timeline_svg(intervals).count("rank ") == plan.world_size
+    with pytest.raises(ValueError, match="at most 8"):
+        report.timeline(max_ranks=8)

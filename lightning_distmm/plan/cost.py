@@ -516,6 +516,47 @@ def sync_groups(choices: Mapping[str, "TowerChoice"]) -> int:
     return 2 if True in uses else 1
 
 
+def instruction_seconds(
+    profiles: Mapping[str, TowerProfile],
+    cluster: Cluster,
+    opts: CostOptions,
+    choices: Mapping[str, "TowerChoice"],
+    global_batch: int,
+    world: int,
+    nodes: int,
+) -> tuple[Callable[[int, ir.Instruction], float], Callable[[ir.Instruction], float]]:
+    """Seconds of each instruction of a plan's lists, priced as :func:`evaluate_plan` prices them:
+    a microbatch's forward or backward on a stage (compute and tensor-parallel all-reduces, a
+    recomputing backward with its forward again), each batch-sync; and the transfer to a stage
+    (the ``link`` of :func:`schedule.simulate`). For drawing a plan's step, not for the planner."""
+    contrastive = [n for n, p in profiles.items() if p.arch != "text_decoder"]
+    embed = max((profiles[n].embed_dim for n in contrastive), default=0)
+    syncs = batch_syncs(cluster, opts, global_batch, embed, world, nodes, len(contrastive), sync_groups(choices))["waves"]
+
+    @functools.lru_cache(maxsize=None)
+    def micro(tower: str, rows: int) -> tuple[float, float, float]:
+        c, p = choices[tower], profiles[tower]
+        f, b = (float(x) for x in stage_compute(p, cluster, opts, float(rows), c.tp, c.pp))
+        t = float(tp_comm(p, cluster, opts, float(rows), c.tp, c.pp))
+        link = float(pp_comm(p, cluster, opts, float(rows), c.pp))
+        recompute = c.schedule in ("cached", RECOMPUTE)
+        return f + t, 0.0 if p.frozen else b + t + (f + t if recompute else 0.0), link
+
+    def seconds(rank: int, ins: ir.Instruction) -> float:
+        if isinstance(ins, ir.Forward):
+            return micro(ins.tower, ins.rows)[0]
+        if isinstance(ins, ir.Backward):
+            return micro(ins.tower, ins.rows)[1]
+        if isinstance(ins, ir.BatchSync):
+            return syncs[ins.wave]
+        return 0.0
+
+    def transfer(ins: ir.Instruction) -> float:
+        return micro(ins.tower, ins.rows)[2] if isinstance(ins, (ir.Forward, ir.Backward)) else 0.0
+
+    return seconds, transfer
+
+
 # ---------------------------------------------------------------------- breakdowns
 @dataclass
 class TowerCost:

@@ -148,6 +148,21 @@ class Report:
     def step_time(self) -> float:
         return self.chosen.step_time
 
+    def timeline(self, max_ranks: int = 64) -> list[Any]:
+        """The chosen plan's step, every rank's instruction list simulated with the cost model's
+        durations (:func:`lightning_distmm.plan.schedule.simulate`); draw it with ``timeline_svg``."""
+        from lightning_distmm.plan.cost import instruction_seconds
+        from lightning_distmm.plan.schedule import schedules, simulate
+
+        world = self.plan.world_size
+        if world > max_ranks:
+            raise ValueError(f"the plan has {world} ranks; a timeline draws at most {max_ranks} (max_ranks=)")
+        nodes = len({r // self.cluster.devices_per_node for r in range(world)})
+        seconds, transfer = instruction_seconds(
+            self.profiles, self.cluster, self.options.cost, self.chosen.choices, self.global_batch, world, nodes
+        )
+        return simulate(schedules(self.plan, self.global_batch), seconds, transfer)
+
     def speedup(self, baseline: str) -> float | None:
         b = self.baselines.get(baseline)
         return None if b is None else b.step_time / self.step_time
