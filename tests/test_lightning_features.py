@@ -110,3 +110,19 @@ def test_loss_transformed_in_training_step_is_exact(tmp_path):
     run_distmm(module, plan, 3, loader(8), 2, str(tmp_path / "d.json"))
     assert max_param_diff(reference, module) <= 1e-5
     assert read_losses(tmp_path / "d.json") == pytest.approx(read_losses(tmp_path / "r.json"), abs=1e-5)
+
+
+@pytest.mark.slow
+def test_standalone_validate_matches_reference():
+    """trainer.validate (no fit, no optimizer) under a pipelined distmm plan: the reference's loss."""
+    from distmm_testing import DeepCLIP
+
+    L.seed_everything(0)
+    module = DeepCLIP()
+    plan = ldm.Plan(3, {"image": {"ranks": [0, 1], "pp": 2, "microbatch": 3}, "text": {"ranks": [2]}})
+    kw = {**_kwargs(), "limit_val_batches": 2}
+    ref = L.Trainer(devices=1, **kw).validate(copy.deepcopy(module), loader(8, size=16), verbose=False)
+    dist = L.Trainer(devices=3, strategy=ldm.DistMMStrategy(plan, start_method="fork"), **kw).validate(
+        module, loader(8, size=16), verbose=False
+    )
+    assert dist[0]["val/loss"] == pytest.approx(ref[0]["val/loss"], abs=1e-5)
