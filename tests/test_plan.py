@@ -74,3 +74,13 @@ def test_proportional_plan():
     assert proportional_plan({"image": 10.0, "text": 1.0}, 1).colocated
     three = proportional_plan({"a": 1.0, "b": 1.0, "c": 100.0}, 5)
     assert [len(t.ranks) for t in three.towers.values()] == [1, 1, 3]
+
+
+def test_distmm_plan_needs_rows_for_every_replica_in_each_sync_group():
+    distmm = {"schedule": "distmm"}
+    plan = Plan(3, {"image": {"ranks": [0, 1], **distmm}, "text": {"ranks": [2], **distmm}})
+    assert plan.sync_groups == 2 and plan.group_split(7) == [4, 3] and plan.group_offsets(7) == [0, 4, 7]
+    plan.check_global_batch(4)
+    with pytest.raises(PlanError, match=r"each of the 2 sync groups of a global batch of 3 \(\[2, 1\]\) must give each of its 2"):
+        plan.check_global_batch(3)
+    assert Plan(1, {"image": {"ranks": [0]}}).sync_groups == 1
