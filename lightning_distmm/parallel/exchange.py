@@ -79,7 +79,8 @@ def gather_features(
     ``slots`` name owners by global rank; the gather runs over ``group`` (the last stages).
     """
     rank, world = dist.get_rank(), dist.get_world_size(group)
-    members = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    members = dist.get_process_group_ranks(group) if group is not None else range(world)
+    row_of = {r: i for i, r in enumerate(members)}  # a global rank's row in the gathered tensor
     out: dict[str, Tensor] = {}
     by_dtype: dict[torch.dtype, list[str]] = {}
     for name in slots:
@@ -101,8 +102,7 @@ def gather_features(
             slot, spec = slots[name], specs[name]
             parts = []
             for owner, a, b in zip(slot.owners, slot.offsets[:-1], slot.offsets[1:]):
-                row = members.index(owner)
-                parts.append(recv[row, start : start + (b - a) * spec.numel].view(b - a, *spec.tail))
+                parts.append(recv[row_of[owner], start : start + (b - a) * spec.numel].view(b - a, *spec.tail))
             out[name] = torch.cat(parts)
             start += size
     return out
