@@ -84,3 +84,4 @@ def test_distmm_plan_needs_rows_for_every_replica_in_each_sync_group():
     with pytest.raises(PlanError, match=r"each of the 2 sync groups of a global batch of 3 \(\[2, 1\]\) must give each of its 2"):
         plan.check_global_batch(3)
     assert Plan(1, {"image": {"ranks": [0]}}).sync_groups == 1
+    assert "loss over 2 sync groups" in plan.table() and "sync groups" not in Plan(1, {"image": {"ranks": [0]}}).table()

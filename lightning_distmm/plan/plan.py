@@ -260,7 +260,10 @@ class Plan:
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
         layout = "colocated" if self.colocated else "separate"
         title = f"Plan(world_size={self.world_size}, global_batch={self.global_batch}, layout={layout})"
-        return "\n".join([title, fmt.format(*head), *(fmt.format(*r) for r in rows)])
+        lines = [title, fmt.format(*head), *(fmt.format(*r) for r in rows)]
+        if self.sync_groups > 1:
+            lines.append(f"loss over {self.sync_groups} sync groups of the batch, each with its own negatives (module sync_groups = {self.sync_groups})")
+        return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.table()
