@@ -126,3 +126,20 @@ def test_standalone_validate_matches_reference():
         module, loader(8, size=16), verbose=False
     )
     assert dist[0]["val/loss"] == pytest.approx(ref[0]["val/loss"], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_distmm_with_accumulation_and_clipping(tmp_path):
+    """DistMM-Pipe (image pp=2, two waves) with gradient accumulation and global-norm clipping."""
+    from distmm_testing import GroupedDeepCLIP
+
+    distmm = {"microbatch": 2, "schedule": "distmm"}
+    plan = ldm.Plan(3, {"image": {"ranks": [0, 1], "pp": 2, **distmm}, "text": {"ranks": [2], **distmm}})
+    extra = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}
+    L.seed_everything(0)
+    reference = GroupedDeepCLIP("sgd", lr=0.05)
+    module = copy.deepcopy(reference)
+    run_reference(reference, loader(8), 2, str(tmp_path / "r.json"), **extra)
+    run_distmm(module, plan, 3, loader(8), 2, str(tmp_path / "d.json"), **extra)
+    assert max_param_diff(reference, module) <= 1e-5
+    assert read_losses(tmp_path / "d.json") == pytest.approx(read_losses(tmp_path / "r.json"), abs=1e-5)
