@@ -237,6 +237,7 @@ class DistMMStrategy(ModelParallelStrategy):
             and getattr(self, "_batch_idx", None) is not None
             and self._batch_idx % trainer.accumulate_grad_batches == 0
         )
+        self.runtime.sync_this_step = self._sync_gradients
         try:
             return super().training_step(*args, **kwargs)
         finally:

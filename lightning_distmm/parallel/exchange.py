@@ -108,18 +108,36 @@ def gather_features(
     return out
 
 
-def allreduce_sum(tensors: Sequence[Tensor], group: dist.ProcessGroup | None = None) -> None:
-    """In-place sum over ``group`` of several tensors with one collective per dtype (flatten, reduce, copy back)."""
+@dataclass
+class PendingSum:
+    """Posted in-place sums (``allreduce_sum_async``): :meth:`wait` completes them and writes back."""
+
+    works: list[tuple[object, Tensor, list[Tensor]]]  # (work, flat buffer or the tensor itself, tensors)
+
+    def wait(self) -> None:
+        for work, flat, same in self.works:
+            work.wait()  # type: ignore[attr-defined]
+            if len(same) == 1 and flat is same[0]:
+                continue
+            start = 0
+            for t in same:
+                t.copy_(flat[start : start + t.numel()].view_as(t))
+                start += t.numel()
+        self.works = []
+
+
+def allreduce_sum_async(tensors: Sequence[Tensor], group: dist.ProcessGroup | None = None) -> PendingSum:
+    """Post the in-place sum over ``group`` of several tensors, one collective per dtype (flattened)."""
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
+    works = []
     for same in by_dtype.values():
-        if len(same) == 1:
-            dist.all_reduce(same[0], op=dist.ReduceOp.SUM, group=group)
-            continue
-        flat = torch.cat([t.reshape(-1) for t in same])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        start = 0
-        for t in same:
-            t.copy_(flat[start : start + t.numel()].view_as(t))
-            start += t.numel()
+        flat = same[0] if len(same) == 1 else torch.cat([t.reshape(-1) for t in same])
+        works.append((dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True), flat, same))
+    return PendingSum(works)
+
+
+def allreduce_sum(tensors: Sequence[Tensor], group: dist.ProcessGroup | None = None) -> None:
+    """In-place sum over ``group`` of several tensors with one collective per dtype (flatten, reduce, copy back)."""
+    allreduce_sum_async(tensors, group).wait()

@@ -45,7 +45,9 @@ from lightning_distmm.mixin import DistMMMixin, Tower
 from lightning_distmm.parallel.exchange import (
     FeatureSpec,
     GatherSlot,
+    PendingSum,
     allreduce_sum,
+    allreduce_sum_async,
     exchange_specs,
     gather_features,
 )
@@ -115,6 +117,8 @@ class _StepGradients:
 
     grads: list[tuple[nn.Parameter, Tensor]]
     scale: Tensor | None = None  # the gradient that reached the returned loss
+    #: the sums over replicas, posted during the step's backward (None: sums run in ``backward``)
+    sums: list[PendingSum] | None = None
 
 
 class _DeferredGradients(torch.autograd.Function):
@@ -190,6 +194,8 @@ class TowerRuntime:
         }
         #: set by the strategy when Lightning will zero the gradients after this training_step
         self.discard_earlier_gradients = False
+        #: set by the strategy: whether this step's backward ends with the gradient sums (not accumulating)
+        self.sync_this_step = True
         self._schedules: dict[int, list[Instruction]] = {}
         #: when a list, the executor appends ``(instruction, start, end)`` of its compute (perf_counter)
         self.trace: list[tuple[Instruction, float, float]] | None = None
@@ -295,8 +301,15 @@ class TowerRuntime:
             earlier = []  # Lightning zeroes them after this step: free them before the backward
         step = _new_step(instructions, rank_batch)
         self.stash_bytes = 0
+        # Gradient sums overlapped with the backward (DDP's idea): when this step's gradients are the
+        # whole optimizer step's (no accumulation, nothing set aside), each tower's sum is posted as
+        # soon as its last backward on this rank is done, the interaction parameters' at the end.
+        # The same decision on every rank (it depends on the strategy's flags only).
+        overlap = learns and self.sync_this_step and self.discard_earlier_gradients
+        last_backward = {ins.tower: i for i, ins in enumerate(instructions) if isinstance(ins, Backward)} if overlap else {}
+        sums: list[PendingSum] = []
         try:
-            for ins in instructions:
+            for i, ins in enumerate(instructions):
                 self._sends = [s for s in self._sends if not s.done()]
                 if isinstance(ins, Forward):
                     rows = {f: _take_rows(batch[f], step.rows[ins.tower, ins.mb]) for f in self.towers[ins.tower].fields}
@@ -306,9 +319,14 @@ class TowerRuntime:
                 elif isinstance(ins, Backward):
                     if training and self.trainable(ins.tower):
                         self._backward(ins, step.records.pop((ins.tower, ins.mb)), step.feature_grads.pop((ins.tower, ins.mb), None))
-                # GradSync runs in finish_backward, once per optimizer step
+                        if last_backward.get(ins.tower) == i:
+                            sums.extend(self._post_tower_sum(ins.tower))
+                # GradSync: posted above when overlapping, else in finish_backward (once per optimizer step)
             for pending in self._sends:
                 pending.wait()
+            if overlap:
+                grads = self._grads_for(self.interaction_params)
+                sums.extend([allreduce_sum_async(grads)] if grads else [])
         finally:
             self._sends = []
         # the loss value for every rank (the first stages hold none): one sum over the world
@@ -317,7 +335,7 @@ class TowerRuntime:
         total = total[0].to(step.loss.dtype)
         if not learns:
             return total
-        produced = _StepGradients(self._take_gradients())
+        produced = _StepGradients(self._take_gradients(), sums=sums if overlap else None)
         self._restore_gradients(earlier)
         self._pending.append(produced)
         anchor = torch.zeros((), device=total.device, requires_grad=True)
@@ -446,7 +464,8 @@ class TowerRuntime:
         the gradient sums would count them once per rank, so they are averaged over those ranks
         first (DDP's rule). Then the gradients set aside before the backward (``earlier``:
         accumulation) are added back, and the schedule's gradients, scaled by the upstream gradient
-        of the loss that ``contrastive_loss`` returned.
+        of the loss that ``contrastive_loss`` returned (the same on every rank, so it may scale a
+        sum already taken during the step).
         """
         pending, self._pending = self._pending, []
         used = [p for p in pending if p.scale is not None]
@@ -459,13 +478,32 @@ class TowerRuntime:
         for p, copies in self._copies():
             if p.grad is not None and copies > 1:
                 _local(p.grad).div_(copies)
+        summed = all(s.sums is not None for s in used)
+        if summed:
+            assert sync and not earlier, "sums were posted during a step that accumulates"
+            for produced in used:
+                for posted in produced.sums or ():
+                    posted.wait()
+            # the terms outside contrastive_loss still need their sums, if any rank has one
+            extra = torch.tensor([float(any(p.grad is not None for p, _ in self._copies()))], device=self.device)
+            dist.all_reduce(extra)
+            if extra.item() > 0:
+                self.sync_gradients()
         for p, g in [*earlier, *((p, _scaled(g, s.scale)) for s in used for p, g in s.grads)]:
             if p.grad is None:
                 p.grad = g
             else:
                 _local(p.grad).add_(_local(g))
-        if sync:
+        if sync and not summed:
             self.sync_gradients()
+
+    def _post_tower_sum(self, name: str) -> list[PendingSum]:
+        """Post the sum of tower ``name``'s gradients over its replicas (none with one replica)."""
+        tower = self.plan.towers[name]
+        if tower.dp == 1:
+            return []
+        group = None if tower.dp == self.world else self.groups[name].dp_group
+        return [allreduce_sum_async(self._grads_for(self.tower_params[name]), group)]
 
     def _copies(self) -> list[tuple[nn.Parameter, int]]:
         """Each local parameter with the number of ranks that hold the same copy of it (the interaction
