@@ -53,6 +53,8 @@ class DistMMStrategy(ModelParallelStrategy):
             ``"auto"`` (the planner, on tower profiles measured on this device).
         start_method: ``"popen"`` re-runs the script per rank (scripts, torchrun, SLURM);
             ``"spawn"``; ``"fork"`` (the notebook-safe one).
+        bucket_cap_mb: gradients are summed over a tower's replicas in buckets of this size,
+            posted during the backward as they become final (DDP's ``bucket_cap_mb``).
     """
 
     strategy_name = "distmm"
@@ -63,8 +65,10 @@ class DistMMStrategy(ModelParallelStrategy):
         start_method: StartMethod = "popen",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        bucket_cap_mb: float = 25.0,
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
+        self._bucket_cap_mb = float(bucket_cap_mb)
         self._plan_spec = _parse_plan_spec(plan)
         self._start_method = start_method
         self.plan: Plan | None = self._plan_spec if isinstance(self._plan_spec, Plan) else None
@@ -107,6 +111,7 @@ class DistMMStrategy(ModelParallelStrategy):
 
         groups = build_tower_groups(self.plan, self.root_device.type)
         self.runtime = TowerRuntime(module, self.plan, groups, self.root_device)
+        self.runtime.bucket_cap_mb = self._bucket_cap_mb
         self.runtime.prepare_local_towers()
         module._distmm_runtime = self.runtime
 

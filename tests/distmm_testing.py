@@ -154,7 +154,7 @@ def run_distmm(
     trainer = L.Trainer(
         devices=devices,
         max_steps=steps,
-        strategy=ldm.DistMMStrategy(plan=plan, start_method="fork"),
+        strategy=plan if isinstance(plan, ldm.DistMMStrategy) else ldm.DistMMStrategy(plan=plan, start_method="fork"),
         callbacks=[LossRecorder(loss_file), *(callbacks or [])],
         **trainer_kwargs(**extra),
     )

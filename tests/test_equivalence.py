@@ -265,3 +265,37 @@ def test_grouped_loss_is_not_the_whole_batch_loss():
     assert abs(float(grouped) - float(whole)) > 1e-3
     halves = [module.interaction_loss({k: f[a:b] for k, f in features.items()}) for a, b in ((0, 5), (5, 10))]
     assert float(grouped) == pytest.approx(float(sum(halves) / 2), abs=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["colocated-2", "image-dp2xtp2", "image-dp2xpp2+text1"])
+def test_gradient_buckets_are_exact(name, tmp_path):
+    """Gradient sums posted bucket by bucket during the backward (1 KB buckets: many per tower),
+    for replicas spanning the world, tensor-parallel ones (DTensor gradients) and pipelined ones."""
+    plan = {"colocated-2": PLANS["colocated-2"][2], **TP_PLANS, **PP_PLANS}[name]
+    strategy = ldm.DistMMStrategy(plan, start_method="fork", bucket_cap_mb=0.001)
+    compare_with_reference(lambda: DeepCLIP("adamw", lr=0.01), strategy, plan.world_size, 10, 2, tmp_path).assert_exact()
+
+
+def test_gradient_buckets_post_during_the_backward(tmp_path):
+    """The buckets' sums are posted by the gradient hooks as the backward makes them final, in
+    bucket order, before finish() (one-rank gloo group)."""
+    import torch.distributed as dist
+
+    from lightning_distmm.parallel.runtime import _GradientBuckets
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        params = list(model.parameters())
+        buckets = _GradientBuckets(params, None, cap=40)  # a bias or weight or two per bucket
+        assert len(buckets.buckets) > 2 and buckets.buckets[0][0] is params[-1]  # last layer first
+        model(torch.randn(3, 4)).sum().backward()
+        assert buckets.next == len(buckets.buckets)  # all posted by the hooks
+        expected = [p.grad.clone() for p in params]
+        for posted in buckets.finish():
+            posted.wait()
+        assert all(torch.equal(p.grad, e) for p, e in zip(params, expected))  # a sum over one rank
+        assert not any(p._post_accumulate_grad_hooks for p in params)  # hooks removed
+    finally:
+        dist.destroy_process_group()

@@ -196,6 +196,8 @@ class TowerRuntime:
         self.discard_earlier_gradients = False
         #: set by the strategy: whether this step's backward ends with the gradient sums (not accumulating)
         self.sync_this_step = True
+        #: size of the gradient buckets summed during the backward (DDP's ``bucket_cap_mb``)
+        self.bucket_cap_mb = 25.0
         self._schedules: dict[int, list[Instruction]] = {}
         #: when a list, the executor appends ``(instruction, start, end)`` of its compute (perf_counter)
         self.trace: list[tuple[Instruction, float, float]] | None = None
@@ -318,9 +320,12 @@ class TowerRuntime:
                     self._batch_sync(module, ins, step, training)
                 elif isinstance(ins, Backward):
                     if training and self.trainable(ins.tower):
+                        # the tower's last backward on this rank: its gradients become final during it,
+                        # bucket by bucket, and each bucket's sum is posted as soon as it is
+                        buckets = self._gradient_buckets(ins.tower) if last_backward.get(ins.tower) == i else None
                         self._backward(ins, step.records.pop((ins.tower, ins.mb)), step.feature_grads.pop((ins.tower, ins.mb), None))
-                        if last_backward.get(ins.tower) == i:
-                            sums.extend(self._post_tower_sum(ins.tower))
+                        if buckets is not None:
+                            sums.extend(buckets.finish())
                 # GradSync: posted above when overlapping, else in finish_backward (once per optimizer step)
             for pending in self._sends:
                 pending.wait()
@@ -497,13 +502,14 @@ class TowerRuntime:
         if sync and not summed:
             self.sync_gradients()
 
-    def _post_tower_sum(self, name: str) -> list[PendingSum]:
-        """Post the sum of tower ``name``'s gradients over its replicas (none with one replica)."""
+    def _gradient_buckets(self, name: str) -> "_GradientBuckets | None":
+        """Buckets of tower ``name``'s gradients, summed over its replicas as they become final (None: one replica)."""
         tower = self.plan.towers[name]
         if tower.dp == 1:
-            return []
+            return None
         group = None if tower.dp == self.world else self.groups[name].dp_group
-        return [allreduce_sum_async(self._grads_for(self.tower_params[name]), group)]
+        params = [p for p in self.tower_params[name].values() if p.requires_grad and not p.is_meta]
+        return _GradientBuckets(params, group, int(self.bucket_cap_mb * 2**20))
 
     def _copies(self) -> list[tuple[nn.Parameter, int]]:
         """Each local parameter with the number of ranks that hold the same copy of it (the interaction
@@ -582,6 +588,50 @@ class TowerRuntime:
                 grad = _local(p.grad)
                 grad.detach().mul_(coef.to(grad.device, grad.dtype))
         return total
+
+
+class _GradientBuckets:
+    """DDP's reducer, for one tower during its last backward of the step: the parameters in fixed
+    buckets of up to ``cap`` bytes (reverse order: the last layers' gradients are final first); a
+    bucket's sum over ``group`` is posted once all its gradients are final, buckets in order, so
+    every replica posts the same sequence. :meth:`finish` posts what the backward did not reach."""
+
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup | None, cap: int):
+        self.group = group
+        self.buckets: list[list[nn.Parameter]] = []
+        size = 0
+        for p in reversed(params):
+            nbytes = _local(p).numel() * _local(p).element_size()
+            if not self.buckets or (size + nbytes > cap and self.buckets[-1]):
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
+            size += nbytes
+        self.ready: set[int] = set()
+        self.next = 0
+        self.posted: list[PendingSum] = []
+        self.hooks = [p.register_post_accumulate_grad_hook(self._on_ready) for p in params]
+
+    def _on_ready(self, p: Tensor) -> None:
+        self.ready.add(id(p))
+        while self.next < len(self.buckets) and all(id(q) in self.ready for q in self.buckets[self.next]):
+            self._post()
+
+    def _post(self) -> None:
+        grads = []
+        for p in self.buckets[self.next]:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(_local(p.grad))
+        self.posted.append(allreduce_sum_async(grads, self.group))
+        self.next += 1
+
+    def finish(self) -> list[PendingSum]:
+        for hook in self.hooks:
+            hook.remove()
+        while self.next < len(self.buckets):
+            self._post()
+        return self.posted
 
 
 def _scaled(g: Tensor, scale: Tensor | None) -> Tensor:
