@@ -105,6 +105,7 @@ def test_runtime_cost_defaults():
     d = runtime_cost_defaults({"max_tp": 1}, "cpu")
     assert d["overlap_grad_sync"] is False and d["precision"] == "32" and d["max_tp"] == 1
     assert "precision" not in runtime_cost_defaults(None, "meta")
+    assert runtime_cost_defaults(None, "meta")["overlap_grad_sync"] is True  # off CPU the buckets overlap
     kept = runtime_cost_defaults({"cost": {"precision": "bf16-mixed", "overlap_grad_sync": True}}, "cpu")
     assert "precision" not in kept and "overlap_grad_sync" not in kept
 

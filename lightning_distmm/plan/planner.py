@@ -607,16 +607,18 @@ def local_cluster(device: Any, world_size: int, devices_per_node: int | None = N
 
 def runtime_cost_defaults(options: Mapping[str, Any] | None, device: Any = "cpu") -> dict[str, Any]:
     """``options`` with the cost options of what the runtime does, where the mapping leaves them
-    unset: no overlap of the gradient all-reduce with the backward (the runtime sums gradients after
-    it), and fp32 on CPU."""
+    unset: on CPU fp32 and no overlap of the gradient all-reduce with the backward (the runtime
+    posts its buckets during the backward, but gloo's reduction competes for the same cores:
+    benchmarks/step_time.py measured no gain, docs/runtime.md); on GPUs the overlap is assumed."""
     import torch
 
     d = dict(_plain(options) or {})
     cost = dict(d.get("cost") or {})
     given = set(d) | set(cost)
+    cpu = torch.device(device).type == "cpu"
     if "overlap_grad_sync" not in given:
-        d["overlap_grad_sync"] = False
-    if "precision" not in given and torch.device(device).type == "cpu":
+        d["overlap_grad_sync"] = not cpu
+    if "precision" not in given and cpu:
         d["precision"] = "32"
     return d
 
