@@ -8,7 +8,7 @@ import torch
 from lightning.pytorch.callbacks import LearningRateMonitor
 
 import lightning_distmm as ldm
-from distmm_testing import TinyCLIP, loader, max_param_diff, read_losses, run_distmm, run_reference
+from distmm_testing import TinyCLIP, compare_with_reference, loader, max_param_diff, read_losses, run_distmm, run_reference
 
 PLAN = ldm.Plan(3, {"image": {"ranks": [0, 1]}, "text": {"ranks": [2]}})
 
@@ -103,13 +103,7 @@ def test_loss_transformed_in_training_step_is_exact(tmp_path):
         pass
 
     plan = ldm.Plan(3, {"image": {"ranks": [0, 1], "pp": 2, "microbatch": 2}, "text": {"ranks": [2]}})
-    L.seed_everything(0)
-    reference = Deep("sgd", lr=0.05)
-    module = copy.deepcopy(reference)
-    run_reference(reference, loader(8), 2, str(tmp_path / "r.json"))
-    run_distmm(module, plan, 3, loader(8), 2, str(tmp_path / "d.json"))
-    assert max_param_diff(reference, module) <= 1e-5
-    assert read_losses(tmp_path / "d.json") == pytest.approx(read_losses(tmp_path / "r.json"), abs=1e-5)
+    compare_with_reference(lambda: Deep("sgd", lr=0.05), plan, 3, 8, 2, tmp_path).assert_exact()
 
 
 @pytest.mark.slow
@@ -135,14 +129,9 @@ def test_distmm_with_accumulation_and_clipping(tmp_path):
 
     distmm = {"microbatch": 2, "schedule": "distmm"}
     plan = ldm.Plan(3, {"image": {"ranks": [0, 1], "pp": 2, **distmm}, "text": {"ranks": [2], **distmm}})
-    extra = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}
-    L.seed_everything(0)
-    reference = GroupedDeepCLIP("sgd", lr=0.05)
-    module = copy.deepcopy(reference)
-    run_reference(reference, loader(8), 2, str(tmp_path / "r.json"), **extra)
-    run_distmm(module, plan, 3, loader(8), 2, str(tmp_path / "d.json"), **extra)
-    assert max_param_diff(reference, module) <= 1e-5
-    assert read_losses(tmp_path / "d.json") == pytest.approx(read_losses(tmp_path / "r.json"), abs=1e-5)
+    compare_with_reference(
+        lambda: GroupedDeepCLIP("sgd", lr=0.05), plan, 3, 8, 2, tmp_path, accumulate_grad_batches=2, gradient_clip_val=0.05
+    ).assert_exact()
 
 
 @pytest.mark.slow
