@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader
 from transformers import CLIPTextConfig, CLIPTextModel
 
 import lightning_distmm as ldm
-from synthetic import SyntheticPairs
+from synthetic import SyntheticPairs, TwoTowerCLIP
 from lightning_distmm.parallel.memory import ActivationMeter
 
 EMBED, VOCAB, SEQ, IMG = 64, 128, 16, 32
@@ -70,19 +70,13 @@ class TextTower(nn.Module):
         return clip_text_stages(self.encoder, pp, lambda h, rows: self._pool(h, rows["attention_mask"]), [self.proj])
 
 
-class BenchCLIP(ldm.DistMMMixin, L.LightningModule):
+class BenchCLIP(TwoTowerCLIP):
     def __init__(self, sync_groups: int = 1) -> None:
         super().__init__()
         self.sync_groups = sync_groups
         self.visual = VisionTransformer(img_size=IMG, patch_size=4, embed_dim=64, depth=4, num_heads=2, num_classes=EMBED)
         self.text = TextTower()
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
-
-    def towers(self):
-        return {"image": ldm.Tower(self.visual, "image"), "text": ldm.Tower(self.text, ["input_ids", "attention_mask"])}
-
-    def interaction_loss(self, features):
-        return ldm.losses.clip_loss(features["image"], features["text"], self.logit_scale)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)

@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader
 from transformers import CLIPTextConfig, CLIPTextModel
 
 import lightning_distmm as ldm
-from synthetic import SyntheticPairs
+from synthetic import SyntheticPairs, TwoTowerCLIP
 
 EMBED, VOCAB, SEQ, IMG = 128, 256, 32, 32
 
@@ -57,7 +57,7 @@ class TextTower(nn.Module):
         return self.proj(hidden[torch.arange(hidden.shape[0]), attention_mask.sum(1) - 1])
 
 
-class BenchCLIP(ldm.DistMMMixin, L.LightningModule):
+class BenchCLIP(TwoTowerCLIP):
     def __init__(self, image_width: int = 192, image_layers: int = 4, text_width: int = 128, text_layers: int = 4):
         super().__init__()
         self.visual = VisionTransformer(
@@ -66,12 +66,6 @@ class BenchCLIP(ldm.DistMMMixin, L.LightningModule):
         )
         self.text = TextTower(text_width, text_layers)
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
-
-    def towers(self):
-        return {"image": ldm.Tower(self.visual, "image"), "text": ldm.Tower(self.text, ["input_ids", "attention_mask"])}
-
-    def interaction_loss(self, features):
-        return ldm.losses.clip_loss(features["image"], features["text"], self.logit_scale)
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-4)

@@ -1,9 +1,11 @@
-"""Synthetic image / caption pairs for the benchmarks: deterministic per index, no download."""
+"""What the benchmarks share: synthetic image / caption pairs (deterministic per index, no
+download) and the two-tower CLIP contract their models implement."""
 
 from __future__ import annotations
 
 from typing import Any, Iterable
 
+import lightning as L
 import torch
 
 import lightning_distmm as ldm
@@ -27,3 +29,15 @@ class SyntheticPairs(ldm.FieldDataset):
         out["input_ids"][-1] = self.vocab - 1
         out["attention_mask"] = torch.ones(self.seq, dtype=torch.long)
         return {k: out[k] for k in fields}
+
+
+class TwoTowerCLIP(ldm.DistMMMixin, L.LightningModule):
+    """``self.visual`` reads ``image``, ``self.text`` reads ``input_ids`` and ``attention_mask``,
+    and they meet in the CLIP loss with ``self.logit_scale``; subclasses build the three and pick
+    the optimizer."""
+
+    def towers(self):
+        return {"image": ldm.Tower(self.visual, "image"), "text": ldm.Tower(self.text, ["input_ids", "attention_mask"])}
+
+    def interaction_loss(self, features):
+        return ldm.losses.clip_loss(features["image"], features["text"], self.logit_scale)
