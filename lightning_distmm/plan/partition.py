@@ -78,35 +78,34 @@ def tower_space(
 ) -> tuple[list[int], list[int]]:
     """The tp and pp values a tower may use, or an :class:`InfeasibleError` naming the limit."""
     dpn = cluster.devices_per_node
-    name = profile.name
     if tp is not None:
         if tp > dpn:
             raise InfeasibleError(
                 f"tp={tp} exceeds the {dpn} devices of a node by {tp - dpn}: tensor-parallel groups must stay inside a node"
             )
-        if profile.analytic and profile.heads % tp:
-            ok = [t for t in profile.valid_tp(dpn)]
-            raise InfeasibleError(
-                f"tower {name!r}: tp={tp} does not divide its {profile.heads} attention heads"
-                f" ({profile.heads} % {tp} = {profile.heads % tp}); valid tp within a node of {dpn}: {ok}"
-            )
-        if not profile.analytic and tp != 1:
-            raise InfeasibleError(f"tower {name!r} has only a measured profile: it can only use tp=1, not tp={tp}")
+        _check_fixed_degree(profile, "tp", tp, profile.heads, "attention heads", f"within a node of {dpn}", profile.valid_tp(dpn))
         tps = [tp]
     else:
         tps = [t for t in profile.valid_tp(dpn) if max_tp is None or t <= max_tp]
     if pp is not None:
-        if profile.analytic and profile.layers % pp:
-            raise InfeasibleError(
-                f"tower {name!r}: pp={pp} does not divide its {profile.layers} layers"
-                f" ({profile.layers} % {pp} = {profile.layers % pp}); valid pp: {profile.valid_pp(world)}"
-            )
-        if not profile.analytic and pp != 1:
-            raise InfeasibleError(f"tower {name!r} has only a measured profile: it can only use pp=1, not pp={pp}")
+        _check_fixed_degree(profile, "pp", pp, profile.layers, "layers", "", profile.valid_pp(world))
         pps = [pp]
     else:
         pps = [p for p in profile.valid_pp(world) if max_pp is None or p <= max_pp]
     return tps, pps
+
+
+def _check_fixed_degree(profile: TowerProfile, degree: str, value: int, count: int, what: str, where: str, valid: list[int]) -> None:
+    """A tp or pp fixed by the options must divide the tower's heads or layers (analytic profiles),
+    and be 1 for a tower known only by measurement."""
+    name = profile.name
+    if profile.analytic and count % value:
+        raise InfeasibleError(
+            f"tower {name!r}: {degree}={value} does not divide its {count} {what}"
+            f" ({count} % {value} = {count % value}); valid {degree}{' ' + where if where else ''}: {list(valid)}"
+        )
+    if not profile.analytic and value != 1:
+        raise InfeasibleError(f"tower {name!r} has only a measured profile: it can only use {degree}=1, not {degree}={value}")
 
 
 @dataclass
