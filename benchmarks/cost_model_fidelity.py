@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 import lightning as L
 import torch
+from synthetic import TwoTowerCLIP  # noqa: E402 - benchmarks/ is on the path when run as a script
 from torch.utils.data import DataLoader
 
 import lightning_distmm as ldm
@@ -63,7 +64,6 @@ from lightning_distmm.plan import (
     price_plan,
     runtime_cost_defaults,
 )
-from synthetic import TwoTowerCLIP  # noqa: E402 - benchmarks/ is on the path when run as a script
 
 # clip_tiny (conf/model/clip_tiny.yaml, --model tiny) steps in 26-55 ms on the development VM, much
 # of it per-call Python overhead; "small" widens both towers to 128 with 3 layers and gives the image
@@ -73,10 +73,25 @@ SMALL: dict[str, Any] = {
     "embed_dim": 64,
     "init_logit_scale": 2.659,
     "towers": {
-        "image": {"arch": "vit", "input": "image", "img_size": 32, "patch_size": 4, "width": 128, "layers": 3, "heads": 2, "mlp_ratio": 4.0},
+        "image": {
+            "arch": "vit",
+            "input": "image",
+            "img_size": 32,
+            "patch_size": 4,
+            "width": 128,
+            "layers": 3,
+            "heads": 2,
+            "mlp_ratio": 4.0,
+        },
         "text": {
-            "arch": "clip_text", "input": ["input_ids", "attention_mask"], "vocab_size": 64, "context_length": 16,
-            "width": 128, "layers": 3, "heads": 2, "mlp_ratio": 4.0,
+            "arch": "clip_text",
+            "input": ["input_ids", "attention_mask"],
+            "vocab_size": 64,
+            "context_length": 16,
+            "width": 128,
+            "layers": 3,
+            "heads": 2,
+            "mlp_ratio": 4.0,
         },
     },
 }
@@ -95,9 +110,15 @@ def plans(batch: int) -> dict[str, Plan]:
             "image": {"ranks": both, "microbatch": 8, "schedule": "cached"},
             "text": {"ranks": both, "microbatch": 8, "schedule": "cached"},
         },
-        "colocated recompute": {"image": {"ranks": both, "recompute": True}, "text": {"ranks": both, "recompute": True}},
+        "colocated recompute": {
+            "image": {"ranks": both, "recompute": True},
+            "text": {"ranks": both, "recompute": True},
+        },
         "separate": {"image": {"ranks": r0}, "text": {"ranks": r1}},
-        "separate image mb8 cached": {"image": {"ranks": r0, "microbatch": 8, "schedule": "cached"}, "text": {"ranks": r1}},
+        "separate image mb8 cached": {
+            "image": {"ranks": r0, "microbatch": 8, "schedule": "cached"},
+            "text": {"ranks": r1},
+        },
     }
     return {name: Plan(2, towers, global_batch=batch) for name, towers in spec.items()}
 
@@ -146,7 +167,11 @@ class Pairs(ldm.FieldDataset):
         g = torch.Generator().manual_seed(int(index))
         ids = torch.randint(4, 60, (self.ctx,), generator=g)
         ids[-1] = 3  # [EOS]
-        out = {"image": torch.randn(3, self.img, self.img, generator=g), "input_ids": ids, "attention_mask": torch.ones(self.ctx, dtype=torch.long)}
+        out = {
+            "image": torch.randn(3, self.img, self.img, generator=g),
+            "input_ids": ids,
+            "attention_mask": torch.ones(self.ctx, dtype=torch.long),
+        }
         return {k: out[k] for k in fields}
 
 
@@ -241,8 +266,14 @@ def measure(plan: Plan, model: dict[str, Any], args: argparse.Namespace, out: st
     img, ctx = model["towers"]["image"]["img_size"], model["towers"]["text"]["context_length"]
     data = DataLoader(Pairs(args.batch * args.steps, img, ctx), batch_size=args.batch, shuffle=False, drop_last=True)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=ldm.DistMMStrategy(plan=plan, start_method="fork"), max_steps=args.steps,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=2,
+        strategy=ldm.DistMMStrategy(plan=plan, start_method="fork"),
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[StepTimer(out)],
     )
     trainer.fit(module, data)
@@ -293,14 +324,21 @@ class TrivialText(torch.nn.Module):
         return self.proj((input_ids * attention_mask).float())
 
 
-def framework_overhead(args: argparse.Namespace, options: dict[str, Any], cluster: Any, tmp: str) -> tuple[float, dict[str, float]]:
+def framework_overhead(
+    args: argparse.Namespace, options: dict[str, Any], cluster: Any, tmp: str
+) -> tuple[float, dict[str, float]]:
     """``CostOptions.step_overhead`` on this machine: the step time of a model with trivial towers
     under the same strategy, minus what the cost model prices for it (towers, loss, collectives,
     optimizer), averaged over the colocated and the separate layout. Not the benchmark's model."""
-    inputs = {"image": lambda b: [torch.randn(b, 3, 4, 4)], "text": lambda b: [torch.randint(4, 60, (b, 8)), torch.ones(b, 8, dtype=torch.long)]}
+    inputs = {
+        "image": lambda b: [torch.randn(b, 3, 4, 4)],
+        "text": lambda b: [torch.randint(4, 60, (b, 8)), torch.ones(b, 8, dtype=torch.long)],
+    }
     module = Trivial()
-    profiles = {n: measured_profile(n, measure_tower(t.module, inputs[n], (8, 32, 64), "cpu", repeats=5), False, 16)
-                for n, t in module.towers().items()}
+    profiles = {
+        n: measured_profile(n, measure_tower(t.module, inputs[n], (8, 32, 64), "cpu", repeats=5), False, 16)
+        for n, t in module.towers().items()
+    }
     gaps, raw = [], {}
     for name in ("colocated", "separate"):
         plan = plans(args.batch)[name]
@@ -310,8 +348,14 @@ def framework_overhead(args: argparse.Namespace, options: dict[str, Any], cluste
         data = DataLoader(Pairs(args.batch * steps, 4, 8), batch_size=args.batch, shuffle=False, drop_last=True)
         out = os.path.join(tmp, "overhead.json")
         trainer = L.Trainer(
-            accelerator="cpu", devices=2, strategy=ldm.DistMMStrategy(plan=plan, start_method="fork"), max_steps=steps,
-            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            accelerator="cpu",
+            devices=2,
+            strategy=ldm.DistMMStrategy(plan=plan, start_method="fork"),
+            max_steps=steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
             callbacks=[StepTimer(out)],
         )
         trainer.fit(Trivial(), data)
@@ -333,12 +377,24 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (at least)")
     parser.add_argument("--max-rounds", type=int, default=6, help="more rounds while a plan has too few quiet steps")
-    parser.add_argument("--quiet", type=float, default=0.25, metavar="CORES",
-                        help="a step (or calibration) is quiet when other processes used fewer cores meanwhile")
+    parser.add_argument(
+        "--quiet",
+        type=float,
+        default=0.25,
+        metavar="CORES",
+        help="a step (or calibration) is quiet when other processes used fewer cores meanwhile",
+    )
     parser.add_argument("--quiet-steps", type=int, default=8, help="quiet steps wanted per plan")
-    parser.add_argument("--wait-quiet", type=float, default=60.0, metavar="SECONDS",
-                        help="before each measurement, wait up to this long for other processes to go below --quiet")
-    parser.add_argument("--profile-batches", type=lambda s: tuple(int(x) for x in s.split(",")), default=(4, 8, 16, 32, 64))
+    parser.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="before each measurement, wait up to this long for other processes to go below --quiet",
+    )
+    parser.add_argument(
+        "--profile-batches", type=lambda s: tuple(int(x) for x in s.split(",")), default=(4, 8, 16, 32, 64)
+    )
     parser.add_argument("--profile-repeats", type=int, default=3)
     parser.add_argument("-v", "--verbose", action="store_true", help="print every step")
     args = parser.parse_args()
@@ -351,7 +407,9 @@ def main() -> None:
     options = runtime_cost_defaults(PLANNER_OPTIONS, "cpu")
     configs = plans(args.batch)
     pred: dict[str, list[tuple[float, float, float]]] = {}  # plan -> (predicted s, concurrency, other cores) per round
-    steps: dict[str, list[tuple[float, float]]] = {n: [] for n in configs}  # plan -> (wall s, other cores) per timed step
+    steps: dict[str, list[tuple[float, float]]] = {
+        n: [] for n in configs
+    }  # plan -> (wall s, other cores) per timed step
     picks: list[tuple[str, float]] = []  # the planner's pick per round, other cores during its calibration
 
     def quiet(rows: list[tuple[float, float]]) -> list[float]:
@@ -359,12 +417,19 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp, ConcurrencyProbe(2, 1) as probe:
         wait_quiet(args.quiet, args.wait_quiet)
-        overhead, raw = framework_overhead(args, options, measure_local_cpu(devices=2, cache=False, measure_concurrency=False), tmp)
+        overhead, raw = framework_overhead(
+            args, options, measure_local_cpu(devices=2, cache=False, measure_concurrency=False), tmp
+        )
         options["step_overhead"] = overhead
-        print(f"framework overhead per step (trivial towers: colocated {raw['colocated'] * 1e3:.1f} ms, separate"
-              f" {raw['separate'] * 1e3:.1f} ms, minus their priced cost): {overhead * 1e3:.1f} ms", flush=True)
+        print(
+            f"framework overhead per step (trivial towers: colocated {raw['colocated'] * 1e3:.1f} ms, separate"
+            f" {raw['separate'] * 1e3:.1f} ms, minus their priced cost): {overhead * 1e3:.1f} ms",
+            flush=True,
+        )
         r = 0
-        while r < args.rounds or (r < args.max_rounds and any(len(quiet(steps[n])) < args.quiet_steps for n in configs)):
+        while r < args.rounds or (
+            r < args.max_rounds and any(len(quiet(steps[n])) < args.quiet_steps for n in configs)
+        ):
             wait_quiet(args.quiet, args.wait_quiet)
             cluster, profiles, foreign = calibrate(model, args)
             c = probe.measure()
@@ -384,9 +449,14 @@ def main() -> None:
                 pred.setdefault(n, []).append((p, c, calm and probe.quiet))
                 steps[n].extend(rows)
                 if args.verbose:
-                    print(f"  {n}: concurrency {c:.2f}{'' if probe.quiet else ' (busy host)'}, predicted {p * 1e3:.0f} ms;"
-                          " steps ms/other cores: " + " ".join(f"{t * 1e3:.0f}/{f:.2f}" for t, f in rows), flush=True)
-                line.append(f"{n} {p * 1e3:.0f}/{statistics.median(t for t, _ in rows) * 1e3:.0f} ({len(quiet(rows))} quiet)")
+                    print(
+                        f"  {n}: concurrency {c:.2f}{'' if probe.quiet else ' (busy host)'}, predicted {p * 1e3:.0f} ms;"
+                        " steps ms/other cores: " + " ".join(f"{t * 1e3:.0f}/{f:.2f}" for t, f in rows),
+                        flush=True,
+                    )
+                line.append(
+                    f"{n} {p * 1e3:.0f}/{statistics.median(t for t, _ in rows) * 1e3:.0f} ({len(quiet(rows))} quiet)"
+                )
             r += 1
             print(f"round {r}: planner's pick {name!r}; predicted/measured ms: {'; '.join(line)}", flush=True)
     report(args, model, configs, pred, steps, picks, quiet, overhead)
@@ -407,13 +477,19 @@ def report(args, model, configs, pred, steps, picks, quiet, overhead) -> None:
     fastest = min(measured, key=measured.get)
     params = sum(p.numel() for p in CLIPModel(model, OPTIM).parameters())
     rounds = len(picks)
-    print(f"\ncost-model fidelity: {model['name']} ({params / 1e6:.2f}M parameters), 2 CPU ranks (gloo, 1 thread each),"
-          f" global batch {args.batch}; {rounds} interleaved rounds x {args.steps - args.warmup} timed steps per plan")
-    print(f"predicted: cost model on profiles measured in each round, concurrency probed right before each run, step overhead"
-          f" {overhead * 1e3:.1f} ms (median over quiet rounds); measured: median of the quiet steps (other processes of the"
-          f" host below {args.quiet} cores)")
-    head = (f"{'plan':<26} {'towers':<44} {'predicted ms':>12} {'measured ms':>11} {'error':>7} {'concurrency':>11}"
-            f" {'quiet steps':>11} {'all steps ms':>12}")
+    print(
+        f"\ncost-model fidelity: {model['name']} ({params / 1e6:.2f}M parameters), 2 CPU ranks (gloo, 1 thread each),"
+        f" global batch {args.batch}; {rounds} interleaved rounds x {args.steps - args.warmup} timed steps per plan"
+    )
+    print(
+        f"predicted: cost model on profiles measured in each round, concurrency probed right before each run, step overhead"
+        f" {overhead * 1e3:.1f} ms (median over quiet rounds); measured: median of the quiet steps (other processes of the"
+        f" host below {args.quiet} cores)"
+    )
+    head = (
+        f"{'plan':<26} {'towers':<44} {'predicted ms':>12} {'measured ms':>11} {'error':>7} {'concurrency':>11}"
+        f" {'quiet steps':>11} {'all steps ms':>12}"
+    )
     print(head)
     print("-" * len(head))
     errors = {}
@@ -423,15 +499,23 @@ def report(args, model, configs, pred, steps, picks, quiet, overhead) -> None:
         mark = (" <- planner's pick" if n == pick else "") + (" (fastest)" if n == fastest else "")
         allm = statistics.median(t for t, _ in steps[n]) * 1e3
         q = f"{len(quiet(steps[n]))}/{len(steps[n])}"
-        print(f"{n:<26} {describe(plan):<44} {p:>12.1f} {m:>11.1f} {errors[n] * 100:>+6.1f}% {conc[n]:>11.2f} {q:>11}"
-              f" {allm:>12.1f}{note[n]}{mark}")
+        print(
+            f"{n:<26} {describe(plan):<44} {p:>12.1f} {m:>11.1f} {errors[n] * 100:>+6.1f}% {conc[n]:>11.2f} {q:>11}"
+            f" {allm:>12.1f}{note[n]}{mark}"
+        )
     worst = max(errors, key=lambda n: abs(errors[n]))
     gap = measured[pick] / measured[fastest] - 1
-    print(f"\nplanner's pick per round: {', '.join(n + ('' if calm else ' (busy host: not counted)') for n, calm in picks)}")
-    print(f"target 1, every prediction within 25% of the measurement: {'HOLDS' if all(abs(e) <= 0.25 for e in errors.values()) else 'MISSED'}"
-          f" (largest error {errors[worst] * 100:+.1f}%, {worst!r})")
-    print(f"target 2, the planner's pick within 10% of the measured fastest: {'HOLDS' if gap <= 0.10 else 'MISSED'}"
-          f" ({pick!r} {measured[pick] * 1e3:.1f} ms, fastest {fastest!r} {measured[fastest] * 1e3:.1f} ms: {gap * 100:+.1f}%)")
+    print(
+        f"\nplanner's pick per round: {', '.join(n + ('' if calm else ' (busy host: not counted)') for n, calm in picks)}"
+    )
+    print(
+        f"target 1, every prediction within 25% of the measurement: {'HOLDS' if all(abs(e) <= 0.25 for e in errors.values()) else 'MISSED'}"
+        f" (largest error {errors[worst] * 100:+.1f}%, {worst!r})"
+    )
+    print(
+        f"target 2, the planner's pick within 10% of the measured fastest: {'HOLDS' if gap <= 0.10 else 'MISSED'}"
+        f" ({pick!r} {measured[pick] * 1e3:.1f} ms, fastest {fastest!r} {measured[fastest] * 1e3:.1f} ms: {gap * 100:+.1f}%)"
+    )
 
 
 if __name__ == "__main__":

@@ -36,13 +36,13 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from synthetic import SyntheticPairs, TwoTowerCLIP
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 from torch.utils.data import DataLoader
 from transformers import CLIPTextConfig, CLIPTextModel
 
 import lightning_distmm as ldm
-from synthetic import SyntheticPairs, TwoTowerCLIP
 from lightning_distmm.parallel.memory import ActivationMeter
 
 EMBED, VOCAB, SEQ, IMG = 64, 128, 16, 32
@@ -52,14 +52,23 @@ class TextTower(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         cfg = CLIPTextConfig(
-            vocab_size=VOCAB, hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
-            max_position_embeddings=SEQ, eos_token_id=VOCAB - 1, bos_token_id=VOCAB - 2, pad_token_id=0,
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=2,
+            max_position_embeddings=SEQ,
+            eos_token_id=VOCAB - 1,
+            bos_token_id=VOCAB - 2,
+            pad_token_id=0,
         )
         self.encoder = CLIPTextModel(cfg)
         self.proj = nn.Linear(64, EMBED, bias=False)
 
     def forward(self, input_ids, attention_mask):
-        return self._pool(self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state, attention_mask)
+        return self._pool(
+            self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state, attention_mask
+        )
 
     def _pool(self, hidden, mask):
         return self.proj(hidden[torch.arange(hidden.shape[0]), mask.sum(1) - 1])
@@ -74,7 +83,9 @@ class BenchCLIP(TwoTowerCLIP):
     def __init__(self, sync_groups: int = 1) -> None:
         super().__init__()
         self.sync_groups = sync_groups
-        self.visual = VisionTransformer(img_size=IMG, patch_size=4, embed_dim=64, depth=4, num_heads=2, num_classes=EMBED)
+        self.visual = VisionTransformer(
+            img_size=IMG, patch_size=4, embed_dim=64, depth=4, num_heads=2, num_classes=EMBED
+        )
         self.text = TextTower()
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
 
@@ -102,8 +113,10 @@ class Probe(L.Callback):
         self.stack.close()
         # cached keeps each microbatch's stage input outside autograd until its recompute: count it
         self.peaks.append(self.meter.peak + pl_module._distmm_runtime.stash_bytes)
-        trace = [(type(i).__name__, getattr(i, "tower", ""), getattr(i, "mb", getattr(i, "wave", 0)), a, b)
-                 for i, a, b in pl_module._distmm_runtime.trace]
+        trace = [
+            (type(i).__name__, getattr(i, "tower", ""), getattr(i, "mb", getattr(i, "wave", 0)), a, b)
+            for i, a, b in pl_module._distmm_runtime.trace
+        ]
         Path(self.folder, f"rank{trainer.global_rank}.json").write_text(
             json.dumps({"peak": max(self.peaks), "times": self.times[self.warmup :], "trace": trace})
         )
@@ -142,16 +155,27 @@ def bubbles(plan: ldm.Plan, batch: int, traces: list[list]) -> tuple[float, floa
     return measured, bubble_fraction(intervals), intervals
 
 
-def run(schedule: str, batch: int, microbatch: int, steps: int, warmup: int) -> tuple[list[int], float, tuple[float, float]]:
+def run(
+    schedule: str, batch: int, microbatch: int, steps: int, warmup: int
+) -> tuple[list[int], float, tuple[float, float]]:
     L.seed_everything(0, verbose=False)
     plan = make_plan(schedule, microbatch)
     with tempfile.TemporaryDirectory() as folder:
         trainer = L.Trainer(
-            accelerator="cpu", devices=3, strategy=ldm.DistMMStrategy(plan, start_method="fork"), max_steps=steps,
-            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            accelerator="cpu",
+            devices=3,
+            strategy=ldm.DistMMStrategy(plan, start_method="fork"),
+            max_steps=steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
             callbacks=[Probe(folder, warmup)],
         )
-        trainer.fit(BenchCLIP(plan.sync_groups), DataLoader(SyntheticPairs(batch * steps, IMG, VOCAB, SEQ), batch_size=batch, drop_last=True))
+        trainer.fit(
+            BenchCLIP(plan.sync_groups),
+            DataLoader(SyntheticPairs(batch * steps, IMG, VOCAB, SEQ), batch_size=batch, drop_last=True),
+        )
         ranks = [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(3)]
     bubble = bubbles(plan, batch, [r["trace"] for r in ranks])
     return [r["peak"] for r in ranks], statistics.median(ranks[0]["times"]), bubble
@@ -196,23 +220,33 @@ def main() -> None:
         largest[schedule] = fitted
 
     mib = 1 / 2**20
-    print(f"\nactivation memory, image pp=2 (ranks 0,1) + text (rank 2), global batch {args.batch}, microbatch {args.microbatch}")
-    print(f"{'schedule':<10} {'rank0 MiB':>10} {'rank1 MiB':>10} {'rank2 MiB':>10} {'step ms':>9} {'largest batch':>14}"
-          f" {'bubble measured':>16} {'bubble IR':>10}")
+    print(
+        f"\nactivation memory, image pp=2 (ranks 0,1) + text (rank 2), global batch {args.batch}, microbatch {args.microbatch}"
+    )
+    print(
+        f"{'schedule':<10} {'rank0 MiB':>10} {'rank1 MiB':>10} {'rank2 MiB':>10} {'step ms':>9} {'largest batch':>14}"
+        f" {'bubble measured':>16} {'bubble IR':>10}"
+    )
     for schedule in names:
         p = peaks[schedule]
-        print(f"{schedule:<10} {p[0] * mib:>10.2f} {p[1] * mib:>10.2f} {p[2] * mib:>10.2f}"
-              f" {statistics.median(times[schedule]) * 1e3:>9.1f} {largest[schedule]:>14}"
-              f" {bubble[schedule][0]:>16.2f} {bubble[schedule][1]:>10.2f}")
+        print(
+            f"{schedule:<10} {p[0] * mib:>10.2f} {p[1] * mib:>10.2f} {p[2] * mib:>10.2f}"
+            f" {statistics.median(times[schedule]) * 1e3:>9.1f} {largest[schedule]:>14}"
+            f" {bubble[schedule][0]:>16.2f} {bubble[schedule][1]:>10.2f}"
+        )
     if args.svg:
         from lightning_distmm.plan.schedule import timeline_svg
 
         Path(args.svg).mkdir(parents=True, exist_ok=True)
         for schedule in names:
-            title = f"{schedule}: image pp=2 (ranks 0-1) + text (rank 2), batch {args.batch}, microbatch {args.microbatch}"
+            title = (
+                f"{schedule}: image pp=2 (ranks 0-1) + text (rank 2), batch {args.batch}, microbatch {args.microbatch}"
+            )
             Path(args.svg, f"timeline_{schedule}.svg").write_text(timeline_svg(bubble[schedule][2], title))
         print(f"timelines written to {args.svg}/timeline_{{{','.join(names)}}}.svg")
-    print(f"\nbudget = gpipe's peak {budget * mib:.2f} MiB per rank (largest batches capped at --max-batch {args.max_batch})")
+    print(
+        f"\nbudget = gpipe's peak {budget * mib:.2f} MiB per rank (largest batches capped at --max-batch {args.max_batch})"
+    )
     for schedule in ("distmm", "cached"):
         ratio_batch = largest[schedule] / largest["gpipe"]
         ratio_time = statistics.median(times[schedule]) / statistics.median(times["gpipe"])

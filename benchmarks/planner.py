@@ -25,8 +25,17 @@ from lightning_distmm.plan import InfeasibleError, load_cluster, make_plan  # no
 from lightning_distmm.plan.cluster import CONF_DIR  # noqa: E402
 
 DEFAULT_MODELS = [
-    "clip_vit_b32", "clip_vit_l14", "clip_vit_h14", "clip_vit_g14", "clip_vit_bigg14",
-    "lit_l16_bert_large", "coca_vit_l14", "distmm_1b", "distmm_4b", "distmm_10b", "distmm_26b",
+    "clip_vit_b32",
+    "clip_vit_l14",
+    "clip_vit_h14",
+    "clip_vit_g14",
+    "clip_vit_bigg14",
+    "lit_l16_bert_large",
+    "coca_vit_l14",
+    "distmm_1b",
+    "distmm_4b",
+    "distmm_10b",
+    "distmm_26b",
 ]
 DEFAULT_CLUSTERS = ["a100_8x8", "a100_8x8_eth100", "h100_8x8", "h200_8x8"]
 
@@ -42,10 +51,24 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(DEFAULT_MODELS))
     ap.add_argument("--clusters", default=",".join(DEFAULT_CLUSTERS))
     ap.add_argument("--global-batch", default="4096", help="comma-separated contrastive batch sizes")
-    ap.add_argument("--scale-devices", type=int, default=4096, help="also time the planner at this many devices (0: skip)")
+    ap.add_argument(
+        "--scale-devices", type=int, default=4096, help="also time the planner at this many devices (0: skip)"
+    )
     args = ap.parse_args()
 
-    head = ("model", "params", "cluster", "batch", "DistMM", "layout", "Megatron", "DDP", "vs Megatron", "vs DDP", "solve")
+    head = (
+        "model",
+        "params",
+        "cluster",
+        "batch",
+        "DistMM",
+        "layout",
+        "Megatron",
+        "DDP",
+        "vs Megatron",
+        "vs DDP",
+        "solve",
+    )
     rows = []
     large: list[float] = []
     worst_solve = 0.0
@@ -62,15 +85,25 @@ def main() -> None:
                 params = sum(p.params for p in rep.profiles.values())
                 meg, ddp = rep.baselines["megatron"], rep.baselines["ddp"]
                 for b in (meg, ddp):
-                    assert b is None or rep.step_time <= b.step_time * (1 + 1e-9), "DistMM predicted slower than a baseline"
+                    assert b is None or rep.step_time <= b.step_time * (1 + 1e-9), (
+                        "DistMM predicted slower than a baseline"
+                    )
                 sm, sd = rep.speedup("megatron"), rep.speedup("ddp")
                 if params >= 1.05e9 and sm is not None:
                     large.append(sm)
                 rows.append(
                     (
-                        m, f"{params / 1e9:.2f}B", c, str(G), fmt_time(rep.step_time), rep.chosen.cost.layout,
-                        fmt_time(meg.step_time if meg else None), fmt_time(ddp.step_time if ddp else None),
-                        f"{sm:.2f}x" if sm else "-", f"{sd:.2f}x" if sd else "-", f"{rep.solve_time * 1e3:.0f} ms",
+                        m,
+                        f"{params / 1e9:.2f}B",
+                        c,
+                        str(G),
+                        fmt_time(rep.step_time),
+                        rep.chosen.cost.layout,
+                        fmt_time(meg.step_time if meg else None),
+                        fmt_time(ddp.step_time if ddp else None),
+                        f"{sm:.2f}x" if sm else "-",
+                        f"{sd:.2f}x" if sd else "-",
+                        f"{rep.solve_time * 1e3:.0f} ms",
                     )
                 )
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
@@ -81,8 +114,10 @@ def main() -> None:
         print(line.format(*r))
     print()
     if large:
-        print(f"speedup over Megatron-style for presets >= 1.1B parameters: {min(large):.2f}x .. {max(large):.2f}x"
-              f" (paper: 1.32x .. 3.27x; docs/planner.md explains the difference)")
+        print(
+            f"speedup over Megatron-style for presets >= 1.1B parameters: {min(large):.2f}x .. {max(large):.2f}x"
+            f" (paper: 1.32x .. 3.27x; docs/planner.md explains the difference)"
+        )
     print(f"slowest solve at 64 devices: {worst_solve * 1e3:.0f} ms")
     if args.scale_devices:
         base = load_cluster("a100_8x8")

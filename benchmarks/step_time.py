@@ -30,13 +30,13 @@ import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from synthetic import SyntheticPairs, TwoTowerCLIP
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 from torch.utils.data import DataLoader
 from transformers import CLIPTextConfig, CLIPTextModel
 
 import lightning_distmm as ldm
-from synthetic import SyntheticPairs, TwoTowerCLIP
 
 EMBED, VOCAB, SEQ, IMG = 128, 256, 32, 32
 
@@ -45,9 +45,15 @@ class TextTower(nn.Module):
     def __init__(self, width: int, layers: int) -> None:
         super().__init__()
         cfg = CLIPTextConfig(
-            vocab_size=VOCAB, hidden_size=width, intermediate_size=4 * width, num_hidden_layers=layers,
-            num_attention_heads=max(1, width // 64), max_position_embeddings=SEQ, eos_token_id=VOCAB - 1,
-            bos_token_id=VOCAB - 2, pad_token_id=0,
+            vocab_size=VOCAB,
+            hidden_size=width,
+            intermediate_size=4 * width,
+            num_hidden_layers=layers,
+            num_attention_heads=max(1, width // 64),
+            max_position_embeddings=SEQ,
+            eos_token_id=VOCAB - 1,
+            bos_token_id=VOCAB - 2,
+            pad_token_id=0,
         )
         self.encoder = CLIPTextModel(cfg)
         self.proj = nn.Linear(width, EMBED, bias=False)
@@ -61,8 +67,12 @@ class BenchCLIP(TwoTowerCLIP):
     def __init__(self, image_width: int = 192, image_layers: int = 4, text_width: int = 128, text_layers: int = 4):
         super().__init__()
         self.visual = VisionTransformer(
-            img_size=IMG, patch_size=4, embed_dim=image_width, depth=image_layers,
-            num_heads=max(1, image_width // 64), num_classes=EMBED,
+            img_size=IMG,
+            patch_size=4,
+            embed_dim=image_width,
+            depth=image_layers,
+            num_heads=max(1, image_width // 64),
+            num_classes=EMBED,
         )
         self.text = TextTower(text_width, text_layers)
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
@@ -86,7 +96,9 @@ class OpenClipDDP(BenchCLIP):
         else:
             all_image, all_text, offset = image, text, 0
         labels = torch.arange(image.shape[0]) + offset
-        loss = (F.cross_entropy(scale * image @ all_text.T, labels) + F.cross_entropy(scale * text @ all_image.T, labels)) / 2
+        loss = (
+            F.cross_entropy(scale * image @ all_text.T, labels) + F.cross_entropy(scale * text @ all_image.T, labels)
+        ) / 2
         self.log("train/loss", loss)
         return loss
 
@@ -117,14 +129,25 @@ def run(config: str, args: argparse.Namespace, out: str) -> list[float]:
             plan: object = "colocated"
         else:
             image = max(1, world - max(1, world // 4))
-            plan = ldm.Plan(world, {"image": {"ranks": list(range(image))}, "text": {"ranks": list(range(image, world))}})
+            plan = ldm.Plan(
+                world, {"image": {"ranks": list(range(image))}, "text": {"ranks": list(range(image, world))}}
+            )
         strategy = ldm.DistMMStrategy(plan=plan, start_method="fork")
         per_rank = args.batch
-    data = DataLoader(SyntheticPairs(args.batch * args.steps, IMG, VOCAB, SEQ), batch_size=per_rank, shuffle=False, drop_last=True)
+    data = DataLoader(
+        SyntheticPairs(args.batch * args.steps, IMG, VOCAB, SEQ), batch_size=per_rank, shuffle=False, drop_last=True
+    )
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, max_steps=args.steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[StepTimer(out)], use_distributed_sampler=config == "ddp",
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[StepTimer(out)],
+        use_distributed_sampler=config == "ddp",
     )
     trainer.fit(module, data)
     return json.loads(Path(out).read_text())[args.warmup :]
@@ -150,8 +173,10 @@ def main() -> None:
                 samples[c] += run(c, args, os.path.join(tmp, f"{c}-{r}.json"))
     base = statistics.median(samples["ddp"])
     params = sum(p.numel() for p in BenchCLIP().parameters())
-    print(f"\nstep time, {args.devices} CPU ranks (gloo), global batch {args.batch}, {params / 1e6:.2f}M parameters,"
-          f" {args.rounds} rounds x {args.steps - args.warmup} timed steps")
+    print(
+        f"\nstep time, {args.devices} CPU ranks (gloo), global batch {args.batch}, {params / 1e6:.2f}M parameters,"
+        f" {args.rounds} rounds x {args.steps - args.warmup} timed steps"
+    )
     print(f"{'configuration':<20} {'median ms':>10} {'vs ddp':>8}")
     for c in configs:
         med = statistics.median(samples[c])

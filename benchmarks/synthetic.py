@@ -3,7 +3,8 @@ download) and the two-tower CLIP contract their models implement."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import lightning as L
 import torch

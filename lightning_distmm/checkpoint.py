@@ -16,8 +16,9 @@ folder with one shard per rank plus ``meta.pt`` (loops, callbacks, schedulers). 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -50,7 +51,10 @@ def _is_strided(v: Any) -> bool:
 def for_dcp(state: dict[str, Any]) -> dict[str, Any]:
     """DCP describes a shard as one contiguous block, so it cannot store the head-aligned strided
     shards of a fused qkv (tensor parallelism): those are saved replicated across their tp group."""
-    return {k: v.redistribute(v.device_mesh, [Replicate()] * len(v.placements)) if _is_strided(v) else v for k, v in state.items()}
+    return {
+        k: v.redistribute(v.device_mesh, [Replicate()] * len(v.placements)) if _is_strided(v) else v
+        for k, v in state.items()
+    }
 
 
 def from_dcp(loaded: dict[str, Any], like: dict[str, Any]) -> dict[str, Any]:
@@ -75,7 +79,9 @@ def optimizer_state_dict(module: nn.Module, optimizer: Optimizer) -> dict[str, A
     return get_optimizer_state_dict(module, optimizer, options=_flat_options())
 
 
-def _load_optimizer_state(module: nn.Module, optimizer: Optimizer, loaded: dict[str, Any], like: dict[str, Any]) -> None:
+def _load_optimizer_state(
+    module: nn.Module, optimizer: Optimizer, loaded: dict[str, Any], like: dict[str, Any]
+) -> None:
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     set_optimizer_state_dict(
@@ -84,7 +90,7 @@ def _load_optimizer_state(module: nn.Module, optimizer: Optimizer, loaded: dict[
 
 
 def load_sharded(
-    path: Path, module: nn.Module, optimizers: list[Optimizer], weights_only: Optional[bool] = None
+    path: Path, module: nn.Module, optimizers: list[Optimizer], weights_only: bool | None = None
 ) -> dict[str, Any]:
     """Load this rank's tensors (and optimizer state) from a DCP folder; return the remaining metadata."""
     import torch.distributed.checkpoint as dcp
@@ -102,7 +108,9 @@ def load_sharded(
     missing, unexpected = module.load_state_dict(from_dcp(state["state_dict"], model_state), strict=False)
     not_meta_missing = [k for k in missing if k in model_state]
     if not_meta_missing or unexpected:
-        raise RuntimeError(f"checkpoint {path} does not match the module: missing {not_meta_missing}, unexpected {unexpected}")
+        raise RuntimeError(
+            f"checkpoint {path} does not match the module: missing {not_meta_missing}, unexpected {unexpected}"
+        )
     for i, optimizer in enumerate(optimizers):
         _load_optimizer_state(module, optimizer, state[f"optimizer_{i}"], live[f"optimizer_{i}"])
     return torch.load(path / _METADATA, weights_only=bool(weights_only) if weights_only is not None else False)
@@ -119,7 +127,7 @@ def consolidated_state_dict(trainer_or_strategy: Any) -> dict[str, torch.Tensor]
     """
     from lightning_distmm.parallel.runtime import tower_prefixes
 
-    strategy: "DistMMStrategy" = getattr(trainer_or_strategy, "strategy", trainer_or_strategy)
+    strategy: DistMMStrategy = getattr(trainer_or_strategy, "strategy", trainer_or_strategy)
     module = strategy.lightning_module
     runtime = strategy.runtime
     assert module is not None and runtime is not None
@@ -142,7 +150,9 @@ def consolidated_state_dict(trainer_or_strategy: Any) -> dict[str, torch.Tensor]
             peers = [r for r in replica if set(keys) <= everyone[r]]  # the source's tensor-parallel group
             if rank in peers:
                 # tensor-parallel shards are assembled among the peers (a collective there)
-                tensors = {k: (full[k].full_tensor() if isinstance(full[k], DTensor) else full[k]).detach() for k in keys}
+                tensors = {
+                    k: (full[k].full_tensor() if isinstance(full[k], DTensor) else full[k]).detach() for k in keys
+                }
             if src == 0:
                 if rank == 0:
                     out.update({k: v.cpu().clone() for k, v in tensors.items()})
@@ -153,8 +163,13 @@ def consolidated_state_dict(trainer_or_strategy: Any) -> dict[str, torch.Tensor]
 
 
 def _send_to_zero(
-    keys: list[str], full: dict[str, Any], tensors: dict[str, torch.Tensor] | None, src: int, rank: int,
-    device: torch.device, out: dict[str, torch.Tensor],
+    keys: list[str],
+    full: dict[str, Any],
+    tensors: dict[str, torch.Tensor] | None,
+    src: int,
+    rank: int,
+    device: torch.device,
+    out: dict[str, torch.Tensor],
 ) -> None:
     """Move ``keys`` from ``src`` to rank 0, one flat message per dtype (rank 0 knows the shapes)."""
     by_dtype: dict[torch.dtype, list[str]] = {}

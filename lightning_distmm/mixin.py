@@ -11,8 +11,9 @@ returns is the whole-batch loss on every rank, so logging it needs no reduction.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -78,7 +79,7 @@ class DistMMMixin:
     trained with it sets ``sync_groups = 2``; the single-process reference then computes the same.
     """
 
-    _distmm_runtime: "TowerRuntime | None" = None
+    _distmm_runtime: TowerRuntime | None = None
     sync_groups: int = 1
 
     # ------------------------------------------------------------------ user hooks

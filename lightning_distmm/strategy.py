@@ -10,10 +10,11 @@ restore-after-setup, and replaces what assumes one model replicated or sharded a
 from __future__ import annotations
 
 import os
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generator, Literal, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal
 
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -39,7 +40,7 @@ from lightning_distmm.plan.plan import Plan, PlanError, colocated_plan, proporti
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
 
-PlanSpec = Union[Plan, str, os.PathLike, None]
+PlanSpec = Plan | str | os.PathLike | None
 StartMethod = Literal["popen", "spawn", "fork"]
 
 
@@ -63,8 +64,8 @@ class DistMMStrategy(ModelParallelStrategy):
         self,
         plan: PlanSpec = None,
         start_method: StartMethod = "popen",
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
         bucket_cap_mb: float = 25.0,
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
@@ -92,7 +93,7 @@ class DistMMStrategy(ModelParallelStrategy):
 
     # ------------------------------------------------------------------ setup
     @override
-    def setup(self, trainer: "pl.Trainer") -> None:
+    def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         module = self.lightning_module
         if not isinstance(module, DistMMMixin):
@@ -130,7 +131,7 @@ class DistMMStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
-    def _resolve_plan(self, trainer: "pl.Trainer", module: DistMMMixin) -> Plan:
+    def _resolve_plan(self, trainer: pl.Trainer, module: DistMMMixin) -> Plan:
         names = list(module.tower_specs())
         spec = self._plan_spec
         if spec == "colocated":
@@ -142,7 +143,7 @@ class DistMMStrategy(ModelParallelStrategy):
             return self._auto_plan(trainer, module)
         raise PlanError(f"unknown plan {spec!r}")
 
-    def _auto_plan(self, trainer: "pl.Trainer", module: DistMMMixin) -> Plan:
+    def _auto_plan(self, trainer: pl.Trainer, module: DistMMMixin) -> Plan:
         """The planner on profiles measured here: rank 0 measures and plans, every rank gets its plan."""
         from lightning_distmm.plan.planner import auto_plan, tower_info_from_batch
 
@@ -249,7 +250,7 @@ class DistMMStrategy(ModelParallelStrategy):
             self.runtime.discard_earlier_gradients = False
 
     @override
-    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         assert self.lightning_module is not None and self.runtime is not None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
@@ -260,7 +261,7 @@ class DistMMStrategy(ModelParallelStrategy):
         self.post_backward(closure_loss)
         return closure_loss
 
-    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         assert self.runtime is not None
         self.runtime.clip_grad_norm_(float(clip_val))
 
@@ -289,7 +290,7 @@ class DistMMStrategy(ModelParallelStrategy):
         return ckpt.for_dcp(ckpt.optimizer_state_dict(self.lightning_module, optimizer))
 
     @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.lightning_module is not None
         path = Path(self.broadcast(checkpoint_path))
         return ckpt.load_sharded(path, self.lightning_module, self.optimizers, weights_only=weights_only)
@@ -325,9 +326,10 @@ class _DistMMMultiProcessingLauncher(_MultiProcessingLauncher):
     towers, so every rank first assembles the full state dict on rank 0.
     """
 
-    def _collect_rank_zero_results(self, trainer: "pl.Trainer", results: Any) -> Any:
-        from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
         import tempfile
+
+        from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 
         strategy = self._strategy
         assert isinstance(strategy, DistMMStrategy)
@@ -354,7 +356,9 @@ def _parse_plan_spec(plan: PlanSpec) -> Plan | str:
     if text in ("default", "colocated", "auto"):
         return text
     if not Path(text).is_file():
-        raise FileNotFoundError(f"plan file {text!r} does not exist (plan= takes a Plan, a YAML path, 'default' or 'colocated')")
+        raise FileNotFoundError(
+            f"plan file {text!r} does not exist (plan= takes a Plan, a YAML path, 'default' or 'colocated')"
+        )
     return Plan.from_yaml(Path(text))
 
 
@@ -369,7 +373,7 @@ def _check_loss_semantics(plan: Plan, module: DistMMMixin) -> None:
         )
 
 
-def _train_dataloader(trainer: "pl.Trainer") -> DataLoader | None:
+def _train_dataloader(trainer: pl.Trainer) -> DataLoader | None:
     """The training DataLoader the fit will use, before Lightning processes it (None if unavailable)."""
     try:
         source = trainer.fit_loop._data_source
@@ -379,11 +383,11 @@ def _train_dataloader(trainer: "pl.Trainer") -> DataLoader | None:
     return loader if isinstance(loader, DataLoader) else None
 
 
-def _train_batch_size(trainer: "pl.Trainer") -> int | None:
+def _train_batch_size(trainer: pl.Trainer) -> int | None:
     return getattr(getattr(_train_dataloader(trainer), "batch_sampler", None), "batch_size", None)
 
 
-def _example_batch(trainer: "pl.Trainer") -> Mapping[str, Any] | None:
+def _example_batch(trainer: pl.Trainer) -> Mapping[str, Any] | None:
     """One collated sample of the training data, to count or time the towers (None if unavailable)."""
     loader = _train_dataloader(trainer)
     if loader is None or len(loader.dataset) == 0:  # type: ignore[arg-type]
@@ -400,4 +404,3 @@ def _with_seeded_shuffle(dataloader: DataLoader) -> DataLoader:
         dataloader.dataset, num_replicas=1, rank=0, shuffle=True, seed=int(os.getenv("PL_GLOBAL_SEED", 0))
     )
     return _update_dataloader(dataloader, sampler)
-

@@ -60,7 +60,9 @@ def main(cfg: DictConfig) -> float:
         sep = report.candidates.get("separate")
         print(
             f"[{hc.job.override_dirname or 'defaults'}] step {report.step_time * 1e3:.1f} ms ({report.chosen.cost.layout}),"
-            f" best separate-towers plan {sep.step_time * 1e3:.1f} ms," if sep else " no separate-towers plan,",
+            f" best separate-towers plan {sep.step_time * 1e3:.1f} ms,"
+            if sep
+            else " no separate-towers plan,",
             f"speedup vs megatron {report.speedup('megatron') or float('nan'):.2f}x, vs ddp {report.speedup('ddp') or float('nan'):.2f}x",
         )
     return report.step_time

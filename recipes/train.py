@@ -87,7 +87,9 @@ def check_text_vocab(cfg: DictConfig) -> None:
     vocab = build_caption_tokenizer().get_vocab_size()
     for name, tower in cfg.model.towers.items():
         if "vocab_size" in tower and int(tower.vocab_size) < vocab:
-            raise SystemExit(f"model.towers.{name}.vocab_size={tower.vocab_size} < the caption tokenizer's {vocab} tokens")
+            raise SystemExit(
+                f"model.towers.{name}.vocab_size={tower.vocab_size} < the caption tokenizer's {vocab} tokens"
+            )
 
 
 def evaluation_module(trainer: L.Trainer, model: CLIPModel, cfg: DictConfig) -> CLIPModel | None:
@@ -182,7 +184,12 @@ def main(cfg: DictConfig) -> dict[str, float] | None:
 
 
 def evaluate(
-    trainer: L.Trainer, model: CLIPModel, datamodule: ShapesDataModule, cfg: DictConfig, out_dir: Path, fit_seconds: float
+    trainer: L.Trainer,
+    model: CLIPModel,
+    datamodule: ShapesDataModule,
+    cfg: DictConfig,
+    out_dir: Path,
+    fit_seconds: float,
 ) -> dict[str, float] | None:
     """Held-out retrieval on global rank 0; prints it and writes ``metrics.json`` (collective: all ranks call)."""
     eval_model = evaluation_module(trainer, model, cfg)

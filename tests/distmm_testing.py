@@ -9,19 +9,20 @@ from __future__ import annotations
 import copy
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import lightning as L
 import pytest
 import torch
+from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 from torch.utils.data import DataLoader
 from transformers import CLIPTextConfig, CLIPTextModel
 
 import lightning_distmm as ldm
-from timm.models.vision_transformer import VisionTransformer
 
 EMBED = 8
 VOCAB = 20
@@ -32,8 +33,15 @@ class TinyText(nn.Module):
     def __init__(self, layers: int = 1) -> None:
         super().__init__()
         cfg = CLIPTextConfig(
-            vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=layers, num_attention_heads=2,
-            max_position_embeddings=SEQ, eos_token_id=VOCAB - 1, bos_token_id=VOCAB - 2, pad_token_id=0,
+            vocab_size=VOCAB,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=layers,
+            num_attention_heads=2,
+            max_position_embeddings=SEQ,
+            eos_token_id=VOCAB - 1,
+            bos_token_id=VOCAB - 2,
+            pad_token_id=0,
         )
         self.encoder = CLIPTextModel(cfg)
         # Softmax ignores a shift shared by all keys, so the key bias has an exactly-zero true
@@ -64,7 +72,13 @@ class TinyCLIP(ldm.DistMMMixin, L.LightningModule):
         self.lr = lr
         self.frozen_text = frozen_text
         self.visual = VisionTransformer(
-            img_size=8, patch_size=4, embed_dim=16, depth=1, num_heads=2, mlp_ratio=2.0, num_classes=EMBED,
+            img_size=8,
+            patch_size=4,
+            embed_dim=16,
+            depth=1,
+            num_heads=2,
+            mlp_ratio=2.0,
+            num_classes=EMBED,
             qkv_bias=False,
         )
         self.text = TinyText()
@@ -132,8 +146,13 @@ def loader(batch: int, size: int = 64, log: str | None = None, shuffle: bool = F
 
 def trainer_kwargs(**extra: Any) -> dict[str, Any]:
     kw = dict(
-        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
     )
     kw.update(extra)
     return kw
@@ -184,7 +203,14 @@ class DeepCLIP(TinyCLIP):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.visual = VisionTransformer(
-            img_size=8, patch_size=4, embed_dim=16, depth=2, num_heads=4, mlp_ratio=2.0, num_classes=EMBED, qkv_bias=False
+            img_size=8,
+            patch_size=4,
+            embed_dim=16,
+            depth=2,
+            num_heads=4,
+            mlp_ratio=2.0,
+            num_classes=EMBED,
+            qkv_bias=False,
         )
         self.text = TinyText(layers=2)
 
@@ -221,4 +247,6 @@ def compare_with_reference(
     module, initial = copy.deepcopy(reference), copy.deepcopy(reference)
     run_reference(reference, loader(batch), steps, str(tmp_path / "ref.json"), **extra)
     run_distmm(module, plan, devices, loader(batch), steps, str(tmp_path / "dist.json"), **extra)
-    return Comparison(reference, module, initial, read_losses(tmp_path / "ref.json"), read_losses(tmp_path / "dist.json"))
+    return Comparison(
+        reference, module, initial, read_losses(tmp_path / "ref.json"), read_losses(tmp_path / "dist.json")
+    )

@@ -5,10 +5,10 @@ import copy
 import lightning as L
 import pytest
 import torch
+from distmm_testing import DeepCLIP, GroupedDeepCLIP, loader, max_param_diff, read_losses, run_distmm
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_distmm as ldm
-from distmm_testing import DeepCLIP, GroupedDeepCLIP, loader, max_param_diff, read_losses, run_distmm
 
 PLAN = ldm.Plan(3, {"image": {"ranks": [0, 1]}, "text": {"ranks": [2]}})
 TP_PLAN = ldm.Plan(3, {"image": {"ranks": [0, 1], "tp": 2}, "text": {"ranks": [2]}})
@@ -36,7 +36,9 @@ def test_resume_continues_exactly(plan, tmp_path):
 
     run_distmm(straight, PLAN, 3, data(), 4, str(tmp_path / "straight.json"))
     saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
-    run_distmm(first_half, PLAN, 3, data(), 2, str(tmp_path / "half.json"), callbacks=[saver], enable_checkpointing=True)
+    run_distmm(
+        first_half, PLAN, 3, data(), 2, str(tmp_path / "half.json"), callbacks=[saver], enable_checkpointing=True
+    )
     folder = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
     assert folder.is_dir() and (folder / "meta.pt").is_file()
     run_distmm(resumed, PLAN, 3, data(), 4, str(tmp_path / "resumed.json"), ckpt_path=str(folder))

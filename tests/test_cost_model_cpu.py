@@ -31,7 +31,9 @@ def cpu_cluster(concurrency: float = 1.0) -> Cluster:
 
 
 def fit(fwd_per_sample: float, params: int = 1000, opt: float | None = None) -> MeasuredFit:
-    return MeasuredFit("cpu", [1, 2], (0.0, fwd_per_sample), (0.0, 2 * fwd_per_sample), (0.0, 1e3), params, params, opt_time=opt)
+    return MeasuredFit(
+        "cpu", [1, 2], (0.0, fwd_per_sample), (0.0, 2 * fwd_per_sample), (0.0, 1e3), params, params, opt_time=opt
+    )
 
 
 def profiles(image: float = 3e-3, text: float = 1e-3, opt: float | None = 0.0) -> dict:
@@ -48,7 +50,10 @@ def test_shared_host_phases():
     out = shared_host_phases({"image": 3.0, "text": 1.0}, ranks, 2, 1.5, colocated=False)
     assert out == pytest.approx({"image": 3.5, "text": 1.5})
     # a node of one device: nothing shares it
-    assert shared_host_phases({"image": 3.0, "text": 1.0}, ranks, 1, 1.5, colocated=False) == {"image": 3.0, "text": 1.0}
+    assert shared_host_phases({"image": 3.0, "text": 1.0}, ranks, 1, 1.5, colocated=False) == {
+        "image": 3.0,
+        "text": 1.0,
+    }
     # the tower's own replicas share the node: stretched throughout
     out = shared_host_phases({"image": 3.0, "text": 1.0}, {"image": [0, 1], "text": [2]}, 4, 2.0, colocated=False)
     assert out == pytest.approx({"image": 6.0, "text": 2.0})
@@ -59,10 +64,14 @@ def test_shared_host_phases():
 
 def test_concurrency_in_the_step():
     p = profiles()
-    base = {name: price_plan(plan, p, cpu_cluster(1.0), {"precision": "32", "overlap_grad_sync": False}) for name, plan in
-            (("colocated", COLOCATED), ("separate", SEPARATE))}
-    slow = {name: price_plan(plan, p, cpu_cluster(1.5), {"precision": "32", "overlap_grad_sync": False}) for name, plan in
-            (("colocated", COLOCATED), ("separate", SEPARATE))}
+    base = {
+        name: price_plan(plan, p, cpu_cluster(1.0), {"precision": "32", "overlap_grad_sync": False})
+        for name, plan in (("colocated", COLOCATED), ("separate", SEPARATE))
+    }
+    slow = {
+        name: price_plan(plan, p, cpu_cluster(1.5), {"precision": "32", "overlap_grad_sync": False})
+        for name, plan in (("colocated", COLOCATED), ("separate", SEPARATE))
+    }
     c = base["colocated"]
     compute = sum(t.forward_phase + t.backward_phase + t.optimizer for t in c.towers.values())
     assert slow["colocated"].step_time - c.step_time == pytest.approx(0.5 * compute)
@@ -111,7 +120,11 @@ def test_runtime_cost_defaults():
 
 
 def test_plan_choices_follow_the_runtime():
-    plan = Plan(2, {"image": {"ranks": [0], "microbatch": 8, "schedule": "cached"}, "text": {"ranks": [1], "recompute": True}}, global_batch=64)
+    plan = Plan(
+        2,
+        {"image": {"ranks": [0], "microbatch": 8, "schedule": "cached"}, "text": {"ranks": [1], "recompute": True}},
+        global_batch=64,
+    )
     choices, ranks = plan_choices(plan)
     assert (choices["image"].microbatch, choices["image"].K, choices["image"].schedule) == (8, 8, "cached")
     assert (choices["text"].microbatch, choices["text"].K, choices["text"].schedule) == (64, 1, RECOMPUTE)
@@ -125,15 +138,26 @@ def test_structural_orderings_and_the_planners_pick():
     p = profiles(image=3e-3, text=0.1e-3)
     o = {"precision": "32", "overlap_grad_sync": False}
     cl = cpu_cluster(1.1)
-    t = {name: price_plan(plan, p, cl, o).step_time for name, plan in {
-        "colocated": COLOCATED,
-        "separate": SEPARATE,
-        "recompute": Plan(2, {"image": {"ranks": [0, 1], "recompute": True}, "text": {"ranks": [0, 1]}}, global_batch=64),
-        "cached": Plan(2, {"image": {"ranks": [0, 1], "microbatch": 8, "schedule": "cached"}, "text": {"ranks": [0, 1]}}, global_batch=64),
-    }.items()}
+    t = {
+        name: price_plan(plan, p, cl, o).step_time
+        for name, plan in {
+            "colocated": COLOCATED,
+            "separate": SEPARATE,
+            "recompute": Plan(
+                2, {"image": {"ranks": [0, 1], "recompute": True}, "text": {"ranks": [0, 1]}}, global_batch=64
+            ),
+            "cached": Plan(
+                2,
+                {"image": {"ranks": [0, 1], "microbatch": 8, "schedule": "cached"}, "text": {"ranks": [0, 1]}},
+                global_batch=64,
+            ),
+        }.items()
+    }
     assert t["colocated"] < t["separate"]  # a 30x heavier image tower: halving it beats giving it a rank
     assert t["colocated"] < t["recompute"] and t["colocated"] < t["cached"]
-    plan, report = make_plan(None, cl, 64, {"max_tp": 1, "max_pp": 1, "schedules": ["gpipe", "cached"], "recompute": False, **o}, profiles=p)
+    plan, report = make_plan(
+        None, cl, 64, {"max_tp": 1, "max_pp": 1, "schedules": ["gpipe", "cached"], "recompute": False, **o}, profiles=p
+    )
     assert plan.colocated and report.step_time <= min(t.values()) + 1e-12
 
 
@@ -147,8 +171,12 @@ def test_predicted_ordering_on_measured_towers():
     heavy = nn.Sequential(nn.Linear(96, 384), nn.GELU(), nn.Linear(384, 384), nn.GELU(), nn.Linear(384, 16))
     light = nn.Linear(4, 16)
     measured = {
-        "image": measured_profile("image", measure_tower(heavy, lambda b: [torch.randn(b, 32, 96)], (8, 32), repeats=2), False, 16),
-        "text": measured_profile("text", measure_tower(light, lambda b: [torch.randn(b, 4)], (8, 32), repeats=2), False, 16),
+        "image": measured_profile(
+            "image", measure_tower(heavy, lambda b: [torch.randn(b, 32, 96)], (8, 32), repeats=2), False, 16
+        ),
+        "text": measured_profile(
+            "text", measure_tower(light, lambda b: [torch.randn(b, 4)], (8, 32), repeats=2), False, 16
+        ),
     }
     cl = dataclasses.replace(cpu_cluster(), device=dataclasses.replace(cpu_cluster().device, concurrency=1.0))
     o = {"precision": "32", "overlap_grad_sync": False}
@@ -165,8 +193,12 @@ def test_concurrency_is_cached_only_when_measured_quietly(tmp_path, monkeypatch)
     monkeypatch.setattr(cluster_mod, "_measure_concurrency", lambda devices, threads: (1.1, True))
     quiet = cluster_mod.measure_local_cpu(devices=2, measure_gloo=False, measure_concurrency=True)
     assert quiet.device.concurrency == 1.1  # ... but not cached: measured again
-    monkeypatch.setattr(cluster_mod, "_measure_concurrency", lambda devices, threads: pytest.fail("cached value not used"))
-    assert cluster_mod.measure_local_cpu(devices=2, measure_gloo=False, measure_concurrency=True).device.concurrency == 1.1
+    monkeypatch.setattr(
+        cluster_mod, "_measure_concurrency", lambda devices, threads: pytest.fail("cached value not used")
+    )
+    assert (
+        cluster_mod.measure_local_cpu(devices=2, measure_gloo=False, measure_concurrency=True).device.concurrency == 1.1
+    )
     assert cluster_mod.measure_local_cpu(devices=1, measure_gloo=False).device.concurrency == 1.0
 
 

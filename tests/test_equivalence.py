@@ -1,19 +1,19 @@
 """Every plan trains exactly like one process on the same global batches."""
 
-
-import torch
-
 import lightning as L
 import pytest
+import torch
+from distmm_testing import DeepCLIP, GroupedDeepCLIP, TinyCLIP, compare_with_reference, loader, max_param_diff
 
 import lightning_distmm as ldm
-from distmm_testing import DeepCLIP, GroupedDeepCLIP, TinyCLIP, compare_with_reference, loader, max_param_diff
 
 PLANS = {
     "colocated-2": (2, 8, ldm.Plan(2, {"image": {"ranks": [0, 1]}, "text": {"ranks": [0, 1]}})),
     "image2-text1": (3, 8, ldm.Plan(3, {"image": {"ranks": [0, 1]}, "text": {"ranks": [2]}})),
     "b10-image3-uneven-text1": (
-        4, 10, ldm.Plan(4, {"image": {"ranks": [0, 1, 2], "replica_batch": [4, 3, 3]}, "text": {"ranks": [3]}}, 10),
+        4,
+        10,
+        ldm.Plan(4, {"image": {"ranks": [0, 1, 2], "replica_batch": [4, 3, 3]}, "text": {"ranks": [3]}}, 10),
     ),
     "b9-image2-text2": (4, 9, ldm.Plan(4, {"image": {"ranks": [0, 1]}, "text": {"ranks": [2, 3]}})),
 }
@@ -75,6 +75,7 @@ def test_auto_plan_trains_exactly(tmp_path):
 @pytest.mark.slow
 def test_auto_plan_follows_the_modules_loss(tmp_path):
     """A module asking for two sync groups gets an auto plan with the distmm schedule (its loss)."""
+
     class Grouped(TinyCLIP):
         sync_groups = 2
 
@@ -82,9 +83,17 @@ def test_auto_plan_follows_the_modules_loss(tmp_path):
 
 
 MICRO_PLANS = {
-    "cached-mb3": ldm.Plan(3, {"image": {"ranks": [0, 1], "microbatch": 3, "schedule": "cached"}, "text": {"ranks": [2], "microbatch": 3, "schedule": "cached"}}),
+    "cached-mb3": ldm.Plan(
+        3,
+        {
+            "image": {"ranks": [0, 1], "microbatch": 3, "schedule": "cached"},
+            "text": {"ranks": [2], "microbatch": 3, "schedule": "cached"},
+        },
+    ),
     "gpipe-mb2": ldm.Plan(3, {"image": {"ranks": [0, 1], "microbatch": 2}, "text": {"ranks": [2], "microbatch": 5}}),
-    "colocated-cached-mb1": ldm.Plan(2, {"image": {"ranks": [0, 1], "microbatch": 1, "schedule": "cached"}, "text": {"ranks": [0, 1]}}),
+    "colocated-cached-mb1": ldm.Plan(
+        2, {"image": {"ranks": [0, 1], "microbatch": 1, "schedule": "cached"}, "text": {"ranks": [0, 1]}}
+    ),
 }
 
 
@@ -126,9 +135,8 @@ class ThreeTowers(TinyCLIP):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        from timm.models.vision_transformer import VisionTransformer
-
         from distmm_testing import EMBED
+        from timm.models.vision_transformer import VisionTransformer
 
         self.coarse = VisionTransformer(
             img_size=8, patch_size=8, embed_dim=16, depth=1, num_heads=2, num_classes=EMBED, qkv_bias=False
@@ -159,7 +167,10 @@ class WholeBatchLoss(TinyCLIP):
     [
         (SigLIP, ldm.Plan(3, {"image": {"ranks": [0, 1]}, "text": {"ranks": [2]}})),
         (ThreeTowers, ldm.Plan(4, {"image": {"ranks": [0, 1]}, "text": {"ranks": [2]}, "coarse": {"ranks": [3]}})),
-        (ThreeTowers, ldm.Plan(3, {"image": {"ranks": [0, 1, 2]}, "text": {"ranks": [0]}, "coarse": {"ranks": [1, 2]}})),
+        (
+            ThreeTowers,
+            ldm.Plan(3, {"image": {"ranks": [0, 1, 2]}, "text": {"ranks": [0]}, "coarse": {"ranks": [1, 2]}}),
+        ),
         (WholeBatchLoss, ldm.Plan(3, {"image": {"ranks": [0]}, "text": {"ranks": [1, 2]}})),
     ],
     ids=["siglip", "three-towers-separate", "three-towers-overlapping", "whole-batch-loss"],
@@ -221,20 +232,33 @@ def test_pipeline_parallel_towers_are_exact(name, tmp_path):
 
 DISTMM_PLANS = {
     "image-pp2+text1": ldm.Plan(
-        3, {"image": {"ranks": [0, 1], "pp": 2, "microbatch": 2, "schedule": "distmm"},
-            "text": {"ranks": [2], "microbatch": 2, "schedule": "distmm"}}
+        3,
+        {
+            "image": {"ranks": [0, 1], "pp": 2, "microbatch": 2, "schedule": "distmm"},
+            "text": {"ranks": [2], "microbatch": 2, "schedule": "distmm"},
+        },
     ),
     "image-tp2xpp2+text-colocated": ldm.Plan(
-        4, {"image": {"ranks": [0, 1, 2, 3], "pp": 2, "tp": 2, "microbatch": 2, "schedule": "distmm"},
-            "text": {"ranks": [0], "schedule": "distmm"}}
+        4,
+        {
+            "image": {"ranks": [0, 1, 2, 3], "pp": 2, "tp": 2, "microbatch": 2, "schedule": "distmm"},
+            "text": {"ranks": [0], "schedule": "distmm"},
+        },
     ),
     "lit-frozen-text": ldm.Plan(
-        3, {"image": {"ranks": [0, 1], "pp": 2, "microbatch": 2, "schedule": "distmm"},
-            "text": {"ranks": [2], "schedule": "distmm"}}
+        3,
+        {
+            "image": {"ranks": [0, 1], "pp": 2, "microbatch": 2, "schedule": "distmm"},
+            "text": {"ranks": [2], "schedule": "distmm"},
+        },
     ),
     "text-pp2+image-dp2-uneven": ldm.Plan(
-        4, {"image": {"ranks": [0, 3], "replica_batch": [6, 3], "schedule": "distmm"},
-            "text": {"ranks": [1, 2], "pp": 2, "microbatch": 2, "schedule": "distmm"}}, 9
+        4,
+        {
+            "image": {"ranks": [0, 3], "replica_batch": [6, 3], "schedule": "distmm"},
+            "text": {"ranks": [1, 2], "pp": 2, "microbatch": 2, "schedule": "distmm"},
+        },
+        9,
     ),
 }
 
@@ -274,7 +298,9 @@ def test_gradient_buckets_are_exact(name, tmp_path):
     for replicas spanning the world, tensor-parallel ones (DTensor gradients) and pipelined ones."""
     plan = {"colocated-2": PLANS["colocated-2"][2], **TP_PLANS, **PP_PLANS}[name]
     strategy = ldm.DistMMStrategy(plan, start_method="fork", bucket_cap_mb=0.001)
-    compare_with_reference(lambda: DeepCLIP("adamw", lr=0.01), strategy, plan.world_size, 10, 2, tmp_path).assert_exact()
+    compare_with_reference(
+        lambda: DeepCLIP("adamw", lr=0.01), strategy, plan.world_size, 10, 2, tmp_path
+    ).assert_exact()
 
 
 def test_gradient_buckets_post_during_the_backward(tmp_path):

@@ -10,10 +10,10 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from distmm_testing import TinyCLIP, loader, trainer_kwargs
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_distmm as ldm
-from distmm_testing import TinyCLIP, loader, trainer_kwargs
 
 
 class ErrorRecorder(L.Callback):
@@ -33,12 +33,42 @@ class NoMask(Dataset):
 
 
 CASES = {
-    "world-size": (3, ldm.Plan(2, {"image": {"ranks": [0]}, "text": {"ranks": [1]}}), lambda: loader(8), "world_size=2 but the trainer runs 3"),
-    "unknown-tower": (2, ldm.Plan(2, {"image": {"ranks": [0]}, "audio": {"ranks": [1]}}), lambda: loader(8), r"\['audio'\] that the module does not define"),
-    "missing-field": (2, "colocated", lambda: DataLoader(NoMask(), batch_size=4), r"tower 'text' reads batch field\(s\) \['attention_mask'\]"),
-    "tp-heads": (3, ldm.Plan(3, {"image": {"ranks": [0, 1, 2], "tp": 3}, "text": {"ranks": [0]}}), lambda: loader(6), r"tower 'image', tp=3: blocks.0.attn: 2 attention heads do not divide by tp=3"),
-    "pp-too-deep": (2, ldm.Plan(2, {"image": {"ranks": [0, 1], "pp": 2}, "text": {"ranks": [0]}}), lambda: loader(4), r"tower 'image', pp=2: a ViT with 1 blocks cannot be cut into pp=2 stages"),
-    "batch-below-replicas": (3, ldm.Plan(3, {"image": {"ranks": [0, 1, 2]}, "text": {"ranks": [0]}}), lambda: loader(2), "global batch 2 is smaller than its 3"),
+    "world-size": (
+        3,
+        ldm.Plan(2, {"image": {"ranks": [0]}, "text": {"ranks": [1]}}),
+        lambda: loader(8),
+        "world_size=2 but the trainer runs 3",
+    ),
+    "unknown-tower": (
+        2,
+        ldm.Plan(2, {"image": {"ranks": [0]}, "audio": {"ranks": [1]}}),
+        lambda: loader(8),
+        r"\['audio'\] that the module does not define",
+    ),
+    "missing-field": (
+        2,
+        "colocated",
+        lambda: DataLoader(NoMask(), batch_size=4),
+        r"tower 'text' reads batch field\(s\) \['attention_mask'\]",
+    ),
+    "tp-heads": (
+        3,
+        ldm.Plan(3, {"image": {"ranks": [0, 1, 2], "tp": 3}, "text": {"ranks": [0]}}),
+        lambda: loader(6),
+        r"tower 'image', tp=3: blocks.0.attn: 2 attention heads do not divide by tp=3",
+    ),
+    "pp-too-deep": (
+        2,
+        ldm.Plan(2, {"image": {"ranks": [0, 1], "pp": 2}, "text": {"ranks": [0]}}),
+        lambda: loader(4),
+        r"tower 'image', pp=2: a ViT with 1 blocks cannot be cut into pp=2 stages",
+    ),
+    "batch-below-replicas": (
+        3,
+        ldm.Plan(3, {"image": {"ranks": [0, 1, 2]}, "text": {"ranks": [0]}}),
+        lambda: loader(2),
+        "global batch 2 is smaller than its 3",
+    ),
 }
 
 
@@ -50,7 +80,10 @@ def test_bad_input_fails_on_every_rank(case, tmp_path):
     script = Path(__file__).parent / "scripts" / "fail_fast.py"
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, str(script), case, str(tmp_path)], capture_output=True, text=True, timeout=120,
+        [sys.executable, str(script), case, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
     assert proc.returncode != 0
@@ -95,7 +128,9 @@ def test_distmm_schedule_needs_the_grouped_loss_asked_for():
     """The distmm schedule's loss has two sync groups: a module that did not ask for it is refused."""
     distmm = {"microbatch": 2, "schedule": "distmm"}
     plan = ldm.Plan(2, {"image": {"ranks": [0, 1], **distmm}, "text": {"ranks": [0, 1], **distmm}})
-    trainer = L.Trainer(devices=2, max_steps=1, strategy=ldm.DistMMStrategy(plan, start_method="fork"), **trainer_kwargs())
+    trainer = L.Trainer(
+        devices=2, max_steps=1, strategy=ldm.DistMMStrategy(plan, start_method="fork"), **trainer_kwargs()
+    )
     with pytest.raises(Exception, match="over 2 sync group\\(s\\).*sync_groups is 1; set sync_groups = 2"):
         trainer.fit(TinyCLIP(), loader(4))
     with pytest.raises(ldm.PlanError, match="every tower or on none"):
@@ -108,7 +143,10 @@ def test_failing_stage_ends_every_rank_with_its_error():
     script = Path(__file__).parent / "scripts" / "stage_fails.py"
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
     elapsed = time.monotonic() - start
@@ -117,4 +155,6 @@ def test_failing_stage_ends_every_rank_with_its_error():
     out = proc.stdout + proc.stderr
     assert re.search(r"\[rank1\]: RuntimeError: stage 1 exploded in its forward", out), out[-3000:]
     for rank in (0, 2):
-        assert re.search(rf"\[rank{rank}\]: .*DistMMRankFailure: distmm: rank 1: RuntimeError: stage 1 exploded", out), out[-3000:]
+        assert re.search(
+            rf"\[rank{rank}\]: .*DistMMRankFailure: distmm: rank 1: RuntimeError: stage 1 exploded", out
+        ), out[-3000:]

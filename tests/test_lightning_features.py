@@ -5,10 +5,18 @@ import copy
 import lightning as L
 import pytest
 import torch
+from distmm_testing import (
+    TinyCLIP,
+    compare_with_reference,
+    loader,
+    max_param_diff,
+    read_losses,
+    run_distmm,
+    run_reference,
+)
 from lightning.pytorch.callbacks import LearningRateMonitor
 
 import lightning_distmm as ldm
-from distmm_testing import TinyCLIP, compare_with_reference, loader, max_param_diff, read_losses, run_distmm, run_reference
 
 PLAN = ldm.Plan(3, {"image": {"ranks": [0, 1]}, "text": {"ranks": [2]}})
 
@@ -67,7 +75,9 @@ def test_validation_and_lr_schedule(tmp_path):
     kw = dict(limit_val_batches=2, val_check_interval=3, callbacks=[LearningRateMonitor("step")])
     ref = L.Trainer(devices=1, max_steps=3, **{**_kwargs(), **kw})
     ref.fit(reference, loader(8), loader(8, size=16))
-    dist = L.Trainer(devices=3, max_steps=3, strategy=ldm.DistMMStrategy(PLAN, start_method="fork"), **{**_kwargs(), **kw})
+    dist = L.Trainer(
+        devices=3, max_steps=3, strategy=ldm.DistMMStrategy(PLAN, start_method="fork"), **{**_kwargs(), **kw}
+    )
     dist.fit(module, loader(8), loader(8, size=16))
     assert float(dist.callback_metrics["val/loss"]) == pytest.approx(float(ref.callback_metrics["val/loss"]), abs=1e-5)
     assert max_param_diff(reference, module) <= 1e-5
@@ -130,7 +140,14 @@ def test_distmm_with_accumulation_and_clipping(tmp_path):
     distmm = {"microbatch": 2, "schedule": "distmm"}
     plan = ldm.Plan(3, {"image": {"ranks": [0, 1], "pp": 2, **distmm}, "text": {"ranks": [2], **distmm}})
     compare_with_reference(
-        lambda: GroupedDeepCLIP("sgd", lr=0.05), plan, 3, 8, 2, tmp_path, accumulate_grad_batches=2, gradient_clip_val=0.05
+        lambda: GroupedDeepCLIP("sgd", lr=0.05),
+        plan,
+        3,
+        8,
+        2,
+        tmp_path,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.05,
     ).assert_exact()
 
 

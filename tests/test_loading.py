@@ -3,8 +3,8 @@
 import json
 
 import torch
-
 from distmm_testing import loader
+
 from lightning_distmm.data.loading import DistMMDataLoader
 from lightning_distmm.parallel.layout import RankLayout
 from lightning_distmm.parallel.runtime import GLOBAL_BATCH_KEY

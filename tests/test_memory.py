@@ -6,17 +6,19 @@ from pathlib import Path
 import lightning as L
 import psutil
 import pytest
+from distmm_testing import EMBED, TinyCLIP, loader, trainer_kwargs
 from timm.models.vision_transformer import VisionTransformer
 
 import lightning_distmm as ldm
-from distmm_testing import EMBED, TinyCLIP, loader, trainer_kwargs
 
 
 class BigImageCLIP(TinyCLIP):
     def __init__(self) -> None:
         super().__init__()
         # ~25M parameters (~100 MB fp32): large enough to see in the resident set size
-        self.visual = VisionTransformer(img_size=8, patch_size=4, embed_dim=512, depth=8, num_heads=8, num_classes=EMBED)
+        self.visual = VisionTransformer(
+            img_size=8, patch_size=4, embed_dim=512, depth=8, num_heads=8, num_classes=EMBED
+        )
 
 
 class MemoryProbe(L.Callback):
@@ -42,8 +44,11 @@ def test_remote_towers_are_released(tmp_path):
     text_bytes = sum(p.numel() * p.element_size() for p in module.text.parameters())
     plan = ldm.Plan(2, {"image": {"ranks": [0]}, "text": {"ranks": [1]}})
     trainer = L.Trainer(
-        devices=2, max_steps=1, strategy=ldm.DistMMStrategy(plan, start_method="fork"),
-        callbacks=[MemoryProbe(str(tmp_path))], **trainer_kwargs(),
+        devices=2,
+        max_steps=1,
+        strategy=ldm.DistMMStrategy(plan, start_method="fork"),
+        callbacks=[MemoryProbe(str(tmp_path))],
+        **trainer_kwargs(),
     )
     trainer.fit(module, loader(4))
     image_rank = json.loads((tmp_path / "rank0.json").read_text())
@@ -63,8 +68,11 @@ def test_pipeline_stages_hold_only_their_part(tmp_path):
     text_bytes = sum(p.numel() * p.element_size() for p in module.text.parameters())
     plan = ldm.Plan(3, {"image": {"ranks": [0, 1], "pp": 2}, "text": {"ranks": [2]}})
     trainer = L.Trainer(
-        devices=3, max_steps=1, strategy=ldm.DistMMStrategy(plan, start_method="fork"),
-        callbacks=[MemoryProbe(str(tmp_path))], **trainer_kwargs(),
+        devices=3,
+        max_steps=1,
+        strategy=ldm.DistMMStrategy(plan, start_method="fork"),
+        callbacks=[MemoryProbe(str(tmp_path))],
+        **trainer_kwargs(),
     )
     trainer.fit(module, loader(4))
     held = [json.loads((tmp_path / f"rank{r}.json").read_text())["held"] - 4 for r in range(3)]

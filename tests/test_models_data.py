@@ -12,7 +12,15 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_distmm.data import tokenizer as tk
-from lightning_distmm.data.shapes import NUM_COMBOS, PIXEL_MEAN, PIXEL_STD, ShapesDataModule, ShapesDataset, describe, vocabulary
+from lightning_distmm.data.shapes import (
+    NUM_COMBOS,
+    PIXEL_MEAN,
+    PIXEL_STD,
+    ShapesDataModule,
+    ShapesDataset,
+    describe,
+    vocabulary,
+)
 from lightning_distmm.models.clip import CLIP_TINY, CLIPModel, TextTower, num_parameters
 from lightning_distmm.models.metrics import retrieval_from_features, retrieval_metrics
 
@@ -98,7 +106,10 @@ def test_datamodule_global_batch_and_seeded_shuffle():
     train = dm.train_dataloader()
     batches = [b["label"] for b in train]
     assert len(batches) == 2 and all(len(b) == 16 for b in batches)  # drop_last on train
-    again = [b["label"] for b in ShapesDataModule(batch_size=16, train_size=40, val_size=20, shuffle_seed=1).train_dataloader()]
+    again = [
+        b["label"]
+        for b in ShapesDataModule(batch_size=16, train_size=40, val_size=20, shuffle_seed=1).train_dataloader()
+    ]
     assert all(torch.equal(x, y) for x, y in zip(batches, again))
     val_sizes = [len(b["label"]) for b in dm.val_dataloader()]
     assert val_sizes == [16, 4]  # val keeps the partial batch
@@ -126,7 +137,13 @@ def test_tokenizer_round_trip_and_layout(tmp_path):
     # truncation keeps [EOS]; unknown words map to [UNK]
     short = tk.encode("a picture of a purple triangle at the bottom right", 6, tok)
     assert short["input_ids"].tolist()[-1] == tk.EOS_ID and short["attention_mask"].tolist() == [1] * 6
-    assert tk.encode("a zebra", 5, tok)["input_ids"].tolist() == [tk.BOS_ID, vocab["a"], tk.UNK_ID, tk.EOS_ID, tk.PAD_ID]
+    assert tk.encode("a zebra", 5, tok)["input_ids"].tolist() == [
+        tk.BOS_ID,
+        vocab["a"],
+        tk.UNK_ID,
+        tk.EOS_ID,
+        tk.PAD_ID,
+    ]
     # ids are fixed (special tokens, then the words sorted) and survive the file cache
     assert vocab == {t: i for i, t in enumerate([*tk.SPECIAL_TOKENS, *sorted(vocabulary())])}
     path = tmp_path / "tok.json"

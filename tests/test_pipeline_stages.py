@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from distmm_testing import TinyText
 from timm.models.vision_transformer import VisionTransformer
 
-from distmm_testing import TinyText
 from lightning_distmm.models.clip import TextTower
 from lightning_distmm.parallel.pipeline import owned_names, tower_stages
 

@@ -25,9 +25,15 @@ def test_table_is_readable():
     [
         ({"world_size": 2, "towers": {"image": {"ranks": [0, 2]}}}, r"ranks \[2\] outside the world of 2"),
         ({"world_size": 3, "towers": {"image": {"ranks": [0, 1]}}}, r"ranks \[2\] run no tower"),
-        ({"world_size": 2, "towers": {"image": {"ranks": [0, 1], "replica_batch": [3]}}}, "replica_batch has 1 entries"),
+        (
+            {"world_size": 2, "towers": {"image": {"ranks": [0, 1], "replica_batch": [3]}}},
+            "replica_batch has 1 entries",
+        ),
         ({"world_size": 1, "towers": {"image": {"ranks": [0], "schedule": "zigzag"}}}, "unknown schedule 'zigzag'"),
-        ({"world_size": 1, "towers": {"image": {"ranks": [0], "colour": 1}}}, r"tower 'image': unknown key\(s\) \['colour'\]"),
+        (
+            {"world_size": 1, "towers": {"image": {"ranks": [0], "colour": 1}}},
+            r"tower 'image': unknown key\(s\) \['colour'\]",
+        ),
         ({"world_size": 1, "towers": {"image": {"ranks": [0]}}, "extra": 1}, r"unknown plan key\(s\) \['extra'\]"),
         ({"world_size": 2, "towers": {"image": {"ranks": [0, 1], "tp": 3}}}, "do not divide into replicas"),
         ({"world_size": 3, "global_batch": 2, "towers": {"image": {"ranks": [0, 1, 2]}}}, "smaller than its 3"),
@@ -81,7 +87,9 @@ def test_distmm_plan_needs_rows_for_every_replica_in_each_sync_group():
     plan = Plan(3, {"image": {"ranks": [0, 1], **distmm}, "text": {"ranks": [2], **distmm}})
     assert plan.sync_groups == 2 and plan.group_split(7) == [4, 3] and plan.group_offsets(7) == [0, 4, 7]
     plan.check_global_batch(4)
-    with pytest.raises(PlanError, match=r"each of the 2 sync groups of a global batch of 3 \(\[2, 1\]\) must give each of its 2"):
+    with pytest.raises(
+        PlanError, match=r"each of the 2 sync groups of a global batch of 3 \(\[2, 1\]\) must give each of its 2"
+    ):
         plan.check_global_batch(3)
     assert Plan(1, {"image": {"ranks": [0]}}).sync_groups == 1
     assert "loss over 2 sync groups" in plan.table() and "sync groups" not in Plan(1, {"image": {"ranks": [0]}}).table()

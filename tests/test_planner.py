@@ -45,11 +45,11 @@ from lightning_distmm.plan.cost import (
     stage_compute,
     sync_time,
 )
-from lightning_distmm.plan.profile import model_profiles
-from lightning_distmm.plan.schedule import Backward, BatchSync, Forward, schedules, simulate
 from lightning_distmm.plan.partition import Candidates, InfeasibleError
 from lightning_distmm.plan.placement import candidate_layouts, place
 from lightning_distmm.plan.planner import DEFAULT_SCHEDULES, PlannerOptions, TowerInfo
+from lightning_distmm.plan.profile import model_profiles
+from lightning_distmm.plan.schedule import Backward, BatchSync, Forward, schedules, simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,7 +60,9 @@ def model(name: str) -> dict:
 
 def small_cluster(nodes: int = 2, dpn: int = 4, memory_gb: float = 80.0) -> Cluster:
     a100 = load_cluster("a100_8x8")
-    return dataclasses.replace(a100, nodes=nodes, devices_per_node=dpn, device=dataclasses.replace(a100.device, memory=memory_gb * GB))
+    return dataclasses.replace(
+        a100, nodes=nodes, devices_per_node=dpn, device=dataclasses.replace(a100.device, memory=memory_gb * GB)
+    )
 
 
 # ---------------------------------------------------------------------- balancer
@@ -132,7 +134,9 @@ def test_frozen_tower_has_no_backward_and_lit_balances_on_the_barrier():
     plan, rep = make_plan(model("lit_l16_bert_large"), "a100_8x8_eth100", 4096, {"layouts": ["separate"]})
     image = rep.chosen.cost.towers["image"]
     assert image.backward_phase == 0 and image.dp_allreduce == 0 and image.optimizer == 0
-    assert image.memory["static"] == pytest.approx(rep.profiles["image"].params * 2 / rep.chosen.choices["image"].tp, rel=0.05)
+    assert image.memory["static"] == pytest.approx(
+        rep.profiles["image"].params * 2 / rep.chosen.choices["image"].tp, rel=0.05
+    )
 
 
 def test_uneven_replica_batches_follow_the_global_batch():
@@ -153,7 +157,10 @@ def test_closed_forms_equal_the_simulated_instruction_lists(schedule, frozen):
         for rows in (2, 3, 5, 8, 13, 22):
             for mb in (1, 2):
                 for f, b, link, syncs in (
-                    (1.0, 2.3, 0.0, (0.7, 0.4)), (1.0, 0.4, 0.3, (0.0, 2.0)), (0.2, 1.0, 1.7, (5.0, 0.1)), (3.0, 0.5, 5.0, (0.0, 0.0)),
+                    (1.0, 2.3, 0.0, (0.7, 0.4)),
+                    (1.0, 0.4, 0.3, (0.0, 2.0)),
+                    (0.2, 1.0, 1.7, (5.0, 0.1)),
+                    (3.0, 0.5, 5.0, (0.0, 0.0)),
                 ):
                     b = 0.0 if frozen else b
                     lists = schedules(replica_plan(schedule, P, mb), rows)
@@ -185,8 +192,11 @@ def test_simulate_takes_a_transfer_time_per_message():
     """schedule.simulate's link may be a function of the receiving instruction: activations and
     gradients of different sizes take different times."""
     lists = schedules(replica_plan("gpipe", 2, 1), 2)
-    intervals = simulate(lists, lambda r, i: 1.0 if isinstance(i, (Forward, Backward)) else 0.0,
-                         lambda ins: 0.5 if isinstance(ins, Forward) else 2.0)
+    intervals = simulate(
+        lists,
+        lambda r, i: 1.0 if isinstance(i, (Forward, Backward)) else 0.0,
+        lambda ins: 0.5 if isinstance(ins, Forward) else 2.0,
+    )
     end = max(i.end for i in intervals)
     assert end == pytest.approx(3 + 0.5 + 3 + 2.0)  # (K+P-1) slots each way, one transfer of each kind
     same = [max(i.end for i in simulate(lists, lambda r, i: 1.0, link)) for link in (0.5, lambda ins: 0.5)]
@@ -221,14 +231,29 @@ def test_distmm_is_priced_as_two_half_batch_syncs_and_one_wave_of_activations():
     # pipelined: one wave plus the P-1 microbatches stage 0 runs ahead (1F1B between the waves)
     piped = evaluate_plan(profiles, cl, co, *_clip_choices("distmm", 2, 2, 4, 16), 16)
     gpiped = evaluate_plan(profiles, cl, co, *_clip_choices("gpipe", 2, 2, 4, 16), 16)
-    assert piped.towers["image"].memory["activations"] == pytest.approx(gpiped.towers["image"].memory["activations"] * (8 + 2) / 16)
+    assert piped.towers["image"].memory["activations"] == pytest.approx(
+        gpiped.towers["image"].memory["activations"] * (8 + 2) / 16
+    )
     image = profiles["image"]
-    for pp, mb, rows, held in ((4, 1, 16, 8 + 3), (4, 2, 16, 8 + 6), (3, 3, 11, 6 + 5), (6, 1, 4, 2 + 2), (1, 2, 16, 8)):
+    for pp, mb, rows, held in (
+        (4, 1, 16, 8 + 3),
+        (4, 2, 16, 8 + 6),
+        (3, 3, 11, 6 + 5),
+        (6, 1, 4, 2 + 2),
+        (1, 2, 16, 8),
+    ):
         acts = {s: memory_per_device(image, co, s, mb, 0, rows, 1, pp)["activations"] for s in ("gpipe", "distmm")}
         assert float(acts["distmm"]) == pytest.approx(float(acts["gpipe"]) * held / rows)
     with pytest.raises(ValueError, match="distmm"):
         mixed = _clip_choices("distmm")[0]
-        evaluate_plan(profiles, cl, co, {**mixed, "text": dataclasses.replace(mixed["text"], schedule="gpipe")}, _clip_choices("gpipe")[1], 16)
+        evaluate_plan(
+            profiles,
+            cl,
+            co,
+            {**mixed, "text": dataclasses.replace(mixed["text"], schedule="gpipe")},
+            _clip_choices("gpipe")[1],
+            16,
+        )
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "cached", "distmm"])
@@ -239,7 +264,13 @@ def test_segments_compose_to_the_simulated_whole_plan(schedule):
     cl, co = load_cluster("a100_8x8").with_world(3), CostOptions()
     choices, ranks = _clip_choices(schedule, image_pp=2)
     cost = evaluate_plan(profiles, cl, co, choices, ranks, 16)
-    plan = Plan(3, {n: {"ranks": ranks[n], "pp": c.pp, "microbatch": c.microbatch, "schedule": schedule} for n, c in choices.items()})
+    plan = Plan(
+        3,
+        {
+            n: {"ranks": ranks[n], "pp": c.pp, "microbatch": c.microbatch, "schedule": schedule}
+            for n, c in choices.items()
+        },
+    )
     slot = {}
     for n, c in choices.items():
         fc, bc = (float(x) for x in stage_compute(profiles[n], cl, co, c.microbatch, 1, c.pp))
@@ -268,7 +299,9 @@ def test_the_planner_keeps_distmm_on_every_tower_or_none():
         assert len({t.schedule == "distmm" for t in plan.towers.values()}) == 1
 
 
-@pytest.mark.parametrize("name, cluster, batch", [("clip_vit_bigg14", "a100_8x8", 4096), ("distmm_10b", "a100_8x8", 1024)])
+@pytest.mark.parametrize(
+    "name, cluster, batch", [("clip_vit_bigg14", "a100_8x8", 4096), ("distmm_10b", "a100_8x8", 1024)]
+)
 def test_distmm_only_when_listed(name, cluster, batch):
     """distmm changes the loss (two sync groups, each with its own negatives): the default options
     (and conf/planner/default.yaml) never plan it; listing it lets the planner pick it, on every tower."""
@@ -301,7 +334,11 @@ def test_collectives_follow_the_link_they_cross():
 # ---------------------------------------------------------------------- placement
 @pytest.mark.parametrize(
     "sizes, tps, dpn",
-    [({"a": 12, "b": 4}, {"a": 4, "b": 2}, 8), ({"a": 6, "b": 6, "c": 4}, {"a": 2, "b": 2, "c": 4}, 8), ({"a": 10, "b": 6}, {"a": 2, "b": 2}, 4)],
+    [
+        ({"a": 12, "b": 4}, {"a": 4, "b": 2}, 8),
+        ({"a": 6, "b": 6, "c": 4}, {"a": 2, "b": 2, "c": 4}, 8),
+        ({"a": 10, "b": 6}, {"a": 2, "b": 2}, 4),
+    ],
 )
 def test_placement_keeps_tp_groups_inside_nodes(sizes, tps, dpn):
     D = sum(sizes.values())
@@ -316,7 +353,10 @@ def test_placement_keeps_tp_groups_inside_nodes(sizes, tps, dpn):
     assert all(tp_groups_inside_nodes(lay[n], tps[n], dpn) for n in sizes)
 
 
-@pytest.mark.parametrize("name, cluster, batch", [("distmm_26b", "a100_8x8", 2048), ("distmm_10b", "a100_8x8_eth100", 1024), ("coca_vit_l14", "h100_8x8", 4096)])
+@pytest.mark.parametrize(
+    "name, cluster, batch",
+    [("distmm_26b", "a100_8x8", 2048), ("distmm_10b", "a100_8x8_eth100", 1024), ("coca_vit_l14", "h100_8x8", 4096)],
+)
 def test_chosen_plans_keep_tp_inside_nodes_and_fit_memory(name, cluster, batch):
     plan, rep = make_plan(model(name), cluster, batch)
     dpn = rep.cluster.devices_per_node
@@ -364,7 +404,9 @@ def test_separate_towers_win_on_a_slow_network():
 
 
 def test_data_parallel_only_option():
-    plan, _ = make_plan(model("clip_vit_l14"), "a100_8x8", 4096, {"max_tp": 1, "max_pp": 1, "schedules": ["gpipe", "cached"]})
+    plan, _ = make_plan(
+        model("clip_vit_l14"), "a100_8x8", 4096, {"max_tp": 1, "max_pp": 1, "schedules": ["gpipe", "cached"]}
+    )
     assert all(t.tp == 1 and t.pp == 1 and t.schedule in ("gpipe", "cached") for t in plan.towers.values())
 
 
@@ -391,7 +433,9 @@ def test_cluster_presets_load_and_cite_their_constants():
         assert cl.world_size == 64 and cl.inter.bandwidth < cl.intra.bandwidth
         text = (CONF_DIR / "cluster" / f"{name}.yaml").read_text()
         for line in text.splitlines():
-            if re.match(r"^\s+\w+:\s*[\d.]+\s*(#.*)?$", line) and not line.strip().startswith(("nodes", "devices_per_node")):
+            if re.match(r"^\s+\w+:\s*[\d.]+\s*(#.*)?$", line) and not line.strip().startswith(
+                ("nodes", "devices_per_node")
+            ):
                 assert "#" in line, f"{name}: constant without a source: {line.strip()}"
         assert Cluster.from_dict(cl.to_dict()).to_dict() == cl.to_dict()
 
@@ -415,8 +459,14 @@ def test_infeasible_tp_divides_no_head_count():
     with pytest.raises(InfeasibleError) as err:
         make_plan(model("clip_vit_b32"), small_cluster(1, 6), 64, {"tp": 5})
     msg = str(err.value)
-    assert "tp=5 divides no tower's head count" in msg and "image has 12 heads (12 % 5 = 2)" in msg and "text has 8 heads (8 % 5 = 3)" in msg
-    with pytest.raises(InfeasibleError, match=r"tower 'text': tp=3 does not divide its 8 attention heads \(8 % 3 = 2\)"):
+    assert (
+        "tp=5 divides no tower's head count" in msg
+        and "image has 12 heads (12 % 5 = 2)" in msg
+        and "text has 8 heads (8 % 5 = 3)" in msg
+    )
+    with pytest.raises(
+        InfeasibleError, match=r"tower 'text': tp=3 does not divide its 8 attention heads \(8 % 3 = 2\)"
+    ):
         make_plan(model("clip_vit_b32"), small_cluster(1, 6), 64, {"tp": 3})
     with pytest.raises(InfeasibleError, match=r"tp=16 exceeds the 8 devices of a node by 8"):
         make_plan(model("clip_vit_b32"), "a100_8x8", 64, {"tp": 16})
@@ -482,8 +532,14 @@ def test_local_cpu_is_measured():
 def test_recipe_multirun_writes_plans(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [
-        sys.executable, str(ROOT / "recipes" / "plan.py"), "-m", "model=clip_vit_b32", "cluster=a100_8x8",
-        "global_batch=2048", "planner.balancer=dp,even", f"hydra.sweep.dir={tmp_path}",
+        sys.executable,
+        str(ROOT / "recipes" / "plan.py"),
+        "-m",
+        "model=clip_vit_b32",
+        "cluster=a100_8x8",
+        "global_batch=2048",
+        "planner.balancer=dp,even",
+        f"hydra.sweep.dir={tmp_path}",
     ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]

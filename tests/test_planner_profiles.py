@@ -27,8 +27,13 @@ def test_vit_params_match_timm(cfg):
     from timm.models.vision_transformer import VisionTransformer
 
     real = VisionTransformer(
-        img_size=cfg["img_size"], patch_size=cfg["patch_size"], embed_dim=cfg["width"], depth=cfg["layers"],
-        num_heads=cfg["heads"], mlp_ratio=cfg["mlp_ratio"], num_classes=E,
+        img_size=cfg["img_size"],
+        patch_size=cfg["patch_size"],
+        embed_dim=cfg["width"],
+        depth=cfg["layers"],
+        num_heads=cfg["heads"],
+        mlp_ratio=cfg["mlp_ratio"],
+        num_classes=E,
     )
     ours = tower_profile("image", {"arch": "vit", **cfg}, E).params
     assert ours == pytest.approx(n_params(real), rel=0.02)
@@ -39,12 +44,28 @@ def test_clip_text_params_match_transformers(width, layers, heads, vocab, ctx):
     import transformers
 
     cfg = transformers.CLIPTextConfig(
-        vocab_size=vocab, max_position_embeddings=ctx, hidden_size=width, num_hidden_layers=layers,
-        num_attention_heads=heads, intermediate_size=4 * width, bos_token_id=0, eos_token_id=1, pad_token_id=1,
+        vocab_size=vocab,
+        max_position_embeddings=ctx,
+        hidden_size=width,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=4 * width,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
     )
     real = n_params(transformers.CLIPTextModel(cfg)) + width * E  # + the linear projection to embed_dim
     ours = tower_profile(
-        "text", {"arch": "clip_text", "vocab_size": vocab, "context_length": ctx, "width": width, "layers": layers, "heads": heads}, E
+        "text",
+        {
+            "arch": "clip_text",
+            "vocab_size": vocab,
+            "context_length": ctx,
+            "width": width,
+            "layers": layers,
+            "heads": heads,
+        },
+        E,
     ).params
     assert ours == pytest.approx(real, rel=0.02)
 
@@ -55,13 +76,25 @@ def test_bert_params_match_transformers(width, layers, heads, pooler):
     import transformers
 
     cfg = transformers.BertConfig(
-        vocab_size=300, max_position_embeddings=32, hidden_size=width, num_hidden_layers=layers,
-        num_attention_heads=heads, intermediate_size=4 * width,
+        vocab_size=300,
+        max_position_embeddings=32,
+        hidden_size=width,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=4 * width,
     )
     real = n_params(transformers.BertModel(cfg, add_pooling_layer=pooler)) + width * E + E
     ours = tower_profile(
         "text",
-        {"arch": "bert", "vocab_size": 300, "context_length": 32, "width": width, "layers": layers, "heads": heads, "pooler": pooler},
+        {
+            "arch": "bert",
+            "vocab_size": 300,
+            "context_length": 32,
+            "width": width,
+            "layers": layers,
+            "heads": heads,
+            "pooler": pooler,
+        },
         E,
     ).params
     assert ours == pytest.approx(real, rel=0.02)
@@ -90,6 +123,8 @@ def test_every_model_preset_profiles():
 
 def test_flops_follow_the_megatron_formula():
     """24 s h^2 (1 + s / 6h) per block forward for MLP ratio 4 (DESIGN.md section 4)."""
-    p = tower_profile("text", {"arch": "clip_text", "vocab_size": 100, "context_length": 77, "width": 512, "layers": 1, "heads": 8}, E)
+    p = tower_profile(
+        "text", {"arch": "clip_text", "vocab_size": 100, "context_length": 77, "width": 512, "layers": 1, "heads": 8}, E
+    )
     s, h = 77, 512
     assert p.layer.flops() == pytest.approx(24 * s * h * h * (1 + s / (6 * h)))

@@ -27,8 +27,14 @@ def test_rank_lists_follow_the_pipeline():
     # only the last stages meet at the batch-sync: the first stage goes straight on to its backward
     assert last[4] == BatchSync(0, (1, 2)) and BatchSync(0, (1, 2)) not in first and first[-1] == GradSync()
     assert first[4] == Backward("image", 0, 2, 1, None, recompute=False)
-    assert text == [Forward("text", 0, 4, None, None, True), Forward("text", 1, 4, None, None, True), BatchSync(0, (1, 2)),
-                    Backward("text", 0, 4, None, None, False), Backward("text", 1, 4, None, None, False), GradSync()]
+    assert text == [
+        Forward("text", 0, 4, None, None, True),
+        Forward("text", 1, 4, None, None, True),
+        BatchSync(0, (1, 2)),
+        Backward("text", 0, 4, None, None, False),
+        Backward("text", 1, 4, None, None, False),
+        GradSync(),
+    ]
 
 
 def test_cached_recomputes_and_keeps_nothing():
@@ -63,8 +69,13 @@ def test_simulator_reports_a_deadlock():
 def test_distmm_overlaps_one_wave_with_the_next():
     """Two waves (sync groups) of half the batch: after wave 0's batch-sync, wave 1's forwards
     alternate with wave 0's backwards, after one warm-up forward on the first of two stages."""
-    plan = Plan(3, {"image": {"ranks": [0, 1], "pp": 2, "microbatch": 2, "schedule": "distmm"},
-                    "text": {"ranks": [2], "microbatch": 2, "schedule": "distmm"}})
+    plan = Plan(
+        3,
+        {
+            "image": {"ranks": [0, 1], "pp": 2, "microbatch": 2, "schedule": "distmm"},
+            "text": {"ranks": [2], "microbatch": 2, "schedule": "distmm"},
+        },
+    )
     first, last, text = (rank_schedule(plan, r, 8) for r in range(3))
     kinds = lambda ins: [f"{type(i).__name__[0]}{getattr(i, 'wave', '')}" for i in ins]  # noqa: E731
     assert kinds(first) == ["F0", "F0", "F1", "B0", "F1", "B0", "B1", "B1", "G"]
@@ -81,8 +92,11 @@ def test_distmm_holds_half_the_activations(stages):
     wave's plus its warm-up. In this compute-only simulation the step is no shorter: the last
     stage does all its work plus a second batch-sync; the warm-up keeps deeper pipelines from
     paying a forward round trip per microbatch (docs/pipeline.md)."""
+
     def plan(schedule):
-        return Plan(stages, {"image": {"ranks": list(range(stages)), "pp": stages, "microbatch": 1, "schedule": schedule}})
+        return Plan(
+            stages, {"image": {"ranks": list(range(stages)), "pp": stages, "microbatch": 1, "schedule": schedule}}
+        )
 
     def duration(rank, ins):
         return {"Forward": 1.0, "Backward": 2.0, "BatchSync": 0.5}.get(type(ins).__name__, 0.0)
@@ -109,8 +123,13 @@ def _random_plan(rng: random.Random, schedule: str) -> Plan:
         pp = rng.choice([d for d in (1, 2, 3) if d <= world])
         tp = rng.choice([d for d in (1, 2) if d * pp <= world])
         dp = rng.randint(1, world // (pp * tp))
-        towers[name] = {"ranks": rng.sample(range(world), dp * pp * tp), "pp": pp, "tp": tp,
-                        "microbatch": rng.choice([None, 1, 2]), "schedule": schedule}
+        towers[name] = {
+            "ranks": rng.sample(range(world), dp * pp * tp),
+            "pp": pp,
+            "tp": tp,
+            "microbatch": rng.choice([None, 1, 2]),
+            "schedule": schedule,
+        }
     unheld = set(range(world)) - {r for t in towers.values() for r in t["ranks"]}
     first = next(iter(towers.values()))
     if unheld:  # give idle ranks to the first tower as one-rank-wide extra replicas when its shape allows

@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from distmm_testing import TinyText
 from timm.models.vision_transformer import VisionTransformer
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from distmm_testing import TinyText
 from lightning_distmm.parallel.tensor_parallel import apply_tp_clip_text, apply_tp_vit
 
 

@@ -8,7 +8,8 @@ are loaded whole and the unneeded fields dropped.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from torch.utils.data import Dataset
 

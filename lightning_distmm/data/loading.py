@@ -14,7 +14,8 @@ loaded), so a resumed run sees exactly the batches an uninterrupted run would.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -77,7 +78,9 @@ class _CollateWithGlobalBatch:
     def __call__(self, items: list[tuple[Any, int]]) -> Any:
         batch = self.collate_fn([sample for sample, _ in items])
         if not isinstance(batch, dict):
-            raise TypeError(f"distmm needs batches that are dicts keyed by field name, the collate_fn gave {type(batch).__name__}")
+            raise TypeError(
+                f"distmm needs batches that are dicts keyed by field name, the collate_fn gave {type(batch).__name__}"
+            )
         batch[GLOBAL_BATCH_KEY] = torch.tensor(items[0][1])
         return batch
 
@@ -91,9 +94,13 @@ class DistMMDataLoader(DataLoader):
 
     def __init__(self, source: DataLoader, layout: RankLayout, progress: Callable[[], int] | None = None):
         if source.batch_sampler is None:
-            raise ValueError("distmm needs a DataLoader with a batch_size (the global batch); batch_size=None is not supported")
+            raise ValueError(
+                "distmm needs a DataLoader with a batch_size (the global batch); batch_size=None is not supported"
+            )
         if isinstance(source.dataset, torch.utils.data.IterableDataset):
-            raise TypeError("distmm's per-tower loading needs a map-style dataset; IterableDataset is not supported yet")
+            raise TypeError(
+                "distmm's per-tower loading needs a map-style dataset; IterableDataset is not supported yet"
+            )
         self.source = source
         self.layout = layout
         self.progress = progress

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import lightning as L
 import numpy as np

@@ -17,8 +17,8 @@ attended token of every row is ``[EOS]``: a text tower may pool there (``attenti
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
@@ -52,7 +52,7 @@ def build_tokenizer(words: Iterable[str]) -> Tokenizer:
     return tok
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cached_caption_tokenizer() -> Tokenizer:
     return build_tokenizer(caption_words())
 

@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import lightning as L
 import torch
@@ -246,9 +247,7 @@ def _load_local_weights(model: nn.Module, path: str | Path, skip_prefixes: tuple
                 state = state[key]
     own = model.state_dict()
     state = {
-        k: v
-        for k, v in state.items()
-        if not (k.startswith(skip_prefixes) and k in own and own[k].shape != v.shape)
+        k: v for k, v in state.items() if not (k.startswith(skip_prefixes) and k in own and own[k].shape != v.shape)
     }
     missing, unexpected = model.load_state_dict(state, strict=False)
     bad_missing = [k for k in missing if not k.startswith(skip_prefixes)]
@@ -324,7 +323,9 @@ class CLIPModel(DistMMMixin, L.LightningModule):
         for name, tower_cfg in self.model_cfg["towers"].items():
             inputs = tower_cfg["input"]
             inputs = inputs if isinstance(inputs, str) else list(inputs)
-            out[name] = Tower(getattr(self, self._tower_attrs[name]), input=inputs, frozen=bool(tower_cfg.get("frozen", False)))
+            out[name] = Tower(
+                getattr(self, self._tower_attrs[name]), input=inputs, frozen=bool(tower_cfg.get("frozen", False))
+            )
         return out
 
     def interaction_loss(self, features: dict[str, Tensor]) -> Tensor:
@@ -337,7 +338,13 @@ class CLIPModel(DistMMMixin, L.LightningModule):
             if not p.requires_grad:
                 continue
             leaf = name.rsplit(".", 1)[-1]
-            skip = p.ndim < 2 or leaf in ("cls_token", "pos_embed", "reg_token") or "position_embedding" in name or "token_embedding" in name or "word_embeddings" in name
+            skip = (
+                p.ndim < 2
+                or leaf in ("cls_token", "pos_embed", "reg_token")
+                or "position_embedding" in name
+                or "token_embedding" in name
+                or "word_embeddings" in name
+            )
             (no_decay if skip else decay).append(p)
         wd = float(self.optim_cfg["weight_decay"])
         return [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
@@ -381,4 +388,13 @@ def num_parameters(module: nn.Module, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
 
 
-__all__ = ["CLIP_TINY", "DEFAULT_OPTIM", "CLIPModel", "TextTower", "BertTower", "build_tower", "build_vit", "num_parameters"]
+__all__ = [
+    "CLIP_TINY",
+    "DEFAULT_OPTIM",
+    "CLIPModel",
+    "TextTower",
+    "BertTower",
+    "build_tower",
+    "build_vit",
+    "num_parameters",
+]

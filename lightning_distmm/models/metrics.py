@@ -8,7 +8,8 @@ is the fraction of queries whose match ranks among the k most similar candidates
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,9 @@ def _to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]
 
 
 @torch.no_grad()
-def encode_dataset(module: Any, dataloader: Iterable[Mapping[str, Any]], max_samples: int | None = None) -> dict[str, Tensor]:
+def encode_dataset(
+    module: Any, dataloader: Iterable[Mapping[str, Any]], max_samples: int | None = None
+) -> dict[str, Tensor]:
     """``module.encode(batch)`` over the loader, concatenated per tower (on the CPU)."""
     was_training = module.training
     module.eval()

@@ -14,13 +14,12 @@ pipeline executor can call the same steps between microbatches.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-
 
 # torch 2.14 renamed all_gather_into_tensor (and deprecated the old name); older torch has only that
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -6,9 +6,9 @@ loaded batch each local tower encodes, and where its features go in the whole ba
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Mapping, Sequence
 
 from lightning_distmm.plan.plan import Plan
 

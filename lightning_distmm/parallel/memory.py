@@ -6,8 +6,8 @@ saved for backward inside the context is counted while the graph holds it, once 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 
@@ -24,7 +24,7 @@ class ActivationMeter:
         self.peak = self.live
 
     @contextmanager
-    def track(self) -> Iterator["ActivationMeter"]:
+    def track(self) -> Iterator[ActivationMeter]:
         """Count what autograd saves inside this context until the graph lets it go."""
         with torch.autograd.graph.saved_tensors_hooks(lambda t: _Saved(self, t), lambda saved: saved.tensor):
             yield self

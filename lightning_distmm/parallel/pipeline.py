@@ -17,8 +17,9 @@ tests simulate random plans for deadlocks).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,7 +68,9 @@ def vit_stages(model: nn.Module, pp: int, fields: tuple[str, ...]) -> list[Stage
             if getattr(model, "attn_pool", None) is not None:
                 own.append(model.attn_pool)  # type: ignore[arg-type]
 
-        def run(x: Tensor | None, rows: Mapping[str, Any], a: int = a, b: int = b, first: bool = first, last: bool = last) -> Tensor:
+        def run(
+            x: Tensor | None, rows: Mapping[str, Any], a: int = a, b: int = b, first: bool = first, last: bool = last
+        ) -> Tensor:
             if first:
                 x = model.patch_embed(rows[fields[0]])  # type: ignore[operator]
                 x = model._pos_embed(x)  # type: ignore[operator]
@@ -80,7 +83,9 @@ def vit_stages(model: nn.Module, pp: int, fields: tuple[str, ...]) -> list[Stage
                 x = model.forward_head(x)  # type: ignore[operator]
             return x  # type: ignore[return-value]
 
-        loose = tuple(n for n in ("cls_token", "reg_token", "pos_embed") if first and getattr(model, n, None) is not None)
+        loose = tuple(
+            n for n in ("cls_token", "reg_token", "pos_embed") if first and getattr(model, n, None) is not None
+        )
         stages.append(Stage(own, run, loose))
     return stages
 
@@ -110,7 +115,9 @@ def clip_text_stages(
         if last:
             own += [text_model.final_layer_norm, *epilogue_modules]  # type: ignore[list-item]
 
-        def run(x: Tensor | None, rows: Mapping[str, Any], a: int = a, b: int = b, first: bool = first, last: bool = last) -> Tensor:
+        def run(
+            x: Tensor | None, rows: Mapping[str, Any], a: int = a, b: int = b, first: bool = first, last: bool = last
+        ) -> Tensor:
             if first:
                 x = text_model.embeddings(input_ids=rows[ids_field])  # type: ignore[operator]
             assert x is not None

@@ -31,8 +31,9 @@ import ctypes
 import gc
 import math
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,8 +54,8 @@ from lightning_distmm.parallel.exchange import (
 )
 from lightning_distmm.parallel.groups import TowerGroups
 from lightning_distmm.parallel.layout import RankBatch, RankLayout
-from lightning_distmm.plan.plan import Plan
 from lightning_distmm.parallel.pipeline import Stage
+from lightning_distmm.plan.plan import Plan
 from lightning_distmm.plan.schedule import (
     Backward,
     BatchSync,
@@ -148,7 +149,9 @@ def tower_prefixes(module: nn.Module, towers: Mapping[str, Tower]) -> dict[str, 
     return prefixes
 
 
-def tower_parameters(module: nn.Module, towers: Mapping[str, Tower]) -> tuple[dict[str, dict[str, nn.Parameter]], dict[str, nn.Parameter]]:
+def tower_parameters(
+    module: nn.Module, towers: Mapping[str, Tower]
+) -> tuple[dict[str, dict[str, nn.Parameter]], dict[str, nn.Parameter]]:
     """Split ``module``'s parameters by tower (by module identity); the rest are interaction parameters."""
     prefixes = tower_prefixes(module, towers)
     per_tower: dict[str, dict[str, nn.Parameter]] = {n: {} for n in towers}
@@ -190,7 +193,9 @@ class TowerRuntime:
         #: per pipelined tower, one process group for activations and one for gradients (see send_tensor)
         self.p2p_groups = {
             (name, kind): dist.new_group(list(range(self.world)))
-            for name, t in plan.towers.items() if t.pp > 1 for kind in ("act", "grad")
+            for name, t in plan.towers.items()
+            if t.pp > 1
+            for kind in ("act", "grad")
         }
         #: set by the strategy when Lightning will zero the gradients after this training_step
         self.discard_earlier_gradients = False
@@ -308,13 +313,17 @@ class TowerRuntime:
         # soon as its last backward on this rank is done, the interaction parameters' at the end.
         # The same decision on every rank (it depends on the strategy's flags only).
         overlap = learns and self.sync_this_step and self.discard_earlier_gradients
-        last_backward = {ins.tower: i for i, ins in enumerate(instructions) if isinstance(ins, Backward)} if overlap else {}
+        last_backward = (
+            {ins.tower: i for i, ins in enumerate(instructions) if isinstance(ins, Backward)} if overlap else {}
+        )
         sums: list[PendingSum] = []
         try:
             for i, ins in enumerate(instructions):
                 self._sends = [s for s in self._sends if not s.done()]
                 if isinstance(ins, Forward):
-                    rows = {f: _take_rows(batch[f], step.rows[ins.tower, ins.mb]) for f in self.towers[ins.tower].fields}
+                    rows = {
+                        f: _take_rows(batch[f], step.rows[ins.tower, ins.mb]) for f in self.towers[ins.tower].fields
+                    }
                     self._forward(ins, rows, training, step)
                 elif isinstance(ins, BatchSync):
                     self._batch_sync(module, ins, step, training)
@@ -323,7 +332,11 @@ class TowerRuntime:
                         # the tower's last backward on this rank: its gradients become final during it,
                         # bucket by bucket, and each bucket's sum is posted as soon as it is
                         buckets = self._gradient_buckets(ins.tower) if last_backward.get(ins.tower) == i else None
-                        self._backward(ins, step.records.pop((ins.tower, ins.mb)), step.feature_grads.pop((ins.tower, ins.mb), None))
+                        self._backward(
+                            ins,
+                            step.records.pop((ins.tower, ins.mb)),
+                            step.feature_grads.pop((ins.tower, ins.mb), None),
+                        )
                         if buckets is not None:
                             sums.extend(buckets.finish())
                 # GradSync: posted above when overlapping, else in finish_backward (once per optimizer step)
@@ -361,7 +374,11 @@ class TowerRuntime:
         from lightning_distmm.parallel.pipeline import recv_tensor, send_tensor
 
         grad = training and self.trainable(ins.tower)
-        x_in = recv_tensor(ins.recv_from, self.device, self.p2p_groups.get((ins.tower, "act"))) if ins.recv_from is not None else None
+        x_in = (
+            recv_tensor(ins.recv_from, self.device, self.p2p_groups.get((ins.tower, "act")))
+            if ins.recv_from is not None
+            else None
+        )
         start = time.perf_counter()
         if grad and not ins.keep:  # cached: no activations now, recompute from the input in backward
             rng = _rng_state(self.device)
@@ -439,7 +456,9 @@ class TowerRuntime:
             self.trace.append((ins, start, time.perf_counter()))
         if ins.send_to is not None:
             assert x_in is not None
-            self._sends.append(send_tensor(x_in.grad if x_in.grad is not None else torch.zeros_like(x_in), ins.send_to, group))
+            self._sends.append(
+                send_tensor(x_in.grad if x_in.grad is not None else torch.zeros_like(x_in), ins.send_to, group)
+            )
 
     # ------------------------------------------------------------------ gradients
     def _take_gradients(self) -> list[tuple[nn.Parameter, Tensor]]:
@@ -502,7 +521,7 @@ class TowerRuntime:
         if sync and not summed:
             self.sync_gradients()
 
-    def _gradient_buckets(self, name: str) -> "_GradientBuckets | None":
+    def _gradient_buckets(self, name: str) -> _GradientBuckets | None:
         """Buckets of tower ``name``'s gradients, summed over its replicas as they become final (None: one replica)."""
         tower = self.plan.towers[name]
         if tower.dp == 1:

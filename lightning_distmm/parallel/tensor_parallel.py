@@ -85,7 +85,9 @@ def apply_tp_vit(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         attn.qkv = _FusedQKVColwise(attn.qkv, mesh)
         attn.num_heads //= tp
         attn.attn_dim //= tp
-        parallelize_module(block, mesh, {"attn.proj": RowwiseParallel(), "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()})
+        parallelize_module(
+            block, mesh, {"attn.proj": RowwiseParallel(), "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
+        )
     return model
 
 

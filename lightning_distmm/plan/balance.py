@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -131,7 +132,9 @@ def barrier_allocation(
         cands = [c.take(c.n == fixed[c.tower]) for c in cands]
     for c in cands:
         if len(c) == 0:
-            raise InfeasibleError(f"tower {c.tower!r} has no feasible configuration on the devices the balancer gives it")
+            raise InfeasibleError(
+                f"tower {c.tower!r} has no feasible configuration on the devices the balancer gives it"
+            )
     cands = [c.pareto() for c in cands]
     evals = 0
 

@@ -17,13 +17,22 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from lightning_distmm.plan.cluster import Cluster
-from lightning_distmm.plan.cost import CostOptions, StepCost, TowerChoice, batch_syncs, even_split, evaluate_plan, loss_bytes
-from lightning_distmm.plan.plan import split_batch
+from lightning_distmm.plan.cost import (
+    CostOptions,
+    StepCost,
+    TowerChoice,
+    batch_syncs,
+    evaluate_plan,
+    even_split,
+    loss_bytes,
+)
 from lightning_distmm.plan.partition import SearchSpace, colocated_options, option
+from lightning_distmm.plan.plan import split_batch
 from lightning_distmm.plan.profile import TowerProfile
 
 
@@ -65,8 +74,12 @@ def colocated_search(
     # the batch-syncs' seconds, which differ between the two families of plans
     budget, sync = {}, {}
     for groups in (1, 2):
-        budget[groups] = limit - loss_bytes(split_batch(global_batch, None, groups)[0], world, len(contrastive), opts, embed)
-        sync[groups] = batch_syncs(cluster, opts, global_batch, embed, world, cluster.nodes, len(contrastive), groups)["total"]
+        budget[groups] = limit - loss_bytes(
+            split_batch(global_batch, None, groups)[0], world, len(contrastive), opts, embed
+        )
+        sync[groups] = batch_syncs(cluster, opts, global_batch, embed, world, cluster.nodes, len(contrastive), groups)[
+            "total"
+        ]
     combos: list[tuple[float, tuple[dict[str, Any], ...]]] = []
     if mode == "ddp":
         opts_per = [colocated_options(profiles[n], cluster, opts, global_batch, world, space, [1], [1]) for n in names]
@@ -110,10 +123,13 @@ def colocated_search(
     return best
 
 
-def _all_options(profile: TowerProfile, cluster: Cluster, opts: CostOptions, G: int, world: int, space: SearchSpace, tp: int, pp: int) -> list[dict[str, Any]]:
+def _all_options(
+    profile: TowerProfile, cluster: Cluster, opts: CostOptions, G: int, world: int, space: SearchSpace, tp: int, pp: int
+) -> list[dict[str, Any]]:
     """Every (schedule, K) of one tower at a fixed tp x pp on all devices (no Pareto pruning)."""
-    from lightning_distmm.plan.partition import _grid, k_grid
     import numpy as np
+
+    from lightning_distmm.plan.partition import _grid, k_grid
 
     if world // (tp * pp) > G:
         return []
@@ -174,8 +190,14 @@ def _combine(
         for group in itertools.product(*family):
             if sum(o["mem"] for o in group) <= budget[n_sync]:
                 # lower bound: whichever tower goes last exposes at least its all-reduce minus its last slot
-                tail = max(0.0, min(o["ar"] - o["slot"] for o in group)) if opts.overlap_grad_sync else sum(o["ar"] for o in group)
-                scored.append((sum(o["F"] + o["Bphase"] + o["opt"] for o in group) + tail + sync[n_sync], n_sync, group))
+                tail = (
+                    max(0.0, min(o["ar"] - o["slot"] for o in group))
+                    if opts.overlap_grad_sync
+                    else sum(o["ar"] for o in group)
+                )
+                scored.append(
+                    (sum(o["F"] + o["Bphase"] + o["opt"] for o in group) + tail + sync[n_sync], n_sync, group)
+                )
     scored.sort(key=lambda g: g[0])
     best: list[tuple[float, tuple[dict[str, Any], ...]]] = []
     for lower, n_sync, group in scored:

@@ -25,9 +25,10 @@ import math
 import os
 import platform
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 GB = 1e9
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -138,7 +139,7 @@ class Cluster:
     def node_of(self, rank: int) -> int:
         return rank // self.devices_per_node
 
-    def with_world(self, world_size: int) -> "Cluster":
+    def with_world(self, world_size: int) -> Cluster:
         """The same hardware with ``world_size`` devices (whole nodes where possible)."""
         dpn = min(self.devices_per_node, world_size)
         if world_size % dpn:
@@ -154,7 +155,9 @@ class Cluster:
         inter_steps = steps_per_rank * (nodes - 1)
         return self.collective_latency + (steps - inter_steps) * self.intra.latency + inter_steps * self.inter.latency
 
-    def allreduce_time(self, nbytes: float, ranks: int, nodes: int = 1, per_node: int | None = None, nic_load: float | None = None) -> float:
+    def allreduce_time(
+        self, nbytes: float, ranks: int, nodes: int = 1, per_node: int | None = None, nic_load: float | None = None
+    ) -> float:
         """Hierarchical ring all-reduce of ``nbytes`` over ``ranks`` spread on ``nodes`` nodes.
 
         ``per_node`` is the largest number of members on one node (default ``ranks / nodes``).
@@ -221,7 +224,7 @@ class Cluster:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Cluster":
+    def from_dict(cls, data: Mapping[str, Any]) -> Cluster:
         """Build from a preset mapping (units as in the YAML: GB, TFLOP/s, GB/s, microseconds).
 
         A mapping with ``measure: true`` is measured on this machine (see :func:`measure_local_cpu`);
@@ -246,7 +249,9 @@ class Cluster:
             memory_bandwidth=float(dev["memory_bandwidth_gbps"]) * GB,
             gemm_efficiency=float(dev.get("gemm_efficiency", 1.0)),
             kernel_overhead=float(dev.get("kernel_overhead_us", 0.0)) * 1e-6,
-            efficiency_points=[list(map(float, p)) for p in dev["efficiency_points"]] if dev.get("efficiency_points") else None,
+            efficiency_points=[list(map(float, p)) for p in dev["efficiency_points"]]
+            if dev.get("efficiency_points")
+            else None,
             sm_count=int(dev["sm_count"]) if dev.get("sm_count") else None,
             concurrency=float(dev.get("concurrency", 1.0)),
         )
@@ -275,7 +280,7 @@ def _r(x: float) -> float:
     return float(f"{x:.12g}")
 
 
-def load_cluster(spec: "str | Path | Mapping[str, Any] | Cluster") -> Cluster:
+def load_cluster(spec: str | Path | Mapping[str, Any] | Cluster) -> Cluster:
     """A :class:`Cluster` from a preset name (``conf/cluster/<name>.yaml``), a YAML path or a mapping."""
     if isinstance(spec, Cluster):
         return spec
@@ -465,7 +470,12 @@ def _measure_gloo(world: int = 2, timeout: float = 120.0) -> dict[str, float] | 
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = [
-        subprocess.Popen([sys.executable, "-c", _GLOO_WORKER, str(r), str(world), str(port)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", _GLOO_WORKER, str(r), str(world), str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         for r in range(world)
     ]
     try:
@@ -554,7 +564,10 @@ class ConcurrencyProbe:
         self.procs = [
             subprocess.Popen(
                 [sys.executable, "-c", _CONCURRENCY_WORKER, str(threads)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
             )
             for _ in range(devices)
         ]
@@ -624,7 +637,7 @@ class ConcurrencyProbe:
                 p.kill()
         self.procs = []
 
-    def __enter__(self) -> "ConcurrencyProbe":
+    def __enter__(self) -> ConcurrencyProbe:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -645,5 +658,15 @@ def list_presets(kind: str = "cluster") -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / kind).glob("*.yaml"))
 
 
-__all__ = ["Device", "Link", "Cluster", "load_cluster", "measure_local_cpu", "ConcurrencyProbe", "host_busy_seconds", "list_presets", "CONF_DIR", "GB"]
-
+__all__ = [
+    "Device",
+    "Link",
+    "Cluster",
+    "load_cluster",
+    "measure_local_cpu",
+    "ConcurrencyProbe",
+    "host_busy_seconds",
+    "list_presets",
+    "CONF_DIR",
+    "GB",
+]

@@ -42,8 +42,9 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -101,7 +102,7 @@ class CostOptions:
         return 2.0 * self.static_bytes_trainable
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | None) -> "CostOptions":
+    def from_dict(cls, d: Mapping[str, Any] | None) -> CostOptions:
         d = dict(d or {})
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in d.items() if k in known})
@@ -130,7 +131,9 @@ def block_time(block: Block, cluster: Cluster, opts: CostOptions, mb: Any, tp: i
     return t + block.kernels * dev.kernel_overhead
 
 
-def stage_compute(profile: TowerProfile, cluster: Cluster, opts: CostOptions, mb: Any, tp: int, pp: int) -> tuple[np.ndarray, np.ndarray]:
+def stage_compute(
+    profile: TowerProfile, cluster: Cluster, opts: CostOptions, mb: Any, tp: int, pp: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Forward and backward compute seconds of the slowest pipeline stage for one microbatch."""
     mb = np.asarray(mb, dtype=float)
     fit = profile.measured
@@ -150,13 +153,17 @@ def stage_compute(profile: TowerProfile, cluster: Cluster, opts: CostOptions, mb
     return np.asarray(f, dtype=float), np.asarray(b, dtype=float)
 
 
-def _analytic_stage(profile: TowerProfile, cluster: Cluster, opts: CostOptions, mb: Any, tp: int, pp: int) -> np.ndarray:
+def _analytic_stage(
+    profile: TowerProfile, cluster: Cluster, opts: CostOptions, mb: Any, tp: int, pp: int
+) -> np.ndarray:
     layer = block_time(profile.layer, cluster, opts, mb, tp) * (profile.layers // pp)
     pre, post = block_time(profile.pre, cluster, opts, mb, tp), block_time(profile.post, cluster, opts, mb, tp)
     return layer + (pre + post if pp == 1 else np.maximum(pre, post))
 
 
-def tp_comm(profile: TowerProfile, cluster: Cluster, opts: CostOptions, mb: Any, tp: int, pp: int, cross_node: bool = False) -> np.ndarray:
+def tp_comm(
+    profile: TowerProfile, cluster: Cluster, opts: CostOptions, mb: Any, tp: int, pp: int, cross_node: bool = False
+) -> np.ndarray:
     """Seconds of tensor-parallel all-reduces of one stage for one microbatch, forward (backward equal)."""
     mb = np.asarray(mb, dtype=float)
     if tp <= 1 or not profile.analytic:
@@ -170,7 +177,9 @@ def tp_comm(profile: TowerProfile, cluster: Cluster, opts: CostOptions, mb: Any,
     return one * count * (profile.layers // pp)
 
 
-def pp_comm(profile: TowerProfile, cluster: Cluster, opts: CostOptions, mb: Any, pp: int, cross_node: bool = False) -> np.ndarray:
+def pp_comm(
+    profile: TowerProfile, cluster: Cluster, opts: CostOptions, mb: Any, pp: int, cross_node: bool = False
+) -> np.ndarray:
     """Seconds to send one microbatch's activations to the next stage (the gradient back costs the same)."""
     mb = np.asarray(mb, dtype=float)
     if pp <= 1:
@@ -189,7 +198,9 @@ def wave_rows(schedule: str, rows: Any) -> tuple[Any, ...]:
     return (rows,)
 
 
-def phases(schedule: str, frozen: bool, K: Any, P: int, f: Any, b: Any, link: Any = 0.0, K1: Any = None) -> tuple[tuple[Any, ...], Any]:
+def phases(
+    schedule: str, frozen: bool, K: Any, P: int, f: Any, b: Any, link: Any = 0.0, K1: Any = None
+) -> tuple[tuple[Any, ...], Any]:
     """Closed form of :func:`replica_timeline` for microbatches of equal durations.
 
     ``K`` microbatches (``distmm``: ``K`` in wave 0 and ``K1`` in wave 1, ``K1`` in ``{K, K-1}``,
@@ -262,7 +273,9 @@ def replica_plan(schedule: str, P: int, microbatch: int | None) -> Plan:
 
 
 @functools.lru_cache(maxsize=512)
-def _replica_lists(schedule: str, P: int, rows: int, microbatch: int | None, frozen: bool) -> dict[int, tuple[ir.Instruction, ...]]:
+def _replica_lists(
+    schedule: str, P: int, rows: int, microbatch: int | None, frozen: bool
+) -> dict[int, tuple[ir.Instruction, ...]]:
     lists = ir.schedules(replica_plan(schedule, P, microbatch), rows)
     # a frozen tower's backward is skipped by the runtime: no compute, no gradient sent or awaited
     return {r: tuple(i for i in ins if not (frozen and isinstance(i, ir.Backward))) for r, ins in lists.items()}
@@ -292,9 +305,9 @@ def replica_timeline(
     P: int,
     rows: int,
     microbatch: int | None,
-    forward: "float | Callable[[int], float]",
-    backward: "float | Callable[[int], float]",
-    link: "float | Callable[[int], float]" = 0.0,
+    forward: float | Callable[[int], float],
+    backward: float | Callable[[int], float],
+    link: float | Callable[[int], float] = 0.0,
     syncs: Sequence[float] = (),
 ) -> ReplicaTimeline:
     """Price one replica's pipeline by simulating the runtime's instruction lists.
@@ -308,9 +321,7 @@ def replica_timeline(
     """
     lists = _replica_lists(schedule, P, int(rows), None if microbatch is None else int(microbatch), frozen)
     sizes = sorted({i.rows for i in lists[P - 1] if isinstance(i, ir.Forward)})
-    table = tuple(
-        (r, *(float(x(r)) if callable(x) else float(x) for x in (forward, backward, link))) for r in sizes
-    )
+    table = tuple((r, *(float(x(r)) if callable(x) else float(x) for x in (forward, backward, link))) for r in sizes)
     return _simulate_replica(schedule, frozen, P, int(rows), microbatch, table, tuple(float(x) for x in syncs))
 
 
@@ -333,7 +344,10 @@ def _simulate_replica(
         return 0.0
 
     intervals = ir.simulate(lists, duration, lambda ins: by_rows[ins.rows][2])
-    last = sorted((i for i in intervals if i.rank == P - 1 and isinstance(i.instruction, ir.BatchSync)), key=lambda i: i.instruction.wave)
+    last = sorted(
+        (i for i in intervals if i.rank == P - 1 and isinstance(i.instruction, ir.BatchSync)),
+        key=lambda i: i.instruction.wave,
+    )
     end = max(i.end for i in intervals)
     segments, clock = [], 0.0
     for i in last:
@@ -374,7 +388,15 @@ def act_per_sample(profile: TowerProfile, opts: CostOptions, tp: int, pp: int, m
 
 
 def memory_per_device(
-    profile: TowerProfile, opts: CostOptions, schedule: str, mb: Any, K: Any, replica_batch: Any, tp: int, pp: int, loss_bytes: Any = 0.0
+    profile: TowerProfile,
+    opts: CostOptions,
+    schedule: str,
+    mb: Any,
+    K: Any,
+    replica_batch: Any,
+    tp: int,
+    pp: int,
+    loss_bytes: Any = 0.0,
 ) -> dict[str, Any]:
     """Peak bytes on the busiest device of a replica: static (weights, grads, optimizer), activations, loss."""
     mb = np.asarray(mb, dtype=float)
@@ -401,7 +423,12 @@ def memory_per_device(
         act = (wave0 + np.minimum((pp - 1) * mb, wave1)) * aps
     else:
         act = np.asarray(replica_batch, dtype=float) * aps
-    return {"static": static + 0 * mb, "activations": act, "loss": np.asarray(loss_bytes, dtype=float) + 0 * mb, "total": static + act + loss_bytes}
+    return {
+        "static": static + 0 * mb,
+        "activations": act,
+        "loss": np.asarray(loss_bytes, dtype=float) + 0 * mb,
+        "total": static + act + loss_bytes,
+    }
 
 
 def loss_bytes(global_batch: int, world: int, n_contrastive: int, opts: CostOptions, embed_dim: int) -> float:
@@ -451,7 +478,13 @@ def compact_dp_allreduce(cluster: Cluster, grad_bytes: float, dp: Any, tp: int, 
         node_bytes = grad_bytes * dpn
     steps = 2 * (dp - 1)
     inter_steps = 2 * (nodes - 1)
-    lat = np.where(dp > 1, cluster.collective_latency + (steps - inter_steps) * cluster.intra.latency + inter_steps * cluster.inter.latency, 0.0)
+    lat = np.where(
+        dp > 1,
+        cluster.collective_latency
+        + (steps - inter_steps) * cluster.intra.latency
+        + inter_steps * cluster.inter.latency,
+        0.0,
+    )
     intra = np.where(per_node > 1, 2 * (per_node - 1) / per_node * grad_bytes / cluster.intra.effective, 0.0)
     inter = np.where(nodes > 1, 2 * (nodes - 1) / np.maximum(nodes, 1) * node_bytes / cluster.inter.effective, 0.0)
     return np.where(dp > 1, lat + intra + inter, 0.0)
@@ -492,27 +525,41 @@ def sync_time(
     rows = math.ceil(global_batch / max(world, 1))
     pairs = n_contrastive * (n_contrastive - 1) // 2
     flops = 12.0 * rows * global_batch * embed_dim * 2 * pairs
-    loss = float(cluster.device.gemm_time(flops, 4.0 * (rows + global_batch) * embed_dim * 2 + 4.0 * rows * global_batch * 3))
+    loss = float(
+        cluster.device.gemm_time(flops, 4.0 * (rows + global_batch) * embed_dim * 2 + 4.0 * rows * global_batch * 3)
+    )
     return {"gather": gather, "loss": loss, "total": 2 * gather + loss}
 
 
 def batch_syncs(
-    cluster: Cluster, opts: CostOptions, global_batch: int, embed_dim: int, world: int, nodes: int, n_contrastive: int, groups: int = 1
+    cluster: Cluster,
+    opts: CostOptions,
+    global_batch: int,
+    embed_dim: int,
+    world: int,
+    nodes: int,
+    n_contrastive: int,
+    groups: int = 1,
 ) -> dict[str, Any]:
     """Every batch-sync of a step: one over the global batch, or under ``distmm`` one per sync
     group (half of the batch each). ``waves``: seconds of each; the other keys sum them."""
-    each = [sync_time(cluster, opts, rows, embed_dim, world, nodes, n_contrastive) for rows in split_batch(global_batch, None, groups)]
+    each = [
+        sync_time(cluster, opts, rows, embed_dim, world, nodes, n_contrastive)
+        for rows in split_batch(global_batch, None, groups)
+    ]
     out: dict[str, Any] = {k: sum(e[k] for e in each) for k in ("gather", "loss", "total")}
     out["waves"] = [e["total"] for e in each]
     return out
 
 
-def sync_groups(choices: Mapping[str, "TowerChoice"]) -> int:
+def sync_groups(choices: Mapping[str, TowerChoice]) -> int:
     """Batch-syncs per step: 2 when the towers run ``distmm`` (every tower must), else 1."""
     uses = {c.schedule == "distmm" for c in choices.values()}
     if len(uses) > 1:
         odd = sorted(n for n, c in choices.items() if c.schedule == "distmm")
-        raise ValueError(f"schedule 'distmm' is on tower(s) {odd} but not on all towers: it splits the whole batch into two sync groups")
+        raise ValueError(
+            f"schedule 'distmm' is on tower(s) {odd} but not on all towers: it splits the whole batch into two sync groups"
+        )
     return 2 if True in uses else 1
 
 
@@ -520,7 +567,7 @@ def instruction_seconds(
     profiles: Mapping[str, TowerProfile],
     cluster: Cluster,
     opts: CostOptions,
-    choices: Mapping[str, "TowerChoice"],
+    choices: Mapping[str, TowerChoice],
     global_batch: int,
     world: int,
     nodes: int,
@@ -531,9 +578,11 @@ def instruction_seconds(
     (the ``link`` of :func:`schedule.simulate`). For drawing a plan's step, not for the planner."""
     contrastive = [n for n, p in profiles.items() if p.arch != "text_decoder"]
     embed = max((profiles[n].embed_dim for n in contrastive), default=0)
-    syncs = batch_syncs(cluster, opts, global_batch, embed, world, nodes, len(contrastive), sync_groups(choices))["waves"]
+    syncs = batch_syncs(cluster, opts, global_batch, embed, world, nodes, len(contrastive), sync_groups(choices))[
+        "waves"
+    ]
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def micro(tower: str, rows: int) -> tuple[float, float, float]:
         c, p = choices[tower], profiles[tower]
         f, b = (float(x) for x in stage_compute(p, cluster, opts, float(rows), c.tp, c.pp))
@@ -576,7 +625,9 @@ class TowerCost:
     memory: dict[str, float]
     bytes_intra: float
     bytes_inter: float
-    contention: float = 0.0  # seconds the tower's compute is stretched by other devices of its node (Device.concurrency)
+    contention: float = (
+        0.0  # seconds the tower's compute is stretched by other devices of its node (Device.concurrency)
+    )
     segments: tuple[float, ...] = ()  # before the first batch-sync, between the batch-syncs, after the last
 
     @property
@@ -601,7 +652,11 @@ class StepCost:
 
 # ---------------------------------------------------------------------- devices sharing a host
 def shared_host_phases(
-    times: Mapping[str, float], ranks: Mapping[str, Sequence[int]], devices_per_node: int, concurrency: float, colocated: bool
+    times: Mapping[str, float],
+    ranks: Mapping[str, Sequence[int]],
+    devices_per_node: int,
+    concurrency: float,
+    colocated: bool,
 ) -> dict[str, float]:
     """Wall time of each tower's phase when devices of a node slow each other down.
 
@@ -714,7 +769,9 @@ def evaluate_plan(
                 counts[node(r)] = counts.get(node(r), 0) + 1
             m, k = len(counts), max(counts.values())
             if len(g) > 1 and gb > 0:
-                local = cluster.ring_latency(len(g), m, 2) + (2 * (k - 1) / k * gb / cluster.intra.effective if k > 1 else 0.0)
+                local = cluster.ring_latency(len(g), m, 2) + (
+                    2 * (k - 1) / k * gb / cluster.intra.effective if k > 1 else 0.0
+                )
                 worst_local = max(worst_local, local)
                 intra_bytes += sum(2 * (cnt - 1) / cnt * gb * cnt for cnt in counts.values() if cnt > 1)
                 if m > 1:
@@ -737,7 +794,9 @@ def evaluate_plan(
         pp_cross = any(node(a) != node(b) for a, b in g["pp"])
         mb, P = c.microbatch, c.pp
         if c.schedule == "distmm" and c.max_batch < 2:
-            raise ValueError(f"tower {name!r}: schedule 'distmm' needs at least 2 rows per replica (one per sync group), got {c.max_batch}")
+            raise ValueError(
+                f"tower {name!r}: schedule 'distmm' needs at least 2 rows per replica (one per sync group), got {c.max_batch}"
+            )
         # seconds per microbatch, by its rows: compute + tensor-parallel all-reduces of a stage (never
         # below the transfer: a stage cannot pass microbatches on faster than its link carries
         # them), and the transfer to the next stage
@@ -754,8 +813,15 @@ def evaluate_plan(
         fc, bc, f, b, ppc = (float(x[row[mb]]) for x in (fc_r, bc_r, f_r, b_r, ppc_r))
         if replica_instructions(c.schedule, P, c.max_batch, mb) <= SIMULATE_MAX_INSTRUCTIONS:
             timeline = replica_timeline(
-                c.schedule, p.frozen, P, c.max_batch, mb,
-                lambda r: f_r[row[r]], lambda r: b_r[row[r]], lambda r: ppc_r[row[r]], sync["waves"],
+                c.schedule,
+                p.frozen,
+                P,
+                c.max_batch,
+                mb,
+                lambda r: f_r[row[r]],
+                lambda r: b_r[row[r]],
+                lambda r: ppc_r[row[r]],
+                sync["waves"],
             )
             segments, bubble, mbs = list(timeline.segments), timeline.bubble, list(timeline.microbatches)
         else:  # too long to simulate quickly: the closed form of the same lists (microbatches of ``mb`` rows)
@@ -763,7 +829,9 @@ def evaluate_plan(
             segments, bubble, mbs = [float(x) for x in closed], float(closed_bubble), [mb] * K
         pp_critical = 0.0  # the transfers' share of the critical path
         if P > 1:
-            with_link, no_link = (phases(c.schedule, p.frozen, counts[0], P, f, b, x, counts[-1])[0] for x in (ppc, 0.0))
+            with_link, no_link = (
+                phases(c.schedule, p.frozen, counts[0], P, f, b, x, counts[-1])[0] for x in (ppc, 0.0)
+            )
             pp_critical = float(sum(with_link) - sum(no_link))
         cross = 0.0
         if p.cross_from and p.cross_from in ranks:
@@ -780,8 +848,13 @@ def evaluate_plan(
             segments[-1] += cross if not p.frozen else 0.0
         Fp, Bp = segments[0], sum(segments[1:])
         recompute = c.schedule in ("cached", RECOMPUTE) and not p.frozen
-        compute = sum(float(fc_r[row[r]] + (0.0 if p.frozen else bc_r[row[r]] + (fc_r[row[r]] if recompute else 0.0))) for r in mbs)
-        mem = {k: float(v) for k, v in memory_per_device(p, opts, c.schedule, mb, K, c.max_batch, c.tp, c.pp, lb).items()}
+        compute = sum(
+            float(fc_r[row[r]] + (0.0 if p.frozen else bc_r[row[r]] + (fc_r[row[r]] if recompute else 0.0)))
+            for r in mbs
+        )
+        mem = {
+            k: float(v) for k, v in memory_per_device(p, opts, c.schedule, mb, K, c.max_batch, c.tp, c.pp, lb).items()
+        }
         for r in ranks[name]:
             # the loss buffers exist once per rank, however many towers it holds
             mem_by_rank[r] = mem_by_rank.get(r, lb) + mem["total"] - lb
@@ -814,14 +887,23 @@ def evaluate_plan(
             bytes_inter=inter_b,
             segments=tuple(segments),
         )
-        details[name] = {"tp_cross_node": tp_cross, "pp_cross_node": pp_cross, "f": f, "b": b, "K": K, "slot": float(last_slot(c.schedule, f, b)) if not p.frozen else 0.0}
+        details[name] = {
+            "tp_cross_node": tp_cross,
+            "pp_cross_node": pp_cross,
+            "f": f,
+            "b": b,
+            "K": K,
+            "slot": float(last_slot(c.schedule, f, b)) if not p.frozen else 0.0,
+        }
 
     # gradient all-reduce. Separate towers reduce at the same time and share the NICs of the nodes
     # they cross; colocated towers run one after the other, so a tower's all-reduce overlaps the
     # backward of the towers after it (on one communication stream, in the best order).
     order_used: list[str] = list(choices)
     if colocated:
-        ar = {n: dp_info[n]["local"] + max(own_load[n].values(), default=0.0) / cluster.inter.effective for n in choices}
+        ar = {
+            n: dp_info[n]["local"] + max(own_load[n].values(), default=0.0) / cluster.inter.effective for n in choices
+        }
         best_exposed, best_order = math.inf, list(choices)
         for order in itertools.permutations(choices):
             clock, stream = 0.0, 0.0
@@ -830,7 +912,9 @@ def evaluate_plan(
                 stream = max(stream, clock - details[n]["slot"]) + ar[n]
             gb_total = sum(dp_info[n]["grad_bytes"] for n in choices)
             total_ar = sum(ar.values())
-            floor = total_ar * min(1.0, opts.bucket_bytes / gb_total) if (gb_total and opts.overlap_grad_sync) else total_ar
+            floor = (
+                total_ar * min(1.0, opts.bucket_bytes / gb_total) if (gb_total and opts.overlap_grad_sync) else total_ar
+            )
             exposed = max(stream - clock, floor) if opts.overlap_grad_sync else total_ar
             if exposed < best_exposed:
                 best_exposed, best_order = exposed, list(order)
@@ -840,9 +924,14 @@ def evaluate_plan(
         order_used = best_order
     else:
         for n, tc in costs.items():
-            a = dp_info[n]["local"] + max((node_load.get(nd, 0.0) for nd in dp_info[n]["nodes"]), default=0.0) / cluster.inter.effective  # type: ignore[union-attr]
+            a = (
+                dp_info[n]["local"]
+                + max((node_load.get(nd, 0.0) for nd in dp_info[n]["nodes"]), default=0.0) / cluster.inter.effective
+            )  # type: ignore[union-attr]
             tc.dp_allreduce = a
-            tc.dp_exposed = float(exposed_allreduce(a, details[n]["slot"], dp_info[n]["grad_bytes"], opts)) if a > 0 else 0.0
+            tc.dp_exposed = (
+                float(exposed_allreduce(a, details[n]["slot"], dp_info[n]["grad_bytes"], opts)) if a > 0 else 0.0
+            )
 
     # the segments between the batch-syncs; the optimizer step ends the last one
     seg = {n: [*c.segments[:-1], c.segments[-1] + c.optimizer] for n, c in costs.items()}
@@ -855,7 +944,11 @@ def evaluate_plan(
     if colocated:
         step = sum(sum(part.values()) for part in parts) + sync["total"] + sum(c.dp_exposed for c in costs.values())
     else:
-        step = sum(max(part.values()) for part in parts[:-1]) + sync["total"] + max(parts[-1][n] + c.dp_exposed for n, c in costs.items())
+        step = (
+            sum(max(part.values()) for part in parts[:-1])
+            + sync["total"]
+            + max(parts[-1][n] + c.dp_exposed for n, c in costs.items())
+        )
     step += opts.step_overhead
     limit = cluster.device.memory * opts.memory_margin
     if colocated:
@@ -867,7 +960,14 @@ def evaluate_plan(
         sync=sync,
         step_time=float(step),
         layout="colocated" if colocated else "separate",
-        extra={"fits": peak <= limit, "peak_memory": peak, "memory_limit": limit, "details": details, "world": world, "backward_order": order_used},
+        extra={
+            "fits": peak <= limit,
+            "peak_memory": peak,
+            "memory_limit": limit,
+            "details": details,
+            "world": world,
+            "backward_order": order_used,
+        },
     )
 
 
@@ -906,4 +1006,3 @@ __all__ = [
     "even_split",
     "evaluate_plan",
 ]
-

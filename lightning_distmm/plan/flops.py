@@ -6,7 +6,8 @@ is analytic (``torch.utils.flop_counter``), so every rank gets the same numbers 
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode

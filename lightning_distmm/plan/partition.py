@@ -21,8 +21,9 @@ candidates per device count instead of hundreds.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -74,7 +75,13 @@ class SearchSpace:
 
 
 def tower_space(
-    profile: TowerProfile, cluster: Cluster, world: int, max_tp: int | None, max_pp: int | None, tp: int | None, pp: int | None
+    profile: TowerProfile,
+    cluster: Cluster,
+    world: int,
+    max_tp: int | None,
+    max_pp: int | None,
+    tp: int | None,
+    pp: int | None,
 ) -> tuple[list[int], list[int]]:
     """The tp and pp values a tower may use, or an :class:`InfeasibleError` naming the limit."""
     dpn = cluster.devices_per_node
@@ -83,7 +90,9 @@ def tower_space(
             raise InfeasibleError(
                 f"tp={tp} exceeds the {dpn} devices of a node by {tp - dpn}: tensor-parallel groups must stay inside a node"
             )
-        _check_fixed_degree(profile, "tp", tp, profile.heads, "attention heads", f"within a node of {dpn}", profile.valid_tp(dpn))
+        _check_fixed_degree(
+            profile, "tp", tp, profile.heads, "attention heads", f"within a node of {dpn}", profile.valid_tp(dpn)
+        )
         tps = [tp]
     else:
         tps = [t for t in profile.valid_tp(dpn) if max_tp is None or t <= max_tp]
@@ -95,7 +104,9 @@ def tower_space(
     return tps, pps
 
 
-def _check_fixed_degree(profile: TowerProfile, degree: str, value: int, count: int, what: str, where: str, valid: list[int]) -> None:
+def _check_fixed_degree(
+    profile: TowerProfile, degree: str, value: int, count: int, what: str, where: str, valid: list[int]
+) -> None:
     """A tp or pp fixed by the options must divide the tower's heads or layers (analytic profiles),
     and be 1 for a tower known only by measurement."""
     name = profile.name
@@ -105,7 +116,9 @@ def _check_fixed_degree(profile: TowerProfile, degree: str, value: int, count: i
             f" ({count} % {value} = {count % value}); valid {degree}{' ' + where if where else ''}: {list(valid)}"
         )
     if not profile.analytic and value != 1:
-        raise InfeasibleError(f"tower {name!r} has only a measured profile: it can only use {degree}=1, not {degree}={value}")
+        raise InfeasibleError(
+            f"tower {name!r} has only a measured profile: it can only use {degree}=1, not {degree}={value}"
+        )
 
 
 @dataclass
@@ -133,13 +146,24 @@ class Candidates:
     def __len__(self) -> int:
         return len(self.n)
 
-    def take(self, idx: Any) -> "Candidates":
+    def take(self, idx: Any) -> Candidates:
         return Candidates(
-            self.tower, self.n[idx], self.F[idx], self.B[idx], self.tp[idx], self.pp[idx], self.sched[idx],
-            self.K[idx], self.mb[idx], self.mem[idx], self.schedules, self.global_batch, self.notes,
+            self.tower,
+            self.n[idx],
+            self.F[idx],
+            self.B[idx],
+            self.tp[idx],
+            self.pp[idx],
+            self.sched[idx],
+            self.K[idx],
+            self.mb[idx],
+            self.mem[idx],
+            self.schedules,
+            self.global_batch,
+            self.notes,
         )
 
-    def pareto(self) -> "Candidates":
+    def pareto(self) -> Candidates:
         """Per device count, only configurations no other beats in both F and B."""
         if len(self) == 0:
             return self
@@ -214,7 +238,12 @@ def _grid(
     opt_t = optimizer_time(profile, cluster, opts, tp, pp)
     cross = 0.0
     if separate and profile.cross_from:
-        cross = opts.bytes_el * b * profile.cross_elems / (cluster.inter.effective / dpn if cluster.nodes > 1 else cluster.intra.effective)
+        cross = (
+            opts.bytes_el
+            * b
+            * profile.cross_elems
+            / (cluster.inter.effective / dpn if cluster.nodes > 1 else cluster.intra.effective)
+        )
     limit = cluster.device.memory * opts.memory_margin
     out = {}
     for s in tower_schedules(profile, schedules):
@@ -241,9 +270,17 @@ def _grid(
         mem = np.broadcast_to(mem, shape)
         ok = ok & (mem <= limit)
         out[s] = {
-            "F": np.broadcast_to(Fp, shape), "B": np.broadcast_to(Bx, shape), "mem": mem, "ok": ok, "mb": mb,
-            "K": np.broadcast_to(Ks_used, shape), "Bphase": np.broadcast_to(Bp, shape), "ar": np.broadcast_to(ar, shape),
-            "slot": np.broadcast_to(window, shape), "opt": opt_t, "gb": gb,
+            "F": np.broadcast_to(Fp, shape),
+            "B": np.broadcast_to(Bx, shape),
+            "mem": mem,
+            "ok": ok,
+            "mb": mb,
+            "K": np.broadcast_to(Ks_used, shape),
+            "Bphase": np.broadcast_to(Bp, shape),
+            "ar": np.broadcast_to(ar, shape),
+            "slot": np.broadcast_to(window, shape),
+            "opt": opt_t,
+            "gb": gb,
         }
     return out
 
@@ -355,13 +392,31 @@ def colocated_options(
 def option(d: dict[str, np.ndarray], tp: int, pp: int, schedule: str, j: int, i: int = 0) -> dict[str, Any]:
     """One grid point as a plain record (for the colocated searches)."""
     return {
-        "tp": tp, "pp": pp, "schedule": schedule, "K": int(d["K"][i, j]), "mb": int(d["mb"][i, j]),
-        "F": float(d["F"][i, j]), "B": float(d["B"][i, j]), "Bphase": float(d["Bphase"][i, j]), "ar": float(d["ar"][i, j]),
-        "slot": float(d["slot"][i, j]), "opt": float(d["opt"]), "gb": float(d["gb"]), "mem": float(d["mem"][i, j]),
+        "tp": tp,
+        "pp": pp,
+        "schedule": schedule,
+        "K": int(d["K"][i, j]),
+        "mb": int(d["mb"][i, j]),
+        "F": float(d["F"][i, j]),
+        "B": float(d["B"][i, j]),
+        "Bphase": float(d["Bphase"][i, j]),
+        "ar": float(d["ar"][i, j]),
+        "slot": float(d["slot"][i, j]),
+        "opt": float(d["opt"]),
+        "gb": float(d["gb"]),
+        "mem": float(d["mem"][i, j]),
     }
 
 
-def min_memory(profile: TowerProfile, cluster: Cluster, opts: CostOptions, global_batch: int, world: int, space: SearchSpace, loss_b: float) -> dict[str, Any]:
+def min_memory(
+    profile: TowerProfile,
+    cluster: Cluster,
+    opts: CostOptions,
+    global_batch: int,
+    world: int,
+    space: SearchSpace,
+    loss_b: float,
+) -> dict[str, Any]:
     """The least memory per device this tower can need in the search space (largest split, one-sample
     microbatches, the leanest schedule), to say by how much an infeasible tower misses."""
     best: dict[str, Any] | None = None
@@ -378,12 +433,21 @@ def min_memory(profile: TowerProfile, cluster: Cluster, opts: CostOptions, globa
                 m = memory_per_device(profile, opts, s, 1, K, b, tp, pp, loss_b)
                 tot = float(m["total"])
                 if best is None or tot < best["total"]:
-                    best = {"total": tot, "static": float(m["static"]), "activations": float(m["activations"]), "tp": tp, "pp": pp, "schedule": s}
+                    best = {
+                        "total": tot,
+                        "static": float(m["static"]),
+                        "activations": float(m["activations"]),
+                        "tp": tp,
+                        "pp": pp,
+                        "schedule": s,
+                    }
     assert best is not None
     return best
 
 
-def describe_no_fit(profile: TowerProfile, cluster: Cluster, opts: CostOptions, need: dict[str, Any], world: int) -> str:
+def describe_no_fit(
+    profile: TowerProfile, cluster: Cluster, opts: CostOptions, need: dict[str, Any], world: int
+) -> str:
     limit = cluster.device.memory * opts.memory_margin
     w = need["tp"] * need["pp"]
     return (

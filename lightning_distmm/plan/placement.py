@@ -21,14 +21,16 @@ straddle two nodes and then pays the inter-node link): the ablation.
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from lightning_distmm.plan.cluster import Cluster
 
 Layout = dict[str, list[int]]
 
 
-def _pack(order: Sequence[str], sizes: Mapping[str, int], tps: Mapping[str, int], cluster: Cluster, whole_nodes_first: bool) -> Layout | None:
+def _pack(
+    order: Sequence[str], sizes: Mapping[str, int], tps: Mapping[str, int], cluster: Cluster, whole_nodes_first: bool
+) -> Layout | None:
     dpn = cluster.devices_per_node
     D = cluster.world_size
     out: dict[str, list[int]] = {n: [] for n in order}
@@ -57,10 +59,16 @@ def tp_groups_inside_nodes(ranks: Sequence[int], tp: int, devices_per_node: int)
     return all(len({r // devices_per_node for r in ranks[i : i + tp]}) == 1 for i in range(0, len(ranks), tp))
 
 
-def candidate_layouts(sizes: Mapping[str, int], tps: Mapping[str, int], cluster: Cluster, max_orders: int = 24) -> list[Layout]:
+def candidate_layouts(
+    sizes: Mapping[str, int], tps: Mapping[str, int], cluster: Cluster, max_orders: int = 24
+) -> list[Layout]:
     """Distinct node-aware layouts whose TP groups all stay inside nodes."""
     names = list(sizes)
-    orders = list(itertools.permutations(names))[:max_orders] if len(names) <= 4 else [tuple(sorted(names, key=lambda n: -sizes[n]))]
+    orders = (
+        list(itertools.permutations(names))[:max_orders]
+        if len(names) <= 4
+        else [tuple(sorted(names, key=lambda n: -sizes[n]))]
+    )
     seen: set[tuple[tuple[int, ...], ...]] = set()
     out: list[Layout] = []
     for order in orders:

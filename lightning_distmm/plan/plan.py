@@ -8,9 +8,10 @@ problem, on every rank, before any process group exists.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import yaml
 
@@ -175,7 +176,9 @@ class Plan:
 
     def check_global_batch(self, n: int) -> None:
         if self.sync_groups > 1 and n < self.sync_groups:
-            raise PlanError(f"schedule 'distmm' needs a global batch of at least {self.sync_groups} (one row per sync group), got {n}")
+            raise PlanError(
+                f"schedule 'distmm' needs a global batch of at least {self.sync_groups} (one row per sync group), got {n}"
+            )
         for name, t in self.towers.items():
             if min(self.group_split(n)) < t.dp:
                 if self.sync_groups > 1:
@@ -223,7 +226,7 @@ class Plan:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
         if not isinstance(data, Mapping):
             raise PlanError(f"a plan must be a mapping, got {type(data).__name__}")
         allowed = {"world_size", "global_batch", "towers"}
@@ -241,7 +244,7 @@ class Plan:
         return text
 
     @classmethod
-    def from_yaml(cls, source: str | Path) -> "Plan":
+    def from_yaml(cls, source: str | Path) -> Plan:
         """Load from a YAML file path or a YAML string."""
         text = Path(source).read_text() if _looks_like_path(source) else str(source)
         return cls.from_dict(yaml.safe_load(text))
@@ -253,8 +256,16 @@ class Plan:
         for name, t in self.towers.items():
             batch = "+".join(map(str, t.replica_batch)) if t.replica_batch else "even"
             rows.append(
-                (name, _ranks_str(t.ranks), str(t.dp), str(t.tp), str(t.pp), batch, str(t.microbatch or "-"),
-                 t.schedule + ("+recompute" if t.recompute else ""))
+                (
+                    name,
+                    _ranks_str(t.ranks),
+                    str(t.dp),
+                    str(t.tp),
+                    str(t.pp),
+                    batch,
+                    str(t.microbatch or "-"),
+                    t.schedule + ("+recompute" if t.recompute else ""),
+                )
             )
         widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
@@ -262,7 +273,9 @@ class Plan:
         title = f"Plan(world_size={self.world_size}, global_batch={self.global_batch}, layout={layout})"
         lines = [title, fmt.format(*head), *(fmt.format(*r) for r in rows)]
         if self.sync_groups > 1:
-            lines.append(f"loss over {self.sync_groups} sync groups of the batch, each with its own negatives (module sync_groups = {self.sync_groups})")
+            lines.append(
+                f"loss over {self.sync_groups} sync groups of the batch, each with its own negatives (module sync_groups = {self.sync_groups})"
+            )
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -305,9 +318,7 @@ def colocated_plan(towers: Sequence[str], world_size: int, global_batch: int | N
     return Plan(world_size, {name: TowerPlan(ranks=list(everyone)) for name in towers}, global_batch)
 
 
-def proportional_plan(
-    tower_flops: Mapping[str, float], world_size: int, global_batch: int | None = None
-) -> Plan:
+def proportional_plan(tower_flops: Mapping[str, float], world_size: int, global_batch: int | None = None) -> Plan:
     """The default until a planner is asked for: ranks in proportion to each tower's forward FLOPs.
 
     Every tower gets at least one rank; with fewer ranks than towers the plan is colocated.
@@ -331,4 +342,3 @@ def proportional_plan(
 
 
 __all__ = ["Plan", "TowerPlan", "PlanError", "SCHEDULES", "split_batch", "colocated_plan", "proportional_plan"]
-

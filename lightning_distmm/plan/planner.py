@@ -25,13 +25,29 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
-from lightning_distmm.plan.balance import Balance, best_by_devices, barrier_allocation, even_allocation, minmax_allocation, proportional_allocation
+from lightning_distmm.plan.balance import (
+    Balance,
+    barrier_allocation,
+    best_by_devices,
+    even_allocation,
+    minmax_allocation,
+    proportional_allocation,
+)
 from lightning_distmm.plan.baselines import Evaluated, colocated_search
 from lightning_distmm.plan.cluster import GB, Cluster, load_cluster
-from lightning_distmm.plan.cost import RECOMPUTE, CostOptions, StepCost, TowerChoice, batch_syncs, evaluate_plan, loss_bytes
+from lightning_distmm.plan.cost import (
+    RECOMPUTE,
+    CostOptions,
+    StepCost,
+    TowerChoice,
+    batch_syncs,
+    evaluate_plan,
+    loss_bytes,
+)
 from lightning_distmm.plan.partition import (
     Candidates,
     InfeasibleError,
@@ -43,7 +59,14 @@ from lightning_distmm.plan.partition import (
 )
 from lightning_distmm.plan.placement import place
 from lightning_distmm.plan.plan import SCHEDULES, Plan, TowerPlan, split_batch
-from lightning_distmm.plan.profile import TowerProfile, _plain, measure_tower, measured_profile, model_profiles, tower_profile
+from lightning_distmm.plan.profile import (
+    TowerProfile,
+    _plain,
+    measure_tower,
+    measured_profile,
+    model_profiles,
+    tower_profile,
+)
 
 BALANCERS = ("dp", "proportional", "even")
 DEFAULT_SCHEDULES = ("gpipe", "cached")
@@ -100,7 +123,7 @@ class PlannerOptions:
                 raise ValueError(f"planner.{k} must be a positive integer or null, got {v!r}")
 
     @classmethod
-    def from_any(cls, options: "PlannerOptions | Mapping[str, Any] | None") -> "PlannerOptions":
+    def from_any(cls, options: PlannerOptions | Mapping[str, Any] | None) -> PlannerOptions:
         """From a mapping like the Hydra config: planner keys, ``cost`` keys inline or nested, and
         ``placement`` as a name or a mapping with ``strategy``."""
         if isinstance(options, PlannerOptions):
@@ -171,8 +194,19 @@ class Report:
     def table(self) -> str:
         c = self.chosen
         head = (
-            "tower", "params", "devices", "dp/tp/pp", "replica batch", "micro x K", "schedule",
-            "compute", "comm", "bubble", "mem/dev", "intra", "inter",
+            "tower",
+            "params",
+            "devices",
+            "dp/tp/pp",
+            "replica batch",
+            "micro x K",
+            "schedule",
+            "compute",
+            "comm",
+            "bubble",
+            "mem/dev",
+            "intra",
+            "inter",
         )
         rows = []
         for name, ch in c.choices.items():
@@ -210,7 +244,9 @@ class Report:
         ]
         for name in ("ddp", "megatron"):
             b = self.baselines.get(name)
-            label = {"ddp": "colocated DDP (open_clip style)", "megatron": "Megatron-LM style (uniform tp x pp x dp)"}[name]
+            label = {"ddp": "colocated DDP (open_clip style)", "megatron": "Megatron-LM style (uniform tp x pp x dp)"}[
+                name
+            ]
             if b is None:
                 lines.append(f"  vs {label}: no configuration fits")
             else:
@@ -222,7 +258,10 @@ class Report:
         for name, ev in self.candidates.items():
             if ev is not None and ev is not c:
                 lines.append(f"  best {name} plan considered: {_ms(ev.step_time)}")
-        lines.append(f"solve time: {self.solve_time * 1e3:.0f} ms" + ("" if self.balance is None or self.balance.exact else " (balancer sampled phi)"))
+        lines.append(
+            f"solve time: {self.solve_time * 1e3:.0f} ms"
+            + ("" if self.balance is None or self.balance.exact else " (balancer sampled phi)")
+        )
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -236,7 +275,11 @@ class Report:
                 "step_time": e.step_time,
                 "layout": e.cost.layout,
                 "towers": {
-                    n: {**dataclasses.asdict(ch), "replica_batch": list(ch.replica_batch), **_tower_cost(e.cost.towers[n])}
+                    n: {
+                        **dataclasses.asdict(ch),
+                        "replica_batch": list(ch.replica_batch),
+                        **_tower_cost(e.cost.towers[n]),
+                    }
                     for n, ch in e.choices.items()
                 },
                 "sync": e.cost.sync,
@@ -254,7 +297,10 @@ class Report:
             "baselines": {k: ev(v) for k, v in self.baselines.items()},
             "speedup": {k: self.speedup(k) for k in self.baselines},
             "candidates": {k: (None if v is None else v.step_time) for k, v in self.candidates.items()},
-            "options": {**{k: v for k, v in dataclasses.asdict(self.options).items() if k != "cost"}, "cost": dataclasses.asdict(self.options.cost)},
+            "options": {
+                **{k: v for k, v in dataclasses.asdict(self.options).items() if k != "cost"},
+                "cost": dataclasses.asdict(self.options.cost),
+            },
             "profiles": {n: p.summary() for n, p in self.profiles.items()},
         }
 
@@ -276,9 +322,9 @@ def _ms(t: float) -> str:
 # ---------------------------------------------------------------------- the planner
 def make_plan(
     model_cfg: Mapping[str, Any] | None,
-    cluster: "Cluster | str | Mapping[str, Any]",
+    cluster: Cluster | str | Mapping[str, Any],
     global_batch: int,
-    options: "PlannerOptions | Mapping[str, Any] | None" = None,
+    options: PlannerOptions | Mapping[str, Any] | None = None,
     profiles: Mapping[str, TowerProfile] | None = None,
 ) -> tuple[Plan, Report]:
     """Plan ``model_cfg`` (or the given ``profiles``) on ``cluster`` for ``global_batch`` samples per step."""
@@ -304,8 +350,12 @@ def make_plan(
     if opts.tp is not None and opts.tp <= cl.devices_per_node:
         bad = {n: p for n, p in profiles.items() if p.analytic and p.heads % opts.tp}
         if bad and len(bad) == len(profiles):
-            heads = ", ".join(f"{n} has {p.heads} heads ({p.heads} % {opts.tp} = {p.heads % opts.tp})" for n, p in bad.items())
-            raise InfeasibleError(f"tp={opts.tp} divides no tower's head count: {heads}; leave planner.tp unset or pick a common divisor")
+            heads = ", ".join(
+                f"{n} has {p.heads} heads ({p.heads} % {opts.tp} = {p.heads % opts.tp})" for n, p in bad.items()
+            )
+            raise InfeasibleError(
+                f"tp={opts.tp} divides no tower's head count: {heads}; leave planner.tp unset or pick a common divisor"
+            )
     tps_all, pps_all = {}, {}
     for n, p in profiles.items():
         tps_all[n], pps_all[n] = tower_space(p, cl, D, opts.max_tp, opts.max_pp, opts.tp, opts.pp)
@@ -314,10 +364,12 @@ def make_plan(
     contrastive = [n for n, p in profiles.items() if p.arch != "text_decoder"]
     embed = max((profiles[n].embed_dim for n in contrastive), default=0)
     lb = loss_bytes(G, D, len(contrastive), co, embed)
-    lb_distmm = loss_bytes(split_batch(G, None, 2)[0], D, len(contrastive), co, embed)  # a batch-sync over half the batch
+    lb_distmm = loss_bytes(
+        split_batch(G, None, 2)[0], D, len(contrastive), co, embed
+    )  # a batch-sync over half the batch
     syncs = {k: batch_syncs(cl, co, G, embed, D, cl.nodes, len(contrastive), k)["total"] for k in (1, 2)}
     limit = cl.device.memory * co.memory_margin
-    for n, p in profiles.items():
+    for p in profiles.values():
         need = min_memory(p, cl, co, G, D, space, lb)
         if need["total"] > limit:
             raise InfeasibleError(describe_no_fit(p, cl, co, need, D))
@@ -329,7 +381,9 @@ def make_plan(
     scores: dict[str, float] = {}
     if "separate" in opts.layouts and 1 < len(names) <= D:
         cands = [
-            tower_candidates(profiles[n], cl, co, G, D, space, lb, max_devices=D - len(names) + 1, distmm_loss_b=lb_distmm)
+            tower_candidates(
+                profiles[n], cl, co, G, D, space, lb, max_devices=D - len(names) + 1, distmm_loss_b=lb_distmm
+            )
             for n in names
         ]
         fixed = None
@@ -367,7 +421,9 @@ def make_plan(
                 cost = evaluate_plan(profiles, cl, co, choices, layout, G)
                 return cost.step_time if cost.extra["fits"] else math.inf
 
-            layout, layout_scores = place({n: choices[n].n for n in names}, {n: choices[n].tp for n in names}, cl, opts.placement, score)
+            layout, layout_scores = place(
+                {n: choices[n].n for n in names}, {n: choices[n].tp for n in names}, cl, opts.placement, score
+            )
             cost = evaluate_plan(profiles, cl, co, choices, layout, G)
             if balance is None:
                 balance, scores = bal, layout_scores
@@ -384,7 +440,9 @@ def make_plan(
     # ---------------------------------------------------------------- baselines (in the same model)
     baselines = {
         "ddp": colocated_search(profiles, cl, co, G, _baseline_space(profiles, cl, D, opts, "ddp"), "ddp"),
-        "megatron": colocated_search(profiles, cl, co, G, _baseline_space(profiles, cl, D, opts, "megatron"), "megatron"),
+        "megatron": colocated_search(
+            profiles, cl, co, G, _baseline_space(profiles, cl, D, opts, "megatron"), "megatron"
+        ),
     }
     pool = [e for e in candidates.values() if e is not None]
     if "colocated" in opts.layouts:
@@ -392,7 +450,9 @@ def make_plan(
         # schedules are allowed (always, unless the options restrict DistMM)
         for b in baselines.values():
             if b is not None and all(
-                ch.tp in space.tps[n] and ch.pp in space.pps[n] and (profiles[n].frozen or ch.schedule in space.schedules)
+                ch.tp in space.tps[n]
+                and ch.pp in space.pps[n]
+                and (profiles[n].frozen or ch.schedule in space.schedules)
                 for n, ch in b.choices.items()
             ):
                 pool.append(b)
@@ -408,6 +468,7 @@ def make_plan(
 def _sync_families(cands: Sequence[Candidates]) -> list[tuple[int, list[Candidates]]]:
     """The towers' candidates split by batch-syncs per step: plans with one (no tower on
     ``distmm``) and plans with two (every tower on ``distmm``); the schedule is the plan's choice."""
+
     def family(c: Candidates, distmm: bool) -> Candidates:
         code = c.schedules.index("distmm") if "distmm" in c.schedules else -1
         return c.take((c.sched == code) == distmm)
@@ -452,8 +513,8 @@ def plan_choices(plan: Plan, global_batch: int | None = None) -> tuple[dict[str,
 def price_plan(
     plan: Plan,
     profiles: Mapping[str, TowerProfile],
-    cluster: "Cluster | str | Mapping[str, Any]",
-    options: "PlannerOptions | Mapping[str, Any] | None" = None,
+    cluster: Cluster | str | Mapping[str, Any],
+    options: PlannerOptions | Mapping[str, Any] | None = None,
     global_batch: int | None = None,
 ) -> StepCost:
     """The predicted :class:`StepCost` of a runtime :class:`Plan` (any plan, not only the planner's)."""
@@ -465,13 +526,17 @@ def price_plan(
     return evaluate_plan(profiles, cl, PlannerOptions.from_any(options).cost, choices, ranks, G)
 
 
-def _baseline_space(profiles: Mapping[str, TowerProfile], cl: Cluster, D: int, opts: PlannerOptions, kind: str) -> SearchSpace:
+def _baseline_space(
+    profiles: Mapping[str, TowerProfile], cl: Cluster, D: int, opts: PlannerOptions, kind: str
+) -> SearchSpace:
     """Baselines search their own full space (not DistMM's restrictions). DDP: tp = pp = 1 with the
     schedules open_clip offers (keep activations, --grad-checkpointing, --accum-freq = cached);
     Megatron: every uniform tp x pp, keep activations or full recompute."""
     names = list(profiles)
     if kind == "ddp":
-        return SearchSpace({n: [1] for n in names}, {n: [1] for n in names}, ("gpipe", RECOMPUTE, "cached"), opts.max_microbatches)
+        return SearchSpace(
+            {n: [1] for n in names}, {n: [1] for n in names}, ("gpipe", RECOMPUTE, "cached"), opts.max_microbatches
+        )
     return SearchSpace(
         {n: profiles[n].valid_tp(cl.devices_per_node) for n in names},
         {n: profiles[n].valid_pp(D) for n in names},
@@ -506,14 +571,28 @@ def _check_replicas(profiles: Mapping[str, TowerProfile], space: SearchSpace, D:
         )
 
 
-def _why_nothing(profiles: Mapping[str, TowerProfile], cl: Cluster, co: CostOptions, space: SearchSpace, D: int, G: int, opts: PlannerOptions) -> str:
-    parts = [f"no plan for {D} devices and global batch {G} fits device memory ({cl.device.memory / GB:.1f} GB x {co.memory_margin})"]
+def _why_nothing(
+    profiles: Mapping[str, TowerProfile],
+    cl: Cluster,
+    co: CostOptions,
+    space: SearchSpace,
+    D: int,
+    G: int,
+    opts: PlannerOptions,
+) -> str:
+    parts = [
+        f"no plan for {D} devices and global batch {G} fits device memory ({cl.device.memory / GB:.1f} GB x {co.memory_margin})"
+    ]
     if opts.layouts == ("separate",) and len(profiles) > D:
         parts.append(f"layouts=separate needs at least one device per tower ({len(profiles)} towers, {D} devices)")
     for n, p in profiles.items():
         need = min_memory(p, cl, co, G, D, space, 0.0)
-        parts.append(f"tower {n!r} needs at least {need['total'] / GB:.2f} GB per device alone (tp={need['tp']}, pp={need['pp']})")
-    parts.append("colocated towers add their memory; allow larger tp/pp (planner.max_tp, planner.max_pp) or the cached schedule")
+        parts.append(
+            f"tower {n!r} needs at least {need['total'] / GB:.2f} GB per device alone (tp={need['tp']}, pp={need['pp']})"
+        )
+    parts.append(
+        "colocated towers add their memory; allow larger tp/pp (planner.max_tp, planner.max_pp) or the cached schedule"
+    )
     return "; ".join(parts)
 
 
@@ -602,7 +681,9 @@ def local_cluster(device: Any, world_size: int, devices_per_node: int | None = N
         intra, inter, lat = preset.intra, preset.inter, preset.collective_latency
     else:  # PCIe 4.0 x16: 32 GB/s per direction; 100 Gb/s between nodes
         intra, inter, lat = Link(32e9, 5e-6, 0.8), Link(12.5e9, 10e-6, 1.0), 8.4e-6
-    return Cluster(f"local_{props.name}", max(1, world_size // dpn), dpn, device_spec, intra, inter, lat, notes="measured")
+    return Cluster(
+        f"local_{props.name}", max(1, world_size // dpn), dpn, device_spec, intra, inter, lat, notes="measured"
+    )
 
 
 def runtime_cost_defaults(options: Mapping[str, Any] | None, device: Any = "cpu") -> dict[str, Any]:
@@ -628,7 +709,7 @@ def auto_plan(
     world_size: int,
     global_batch: int,
     device: Any = "cpu",
-    options: "PlannerOptions | Mapping[str, Any] | None" = None,
+    options: PlannerOptions | Mapping[str, Any] | None = None,
     devices_per_node: int | None = None,
     batch_sizes: Sequence[int] = (1, 2, 4),
     cluster: Cluster | None = None,

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 ARCHS = ("vit", "clip_text", "bert", "text_decoder")
 
@@ -231,7 +232,9 @@ def _req(cfg: Mapping[str, Any], key: str, name: str) -> Any:
     return cfg[key]
 
 
-def tower_profile(name: str, cfg: Mapping[str, Any], embed_dim: int, towers: Mapping[str, Any] | None = None) -> TowerProfile:
+def tower_profile(
+    name: str, cfg: Mapping[str, Any], embed_dim: int, towers: Mapping[str, Any] | None = None
+) -> TowerProfile:
     """The analytic profile of one tower from its model-config entry.
 
     ``towers`` (the whole ``towers`` mapping) lets a ``text_decoder`` find the width and token count
@@ -292,9 +295,29 @@ def tower_profile(name: str, cfg: Mapping[str, Any], embed_dim: int, towers: Map
         else:
             raise ValueError(f"tower {name!r}: text_decoder needs cross_tokens and cross_width, or a tower {src!r}")
         pre = Block(params=0, elem_rep=2.0 * s * h, kernels=1, boundary=float(s * h))
-        post = Block(params=2 * h + h * V, gemms=(Gemm(s, h, V, "col"),), elem_rep=2.0 * s * h + 3.0 * s * V, act_split=2.0 * s * V, kernels=4)
+        post = Block(
+            params=2 * h + h * V,
+            gemms=(Gemm(s, h, V, "col"),),
+            elem_rep=2.0 * s * h + 3.0 * s * V,
+            act_split=2.0 * s * V,
+            kernels=4,
+        )
         layer = _merge(_layer(s, h, heads, m), _cross_block(s, h, heads, m, n_ctx, h_ctx))
-        prof = TowerProfile(name, arch, frozen, L, heads, h, s, E, pre, layer, post, cross_from=src, cross_elems=float(n_ctx * h_ctx + s * h))
+        prof = TowerProfile(
+            name,
+            arch,
+            frozen,
+            L,
+            heads,
+            h,
+            s,
+            E,
+            pre,
+            layer,
+            post,
+            cross_from=src,
+            cross_elems=float(n_ctx * h_ctx + s * h),
+        )
         return prof
     return TowerProfile(name, arch, frozen, L, heads, h, s, E, pre, layer, post)
 
@@ -468,12 +491,16 @@ def _first_tensor(out: Any) -> Any:
     raise TypeError(f"tower output {type(out).__name__} holds no tensor to backpropagate")
 
 
-def measured_profile(name: str, fit: MeasuredFit, frozen: bool, embed_dim: int, analytic: TowerProfile | None = None) -> TowerProfile:
+def measured_profile(
+    name: str, fit: MeasuredFit, frozen: bool, embed_dim: int, analytic: TowerProfile | None = None
+) -> TowerProfile:
     """A profile carrying a measured fit; with an ``analytic`` twin it can also be split tp/pp ways."""
     if analytic is not None:
         return dataclasses.replace(analytic, measured=fit, frozen=frozen)
     empty = Block()
-    return TowerProfile(name, "measured", frozen, 1, 1, 0, 1, int(embed_dim), empty, empty, empty, measured=fit, analytic=False)
+    return TowerProfile(
+        name, "measured", frozen, 1, 1, 0, 1, int(embed_dim), empty, empty, empty, measured=fit, analytic=False
+    )
 
 
 def analytic_param_breakdown(p: TowerProfile) -> dict[str, int]:
@@ -493,4 +520,3 @@ __all__ = [
     "measured_profile",
     "analytic_param_breakdown",
 ]
-

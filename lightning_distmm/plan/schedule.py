@@ -12,8 +12,8 @@ Pure Python: no process groups.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
 
 from lightning_distmm.plan.plan import Plan
 
@@ -250,7 +250,9 @@ def timeline_svg(intervals: Sequence[Interval], title: str = "", width: int = 90
         x, w = left + i.start * scale, max((i.end - i.start) * scale, 1.0)
         label = ""
         if isinstance(i.instruction, (Forward, Backward)):
-            label = f"{i.instruction.tower[0]}{i.instruction.mb}" + ("r" if getattr(i.instruction, "recompute", False) else "")
+            label = f"{i.instruction.tower[0]}{i.instruction.mb}" + (
+                "r" if getattr(i.instruction, "recompute", False) else ""
+            )
         elif isinstance(i.instruction, BatchSync):
             label = f"S{i.instruction.wave}"
         parts.append(

@@ -8,10 +8,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-
-import lightning_distmm as ldm  # noqa: E402
 from distmm_testing import TinyCLIP, trainer_kwargs  # noqa: E402
 from test_errors import CASES, ErrorRecorder  # noqa: E402
+
+import lightning_distmm as ldm  # noqa: E402
 
 torch.set_num_threads(1)
 case, folder = sys.argv[1], sys.argv[2]

@@ -7,9 +7,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
+from distmm_testing import DeepCLIP, loader, trainer_kwargs  # noqa: E402
 
 import lightning_distmm as ldm  # noqa: E402
-from distmm_testing import DeepCLIP, loader, trainer_kwargs  # noqa: E402
 
 torch.set_num_threads(1)
 
