@@ -53,7 +53,7 @@ from torch.utils.data import DataLoader
 
 import lightning_distmm as ldm
 from lightning_distmm.models.clip import CLIP_TINY, CLIPModel
-from lightning_distmm.plan import (
+from lightning_distmm.planner import (
     ConcurrencyProbe,
     Plan,
     host_busy_seconds,

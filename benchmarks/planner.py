@@ -4,7 +4,7 @@
     python benchmarks/planner.py --global-batch 1024,32768    # several contrastive batch sizes
     python benchmarks/planner.py --models clip_vit_bigg14 --clusters a100_8x8_eth100
 
-All plans are priced by the same cost model (lightning_distmm.plan.cost); the baselines are searched
+All plans are priced by the same cost model (lightning_distmm.planner.cost); the baselines are searched
 for their best configuration. "OOM" means no configuration of that baseline fits device memory for
 the whole-batch contrastive loss. The last lines time the planner at 4,096 devices.
 """
@@ -21,8 +21,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_distmm.plan import InfeasibleError, load_cluster, make_plan  # noqa: E402
-from lightning_distmm.plan.cluster import CONF_DIR  # noqa: E402
+from lightning_distmm.planner import InfeasibleError, load_cluster, make_plan  # noqa: E402
+from lightning_distmm.planner.cluster import CONF_DIR  # noqa: E402
 
 DEFAULT_MODELS = [
     "clip_vit_b32",

@@ -11,51 +11,20 @@ returns is the whole-batch loss on every rank, so logging it needs no reduction.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import Tensor, nn
+from torch import Tensor
+
+from lightning_distmm.tower import Tower
 
 if TYPE_CHECKING:  # pragma: no cover
     from lightning_distmm.parallel.runtime import TowerRuntime
 
 
-@dataclass(eq=False)
-class Tower:
-    """An encoder and the batch field(s) it reads.
-
-    Args:
-        module: the encoder, a plain ``nn.Module`` attribute of the LightningModule (timm,
-            transformers, anything); parallel code wraps it from outside.
-        input: the batch field passed positionally, or several fields passed in order.
-        frozen: a frozen tower (LiT) is run without gradients and has no optimizer state.
-    """
-
-    module: nn.Module
-    input: str | Sequence[str]
-    frozen: bool = False
-
-    @property
-    def fields(self) -> tuple[str, ...]:
-        return (self.input,) if isinstance(self.input, str) else tuple(self.input)
-
-    def encode(self, batch: Mapping[str, Any]) -> Tensor:
-        missing = [f for f in self.fields if f not in batch]
-        if missing:
-            raise KeyError(
-                f"the batch has no field(s) {missing} that a tower reads; batch fields are {sorted(map(str, batch))}"
-            )
-        if self.frozen:
-            with torch.no_grad():
-                return self.module(*(batch[f] for f in self.fields))
-        return self.module(*(batch[f] for f in self.fields))
-
-
 def grouped_loss(loss: Callable[[dict[str, Tensor]], Tensor], features: dict[str, Tensor], groups: int) -> Tensor:
     """``loss`` over ``groups`` contiguous groups of rows, weighted by each group's share of the rows."""
-    from lightning_distmm.plan.plan import split_batch
+    from lightning_distmm.core.plan import split_batch
 
     n = next(iter(features.values())).shape[0]
     total: Tensor | None = None

@@ -1,6 +1,6 @@
 """``DistMMStrategy``: the Lightning wiring of a distmm plan.
 
-A thin layer of hooks over reusable parts: :mod:`lightning_distmm.plan` says who runs what,
+A thin layer of hooks over reusable parts: :mod:`lightning_distmm.planner` says who runs what,
 :mod:`lightning_distmm.parallel` builds the groups and runs the step, :mod:`lightning_distmm.data`
 loads each rank's share, :mod:`lightning_distmm.checkpoint` saves and restores shards. It subclasses
 Lightning's ``ModelParallelStrategy`` for process-group setup, launchers, DCP saving and
@@ -29,13 +29,13 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from typing_extensions import override
 
 from lightning_distmm import checkpoint as ckpt
+from lightning_distmm.core.plan import Plan, PlanError, colocated_plan, proportional_plan
 from lightning_distmm.data.fields import FieldDataset, load_fields
 from lightning_distmm.data.loading import DistMMDataLoader
 from lightning_distmm.mixin import DistMMMixin
+from lightning_distmm.parallel.flops import tower_flops
 from lightning_distmm.parallel.groups import build_tower_groups
 from lightning_distmm.parallel.runtime import TowerRuntime
-from lightning_distmm.plan.flops import tower_flops
-from lightning_distmm.plan.plan import Plan, PlanError, colocated_plan, proportional_plan
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -137,7 +137,7 @@ class DistMMStrategy(ModelParallelStrategy):
         if spec == "colocated":
             return colocated_plan(names, self.world_size)
         if spec == "default":
-            flops = tower_flops(module, _example_batch(trainer))
+            flops = tower_flops(module.tower_specs(), _example_batch(trainer))
             return proportional_plan({n: flops[n] for n in names}, self.world_size)
         if spec == "auto":
             return self._auto_plan(trainer, module)
@@ -145,7 +145,7 @@ class DistMMStrategy(ModelParallelStrategy):
 
     def _auto_plan(self, trainer: pl.Trainer, module: DistMMMixin) -> Plan:
         """The planner on profiles measured here: rank 0 measures and plans, every rank gets its plan."""
-        from lightning_distmm.plan.planner import auto_plan, tower_info_from_batch
+        from lightning_distmm.planner.planner import auto_plan, tower_info_from_batch
 
         example, global_batch = _example_batch(trainer), _train_batch_size(trainer)
         if example is None or global_batch is None:

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_distmm.plan import InfeasibleError, make_plan  # noqa: E402
+from lightning_distmm.planner import InfeasibleError, make_plan  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="plan")
@@ -47,7 +47,7 @@ def main(cfg: DictConfig) -> float:
             rep = out.parent / cfg.report
             rep.write_text(yaml.safe_dump(report.to_dict(), sort_keys=False))
     if cfg.get("draw"):
-        from lightning_distmm.plan.schedule import timeline_svg
+        from lightning_distmm.core.schedule import timeline_svg
 
         picture = Path(cfg.draw) if Path(cfg.draw).is_absolute() else base / cfg.draw
         try:

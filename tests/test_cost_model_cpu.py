@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from lightning_distmm.plan import (
+from lightning_distmm.planner import (
     Plan,
     make_plan,
     measure_tower,
@@ -18,9 +18,9 @@ from lightning_distmm.plan import (
     price_plan,
     runtime_cost_defaults,
 )
-from lightning_distmm.plan.cluster import GB, Cluster, Device, Link
-from lightning_distmm.plan.cost import RECOMPUTE, CostOptions, shared_host_phases
-from lightning_distmm.plan.profile import MeasuredFit
+from lightning_distmm.planner.cluster import GB, Cluster, Device, Link
+from lightning_distmm.planner.cost import RECOMPUTE, CostOptions, shared_host_phases
+from lightning_distmm.planner.profile import MeasuredFit
 
 OPTS = CostOptions(precision="32", overlap_grad_sync=False)
 
@@ -184,7 +184,7 @@ def test_predicted_ordering_on_measured_towers():
 
 
 def test_concurrency_is_cached_only_when_measured_quietly(tmp_path, monkeypatch):
-    from lightning_distmm.plan import cluster as cluster_mod
+    from lightning_distmm.planner import cluster as cluster_mod
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(cluster_mod, "_measure_concurrency", lambda devices, threads: (2.5, False))
@@ -204,7 +204,7 @@ def test_concurrency_is_cached_only_when_measured_quietly(tmp_path, monkeypatch)
 
 @pytest.mark.slow
 def test_concurrency_probe_measures_this_host():
-    from lightning_distmm.plan import ConcurrencyProbe, host_busy_seconds
+    from lightning_distmm.planner import ConcurrencyProbe, host_busy_seconds
 
     before = host_busy_seconds()
     with ConcurrencyProbe(2, 1) as probe:

@@ -52,9 +52,9 @@ def test_registered_strategies():
 @pytest.mark.slow
 def test_default_plan_follows_flops(tmp_path):
     """No plan given: ranks in proportion to the towers' counted FLOPs, still exact."""
-    from lightning_distmm.plan.flops import tower_flops
+    from lightning_distmm.parallel.flops import tower_flops
 
-    flops = tower_flops(TinyCLIP(), next(iter(loader(1))))
+    flops = tower_flops(TinyCLIP().tower_specs(), next(iter(loader(1))))
     assert flops["image"] > 0 and flops["text"] > 0
     compare_with_reference(lambda: TinyCLIP("sgd", lr=0.05), None, 3, 8, 2, tmp_path).assert_exact()
 

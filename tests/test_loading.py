@@ -5,10 +5,9 @@ import json
 import torch
 from distmm_testing import loader
 
+from lightning_distmm.core import Plan
+from lightning_distmm.core.layout import GLOBAL_BATCH_KEY, RankLayout
 from lightning_distmm.data.loading import DistMMDataLoader
-from lightning_distmm.parallel.layout import RankLayout
-from lightning_distmm.parallel.runtime import GLOBAL_BATCH_KEY
-from lightning_distmm.plan import Plan
 
 FIELDS = {"image": ("image",), "text": ("input_ids", "attention_mask")}
 PLAN = Plan(4, {"image": {"ranks": [0, 1, 2], "replica_batch": [4, 3, 3]}, "text": {"ranks": [3]}}, 10)

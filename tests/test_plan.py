@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_distmm.plan import Plan, PlanError, TowerPlan, colocated_plan, proportional_plan, split_batch
+from lightning_distmm.core import Plan, PlanError, TowerPlan, colocated_plan, proportional_plan, split_batch
 
 
 def test_yaml_round_trip(tmp_path):

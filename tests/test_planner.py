@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import yaml
 
-from lightning_distmm.plan import (
+from lightning_distmm.core.schedule import Backward, BatchSync, Forward, schedules, simulate
+from lightning_distmm.planner import (
     Plan,
     PlanError,
     auto_plan,
@@ -29,9 +30,9 @@ from lightning_distmm.plan import (
     minmax_allocation,
     tp_groups_inside_nodes,
 )
-from lightning_distmm.plan.balance import compositions
-from lightning_distmm.plan.cluster import CONF_DIR, GB, Cluster, Device, Link
-from lightning_distmm.plan.cost import (
+from lightning_distmm.planner.balance import compositions
+from lightning_distmm.planner.cluster import CONF_DIR, GB, Cluster, Device, Link
+from lightning_distmm.planner.cost import (
     RECOMPUTE,
     CostOptions,
     TowerChoice,
@@ -45,11 +46,10 @@ from lightning_distmm.plan.cost import (
     stage_compute,
     sync_time,
 )
-from lightning_distmm.plan.partition import Candidates, InfeasibleError
-from lightning_distmm.plan.placement import candidate_layouts, place
-from lightning_distmm.plan.planner import DEFAULT_SCHEDULES, PlannerOptions, TowerInfo
-from lightning_distmm.plan.profile import model_profiles
-from lightning_distmm.plan.schedule import Backward, BatchSync, Forward, schedules, simulate
+from lightning_distmm.planner.partition import Candidates, InfeasibleError
+from lightning_distmm.planner.placement import candidate_layouts, place
+from lightning_distmm.planner.planner import DEFAULT_SCHEDULES, PlannerOptions, TowerInfo
+from lightning_distmm.planner.profile import model_profiles
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,9 +115,9 @@ def test_barrier_balancer_equals_brute_force(seed):
 
 def test_balancer_on_real_towers_equals_brute_force():
     """Real candidate tables (three towers, uneven replica batches, a frozen-free CoCa) vs brute force."""
-    from lightning_distmm.plan.cost import CostOptions, loss_bytes
-    from lightning_distmm.plan.partition import SearchSpace, tower_candidates, tower_space
-    from lightning_distmm.plan.profile import model_profiles
+    from lightning_distmm.planner.cost import CostOptions, loss_bytes
+    from lightning_distmm.planner.partition import SearchSpace, tower_candidates, tower_space
+    from lightning_distmm.planner.profile import model_profiles
 
     cl = small_cluster(2, 4)
     profiles = model_profiles(model("coca_vit_l14"))
@@ -512,7 +512,7 @@ def test_measure_tower_fits_time_and_activations():
     import torch
     from torch import nn
 
-    from lightning_distmm.plan import measure_tower
+    from lightning_distmm.planner import measure_tower
 
     m = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 8))
     fit = measure_tower(m, lambda b: [torch.randn(b, 32)], (2, 8), repeats=1)
@@ -522,7 +522,7 @@ def test_measure_tower_fits_time_and_activations():
 
 
 def test_local_cpu_is_measured():
-    from lightning_distmm.plan import measure_local_cpu
+    from lightning_distmm.planner import measure_local_cpu
 
     cl = measure_local_cpu(devices=2, measure_gloo=False, cache=False)
     assert cl.device.peak_flops > 1e8 and cl.device.memory_bandwidth > 1e8 and cl.devices_per_node == 2
@@ -557,7 +557,7 @@ def test_compositions_cover_everything():
 def test_report_draws_the_predicted_step():
     """Report.timeline: every rank's instruction list simulated with the cost model's durations; the
     drawn step is the priced step less what the lists leave out (gradient sums, optimizer, overhead)."""
-    from lightning_distmm.plan.schedule import timeline_svg
+    from lightning_distmm.core.schedule import timeline_svg
 
     plan, report = make_plan(model("clip_vit_l14"), "a100_8x8", 1024)
     intervals = report.timeline()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from lightning_distmm.plan.cluster import CONF_DIR
-from lightning_distmm.plan.profile import model_profiles, tower_profile
+from lightning_distmm.planner.cluster import CONF_DIR
+from lightning_distmm.planner.profile import model_profiles, tower_profile
 
 E = 32
 

@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from lightning_distmm.plan import Plan
-from lightning_distmm.plan.schedule import (
+from lightning_distmm.core import Plan
+from lightning_distmm.core.schedule import (
     Backward,
     BatchSync,
     Forward,

@@ -20,9 +20,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from lightning_distmm.core.layout import GLOBAL_BATCH_KEY, RankLayout
 from lightning_distmm.data.fields import load_fields
-from lightning_distmm.parallel.layout import RankLayout
-from lightning_distmm.parallel.runtime import GLOBAL_BATCH_KEY
 
 
 class RankBatchSampler(Sampler[list[tuple[int, int]]]):

@@ -39,7 +39,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_distmm.losses import clip_loss
-from lightning_distmm.mixin import DistMMMixin, Tower
+from lightning_distmm.mixin import DistMMMixin
+from lightning_distmm.tower import Tower
 
 #: the default tiny model (mirrors conf/model/clip_tiny.yaml)
 CLIP_TINY: dict[str, Any] = {

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_distmm.plan.plan import Plan, TowerPlan
+from lightning_distmm.core.plan import Plan, TowerPlan
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The per-rank runtime of a distmm plan: one executor for the schedule's instruction list.
 
-One training step on a rank is its list from :func:`lightning_distmm.plan.schedule.rank_schedule`,
+One training step on a rank is its list from :func:`lightning_distmm.core.schedule.rank_schedule`,
 run in full inside :meth:`TowerRuntime.contrastive_loss` (the module's ``training_step``):
 
 1. ``Forward``: a microbatch of a local tower through this rank's stage (the whole tower without
@@ -33,7 +33,7 @@ import math
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,21 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
 from lightning_distmm.interaction import row_share
-from lightning_distmm.mixin import DistMMMixin, Tower
+from lightning_distmm.tower import Tower
+
+if TYPE_CHECKING:  # pragma: no cover
+    from lightning_distmm.mixin import DistMMMixin
+from lightning_distmm.core.layout import GLOBAL_BATCH_KEY, RankBatch, RankLayout
+from lightning_distmm.core.plan import Plan
+from lightning_distmm.core.schedule import (
+    Backward,
+    BatchSync,
+    Forward,
+    Instruction,
+    rank_schedule,
+    stage_neighbours,
+    sync_ranks,
+)
 from lightning_distmm.parallel.exchange import (
     FeatureSpec,
     GatherSlot,
@@ -53,21 +67,7 @@ from lightning_distmm.parallel.exchange import (
     gather_features,
 )
 from lightning_distmm.parallel.groups import TowerGroups
-from lightning_distmm.parallel.layout import RankBatch, RankLayout
 from lightning_distmm.parallel.pipeline import Stage
-from lightning_distmm.plan.plan import Plan
-from lightning_distmm.plan.schedule import (
-    Backward,
-    BatchSync,
-    Forward,
-    Instruction,
-    rank_schedule,
-    stage_neighbours,
-    sync_ranks,
-)
-
-#: the batch key under which the distmm data loader tells every rank the global batch size
-GLOBAL_BATCH_KEY = "__distmm_global_batch__"
 
 
 @dataclass

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_distmm.plan.partition import Candidates, InfeasibleError
+from lightning_distmm.planner.partition import Candidates, InfeasibleError
 
 INF = math.inf
 

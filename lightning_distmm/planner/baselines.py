@@ -21,8 +21,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_distmm.plan.cluster import Cluster
-from lightning_distmm.plan.cost import (
+from lightning_distmm.core.plan import split_batch
+from lightning_distmm.planner.cluster import Cluster
+from lightning_distmm.planner.cost import (
     CostOptions,
     StepCost,
     TowerChoice,
@@ -31,9 +32,8 @@ from lightning_distmm.plan.cost import (
     even_split,
     loss_bytes,
 )
-from lightning_distmm.plan.partition import SearchSpace, colocated_options, option
-from lightning_distmm.plan.plan import split_batch
-from lightning_distmm.plan.profile import TowerProfile
+from lightning_distmm.planner.partition import SearchSpace, colocated_options, option
+from lightning_distmm.planner.profile import TowerProfile
 
 
 @dataclass
@@ -129,7 +129,7 @@ def _all_options(
     """Every (schedule, K) of one tower at a fixed tp x pp on all devices (no Pareto pruning)."""
     import numpy as np
 
-    from lightning_distmm.plan.partition import _grid, k_grid
+    from lightning_distmm.planner.partition import _grid, k_grid
 
     if world // (tp * pp) > G:
         return []

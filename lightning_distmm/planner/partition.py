@@ -7,7 +7,7 @@ is evaluated as numpy arrays over (replicas x microbatch counts), so thousands o
 cost a few array operations. Configurations that exceed device memory are dropped.
 
 A configuration's forward phase ``F`` is its time before the (first) batch-sync, its backward
-phase ``B`` the rest: the closed forms of :func:`lightning_distmm.plan.cost.phases`, which equal
+phase ``B`` the rest: the closed forms of :func:`lightning_distmm.planner.cost.phases`, which equal
 the simulation of the runtime's instruction lists (``distmm``: ``B`` spans wave 1's interleaved
 forwards and both waves' backwards, the balancer's ``max F + max B`` then leaves out that the
 second batch-sync is a barrier too; :func:`evaluate_plan` prices it exactly).
@@ -27,8 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from lightning_distmm.plan.cluster import GB, Cluster
-from lightning_distmm.plan.cost import (
+from lightning_distmm.core.plan import PlanError
+from lightning_distmm.planner.cluster import GB, Cluster
+from lightning_distmm.planner.cost import (
     CostOptions,
     TowerChoice,
     compact_dp_allreduce,
@@ -44,8 +45,7 @@ from lightning_distmm.plan.cost import (
     tp_comm,
     wave_rows,
 )
-from lightning_distmm.plan.plan import PlanError
-from lightning_distmm.plan.profile import TowerProfile
+from lightning_distmm.planner.profile import TowerProfile
 
 
 class InfeasibleError(PlanError):

@@ -10,7 +10,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from lightning_distmm.plan.plan import Plan
+from lightning_distmm.core.plan import Plan
+
+#: the batch key under which the distmm data loader tells every rank the global batch size
+GLOBAL_BATCH_KEY = "__distmm_global_batch__"
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from lightning_distmm.plan.plan import Plan
+from lightning_distmm.core.plan import Plan
 
 
 @dataclass(frozen=True)

@@ -48,10 +48,10 @@ from typing import Any
 
 import numpy as np
 
-from lightning_distmm.plan import schedule as ir
-from lightning_distmm.plan.cluster import Cluster
-from lightning_distmm.plan.plan import Plan, TowerPlan, split_batch
-from lightning_distmm.plan.profile import Block, TowerProfile
+from lightning_distmm.core import schedule as ir
+from lightning_distmm.core.plan import Plan, TowerPlan, split_batch
+from lightning_distmm.planner.cluster import Cluster
+from lightning_distmm.planner.profile import Block, TowerProfile
 
 SCHEDULE_NAMES = ("gpipe", "distmm", "cached")
 # Baseline-only variant: gpipe with full activation checkpointing (Megatron-LM --recompute-granularity

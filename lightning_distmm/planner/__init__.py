@@ -1,7 +1,8 @@
-"""Pure-Python planning: no process groups. Plans, cluster specs, tower profiles, the cost model,
-partitioner, balancer, placement, baselines and the planner (docs/planner.md)."""
+"""The planner, pure Python above :mod:`lightning_distmm.core`: cluster specs, tower profiles, the
+cost model, partitioner, balancer, placement, baselines and the search (docs/planner.md). It
+imports neither torch.distributed nor Lightning (torch only inside the functions that measure)."""
 
-from lightning_distmm.plan.plan import (
+from lightning_distmm.core.plan import (  # re-exported: plans are what the planner makes
     SCHEDULES,
     Plan,
     PlanError,
@@ -13,15 +14,15 @@ from lightning_distmm.plan.plan import (
 
 __all__ = ["SCHEDULES", "Plan", "PlanError", "TowerPlan", "colocated_plan", "proportional_plan", "split_batch"]
 
-from lightning_distmm.plan.balance import (  # noqa: E402
+from lightning_distmm.planner.balance import (  # noqa: E402
     Balance,
     barrier_allocation,
     brute_force_barrier,
     brute_force_minmax,
     minmax_allocation,
 )
-from lightning_distmm.plan.baselines import Evaluated, colocated_search  # noqa: E402
-from lightning_distmm.plan.cluster import (  # noqa: E402
+from lightning_distmm.planner.baselines import Evaluated, colocated_search  # noqa: E402
+from lightning_distmm.planner.cluster import (  # noqa: E402
     Cluster,
     ConcurrencyProbe,
     Device,
@@ -31,10 +32,10 @@ from lightning_distmm.plan.cluster import (  # noqa: E402
     load_cluster,
     measure_local_cpu,
 )
-from lightning_distmm.plan.cost import CostOptions, StepCost, TowerChoice, TowerCost, evaluate_plan, replica_timeline  # noqa: E402
-from lightning_distmm.plan.partition import Candidates, InfeasibleError, SearchSpace, tower_candidates  # noqa: E402
-from lightning_distmm.plan.placement import place, tp_groups_inside_nodes  # noqa: E402
-from lightning_distmm.plan.planner import (  # noqa: E402
+from lightning_distmm.planner.cost import CostOptions, StepCost, TowerChoice, TowerCost, evaluate_plan, replica_timeline  # noqa: E402
+from lightning_distmm.planner.partition import Candidates, InfeasibleError, SearchSpace, tower_candidates  # noqa: E402
+from lightning_distmm.planner.placement import place, tp_groups_inside_nodes  # noqa: E402
+from lightning_distmm.planner.planner import (  # noqa: E402
     DEFAULT_SCHEDULES,
     PlannerOptions,
     Report,
@@ -48,7 +49,7 @@ from lightning_distmm.plan.planner import (  # noqa: E402
     to_plan,
     tower_info_from_batch,
 )
-from lightning_distmm.plan.profile import (  # noqa: E402
+from lightning_distmm.planner.profile import (  # noqa: E402
     MeasuredFit,
     TowerProfile,
     measure_tower,

@@ -12,13 +12,13 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_distmm.mixin import DistMMMixin
+from lightning_distmm.tower import Tower
 
 
-def tower_flops(module: DistMMMixin, example: Mapping[str, Any] | None) -> dict[str, float]:
+def tower_flops(towers: Mapping[str, Tower], example: Mapping[str, Any] | None) -> dict[str, float]:
     """Forward FLOPs of each tower on ``example`` (one collated sample); 2 x parameters without one."""
     out: dict[str, float] = {}
-    for name, tower in module.tower_specs().items():
+    for name, tower in towers.items():
         params = sum(p.numel() for p in tower.module.parameters())
         if example is None or any(f not in example for f in tower.fields):
             out[name] = 2.0 * params

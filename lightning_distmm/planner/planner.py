@@ -29,7 +29,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_distmm.plan.balance import (
+from lightning_distmm.core.plan import SCHEDULES, Plan, TowerPlan, split_batch
+from lightning_distmm.planner.balance import (
     Balance,
     barrier_allocation,
     best_by_devices,
@@ -37,9 +38,9 @@ from lightning_distmm.plan.balance import (
     minmax_allocation,
     proportional_allocation,
 )
-from lightning_distmm.plan.baselines import Evaluated, colocated_search
-from lightning_distmm.plan.cluster import GB, Cluster, load_cluster
-from lightning_distmm.plan.cost import (
+from lightning_distmm.planner.baselines import Evaluated, colocated_search
+from lightning_distmm.planner.cluster import GB, Cluster, load_cluster
+from lightning_distmm.planner.cost import (
     RECOMPUTE,
     CostOptions,
     StepCost,
@@ -48,7 +49,7 @@ from lightning_distmm.plan.cost import (
     evaluate_plan,
     loss_bytes,
 )
-from lightning_distmm.plan.partition import (
+from lightning_distmm.planner.partition import (
     Candidates,
     InfeasibleError,
     SearchSpace,
@@ -57,9 +58,8 @@ from lightning_distmm.plan.partition import (
     tower_candidates,
     tower_space,
 )
-from lightning_distmm.plan.placement import place
-from lightning_distmm.plan.plan import SCHEDULES, Plan, TowerPlan, split_batch
-from lightning_distmm.plan.profile import (
+from lightning_distmm.planner.placement import place
+from lightning_distmm.planner.profile import (
     TowerProfile,
     _plain,
     measure_tower,
@@ -173,9 +173,9 @@ class Report:
 
     def timeline(self, max_ranks: int = 64) -> list[Any]:
         """The chosen plan's step, every rank's instruction list simulated with the cost model's
-        durations (:func:`lightning_distmm.plan.schedule.simulate`); draw it with ``timeline_svg``."""
-        from lightning_distmm.plan.cost import instruction_seconds
-        from lightning_distmm.plan.schedule import schedules, simulate
+        durations (:func:`lightning_distmm.core.schedule.simulate`); draw it with ``timeline_svg``."""
+        from lightning_distmm.core.schedule import schedules, simulate
+        from lightning_distmm.planner.cost import instruction_seconds
 
         world = self.plan.world_size
         if world > max_ranks:
@@ -641,7 +641,7 @@ def local_cluster(device: Any, world_size: int, devices_per_node: int | None = N
 
     dev = torch.device(device)
     if dev.type == "cpu":
-        from lightning_distmm.plan.cluster import measure_local_cpu
+        from lightning_distmm.planner.cluster import measure_local_cpu
 
         return measure_local_cpu(devices=world_size, measure_gloo=world_size > 1)
     if dev.type != "cuda":
@@ -653,7 +653,7 @@ def local_cluster(device: Any, world_size: int, devices_per_node: int | None = N
         if key in props.name:
             preset = load_cluster(name)
             break
-    from lightning_distmm.plan.cluster import Device, Link
+    from lightning_distmm.planner.cluster import Device, Link
 
     points, peak = [], 0.0
     for n in (256, 1024, 4096):
@@ -750,7 +750,7 @@ def auto_plan(
         if E is None:
             with torch.no_grad():
                 out = info.module(*[x.to(device) if hasattr(x, "to") else x for x in info.make_inputs(1)])
-            from lightning_distmm.plan.profile import _first_tensor
+            from lightning_distmm.planner.profile import _first_tensor
 
             E = int(_first_tensor(out).shape[-1])
         analytic = tower_profile(name, info.config, E) if info.config is not None else None

@@ -10,7 +10,7 @@ inside one node (it all-reduces twice per layer and microbatch). Candidate layou
 2. *contiguous*: towers one after the other in some order, kept only if no TP group straddles.
 
 Each candidate, for every order of the towers, is priced by the full cost model
-(:func:`lightning_distmm.plan.cost.evaluate_plan`, which knows which groups cross nodes and how
+(:func:`lightning_distmm.planner.cost.evaluate_plan`, which knows which groups cross nodes and how
 much each node's NIC carries) and the fastest is kept. Within a tower, ranks are listed
 data-parallel outermost, then pipeline stage, then tensor-parallel rank, as :class:`Plan` expects.
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 
-from lightning_distmm.plan.cluster import Cluster
+from lightning_distmm.planner.cluster import Cluster
 
 Layout = dict[str, list[int]]
 
