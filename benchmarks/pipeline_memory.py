@@ -114,7 +114,7 @@ class Probe(L.Callback):
         # cached keeps each microbatch's stage input outside autograd until its recompute: count it
         self.peaks.append(self.meter.peak + pl_module._distmm_runtime.stash_bytes)
         trace = [
-            (type(i).__name__, getattr(i, "tower", ""), getattr(i, "mb", getattr(i, "wave", 0)), a, b)
+            (type(i).__name__, getattr(i, "tower", ""), getattr(i, "mb", getattr(i, "sync_group", 0)), a, b)
             for i, a, b in pl_module._distmm_runtime.trace
         ]
         Path(self.folder, f"rank{trainer.global_rank}.json").write_text(

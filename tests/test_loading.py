@@ -40,7 +40,7 @@ def test_colocated_partial_batch_split():
     layout = RankLayout(Plan(2, {"image": {"ranks": [0, 1]}, "text": {"ranks": [0, 1]}}), 1, FIELDS)
     rb = layout.batch(7)
     assert rb.rows == (4, 5, 6)
-    assert rb.towers["image"].waves[0].local == slice(0, 3) and rb.towers["text"].waves[0].start == 4
+    assert rb.towers["image"].spans[0].local == slice(0, 3) and rb.towers["text"].spans[0].start == 4
 
 
 def test_distmm_replicas_take_rows_of_each_sync_group():
@@ -48,10 +48,10 @@ def test_distmm_replicas_take_rows_of_each_sync_group():
     a 2-replica image tower gets the second half of each group, the one text replica everything."""
     plan = Plan(3, {"image": {"ranks": [0, 1], "schedule": "distmm"}, "text": {"ranks": [2], "schedule": "distmm"}})
     image = RankLayout(plan, 1, FIELDS).batch(10)
-    assert [(s.start, s.stop, s.local_start) for s in image.towers["image"].waves] == [(3, 5, 0), (8, 10, 2)]
+    assert [(s.start, s.stop, s.local_start) for s in image.towers["image"].spans] == [(3, 5, 0), (8, 10, 2)]
     assert image.rows == (3, 4, 8, 9)
     text = RankLayout(plan, 2, FIELDS).batch(10)
-    assert [(s.start, s.stop) for s in text.towers["text"].waves] == [(0, 5), (5, 10)] and text.rows == tuple(range(10))
+    assert [(s.start, s.stop) for s in text.towers["text"].spans] == [(0, 5), (5, 10)] and text.rows == tuple(range(10))
 
 
 def test_resume_skips_without_loading(tmp_path):

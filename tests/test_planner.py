@@ -172,7 +172,7 @@ def test_closed_forms_equal_the_simulated_instruction_lists(schedule, frozen):
                             return f
                         if isinstance(ins, Backward):
                             return b + (f if recompute else 0.0)
-                        return syncs[ins.wave] if isinstance(ins, BatchSync) else 0.0
+                        return syncs[ins.sync_group] if isinstance(ins, BatchSync) else 0.0
 
                     intervals = simulate(lists, duration, lambda ins: link)
                     waves = (rows - rows // 2, rows // 2) if schedule == "distmm" else (rows,)
@@ -282,7 +282,7 @@ def test_segments_compose_to_the_simulated_whole_plan(schedule):
             return slot[ins.tower][0]
         if isinstance(ins, Backward):
             return slot[ins.tower][1] + (slot[ins.tower][0] if ins.recompute else 0.0)
-        return cost.sync["waves"][ins.wave] if isinstance(ins, BatchSync) else 0.0
+        return cost.sync["waves"][ins.sync_group] if isinstance(ins, BatchSync) else 0.0
 
     end = max(i.end for i in simulate(schedules(plan, 16), duration, lambda ins: slot[ins.tower][2]))
     waves = len(cost.sync["waves"])

@@ -77,7 +77,7 @@ def test_distmm_overlaps_one_wave_with_the_next():
         },
     )
     first, last, text = (rank_schedule(plan, r, 8) for r in range(3))
-    kinds = lambda ins: [f"{type(i).__name__[0]}{getattr(i, 'wave', '')}" for i in ins]  # noqa: E731
+    kinds = lambda ins: [f"{type(i).__name__[0]}{getattr(i, 'sync_group', '')}" for i in ins]  # noqa: E731
     assert kinds(first) == ["F0", "F0", "F1", "B0", "F1", "B0", "B1", "B1", "G"]
     assert kinds(last) == ["F0", "F0", "B0", "B0", "F1", "B0", "F1", "B1", "B1", "B1", "G"]
     assert [i.mb for i in first if isinstance(i, Forward)] == [0, 1, 2, 3]

@@ -35,14 +35,14 @@ class Span:
 
 @dataclass(frozen=True)
 class TowerShare:
-    """A tower's replica on this rank: its rows of each sync group (one span per wave)."""
+    """A tower's replica on this rank: its rows of each sync group (one span per sync group)."""
 
     replica: int
-    waves: tuple[Span, ...]
+    spans: tuple[Span, ...]
 
     @property
     def size(self) -> int:
-        return sum(s.size for s in self.waves)
+        return sum(s.size for s in self.spans)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ class Forward:
     """Microbatch ``mb`` of ``tower`` through this rank's stage; ``keep``: keep activations for backward.
 
     ``mb`` numbers the rank's microbatches of the tower across the step (rows in that order);
-    ``wave`` is the sync group the microbatch belongs to.
+    ``sync_group`` is the sync group (the rows that meet at one batch-sync) the microbatch belongs to.
     """
 
     tower: str
@@ -32,15 +32,15 @@ class Forward:
     recv_from: int | None
     send_to: int | None
     keep: bool
-    wave: int = 0
+    sync_group: int = 0
 
 
 @dataclass(frozen=True)
 class BatchSync:
-    """Wave ``wave``'s features of every tower meet on ``ranks`` (the last stages): gather, the
+    """Sync group ``sync_group``'s features of every tower meet on ``ranks`` (the last stages): gather, the
     interaction loss forward and backward on that sync group, the feature gradient split."""
 
-    wave: int = 0
+    sync_group: int = 0
     ranks: tuple[int, ...] = ()
 
 
@@ -54,7 +54,7 @@ class Backward:
     recv_from: int | None
     send_to: int | None
     recompute: bool
-    wave: int = 0
+    sync_group: int = 0
 
 
 @dataclass(frozen=True)
@@ -123,8 +123,8 @@ def rank_schedule(plan: Plan, rank: int, n: int) -> list[Instruction]:
         for w, wave_rows in enumerate(waves):
             fw, bw = forwards[w].setdefault(name, []), backwards[w].setdefault(name, [])
             for rows in microbatch_sizes(t.split(wave_rows)[replica], t.microbatch):
-                fw.append(Forward(name, mb, rows, prev, nxt, keep=not cached, wave=w))
-                bw.append(Backward(name, mb, rows, nxt, prev, recompute=cached, wave=w))
+                fw.append(Forward(name, mb, rows, prev, nxt, keep=not cached, sync_group=w))
+                bw.append(Backward(name, mb, rows, nxt, prev, recompute=cached, sync_group=w))
                 mb += 1
     out: list[Instruction] = [i for ins in forwards[0].values() for i in ins]
     for w in range(len(waves)):
@@ -190,7 +190,7 @@ def simulate(
             while pc[r] < len(instrs):
                 ins = instrs[pc[r]]
                 if isinstance(ins, (BatchSync, GradSync)):
-                    key = (type(ins).__name__, getattr(ins, "wave", 0))
+                    key = (type(ins).__name__, getattr(ins, "sync_group", 0))
                     arrivals = barrier_arrivals.setdefault(key, {})
                     arrivals.setdefault(r, clock[r])
                     members = ins.ranks if isinstance(ins, BatchSync) and ins.ranks else tuple(plan_schedules)
@@ -254,7 +254,7 @@ def timeline_svg(intervals: Sequence[Interval], title: str = "", width: int = 90
                 "r" if getattr(i.instruction, "recompute", False) else ""
             )
         elif isinstance(i.instruction, BatchSync):
-            label = f"S{i.instruction.wave}"
+            label = f"S{i.instruction.sync_group}"
         parts.append(
             f'<rect x="{x:.1f}" y="{y + 3}" width="{w:.1f}" height="{row - 6}" fill="{_COLOURS[kind]}" stroke="white"/>'
         )

@@ -103,10 +103,10 @@ def _new_step(instructions: list[Instruction], batch: RankBatch) -> _Step:
     nxt: dict[tuple[str, int], int] = {}
     for ins in instructions:
         if isinstance(ins, Forward):
-            key = (ins.tower, ins.wave)
-            a = nxt.get(key, batch.towers[ins.tower].waves[ins.wave].local_start)
+            key = (ins.tower, ins.sync_group)
+            a = nxt.get(key, batch.towers[ins.tower].spans[ins.sync_group].local_start)
             step.rows[ins.tower, ins.mb] = slice(a, a + ins.rows)
-            step.wave_of[ins.tower, ins.mb] = ins.wave
+            step.wave_of[ins.tower, ins.mb] = ins.sync_group
             step.last[ins.tower] = ins.send_to is None
             nxt[key] = a + ins.rows
     return step
@@ -398,14 +398,14 @@ class TowerRuntime:
         if ins.send_to is not None:
             self._sends.append(send_tensor(x, ins.send_to, self.p2p_groups.get((ins.tower, "act"))))
         else:
-            step.outputs.setdefault((ins.wave, ins.tower), []).append(x)
+            step.outputs.setdefault((ins.sync_group, ins.tower), []).append(x)
 
     def _batch_sync(self, module: DistMMMixin, ins: BatchSync, step: _Step, training: bool) -> None:
-        """Wave ``ins.wave``'s features meet: gather, the loss forward and backward, the feature gradients split."""
+        """Wave ``ins.sync_group``'s features meet: gather, the loss forward and backward, the feature gradients split."""
         start = time.perf_counter()
         group_sizes = self.plan.group_split(step.n)
-        rows = group_sizes[ins.wave]
-        local = {tower: torch.cat(outs) for (wave, tower), outs in step.outputs.items() if wave == ins.wave}
+        rows = group_sizes[ins.sync_group]
+        local = {tower: torch.cat(outs) for (wave, tower), outs in step.outputs.items() if wave == ins.sync_group}
         if self.specs is None:
             self.specs = exchange_specs(local, list(self.towers), self.sync_group)
         full = gather_features(local, self.slots(rows), self.specs, self.device, self.sync_group)
@@ -430,9 +430,9 @@ class TowerRuntime:
         allreduce_sum(list(grads.values()), self.sync_group)
         # each of this rank's microbatches of the wave takes its rows of the summed feature gradient
         for (tower, mb), part in step.rows.items():
-            if tower in grads and step.wave_of[tower, mb] == ins.wave and step.last[tower]:
+            if tower in grads and step.wave_of[tower, mb] == ins.sync_group and step.last[tower]:
                 offset = self.layout.offsets(tower, rows)[step.batch.towers[tower].replica]
-                span = step.batch.towers[tower].waves[ins.wave]
+                span = step.batch.towers[tower].spans[ins.sync_group]
                 a = offset + part.start - span.local_start
                 step.feature_grads[tower, mb] = grads[tower][a : a + part.stop - part.start]
         if self.trace is not None:

@@ -340,13 +340,13 @@ def _simulate_replica(
             f, b, _ = by_rows[ins.rows]
             return b + (f if recompute else 0.0)
         if isinstance(ins, ir.BatchSync):
-            return syncs[ins.wave] if ins.wave < len(syncs) else 0.0
+            return syncs[ins.sync_group] if ins.sync_group < len(syncs) else 0.0
         return 0.0
 
     intervals = ir.simulate(lists, duration, lambda ins: by_rows[ins.rows][2])
     last = sorted(
         (i for i in intervals if i.rank == P - 1 and isinstance(i.instruction, ir.BatchSync)),
-        key=lambda i: i.instruction.wave,
+        key=lambda i: i.instruction.sync_group,
     )
     end = max(i.end for i in intervals)
     segments, clock = [], 0.0
@@ -597,7 +597,7 @@ def instruction_seconds(
         if isinstance(ins, ir.Backward):
             return micro(ins.tower, ins.rows)[1]
         if isinstance(ins, ir.BatchSync):
-            return syncs[ins.wave]
+            return syncs[ins.sync_group]
         return 0.0
 
     def transfer(ins: ir.Instruction) -> float:
