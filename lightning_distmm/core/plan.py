@@ -22,6 +22,16 @@ class PlanError(ValueError):
     """A plan that cannot run: the message names the tower and the problem."""
 
 
+def sync_group_count(schedules: Mapping[str, str]) -> int | None:
+    """Batch-syncs per step of towers running ``schedules`` (tower -> schedule): 2 when every tower
+    runs ``distmm``, 1 when none does, None when only some do. ``distmm`` splits the whole batch into
+    two sync groups that every tower must share, so a mix is not a plan."""
+    uses = {s == "distmm" for s in schedules.values()}
+    if len(uses) > 1:
+        return None
+    return 2 if True in uses else 1
+
+
 def split_batch(n: int, weights: Sequence[int] | None, replicas: int) -> list[int]:
     """Split ``n`` samples over ``replicas`` replicas.
 
@@ -341,4 +351,13 @@ def proportional_plan(tower_flops: Mapping[str, float], world_size: int, global_
     return Plan(world_size, towers, global_batch)
 
 
-__all__ = ["Plan", "TowerPlan", "PlanError", "SCHEDULES", "split_batch", "colocated_plan", "proportional_plan"]
+__all__ = [
+    "Plan",
+    "TowerPlan",
+    "PlanError",
+    "SCHEDULES",
+    "sync_group_count",
+    "split_batch",
+    "colocated_plan",
+    "proportional_plan",
+]
