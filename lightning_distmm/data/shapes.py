@@ -33,37 +33,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
+from lightning_distmm.data.captions import COLORS, POSITIONS, SHAPES, TEMPLATES, vocabulary
 from lightning_distmm.data.fields import FieldDataset
+from lightning_distmm.data.tokenizer import build_caption_tokenizer, encode
 
-COLORS: dict[str, tuple[float, float, float]] = {
-    "red": (0.95, 0.12, 0.10),
-    "green": (0.10, 0.80, 0.15),
-    "blue": (0.15, 0.30, 1.00),
-    "yellow": (0.98, 0.90, 0.10),
-    "purple": (0.60, 0.15, 0.85),
-    "cyan": (0.10, 0.90, 0.90),
-    "pink": (1.00, 0.55, 0.75),
-    "white": (0.95, 0.95, 0.95),
-}
-SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "cross")
-#: (row, column) of the 3 x 3 grid -> how a caption says it
-POSITIONS: tuple[tuple[str, str], ...] = (
-    ("top left", "at the top left"),
-    ("top", "at the top"),
-    ("top right", "at the top right"),
-    ("left", "on the left"),
-    ("center", "in the center"),
-    ("right", "on the right"),
-    ("bottom left", "at the bottom left"),
-    ("bottom", "at the bottom"),
-    ("bottom right", "at the bottom right"),
-)
-TEMPLATES: tuple[str, ...] = (
-    "a {color} {shape} {where}",
-    "a picture of a {color} {shape} {where}",
-    "there is a {color} {shape} {where}",
-    "{where} there is a {color} {shape}",
-)
 NUM_COMBOS = len(COLORS) * len(SHAPES) * len(POSITIONS)
 _COLOR_NAMES = tuple(COLORS)
 _COLOR_VALUES = np.array([COLORS[c] for c in _COLOR_NAMES], dtype=np.float32)
@@ -78,18 +51,6 @@ DEFAULT_SIZES: dict[str, int] = {"train": 50_000, "val": 256, "test": 256}
 
 # the random streams of a sample: independent, so that loading some fields never shifts others
 _STREAM_ATTRS, _STREAM_IMAGE, _STREAM_PERM = 0, 1, 2
-
-
-def vocabulary() -> list[str]:
-    """Every word a caption can contain."""
-    words: set[str] = set()
-    for template in TEMPLATES:
-        words.update(w for w in template.split() if not w.startswith("{"))
-    for _, where in POSITIONS:
-        words.update(where.split())
-    words.update(COLORS)
-    words.update(SHAPES)
-    return sorted(words)
 
 
 def describe(label: int) -> tuple[str, str, int]:
@@ -234,8 +195,6 @@ class ShapesDataset(FieldDataset):
         return torch.from_numpy((image - PIXEL_MEAN) / PIXEL_STD)
 
     def tokenize(self, caption: str) -> dict[str, torch.Tensor]:
-        from lightning_distmm.data.tokenizer import build_caption_tokenizer, encode
-
         if self._tokenizer is None:
             self._tokenizer = build_caption_tokenizer()
         return encode(caption, self.context_length, self._tokenizer)

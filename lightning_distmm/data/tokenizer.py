@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
+from lightning_distmm.data.captions import vocabulary
+
 PAD, UNK, BOS, EOS = "[PAD]", "[UNK]", "[BOS]", "[EOS]"
 SPECIAL_TOKENS = (PAD, UNK, BOS, EOS)
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = range(4)
@@ -30,8 +32,6 @@ PAD_ID, UNK_ID, BOS_ID, EOS_ID = range(4)
 
 def caption_words() -> list[str]:
     """Every word the shapes caption generator can produce, sorted."""
-    from lightning_distmm.data.shapes import vocabulary  # local: shapes imports this module
-
     return sorted(set(vocabulary()))
 
 
