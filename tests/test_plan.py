@@ -93,3 +93,79 @@ def test_distmm_plan_needs_rows_for_every_replica_in_each_sync_group():
         plan.check_global_batch(3)
     assert Plan(1, {"image": {"ranks": [0]}}).sync_groups == 1
     assert "loss over 2 sync groups" in plan.table() and "sync groups" not in Plan(1, {"image": {"ranks": [0]}}).table()
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            "world_size: 1\ntowers:\n  image: {ranks: 0}\n",
+            "plan.yaml: towers.image.ranks: expected a list of ints, got 0",
+        ),
+        (
+            "world_size: 1\nglobal_batch: eight\ntowers:\n  image: {ranks: [0]}\n",
+            "plan.yaml: global_batch: expected a positive int or null, got 'eight'",
+        ),
+        (
+            "world_size: true\ntowers:\n  image: {ranks: [0]}\n",
+            "plan.yaml: world_size: expected a positive int, got True",
+        ),
+        (
+            "world_size: 1\nglobal_batch: 8.5\ntowers:\n  image: {ranks: [0]}\n",
+            "plan.yaml: global_batch: expected a positive int or null, got 8.5",
+        ),
+        (
+            "world_size: 2\ntowers:\n  image: {ranks: [true, 1]}\n",
+            r"plan.yaml: towers.image.ranks: expected a list of ints, got \[True, 1\]",
+        ),
+        (
+            "world_size: 2\ntowers:\n  image: {ranks: [0, 1], tp: yes}\n",
+            "towers.image.tp: expected a positive int, got True",
+        ),
+        (
+            "world_size: 1\ntowers:\n  image: {ranks: [0], replica_batch: 4}\n",
+            "towers.image.replica_batch: expected a list of ints or null, got 4",
+        ),
+        (
+            "world_size: 1\ntowers:\n  image: {ranks: [0], recompute: 1}\n",
+            "towers.image.recompute: expected true or false",
+        ),
+        ("world_size: 1\ntowers: [image]\n", "plan.yaml: towers: expected a mapping"),
+        ("world_size: 1\ntowers:\n  image: [0]\n", "plan.yaml: towers.image: expected a mapping of tower settings"),
+    ],
+)
+def test_yaml_values_of_the_wrong_type_name_file_and_key(text, message, tmp_path):
+    path = tmp_path / "plan.yaml"
+    path.write_text(text)
+    with pytest.raises(PlanError, match=message):
+        Plan.from_yaml(path)
+
+
+def test_yaml_duplicate_key_is_refused(tmp_path):
+    """PyYAML keeps the last of two equal keys: the first tower's settings would vanish without a word."""
+    path = tmp_path / "plan.yaml"
+    path.write_text("world_size: 2\ntowers:\n  image: {ranks: [0]}\n  image: {ranks: [1]}\n")
+    with pytest.raises(PlanError, match=r"plan.yaml: line 4: key 'image' is given twice \(first on line 3\)"):
+        Plan.from_yaml(path)
+    with pytest.raises(PlanError, match="key 'tp' is given twice"):
+        Plan.from_yaml("world_size: 2\ntowers:\n  image: {ranks: [0, 1], tp: 2, tp: 1}\n")
+    # a YAML merge key may still be overridden: that is not a duplicate
+    merged = Plan.from_yaml("world_size: 2\ntowers:\n  image: &a {ranks: [0, 1]}\n  text: {<<: *a, tp: 2}\n")
+    assert merged.towers["text"].tp == 2 and merged.towers["text"].ranks == [0, 1]
+
+
+def test_malformed_yaml_names_the_file(tmp_path):
+    path = tmp_path / "plan.yaml"
+    path.write_text("world_size: 2\ntowers:\n  image: {ranks: [0]\n")
+    with pytest.raises(PlanError, match=r"plan.yaml: not valid YAML") as info:
+        Plan.from_yaml(path)
+    assert str(path) in str(info.value)
+
+
+def test_bools_are_not_ints_in_code_either():
+    with pytest.raises(PlanError, match="world_size must be a positive integer, got True"):
+        Plan(True, {"image": {"ranks": [0]}})
+    with pytest.raises(PlanError, match="global_batch must be a positive integer or None, got 8.5"):
+        Plan(1, {"image": {"ranks": [0]}}, 8.5)
+    with pytest.raises(PlanError, match=r"towers.image.ranks: expected a list of ints, got 'abc'"):
+        Plan.from_dict({"world_size": 1, "towers": {"image": {"ranks": "abc"}}})

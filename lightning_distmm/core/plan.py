@@ -8,6 +8,7 @@ problem, on every rank, before any process group exists.
 from __future__ import annotations
 
 import dataclasses
+import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,8 +110,10 @@ class Plan:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        if not isinstance(self.world_size, int) or self.world_size < 1:
+        if not _is_int(self.world_size) or self.world_size < 1:
             raise PlanError(f"world_size must be a positive integer, got {self.world_size!r}")
+        if self.global_batch is not None and (not _is_int(self.global_batch) or self.global_batch < 1):
+            raise PlanError(f"global_batch must be a positive integer or None, got {self.global_batch!r}")
         if not self.towers:
             raise PlanError("a plan needs at least one tower")
         held: set[int] = set()
@@ -120,14 +123,14 @@ class Plan:
                 raise PlanError(f"{where} has no ranks")
             if len(set(t.ranks)) != len(t.ranks):
                 raise PlanError(f"{where} lists a rank twice: {t.ranks}")
-            bad = [r for r in t.ranks if not isinstance(r, int) or not 0 <= r < self.world_size]
+            bad = [r for r in t.ranks if not _is_int(r) or not 0 <= r < self.world_size]
             if bad:
                 raise PlanError(
                     f"{where} uses ranks {bad} outside the world of {self.world_size} ranks (0..{self.world_size - 1})"
                 )
             for degree in ("tp", "pp"):
                 value = getattr(t, degree)
-                if not isinstance(value, int) or value < 1:
+                if not _is_int(value) or value < 1:
                     raise PlanError(f"{where}: {degree} must be a positive integer, got {value!r}")
             if len(t.ranks) % (t.tp * t.pp):
                 raise PlanError(
@@ -137,14 +140,14 @@ class Plan:
                 raise PlanError(f"{where}: unknown schedule {t.schedule!r}; choose one of {', '.join(SCHEDULES)}")
             if not isinstance(t.recompute, bool):
                 raise PlanError(f"{where}: recompute must be true or false, got {t.recompute!r}")
-            if t.microbatch is not None and (not isinstance(t.microbatch, int) or t.microbatch < 1):
+            if t.microbatch is not None and (not _is_int(t.microbatch) or t.microbatch < 1):
                 raise PlanError(f"{where}: microbatch must be a positive integer or null, got {t.microbatch!r}")
             if t.replica_batch is not None:
                 if len(t.replica_batch) != t.dp:
                     raise PlanError(
                         f"{where}: replica_batch has {len(t.replica_batch)} entries but the tower has dp={t.dp} replicas"
                     )
-                if any((not isinstance(b, int)) or b < 1 for b in t.replica_batch):
+                if any(not _is_int(b) or b < 1 for b in t.replica_batch):
                     raise PlanError(f"{where}: replica_batch entries must be positive integers, got {t.replica_batch}")
                 if self.global_batch is not None and sum(t.replica_batch) != self.global_batch:
                     raise PlanError(
@@ -237,14 +240,16 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        """A plan from plain data (parsed YAML); a value of the wrong type fails naming its key path."""
         if not isinstance(data, Mapping):
             raise PlanError(f"a plan must be a mapping, got {type(data).__name__}")
         allowed = {"world_size", "global_batch", "towers"}
-        unknown = sorted(set(data) - allowed)
+        unknown = sorted(set(data) - allowed, key=str)
         if unknown:
             raise PlanError(f"unknown plan key(s) {unknown}; allowed keys are {sorted(allowed)}")
         if "world_size" not in data or "towers" not in data:
             raise PlanError("a plan needs 'world_size' and 'towers'")
+        _check_types(data)
         return cls(world_size=data["world_size"], towers=dict(data["towers"]), global_batch=data.get("global_batch"))
 
     def to_yaml(self, path: str | Path | None = None) -> str:
@@ -255,9 +260,27 @@ class Plan:
 
     @classmethod
     def from_yaml(cls, source: str | Path) -> Plan:
-        """Load from a YAML file path or a YAML string."""
-        text = Path(source).read_text() if _looks_like_path(source) else str(source)
-        return cls.from_dict(yaml.safe_load(text))
+        """Load from a YAML file path or a YAML string.
+
+        Errors name the file (when there is one) and the key: malformed YAML, a key given twice
+        (YAML's usual last-one-wins would drop a tower's settings without a word), a value of the
+        wrong type, or a plan that does not validate.
+        """
+        is_path = _looks_like_path(source)
+        text = Path(source).read_text() if is_path else str(source)
+        where = f"{source}: " if is_path else ""
+        stream = io.StringIO(text)
+        stream.name = str(source) if is_path else "<string>"  # PyYAML's error marks name the stream
+        try:
+            data = yaml.load(stream, Loader=_UniqueKeyLoader)  # a SafeLoader subclass: no arbitrary objects
+        except PlanError as e:
+            raise PlanError(f"{where}{e}") from None
+        except yaml.YAMLError as e:
+            raise PlanError(f"{where}not valid YAML: {e}") from None
+        try:
+            return cls.from_dict(data)
+        except PlanError as e:
+            raise PlanError(f"{where}{e}") from None
 
     # ------------------------------------------------------------------ printout
     def table(self) -> str:
@@ -308,6 +331,70 @@ def _as_tower_plan(name: str, value: Any) -> TowerPlan:
     if kwargs.get("replica_batch") is not None:
         kwargs["replica_batch"] = list(kwargs["replica_batch"])
     return TowerPlan(**kwargs)
+
+
+def _is_int(value: Any) -> bool:
+    """An integer that is not a bool (YAML's ``true`` is a Python ``bool``, itself an ``int``)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _expect(ok: bool, path: str, what: str, value: Any) -> None:
+    if not ok:
+        raise PlanError(f"{path}: expected {what}, got {value!r}")
+
+
+def _check_types(data: Mapping[str, Any]) -> None:
+    """The type of every value of a plan's plain data, failing with its key path (``towers.image.tp``)."""
+    _expect(_is_int(data["world_size"]) and data["world_size"] >= 1, "world_size", "a positive int", data["world_size"])
+    batch = data.get("global_batch")
+    _expect(batch is None or (_is_int(batch) and batch >= 1), "global_batch", "a positive int or null", batch)
+    towers = data["towers"]
+    _expect(isinstance(towers, Mapping), "towers", "a mapping of tower name to settings", towers)
+    ints = "a list of ints"
+    for name, tower in towers.items():
+        _expect(isinstance(name, str), "towers", "tower names that are strings", name)
+        where = f"towers.{name}"
+        if isinstance(tower, TowerPlan):
+            continue
+        _expect(isinstance(tower, Mapping), where, "a mapping of tower settings", tower)
+        for key, value in tower.items():
+            path = f"{where}.{key}"
+            if key == "ranks":
+                _expect(isinstance(value, list) and all(_is_int(r) for r in value), path, ints, value)
+            elif key == "replica_batch":
+                ok = value is None or (isinstance(value, list) and all(_is_int(b) for b in value))
+                _expect(ok, path, f"{ints} or null", value)
+            elif key in ("tp", "pp"):
+                _expect(_is_int(value) and value >= 1, path, "a positive int", value)
+            elif key == "microbatch":
+                _expect(value is None or (_is_int(value) and value >= 1), path, "a positive int or null", value)
+            elif key == "schedule":
+                _expect(isinstance(value, str), path, f"one of {', '.join(SCHEDULES)}", value)
+            elif key == "recompute":
+                _expect(isinstance(value, bool), path, "true or false", value)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's SafeLoader, except that a mapping with a key given twice is refused."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: merged keys may be overridden
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                hash(key)
+            except TypeError:
+                continue  # the SafeLoader refuses an unhashable key with its own message
+            if key in seen:
+                raise PlanError(
+                    f"line {line}: key {key!r} is given twice (first on line {seen[key]}); YAML would keep only"
+                    f" the last one: merge them into one entry"
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 def _ranks_str(ranks: list[int]) -> str:
