@@ -184,22 +184,22 @@ def test_predicted_ordering_on_measured_towers():
 
 
 def test_concurrency_is_cached_only_when_measured_quietly(tmp_path, monkeypatch):
-    from lightning_distmm.planner import cluster as cluster_mod
+    from lightning_distmm.planner import measure as measure_mod
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(cluster_mod, "_measure_concurrency", lambda devices, threads: (2.5, False))
-    busy = cluster_mod.measure_local_cpu(devices=2, measure_gloo=False, measure_concurrency=True)
+    monkeypatch.setattr(measure_mod, "_measure_concurrency", lambda devices, threads: (2.5, False))
+    busy = measure_mod.measure_local_cpu(devices=2, measure_gloo=False, measure_concurrency=True)
     assert busy.device.concurrency == 2.5  # used for this call ...
-    monkeypatch.setattr(cluster_mod, "_measure_concurrency", lambda devices, threads: (1.1, True))
-    quiet = cluster_mod.measure_local_cpu(devices=2, measure_gloo=False, measure_concurrency=True)
+    monkeypatch.setattr(measure_mod, "_measure_concurrency", lambda devices, threads: (1.1, True))
+    quiet = measure_mod.measure_local_cpu(devices=2, measure_gloo=False, measure_concurrency=True)
     assert quiet.device.concurrency == 1.1  # ... but not cached: measured again
     monkeypatch.setattr(
-        cluster_mod, "_measure_concurrency", lambda devices, threads: pytest.fail("cached value not used")
+        measure_mod, "_measure_concurrency", lambda devices, threads: pytest.fail("cached value not used")
     )
     assert (
-        cluster_mod.measure_local_cpu(devices=2, measure_gloo=False, measure_concurrency=True).device.concurrency == 1.1
+        measure_mod.measure_local_cpu(devices=2, measure_gloo=False, measure_concurrency=True).device.concurrency == 1.1
     )
-    assert cluster_mod.measure_local_cpu(devices=1, measure_gloo=False).device.concurrency == 1.0
+    assert measure_mod.measure_local_cpu(devices=1, measure_gloo=False).device.concurrency == 1.0
 
 
 @pytest.mark.slow

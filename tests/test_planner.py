@@ -10,13 +10,13 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
 
+from lightning_distmm.core.plan import split_batch
 from lightning_distmm.core.schedule import Backward, BatchSync, Forward, schedules, simulate
 from lightning_distmm.planner import (
     Plan,
@@ -30,25 +30,29 @@ from lightning_distmm.planner import (
     minmax_allocation,
     tp_groups_inside_nodes,
 )
+from lightning_distmm.planner.auto import TowerInfo
 from lightning_distmm.planner.balance import compositions
 from lightning_distmm.planner.cluster import CONF_DIR, GB, Cluster, Device, Link
 from lightning_distmm.planner.cost import (
     RECOMPUTE,
     CostOptions,
     TowerChoice,
+    allreduce_time,
+    compact_dp_allreduce,
     evaluate_plan,
-    even_split,
     memory_per_device,
     phases,
     pp_comm,
     replica_plan,
     replica_timeline,
+    ring_bytes,
     stage_compute,
+    sync_group_rows,
     sync_time,
 )
+from lightning_distmm.planner.options import DEFAULT_SCHEDULES, PlannerOptions
 from lightning_distmm.planner.partition import Candidates, InfeasibleError
 from lightning_distmm.planner.placement import candidate_layouts, place
-from lightning_distmm.planner.planner import DEFAULT_SCHEDULES, PlannerOptions, TowerInfo
 from lightning_distmm.planner.profile import model_profiles
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -175,14 +179,14 @@ def test_closed_forms_equal_the_simulated_instruction_lists(schedule, frozen):
                         return syncs[ins.sync_group] if isinstance(ins, BatchSync) else 0.0
 
                     intervals = simulate(lists, duration, lambda ins: link)
-                    waves = (rows - rows // 2, rows // 2) if schedule == "distmm" else (rows,)
-                    counts = [math.ceil(w / mb) for w in waves]
+                    groups = (rows - rows // 2, rows // 2) if schedule == "distmm" else (rows,)
+                    counts = [math.ceil(g / mb) for g in groups]
                     segments, bubble = phases(schedule, frozen, counts[0], P, f, b, link, counts[-1])
                     segments = [float(x) for x in segments]
                     # the first batch-sync starts after the first segment, the step ends after all of them
                     first = min(i.start for i in intervals if isinstance(i.instruction, BatchSync))
                     assert first == pytest.approx(segments[0])
-                    assert max(i.end for i in intervals) == pytest.approx(sum(segments) + sum(syncs[: len(waves)]))
+                    assert max(i.end for i in intervals) == pytest.approx(sum(segments) + sum(syncs[: len(groups)]))
                     timeline = replica_timeline(schedule, frozen, P, rows, mb, f, b, link, syncs)
                     assert timeline.segments == pytest.approx(segments)
                     assert timeline.bubble == pytest.approx(float(bubble))
@@ -207,7 +211,7 @@ def _clip_choices(schedule: str, image_pp: int = 1, image_mb: int = 2, text_mb: 
     """clip_vit_b32 on 3 GPUs: image on ranks 0-1 (``image_pp`` stages), text on rank 2."""
     dp = 2 // image_pp
     choices = {
-        "image": TowerChoice("image", 2, 1, image_pp, image_mb, schedule, even_split(G, dp)),
+        "image": TowerChoice("image", 2, 1, image_pp, image_mb, schedule, tuple(split_batch(G, None, dp))),
         "text": TowerChoice("text", 1, 1, 1, text_mb, schedule, (G,)),
     }
     return choices, {"image": [0, 1], "text": [2]}
@@ -220,15 +224,15 @@ def test_distmm_is_priced_as_two_half_batch_syncs_and_one_wave_of_activations():
     priced = {s: evaluate_plan(profiles, cl, co, *_clip_choices(s, 1, 4, 8, G), G) for s in ("gpipe", "distmm")}
     embed = max(p.embed_dim for p in profiles.values())
     whole, half = (sync_time(cl, co, rows, embed, 3, 1, 2)["total"] for rows in (G, G // 2))
-    assert priced["gpipe"].sync["waves"] == pytest.approx([whole])
-    assert priced["distmm"].sync["waves"] == pytest.approx([half, half])  # no "hidden half of the gather"
+    assert priced["gpipe"].sync["per_group"] == pytest.approx([whole])
+    assert priced["distmm"].sync["per_group"] == pytest.approx([half, half])  # no "hidden half of the gather"
     assert priced["distmm"].sync["total"] == pytest.approx(2 * half)
     for name in ("image", "text"):
         g, d = priced["gpipe"].towers[name], priced["distmm"].towers[name]
         assert len(d.segments) == 3 and len(g.segments) == 2
         assert d.memory["activations"] == pytest.approx(g.memory["activations"] / 2)  # one wave at pp = 1
         assert d.compute == pytest.approx(g.compute)
-    # pipelined: one wave plus the P-1 microbatches stage 0 runs ahead (1F1B between the waves)
+    # pipelined: one sync group plus the P-1 microbatches stage 0 runs ahead (1F1B between the groups)
     piped = evaluate_plan(profiles, cl, co, *_clip_choices("distmm", 2, 2, 4, 16), 16)
     gpiped = evaluate_plan(profiles, cl, co, *_clip_choices("gpipe", 2, 2, 4, 16), 16)
     assert piped.towers["image"].memory["activations"] == pytest.approx(
@@ -282,18 +286,18 @@ def test_segments_compose_to_the_simulated_whole_plan(schedule):
             return slot[ins.tower][0]
         if isinstance(ins, Backward):
             return slot[ins.tower][1] + (slot[ins.tower][0] if ins.recompute else 0.0)
-        return cost.sync["waves"][ins.sync_group] if isinstance(ins, BatchSync) else 0.0
+        return cost.sync["per_group"][ins.sync_group] if isinstance(ins, BatchSync) else 0.0
 
     end = max(i.end for i in simulate(schedules(plan, 16), duration, lambda ins: slot[ins.tower][2]))
-    waves = len(cost.sync["waves"])
-    composed = sum(max(t.segments[w] for t in cost.towers.values()) for w in range(waves + 1)) + cost.sync["total"]
+    groups = len(cost.sync["per_group"])
+    composed = sum(max(t.segments[g] for t in cost.towers.values()) for g in range(groups + 1)) + cost.sync["total"]
     assert end == pytest.approx(composed)
 
 
 def test_the_planner_keeps_distmm_on_every_tower_or_none():
     plan, rep = make_plan(model("clip_vit_b32"), "a100_8x8", 4096, {"schedules": ["distmm"], "layouts": ["separate"]})
     assert {t.schedule for t in plan.towers.values()} == {"distmm"} and plan.sync_groups == 2
-    assert len(rep.chosen.cost.sync["waves"]) == 2
+    assert len(rep.chosen.cost.sync["per_group"]) == 2
     for options in ({}, {"layouts": ["colocated"]}, {"schedules": ["gpipe", "distmm"]}):
         plan, _ = make_plan(model("lit_l16_bert_large"), "a100_8x8", 4096, options)  # a frozen tower among them
         assert len({t.schedule == "distmm" for t in plan.towers.values()}) == 1
@@ -314,7 +318,7 @@ def test_distmm_only_when_listed(name, cluster, batch):
         assert ev is None or all(c.schedule != "distmm" for c in ev.choices.values())
     opted, orep = make_plan(model(name), cluster, batch, {"schedules": ["gpipe", "cached", "distmm"]})
     assert {t.schedule for t in opted.towers.values()} == {"distmm"} and opted.sync_groups == 2
-    assert len(orep.chosen.cost.sync["waves"]) == 2
+    assert len(orep.chosen.cost.sync["per_group"]) == 2
     assert orep.step_time < rep.step_time
 
 
@@ -326,9 +330,21 @@ def test_small_microbatches_underuse_a_gpu():
 
 def test_collectives_follow_the_link_they_cross():
     cl = load_cluster("a100_8x8_eth100")
-    inside = cl.allreduce_time(1e9, 8, nodes=1)
-    across = cl.allreduce_time(1e9, 8, nodes=8, per_node=1)
+    inside = allreduce_time(cl, 1e9, 8, nodes=1)
+    across = allreduce_time(cl, 1e9, 8, nodes=8, per_node=1)
     assert across > 10 * inside
+
+
+def test_one_allreduce_formula_for_estimate_and_exact_pricing():
+    """The partitioner's packed estimate is the same all-reduce the cost model prices: one node,
+    then across nodes with the NIC shared by the stage shards' groups."""
+    cl = load_cluster("a100_8x8_eth100")
+    gb = 3e8
+    assert compact_dp_allreduce(cl, gb, np.array([8.0]), 1, 1)[0] == allreduce_time(cl, gb, 8, 1, 8)
+    assert compact_dp_allreduce(cl, gb, np.array([16.0]), 2, 1)[0] == allreduce_time(
+        cl, gb, 16, 4, 4, nic_load=ring_bytes(2 * gb, 4)
+    )
+    assert sync_group_rows("distmm", 7) == (4, 3) and sync_group_rows("gpipe", 7) == (7,)
 
 
 # ---------------------------------------------------------------------- placement
@@ -423,7 +439,7 @@ def test_plan_yaml_round_trip(tmp_path):
 def test_plan_without_recompute_key_still_loads():
     plan = Plan.from_yaml("world_size: 2\ntowers:\n  image: {ranks: [0]}\n  text: {ranks: [1], schedule: cached}\n")
     assert plan.towers["image"].recompute is False
-    with pytest.raises(PlanError, match="recompute must be true or false"):
+    with pytest.raises(PlanError, match="recompute.*true or false"):
         Plan.from_dict({"world_size": 1, "towers": {"image": {"ranks": [0], "recompute": "yes"}}})
 
 
@@ -480,15 +496,14 @@ def test_bad_options_are_named():
 
 
 # ---------------------------------------------------------------------- speed
-def test_solve_time_at_64_and_4096_devices():
+def test_plans_at_64_and_4096_devices():
+    """The search scales to 4096 devices (benchmarks/planner.py prints the solve times)."""
     cfg = model("clip_vit_bigg14")
-    make_plan(cfg, "a100_8x8", 32768)  # warm imports and caches
-    t0 = time.perf_counter()
-    _, rep = make_plan(cfg, "a100_8x8", 32768)
-    assert time.perf_counter() - t0 < 1.0 and rep.solve_time < 1.0
+    plan, _ = make_plan(cfg, "a100_8x8", 32768)
+    assert plan.world_size == 64
     big = dataclasses.replace(load_cluster("a100_8x8"), nodes=512)
-    _, rep = make_plan(cfg, big, 65536)
-    assert rep.solve_time < 30.0
+    plan, rep = make_plan(cfg, big, 65536)
+    assert plan.world_size == 4096 and rep.chosen.cost.extra["fits"]
 
 
 # ---------------------------------------------------------------------- auto
@@ -496,16 +511,21 @@ def test_auto_plan_measures_live_towers():
     import torch
     from torch import nn
 
-    cl = Cluster("cpu2", 1, 2, Device("cpu", 8 * GB, 20e9, 10e9, 1.0, 5e-6), Link(2e9, 50e-6), Link(2e9, 50e-6))
-    big = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 32))
-    small = nn.Sequential(nn.Linear(16, 32))
+    """The timings decide the split: on separate ranks the tower measured heavier (named ``text``
+    here, second in order, so neither the name nor the order favours it) gets more ranks."""
+    torch.manual_seed(0)
+    dev = Device("cpu", 8 * GB, 20e9, 10e9, 1.0, 5e-6)
+    cl = Cluster("cpu4", 1, 4, dev, Link(2e9, 50e-6), Link(2e9, 50e-6))
+    heavy = nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 2048), nn.GELU(), nn.Linear(2048, 32))
+    light = nn.Sequential(nn.Linear(16, 32))
     towers = {
-        "image": TowerInfo(big, lambda b: [torch.randn(b, 64)]),
-        "text": TowerInfo(small, lambda b: [torch.randn(b, 16)], frozen=True),
+        "image": TowerInfo(light, lambda b: [torch.randn(b, 16)]),
+        "text": TowerInfo(heavy, lambda b: [torch.randn(b, 512)]),
     }
-    plan = auto_plan(towers, world_size=2, global_batch=16, cluster=cl)
-    assert plan.world_size == 2 and plan.global_batch == 16
-    assert all(t.tp == 1 and t.pp == 1 for t in plan.towers.values())
+    options = {"max_tp": 1, "max_pp": 1, "layouts": ["separate"], "recompute": False}
+    plan = auto_plan(towers, world_size=4, global_batch=64, cluster=cl, options=options)
+    assert plan.world_size == 4 and plan.global_batch == 64
+    assert len(plan.towers["text"].ranks) > len(plan.towers["image"].ranks)
 
 
 def test_measure_tower_fits_time_and_activations():

@@ -1,6 +1,8 @@
 """The planner, pure Python above :mod:`lightning_distmm.core`: cluster specs, tower profiles, the
-cost model, partitioner, balancer, placement, baselines and the search (docs/planner.md). It
-imports neither torch.distributed nor Lightning (torch only inside the functions that measure)."""
+cost model, partitioner, balancer, placement, baselines and the search (docs/planner.md has the
+module map). It imports neither torch nor Lightning at import time: torch only inside the
+functions that measure the live machine or towers (:mod:`.measure`, :mod:`.tower_timing`,
+:mod:`.auto`)."""
 
 from lightning_distmm.core.plan import (  # re-exported: plans are what the planner makes
     SCHEDULES,
@@ -14,6 +16,7 @@ from lightning_distmm.core.plan import (  # re-exported: plans are what the plan
 
 __all__ = ["SCHEDULES", "Plan", "PlanError", "TowerPlan", "colocated_plan", "proportional_plan", "split_batch"]
 
+from lightning_distmm.planner.auto import TowerInfo, auto_plan, runtime_cost_defaults, tower_info_from_batch  # noqa: E402
 from lightning_distmm.planner.balance import (  # noqa: E402
     Balance,
     barrier_allocation,
@@ -22,41 +25,24 @@ from lightning_distmm.planner.balance import (  # noqa: E402
     minmax_allocation,
 )
 from lightning_distmm.planner.baselines import Evaluated, colocated_search  # noqa: E402
-from lightning_distmm.planner.cluster import (  # noqa: E402
-    Cluster,
-    ConcurrencyProbe,
-    Device,
-    Link,
-    host_busy_seconds,
-    list_presets,
-    load_cluster,
-    measure_local_cpu,
+from lightning_distmm.planner.cluster import Cluster, Device, Link, list_presets, load_cluster  # noqa: E402
+from lightning_distmm.planner.cost import (  # noqa: E402
+    CostOptions,
+    StepCost,
+    TowerChoice,
+    TowerCost,
+    allreduce_time,
+    evaluate_plan,
+    replica_timeline,
 )
-from lightning_distmm.planner.cost import CostOptions, StepCost, TowerChoice, TowerCost, evaluate_plan, replica_timeline  # noqa: E402
+from lightning_distmm.planner.measure import ConcurrencyProbe, host_busy_seconds, local_cluster, measure_local_cpu  # noqa: E402
+from lightning_distmm.planner.options import DEFAULT_SCHEDULES, PlannerOptions  # noqa: E402
 from lightning_distmm.planner.partition import Candidates, InfeasibleError, SearchSpace, tower_candidates  # noqa: E402
 from lightning_distmm.planner.placement import place, tp_groups_inside_nodes  # noqa: E402
-from lightning_distmm.planner.planner import (  # noqa: E402
-    DEFAULT_SCHEDULES,
-    PlannerOptions,
-    Report,
-    TowerInfo,
-    auto_plan,
-    local_cluster,
-    make_plan,
-    plan_choices,
-    price_plan,
-    runtime_cost_defaults,
-    to_plan,
-    tower_info_from_batch,
-)
-from lightning_distmm.planner.profile import (  # noqa: E402
-    MeasuredFit,
-    TowerProfile,
-    measure_tower,
-    measured_profile,
-    model_profiles,
-    tower_profile,
-)
+from lightning_distmm.planner.profile import MeasuredFit, TowerProfile, measured_profile, model_profiles, tower_profile  # noqa: E402
+from lightning_distmm.planner.report import Report  # noqa: E402
+from lightning_distmm.planner.search import make_plan, plan_choices, price_plan, to_plan  # noqa: E402
+from lightning_distmm.planner.tower_timing import measure_tower  # noqa: E402
 
 __all__ += [
     "Balance",
@@ -75,6 +61,7 @@ __all__ += [
     "load_cluster",
     "measure_local_cpu",
     "CostOptions",
+    "allreduce_time",
     "StepCost",
     "TowerChoice",
     "TowerCost",

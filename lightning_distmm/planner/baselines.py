@@ -21,15 +21,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_distmm.core.plan import split_batch
+from lightning_distmm.core.plan import split_batch, sync_group_count
 from lightning_distmm.planner.cluster import Cluster
 from lightning_distmm.planner.cost import (
     CostOptions,
     StepCost,
     TowerChoice,
     batch_syncs,
+    contrastive_features,
     evaluate_plan,
-    even_split,
     loss_bytes,
 )
 from lightning_distmm.planner.partition import SearchSpace, colocated_options, option
@@ -52,7 +52,7 @@ class Evaluated:
 
 def _choice(name: str, o: Mapping[str, Any], world: int, G: int) -> TowerChoice:
     dp = world // (o["tp"] * o["pp"])
-    return TowerChoice(name, world, o["tp"], o["pp"], o["mb"], o["schedule"], even_split(G, dp))
+    return TowerChoice(name, world, o["tp"], o["pp"], o["mb"], o["schedule"], tuple(split_batch(G, None, dp)))
 
 
 def colocated_search(
@@ -67,17 +67,16 @@ def colocated_search(
     """The fastest colocated plan of the given ``mode`` (``ddp``, ``megatron``, ``colocated``), or None."""
     world = cluster.world_size
     names = list(profiles)
-    contrastive = [n for n, p in profiles.items() if p.arch != "text_decoder"]
-    embed = max((profiles[n].embed_dim for n in contrastive), default=0)
+    n_contrastive, embed = contrastive_features(profiles)
     limit = cluster.device.memory * opts.memory_margin
     # per sync-group count (1, or 2 under distmm): the loss buffers (memory left for the towers) and
     # the batch-syncs' seconds, which differ between the two families of plans
     budget, sync = {}, {}
     for groups in (1, 2):
         budget[groups] = limit - loss_bytes(
-            split_batch(global_batch, None, groups)[0], world, len(contrastive), opts, embed
+            split_batch(global_batch, None, groups)[0], world, n_contrastive, opts, embed
         )
-        sync[groups] = batch_syncs(cluster, opts, global_batch, embed, world, cluster.nodes, len(contrastive), groups)[
+        sync[groups] = batch_syncs(cluster, opts, global_batch, embed, world, cluster.nodes, n_contrastive, groups)[
             "total"
         ]
     combos: list[tuple[float, tuple[dict[str, Any], ...]]] = []
@@ -103,8 +102,8 @@ def colocated_search(
                 per.append(entries)
             for key in set.intersection(*(set(d) for d in per)):
                 group = tuple(d[key] for d in per)
-                groups = _sync_groups(group)
-                if groups and sum(o["mem"] for o in group) <= budget[groups]:
+                groups = sync_group_count({n: o["schedule"] for n, o in zip(names, group)})
+                if groups is not None and sum(o["mem"] for o in group) <= budget[groups]:
                     combos.append((colocated_estimate(group, opts) + sync[groups], group))
     else:
         raise ValueError(f"unknown colocated mode {mode!r}")
@@ -141,12 +140,6 @@ def _all_options(
             if d["ok"][0, j] and Ks[j] == d["K"][0, j]:
                 out.append(option(d, tp, pp, s, j))
     return out
-
-
-def _sync_groups(group: Sequence[Mapping[str, Any]]) -> int:
-    """Batch-syncs of a step of these options: 2 if all run ``distmm``, 1 if none does, 0 (not a plan) if some do."""
-    uses = {o["schedule"] == "distmm" for o in group}
-    return 0 if len(uses) > 1 else 2 if True in uses else 1
 
 
 def colocated_estimate(group: Sequence[Mapping[str, Any]], opts: CostOptions) -> float:

@@ -8,9 +8,9 @@ cost a few array operations. Configurations that exceed device memory are droppe
 
 A configuration's forward phase ``F`` is its time before the (first) batch-sync, its backward
 phase ``B`` the rest: the closed forms of :func:`lightning_distmm.planner.cost.phases`, which equal
-the simulation of the runtime's instruction lists (``distmm``: ``B`` spans wave 1's interleaved
-forwards and both waves' backwards, the balancer's ``max F + max B`` then leaves out that the
-second batch-sync is a barrier too; :func:`evaluate_plan` prices it exactly).
+the simulation of the runtime's instruction lists (``distmm``: ``B`` spans sync group 1's
+interleaved forwards and both groups' backwards, the balancer's ``max F + max B`` then leaves out
+that the second batch-sync is a barrier too; :func:`evaluate_plan` prices it exactly).
 
 Why keep only the best ``K`` per (tp, pp, schedule, replicas): forward and backward phases both
 grow with the microbatch count times the stage time, so the ``K`` that minimises one mostly
@@ -27,13 +27,13 @@ from typing import Any
 
 import numpy as np
 
-from lightning_distmm.core.plan import PlanError
+from lightning_distmm.core.plan import PlanError, split_batch
 from lightning_distmm.planner.cluster import GB, Cluster
 from lightning_distmm.planner.cost import (
     CostOptions,
     TowerChoice,
     compact_dp_allreduce,
-    even_split,
+    cross_attention_time,
     exposed_allreduce,
     grad_bytes_per_device,
     last_slot,
@@ -42,8 +42,8 @@ from lightning_distmm.planner.cost import (
     phases,
     pp_comm,
     stage_compute,
+    sync_group_rows,
     tp_comm,
-    wave_rows,
 )
 from lightning_distmm.planner.profile import TowerProfile
 
@@ -189,13 +189,13 @@ class Candidates:
             pp=pp,
             microbatch=int(self.mb[i]),
             schedule=self.schedules[int(self.sched[i])],
-            replica_batch=even_split(self.global_batch, dp),
+            replica_batch=tuple(split_batch(self.global_batch, None, dp)),
         )
 
 
 def tower_schedules(profile: TowerProfile, schedules: Sequence[str]) -> list[str]:
     """Schedules a tower is priced under: a frozen tower has no backward, so only ``gpipe`` and,
-    when allowed, ``distmm`` (its two waves: every tower of a ``distmm`` plan must run it)."""
+    when allowed, ``distmm`` (its two sync groups: every tower of a ``distmm`` plan must run it)."""
     if profile.frozen:
         return ["gpipe"] + (["distmm"] if "distmm" in schedules else [])
     return list(schedules)
@@ -217,7 +217,7 @@ def _grid(
 ) -> dict[str, dict[str, np.ndarray]]:
     """Costs over the grid replicas x microbatch-counts for each schedule (arrays [len(dp), len(Ks)]).
 
-    ``K`` counts the replica's microbatches (``distmm``: over both waves, at least one each);
+    ``K`` counts the replica's microbatches (``distmm``: over both sync groups, at least one each);
     ``distmm_loss_b``: the loss buffers of a batch-sync over half the batch (default ``loss_b``).
     """
     w = tp * pp
@@ -238,12 +238,7 @@ def _grid(
     opt_t = optimizer_time(profile, cluster, opts, tp, pp)
     cross = 0.0
     if separate and profile.cross_from:
-        cross = (
-            opts.bytes_el
-            * b
-            * profile.cross_elems
-            / (cluster.inter.effective / dpn if cluster.nodes > 1 else cluster.intra.effective)
-        )
+        cross = cross_attention_time(cluster, opts.bytes_el * b * profile.cross_elems, cluster.nodes == 1)
     limit = cluster.device.memory * opts.memory_margin
     out = {}
     for s in tower_schedules(profile, schedules):
@@ -251,8 +246,8 @@ def _grid(
         lb = loss_b
         if s == "distmm":
             # two sync groups: each replica gets rows of both (Plan.check_global_batch), K >= 2
-            # microbatches so that none is larger than a wave
-            w0, w1 = wave_rows(s, b)
+            # microbatches so that none is larger than a sync group
+            w0, w1 = sync_group_rows(s, b)
             K0, K1 = np.ceil(w0 / mb), np.ceil(w1 / mb)
             segs, _ = phases(s, profile.frozen, K0, pp, f, bb, ppc, K1)
             Ks_used = K0 + K1

@@ -4,7 +4,7 @@ Why per *block* and per *sample*: the partitioner needs the cost of any slice of
 layers, split ``tp`` ways) at any microbatch size, so a tower is described as a ``pre`` block
 (embeddings), ``layers`` identical transformer blocks and a ``post`` block (final norm, head), each
 as the GEMM shapes, attention sizes, elementwise traffic and stored activations of one sample.
-Everything else (time on a device, memory per device, bytes on links) is derived in ``cost.py``.
+Everything else (time on a device, memory per device, bytes on links) is derived in ``cost/``.
 
 Two sources:
 
@@ -12,18 +12,20 @@ Two sources:
   parameter counts follow timm's ``VisionTransformer``, transformers' ``CLIPTextModel`` and
   ``BertModel`` layer by layer (tests compare them with real modules);
 * **measured**, by timing the real module forward and backward at a few microbatch sizes in this
-  process and fitting ``t(b) = a + c * b`` (:func:`measure_tower`); activation bytes are measured by
-  counting the tensors autograd saves. A measured fit replaces the analytic compute time at
-  ``tp = pp = 1`` and rescales the analytic time for other splits.
+  process and fitting ``t(b) = a + c * b`` (:mod:`lightning_distmm.planner.tower_timing`);
+  activation bytes are measured by counting the tensors autograd saves. A measured fit
+  (:class:`MeasuredFit`) replaces the analytic compute time at ``tp = pp = 1`` and rescales the
+  analytic time for other splits.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from lightning_distmm.planner.config import to_plain
 
 ARCHS = ("vit", "clip_text", "bert", "text_decoder")
 
@@ -324,171 +326,11 @@ def tower_profile(
 
 def model_profiles(model_cfg: Mapping[str, Any]) -> dict[str, TowerProfile]:
     """Analytic profiles of every tower of a model config (``embed_dim`` + ``towers``)."""
-    cfg = _plain(model_cfg)
+    cfg = to_plain(model_cfg)
     if "towers" not in cfg or not cfg["towers"]:
         raise ValueError(f"model config {cfg.get('name', '?')!r} has no towers")
     E = int(cfg.get("embed_dim", 512))
     return {name: tower_profile(name, t, E, cfg["towers"]) for name, t in cfg["towers"].items()}
-
-
-def _plain(obj: Any) -> Any:
-    if type(obj).__module__.startswith("omegaconf"):
-        from omegaconf import OmegaConf
-
-        return OmegaConf.to_container(obj, resolve=True)
-    if isinstance(obj, Mapping):
-        return {k: _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    return obj
-
-
-# ---------------------------------------------------------------------- measured
-def _affine(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """Least-squares ``y = a + c x`` with ``a, c >= 0`` (a single point gives ``a = 0``)."""
-    n = len(xs)
-    if n == 1:
-        return 0.0, max(ys[0] / xs[0], 0.0)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    c = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
-    c = max(c, 0.0)
-    a = my - c * mx
-    if a < 0:  # force through the origin
-        a, c = 0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
-    return a, c
-
-
-def measure_tower(
-    module: Any,
-    make_inputs: Callable[[int], Sequence[Any]],
-    batch_sizes: Sequence[int] = (1, 2, 4),
-    device: Any = "cpu",
-    frozen: bool = False,
-    repeats: int = 2,
-    warmup: int = 1,
-) -> MeasuredFit:
-    """Time ``module(*make_inputs(b))`` forward and backward at each ``b`` and fit ``a + c * b``.
-
-    One process, no process group. Activation bytes per microbatch are the bytes of the tensors
-    autograd saves for backward (distinct storages), so they do not depend on allocator caching.
-    Backward runs on ``output.float().pow(2).mean()``, a stand-in for the loss. A frozen tower is
-    timed forward only, under ``no_grad``. Cheap: a few forward/backward passes of a small model.
-    """
-    import torch
-
-    dev = torch.device(device)
-    module = module.to(dev)
-    was_training = module.training
-    module.train()
-    params = sum(p.numel() for p in module.parameters())
-    trainable = 0 if frozen else sum(p.numel() for p in module.parameters() if p.requires_grad)
-
-    def sync() -> None:
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-
-    raw: list[dict[str, float]] = []
-    opt_time: float | None = None
-    try:
-        for b in batch_sizes:
-            inputs = [x.to(dev) if hasattr(x, "to") else x for x in make_inputs(int(b))]
-            fwd_t, bwd_t, act = float("inf"), float("inf"), 0.0
-            for i in range(warmup + repeats):
-                module.zero_grad(set_to_none=True)
-                seen: dict[int, int] = {}
-
-                def pack(t: Any) -> Any:
-                    try:
-                        key = t.untyped_storage().data_ptr()
-                        seen[key] = max(seen.get(key, 0), t.untyped_storage().nbytes())
-                    except (RuntimeError, AttributeError):
-                        pass
-                    return t
-
-                sync()
-                t0 = time.perf_counter()
-                if frozen:
-                    with torch.no_grad():
-                        out = module(*inputs)
-                    sync()
-                    t1 = t2 = time.perf_counter()
-                else:
-                    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                        out = module(*inputs)
-                    out = _first_tensor(out)
-                    sync()
-                    t1 = time.perf_counter()
-                    out.float().pow(2).mean().backward()
-                    sync()
-                    t2 = time.perf_counter()
-                if i >= warmup:
-                    fwd_t, bwd_t = min(fwd_t, t1 - t0), min(bwd_t, t2 - t1)
-                    act = float(sum(seen.values()))
-            raw.append({"batch": float(b), "fwd": fwd_t, "bwd": bwd_t, "act_bytes": act})
-        nbytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-        if not frozen and trainable and 4 * nbytes <= ADAMW_TIMING_BYTES:
-            opt_time = _time_adamw(module, repeats, sync)
-    finally:
-        module.zero_grad(set_to_none=True)
-        module.train(was_training)
-    xs = [r["batch"] for r in raw]
-    return MeasuredFit(
-        device=str(dev),
-        batch_sizes=[int(x) for x in xs],
-        fwd=_affine(xs, [r["fwd"] for r in raw]),
-        bwd=_affine(xs, [r["bwd"] for r in raw]),
-        act_bytes=_affine(xs, [r["act_bytes"] for r in raw]),
-        params=params,
-        trainable_params=trainable,
-        raw=raw,
-        opt_time=opt_time,
-    )
-
-
-#: the AdamW step is timed on copies (weights, gradients and two moments: 4x the trainable bytes)
-#: only up to this size; larger towers keep the cost model's bandwidth estimate of the step
-ADAMW_TIMING_BYTES = 2**30
-
-
-def _time_adamw(module: Any, repeats: int, sync: Callable[[], None]) -> float:
-    """Seconds of one ``torch.optim.AdamW`` step (default implementation for the device) over copies
-    of ``module``'s trainable parameters and their gradients: the module itself is not changed.
-    AdamW because the cost model prices Adam's state and traffic (``CostOptions``); on CPU its cost
-    is dominated by a dozen small ops per parameter tensor, which no bandwidth model sees."""
-    import torch
-
-    copies = []
-    for p in module.parameters():
-        if p.requires_grad:
-            c = p.detach().clone().requires_grad_()
-            c.grad = p.grad.detach().clone() if p.grad is not None else torch.zeros_like(c)
-            copies.append(c)
-    opt = torch.optim.AdamW(copies, lr=1e-6)
-    opt.step()  # creates the moments
-    best = float("inf")
-    for _ in range(max(2, repeats)):
-        sync()
-        t0 = time.perf_counter()
-        opt.step()
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def _first_tensor(out: Any) -> Any:
-    import torch
-
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, Mapping):
-        out = list(out.values())
-    if hasattr(out, "to_tuple"):
-        out = out.to_tuple()
-    for x in out:
-        if isinstance(x, torch.Tensor):
-            return x
-    raise TypeError(f"tower output {type(out).__name__} holds no tensor to backpropagate")
 
 
 def measured_profile(
@@ -503,10 +345,6 @@ def measured_profile(
     )
 
 
-def analytic_param_breakdown(p: TowerProfile) -> dict[str, int]:
-    return {"pre": p.pre.params, "layers": p.layers * p.layer.params, "post": p.post.params, "total": p.params}
-
-
 __all__ = [
     "ARCHS",
     "Gemm",
@@ -516,7 +354,5 @@ __all__ = [
     "TowerProfile",
     "tower_profile",
     "model_profiles",
-    "measure_tower",
     "measured_profile",
-    "analytic_param_breakdown",
 ]

@@ -1,0 +1,102 @@
+"""Cost model: time, memory and link bytes of one training step of a plan, cut by what it prices.
+
+* :mod:`.options` the software-side assumptions (:class:`CostOptions`);
+* :mod:`.compute` device time of a stage's forward and backward, the optimizer step, shared hosts;
+* :mod:`.memory` static bytes, kept activations, loss buffers;
+* :mod:`.comm` collectives (the one all-reduce formula), tensor-parallel and pipeline transfers,
+  gradient sums, batch-syncs;
+* :mod:`.pipeline` one replica's pipeline through the runtime's instruction lists (simulated, or
+  in closed form);
+* :mod:`.breakdown` the question and the answer (:class:`TowerChoice`, :class:`TowerCost`,
+  :class:`StepCost`);
+* :mod:`.step` :func:`evaluate_plan`, which assembles a whole step from the above.
+
+The functions accept numpy arrays (the partitioner evaluates thousands of (replicas,
+microbatches) combinations at once) and plain numbers (the final evaluation).
+"""
+
+from lightning_distmm.planner.cost.breakdown import StepCost, TowerChoice, TowerCost
+from lightning_distmm.planner.cost.comm import (
+    allgather_time,
+    allreduce_time,
+    batch_syncs,
+    compact_dp_allreduce,
+    contrastive_features,
+    cross_attention_time,
+    exposed_allreduce,
+    last_slot,
+    pp_comm,
+    ring_bytes,
+    ring_latency,
+    sync_time,
+    tp_comm,
+)
+from lightning_distmm.planner.cost.compute import block_time, optimizer_time, shared_host_phases, stage_compute
+from lightning_distmm.planner.cost.memory import (
+    act_per_sample,
+    grad_bytes_per_device,
+    loss_bytes,
+    memory_per_device,
+    stage_params,
+)
+from lightning_distmm.planner.cost.options import CostOptions
+from lightning_distmm.planner.cost.pipeline import (
+    RECOMPUTE,
+    SIMULATE_MAX_INSTRUCTIONS,
+    ReplicaTimeline,
+    cost_schedule,
+    microbatch_rows,
+    phases,
+    recomputes,
+    replica_instructions,
+    replica_plan,
+    replica_timeline,
+    runtime_schedule,
+    sync_group_rows,
+)
+from lightning_distmm.planner.cost.step import evaluate_plan, instruction_seconds, rank_groups, sync_groups
+
+__all__ = [
+    "CostOptions",
+    "RECOMPUTE",
+    "cost_schedule",
+    "runtime_schedule",
+    "recomputes",
+    "block_time",
+    "stage_compute",
+    "optimizer_time",
+    "shared_host_phases",
+    "stage_params",
+    "act_per_sample",
+    "memory_per_device",
+    "loss_bytes",
+    "grad_bytes_per_device",
+    "ring_latency",
+    "ring_bytes",
+    "allreduce_time",
+    "allgather_time",
+    "tp_comm",
+    "pp_comm",
+    "cross_attention_time",
+    "compact_dp_allreduce",
+    "exposed_allreduce",
+    "last_slot",
+    "contrastive_features",
+    "sync_time",
+    "batch_syncs",
+    "sync_groups",
+    "sync_group_rows",
+    "phases",
+    "SIMULATE_MAX_INSTRUCTIONS",
+    "ReplicaTimeline",
+    "replica_plan",
+    "microbatch_rows",
+    "replica_instructions",
+    "replica_timeline",
+    "TowerChoice",
+    "TowerCost",
+    "StepCost",
+    "rank_groups",
+    "evaluate_plan",
+    "instruction_seconds",
+]

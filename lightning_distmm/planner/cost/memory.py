@@ -1,0 +1,104 @@
+"""Device memory: the static bytes (weights, gradients, optimizer state) of a pipeline stage, the
+activations a schedule keeps for backward, and the loss buffers of a batch-sync.
+
+Static memory follows ZeRO's accounting (16 bytes per trainable parameter in mixed precision);
+activations are the profile's bytes per sample times what each schedule keeps alive at its peak
+(:func:`memory_per_device`). Functions take numpy arrays (the partitioner's grids) as well as numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from lightning_distmm.planner.cost.options import CostOptions
+from lightning_distmm.planner.cost.pipeline import RECOMPUTE, sync_group_rows
+from lightning_distmm.planner.profile import TowerProfile
+
+
+def stage_params(profile: TowerProfile, tp: int, pp: int) -> float:
+    """Parameters held by one device of the heaviest stage (layer weights split tp ways)."""
+    if not profile.analytic:
+        return float(profile.params)
+    layers = profile.layers // pp * profile.layer.params / tp
+    ends = profile.pre.params + profile.post.params if pp == 1 else max(profile.pre.params, profile.post.params)
+    return layers + ends
+
+
+def act_per_sample(profile: TowerProfile, opts: CostOptions, tp: int, pp: int, mb: Any = 1.0) -> Any:
+    """Activation bytes kept for backward per sample on the heaviest stage."""
+    if not profile.analytic:
+        fit = profile.measured
+        assert fit is not None
+        mb = np.asarray(mb, dtype=float)
+        return (fit.act_bytes[0] + fit.act_bytes[1] * mb) / np.maximum(mb, 1.0)
+    lay = profile.layer
+    per_layer = lay.act_rep + lay.act_split / tp + (0.0 if opts.flash_attention else lay.act_scores / tp)
+    ends = profile.pre.act_rep + profile.post.act_rep + (profile.pre.act_split + profile.post.act_split) / tp
+    if pp > 1:
+        ends = max(profile.pre.act_rep + profile.pre.act_split / tp, profile.post.act_rep + profile.post.act_split / tp)
+    return opts.bytes_el * (profile.layers // pp * per_layer + ends)
+
+
+def memory_per_device(
+    profile: TowerProfile,
+    opts: CostOptions,
+    schedule: str,
+    mb: Any,
+    K: Any,
+    replica_batch: Any,
+    tp: int,
+    pp: int,
+    loss_bytes: Any = 0.0,
+) -> dict[str, Any]:
+    """Peak bytes on the busiest device of a replica: static (weights, grads, optimizer), activations, loss."""
+    mb = np.asarray(mb, dtype=float)
+    K = np.asarray(K, dtype=float)
+    per = stage_params(profile, tp, pp)
+    if profile.frozen:
+        static = per * opts.static_bytes_frozen
+    else:
+        trainable_frac = profile.trainable_params / max(profile.params, 1)
+        static = per * (trainable_frac * opts.static_bytes_trainable + (1 - trainable_frac) * opts.static_bytes_frozen)
+    aps = act_per_sample(profile, opts, tp, pp, mb)
+    layer_act = aps / max(profile.layers // pp, 1)
+    if profile.frozen:
+        act = mb * layer_act * 2  # no-grad forward: a layer's input and output at a time
+    elif schedule == "cached":
+        act = np.minimum(K, pp) * mb * aps + mb * layer_act * 2
+    elif schedule == RECOMPUTE:
+        ckpt = opts.bytes_el * (profile.layers // pp * profile.layer.boundary) if profile.analytic else aps
+        act = np.asarray(replica_batch, dtype=float) * ckpt + mb * layer_act * 2
+    elif schedule == "distmm":
+        # one sync group's microbatches, plus the P-1 forwards of the second group that stage 0 runs
+        # ahead of its first backward (1F1B between the groups; stage s runs P-1-s, stage 0 is the heaviest)
+        group0, group1 = sync_group_rows("distmm", np.asarray(replica_batch, dtype=float))
+        act = (group0 + np.minimum((pp - 1) * mb, group1)) * aps
+    else:
+        act = np.asarray(replica_batch, dtype=float) * aps
+    return {
+        "static": static + 0 * mb,
+        "activations": act,
+        "loss": np.asarray(loss_bytes, dtype=float) + 0 * mb,
+        "total": static + act + loss_bytes,
+    }
+
+
+def loss_bytes(global_batch: int, world: int, n_contrastive: int, opts: CostOptions, embed_dim: int) -> float:
+    """Gathered features plus this rank's rows of the logits (forward, softmax, gradient)."""
+    rows = math.ceil(global_batch / max(world, 1))
+    feats = n_contrastive * global_batch * embed_dim * opts.feature_bytes * 2
+    return feats + 3.0 * 4 * rows * global_batch * max(n_contrastive - 1, 1) * 2
+
+
+def grad_bytes_per_device(profile: TowerProfile, opts: CostOptions, tp: int, pp: int) -> float:
+    """Gradient bytes one device of the heaviest stage all-reduces per step (trainable parameters only)."""
+    if profile.frozen:
+        return 0.0
+    frac = profile.trainable_params / max(profile.params, 1)
+    return stage_params(profile, tp, pp) * frac * opts.bytes_el
+
+
+__all__ = ["stage_params", "act_per_sample", "memory_per_device", "loss_bytes", "grad_bytes_per_device"]

@@ -1,0 +1,473 @@
+"""Step assembly: the time, memory and link bytes of one training step of a complete plan.
+
+Why one model for everything: the DistMM plan, the colocated DDP baseline and the Megatron-style
+baseline are all priced by :func:`evaluate_plan`, so a comparison between them measures the plans,
+not two different models.
+
+A batch-sync (features of its rows -> loss -> feature gradients) is a barrier between the towers'
+segments (:mod:`.pipeline`), so for towers on *separate* devices
+
+    step = sum_g max_t segment_g,t + syncs + max_t (last segment_t + exposed all-reduce_t + optimizer_t)
+
+(``gpipe``, ``cached``: one batch-sync, ``max F + sync + max B``; ``distmm``: two, each over half
+of the global batch). Towers *colocated* on the same devices run one after the other: every
+segment is a sum over the towers instead of a max.
+
+:func:`evaluate_plan` runs these steps: check the layout (separate or colocated), price the
+batch-syncs, collect each tower's data-parallel gradient traffic (the NIC load every node
+carries), price each tower (microbatch durations, its replica's pipeline, cross-attention
+transfers, compute, memory, link bytes), price the gradient sums (overlapped with the backward
+as the runtime's DDP-style buckets are) and assemble the step.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from lightning_distmm.core import schedule as ir
+from lightning_distmm.core.plan import split_batch, sync_group_count
+from lightning_distmm.planner.cluster import Cluster
+from lightning_distmm.planner.cost.breakdown import StepCost, TowerChoice, TowerCost
+from lightning_distmm.planner.cost.comm import (
+    allreduce_time,
+    batch_syncs,
+    contrastive_features,
+    cross_attention_time,
+    exposed_allreduce,
+    last_slot,
+    pp_comm,
+    ring_bytes,
+    tp_comm,
+)
+from lightning_distmm.planner.cost.compute import optimizer_time, shared_host_phases, stage_compute
+from lightning_distmm.planner.cost.memory import grad_bytes_per_device, loss_bytes, memory_per_device
+from lightning_distmm.planner.cost.options import CostOptions
+from lightning_distmm.planner.cost.pipeline import (
+    SIMULATE_MAX_INSTRUCTIONS,
+    microbatch_rows,
+    phases,
+    recomputes,
+    replica_instructions,
+    replica_timeline,
+)
+from lightning_distmm.planner.profile import TowerProfile
+
+
+def sync_groups(choices: Mapping[str, TowerChoice]) -> int:
+    """Batch-syncs per step: 2 when the towers run ``distmm`` (every tower must), else 1."""
+    groups = sync_group_count({n: c.schedule for n, c in choices.items()})
+    if groups is None:
+        odd = sorted(n for n, c in choices.items() if c.schedule == "distmm")
+        raise ValueError(
+            f"schedule 'distmm' is on tower(s) {odd} but not on all towers: it splits the whole batch into two sync groups"
+        )
+    return groups
+
+
+def rank_groups(ranks: Sequence[int], tp: int, pp: int) -> dict[str, list[list[int]]]:
+    """A tower's ranks as its replicas, tensor-parallel groups, stage boundaries (pairs of
+    neighbouring stages' first ranks) and data-parallel groups (one per stage and tp rank)."""
+    w = tp * pp
+    dp = len(ranks) // w
+    replicas = [list(ranks[i * w : (i + 1) * w]) for i in range(dp)]
+    tp_groups = [r[p * tp : (p + 1) * tp] for r in replicas for p in range(pp)]
+    boundaries = [[r[p * tp], r[(p + 1) * tp]] for r in replicas for p in range(pp - 1)]
+    dp_groups = [[replicas[i][p * tp + j] for i in range(dp)] for p in range(pp) for j in range(tp)]
+    return {"replicas": replicas, "tp": tp_groups, "pp": boundaries, "dp": dp_groups}
+
+
+def _is_colocated(ranks: Mapping[str, Sequence[int]]) -> bool:
+    """Whether the towers all hold the same ranks (else they must hold disjoint ones)."""
+    sets = {name: frozenset(r) for name, r in ranks.items()}
+    colocated = len(set(sets.values())) == 1 and len(sets) > 1
+    if not colocated and sum(len(s) for s in sets.values()) != len(frozenset().union(*sets.values())):
+        raise ValueError("towers must hold either disjoint ranks or all the same ranks")
+    return colocated
+
+
+@dataclass
+class GradientTraffic:
+    """One tower's data-parallel gradient sum: ``local`` is the slowest group's latency and
+    intra-node share (its NIC share is priced once for everything crossing the node), ``own_load``
+    the bytes its groups push through each node's NIC, ``nodes`` the nodes they cross."""
+
+    grad_bytes: float
+    local: float = 0.0
+    intra_bytes: float = 0.0
+    inter_bytes: float = 0.0
+    nodes: set[int] = field(default_factory=set)
+    own_load: dict[int, float] = field(default_factory=dict)
+
+
+def gradient_traffic(
+    profiles: Mapping[str, TowerProfile],
+    cluster: Cluster,
+    opts: CostOptions,
+    choices: Mapping[str, TowerChoice],
+    groups: Mapping[str, Mapping[str, list[list[int]]]],
+) -> tuple[dict[str, GradientTraffic], dict[int, float]]:
+    """Every tower's :class:`GradientTraffic` and the bytes each node's NIC carries for all of them."""
+    node = lambda r: r // cluster.devices_per_node  # noqa: E731
+    node_load: dict[int, float] = {}
+    out: dict[str, GradientTraffic] = {}
+    for name, c in choices.items():
+        gb = grad_bytes_per_device(profiles[name], opts, c.tp, c.pp)
+        traffic = out[name] = GradientTraffic(gb)
+        for g in groups[name]["dp"]:
+            counts: dict[int, int] = {}
+            for r in g:
+                counts[node(r)] = counts.get(node(r), 0) + 1
+            m, k = len(counts), max(counts.values())
+            if len(g) > 1 and gb > 0:
+                local = allreduce_time(cluster, gb, len(g), m, k, nic_load=0.0)
+                traffic.local = max(traffic.local, local)
+                traffic.intra_bytes += sum(ring_bytes(gb, cnt) * cnt for cnt in counts.values() if cnt > 1)
+                if m > 1:
+                    crossing = ring_bytes(gb, m)
+                    traffic.inter_bytes += crossing * m
+                    for nd in counts:
+                        node_load[nd] = node_load.get(nd, 0.0) + crossing
+                        traffic.own_load[nd] = traffic.own_load.get(nd, 0.0) + crossing
+                        traffic.nodes.add(nd)
+    return out, node_load
+
+
+def price_tower(
+    name: str,
+    profiles: Mapping[str, TowerProfile],
+    cluster: Cluster,
+    opts: CostOptions,
+    choice: TowerChoice,
+    ranks: Mapping[str, Sequence[int]],
+    groups: Mapping[str, list[list[int]]],
+    traffic: GradientTraffic,
+    colocated: bool,
+    sync_seconds: Sequence[float],
+    lb: float,
+    global_batch: int,
+) -> tuple[TowerCost, dict[str, Any]]:
+    """One tower's :class:`TowerCost` (its gradient sum still unpriced) and the details the gradient
+    sums need (``slot``: the backward that can hide it). ``sync_seconds``: each batch-sync's
+    seconds; ``lb``: the loss buffers of a batch-sync (bytes per device)."""
+    p, c = profiles[name], choice
+    node = lambda r: r // cluster.devices_per_node  # noqa: E731
+    bel = opts.bytes_el
+    tp_cross = any(len({node(r) for r in grp}) > 1 for grp in groups["tp"])
+    pp_cross = any(node(a) != node(b) for a, b in groups["pp"])
+    mb, P = c.microbatch, c.pp
+    if c.schedule == "distmm" and c.max_batch < 2:
+        raise ValueError(
+            f"tower {name!r}: schedule 'distmm' needs at least 2 rows per replica (one per sync group), got {c.max_batch}"
+        )
+    # seconds per microbatch, by its rows: compute + tensor-parallel all-reduces of a stage (never
+    # below the transfer: a stage cannot pass microbatches on faster than its link carries
+    # them), and the transfer to the next stage
+    counts, distinct = microbatch_rows(c.schedule, c.max_batch, mb)
+    K = sum(counts)
+    sizes = sorted(distinct | {mb})
+    at = float(sizes[0]) if len(sizes) == 1 else np.asarray(sizes, dtype=float)  # (scalars are quicker)
+    fc_r, bc_r = (np.atleast_1d(x) for x in stage_compute(p, cluster, opts, at, c.tp, c.pp))
+    tpc_r = np.atleast_1d(tp_comm(p, cluster, opts, at, c.tp, c.pp, tp_cross))
+    ppc_r = np.atleast_1d(pp_comm(p, cluster, opts, at, c.pp, pp_cross))
+    f_r = np.maximum(fc_r + tpc_r, ppc_r)
+    b_r = np.zeros_like(f_r) if p.frozen else np.maximum(bc_r + tpc_r, ppc_r)
+    row = {r: i for i, r in enumerate(sizes)}
+    fc, bc, f, b, ppc = (float(x[row[mb]]) for x in (fc_r, bc_r, f_r, b_r, ppc_r))
+
+    # the replica's pipeline: its segments between the batch-syncs
+    if replica_instructions(c.schedule, P, c.max_batch, mb) <= SIMULATE_MAX_INSTRUCTIONS:
+        timeline = replica_timeline(
+            c.schedule,
+            p.frozen,
+            P,
+            c.max_batch,
+            mb,
+            lambda r: f_r[row[r]],
+            lambda r: b_r[row[r]],
+            lambda r: ppc_r[row[r]],
+            sync_seconds,
+        )
+        segments, bubble, mbs = list(timeline.segments), timeline.bubble, list(timeline.microbatches)
+    else:  # too long to simulate quickly: the closed form of the same lists (microbatches of ``mb`` rows)
+        closed, closed_bubble = phases(c.schedule, p.frozen, counts[0], P, f, b, ppc, counts[-1])
+        segments, bubble, mbs = [float(x) for x in closed], float(closed_bubble), [mb] * K
+    pp_critical = 0.0  # the transfers' share of the critical path
+    if P > 1:
+        with_link, no_link = (phases(c.schedule, p.frozen, counts[0], P, f, b, x, counts[-1])[0] for x in (ppc, 0.0))
+        pp_critical = float(sum(with_link) - sum(no_link))
+
+    # a decoder's cross-attention context from another tower: before the forward, its gradient after
+    # (colocated towers hold it already)
+    cross = 0.0
+    if p.cross_from and p.cross_from in ranks and not colocated:
+        src_nodes = {node(r) for r in ranks[p.cross_from]}
+        mine = {node(r) for r in ranks[name]}
+        cross = cross_attention_time(cluster, bel * c.max_batch * p.cross_elems, src_nodes == mine and len(mine) == 1)
+        segments[0] += cross
+        segments[-1] += cross if not p.frozen else 0.0
+
+    recompute = recomputes(c.schedule) and not p.frozen
+    compute = sum(
+        float(fc_r[row[r]] + (0.0 if p.frozen else bc_r[row[r]] + (fc_r[row[r]] if recompute else 0.0))) for r in mbs
+    )
+    memory = {
+        k: float(v) for k, v in memory_per_device(p, opts, c.schedule, mb, K, c.max_batch, c.tp, c.pp, lb).items()
+    }
+    intra_b, inter_b = link_bytes(p, c, opts, K, recompute, traffic, tp_cross, pp_cross)
+    if cross:
+        inter_b += 2 * bel * global_batch * p.cross_elems
+    cost = TowerCost(
+        name=name,
+        forward_phase=segments[0],
+        backward_phase=sum(segments[1:]),
+        compute=compute,
+        tp_comm=sum(float(tpc_r[row[r]]) for r in mbs) * (1 if p.frozen else 2 + (1 if recompute else 0)),
+        pp_comm=pp_critical,
+        bubble=bubble,
+        dp_allreduce=0.0,
+        dp_exposed=0.0,
+        optimizer=optimizer_time(p, cluster, opts, c.tp, c.pp),
+        cross_comm=cross * (1 if p.frozen else 2),
+        memory=memory,
+        bytes_intra=intra_b,
+        bytes_inter=inter_b,
+        segments=tuple(segments),
+    )
+    details = {
+        "tp_cross_node": tp_cross,
+        "pp_cross_node": pp_cross,
+        "f": f,
+        "b": b,
+        "K": K,
+        "slot": float(last_slot(c.schedule, f, b)) if not p.frozen else 0.0,
+    }
+    return cost, details
+
+
+def link_bytes(
+    p: TowerProfile,
+    c: TowerChoice,
+    opts: CostOptions,
+    K: int,
+    recompute: bool,
+    traffic: GradientTraffic,
+    tp_cross: bool,
+    pp_cross: bool,
+) -> tuple[float, float]:
+    """Bytes a tower moves per step over intra-node links and across nodes: its gradient sums, its
+    tensor-parallel all-reduces (per microbatch forward, backward and recompute) and its stage
+    transfers, each on the link class its groups span."""
+    bel = opts.bytes_el
+    P = c.pp
+    msg = bel * c.microbatch * (p.layer.tp_allreduce / max(2 * len(p.layer.attn), 1)) if p.analytic else 0.0
+    tp_bytes = 0.0
+    if c.tp > 1:
+        calls = 2 * len(p.layer.attn) * (p.layers // P) * K * (1 if p.frozen else (3 if recompute else 2))
+        tp_bytes = calls * 2 * (c.tp - 1) / c.tp * msg * c.tp * c.dp * P  # a ring all-reduce per call
+    passes = 1 if p.frozen else 2 if not recompute else 3
+    pp_bytes = (P - 1) * K * c.dp * bel * c.microbatch * p.layer.boundary * passes
+    intra_b = traffic.intra_bytes + (0.0 if tp_cross else tp_bytes) + (0.0 if pp_cross else pp_bytes)
+    inter_b = traffic.inter_bytes + (tp_bytes if tp_cross else 0.0) + (pp_bytes if pp_cross else 0.0)
+    return intra_b, inter_b
+
+
+def price_gradient_sums(
+    costs: Mapping[str, TowerCost],
+    traffic: Mapping[str, GradientTraffic],
+    node_load: Mapping[int, float],
+    details: Mapping[str, Mapping[str, Any]],
+    cluster: Cluster,
+    opts: CostOptions,
+    colocated: bool,
+) -> list[str]:
+    """Set each tower's gradient all-reduce and the part of it the backward does not hide; returns
+    the order the towers run their last backward in.
+
+    Separate towers reduce at the same time and share the NICs of the nodes they cross, each hiding
+    its sum behind its own last backward slot. Colocated towers run one after the other, so a
+    tower's all-reduce also overlaps the backward of the towers after it (one communication stream;
+    the best order is taken)."""
+    inter = cluster.inter.effective
+    if not colocated:
+        for n, tc in costs.items():
+            t = traffic[n]
+            a = t.local + max((node_load.get(nd, 0.0) for nd in t.nodes), default=0.0) / inter
+            tc.dp_allreduce = a
+            tc.dp_exposed = float(exposed_allreduce(a, details[n]["slot"], t.grad_bytes, opts)) if a > 0 else 0.0
+        return list(costs)
+    ar = {n: traffic[n].local + max(traffic[n].own_load.values(), default=0.0) / inter for n in costs}
+    gb_total = sum(traffic[n].grad_bytes for n in costs)
+    total_ar = sum(ar.values())
+    floor = total_ar * min(1.0, opts.bucket_bytes / gb_total) if (gb_total and opts.overlap_grad_sync) else total_ar
+    best_exposed, best_order = math.inf, list(costs)
+    for order in itertools.permutations(costs):
+        clock, stream = 0.0, 0.0
+        for n in order:
+            clock += costs[n].segments[-1]
+            stream = max(stream, clock - details[n]["slot"]) + ar[n]
+        exposed = max(stream - clock, floor) if opts.overlap_grad_sync else total_ar
+        if exposed < best_exposed:
+            best_exposed, best_order = exposed, list(order)
+    share = sum(ar.values()) or 1.0
+    for n, tc in costs.items():
+        tc.dp_allreduce, tc.dp_exposed = ar[n], best_exposed * ar[n] / share
+    return best_order
+
+
+def assemble_step(
+    costs: Mapping[str, TowerCost],
+    sync_total: float,
+    groups: int,
+    ranks: Mapping[str, Sequence[int]],
+    cluster: Cluster,
+    opts: CostOptions,
+    colocated: bool,
+) -> float:
+    """The step time from the towers' segments (the optimizer step ends the last), the batch-syncs
+    and the exposed gradient sums; devices sharing a host stretch the segments (``contention``)."""
+    seg = {n: [*c.segments[:-1], c.segments[-1] + c.optimizer] for n, c in costs.items()}
+    parts = [{n: seg[n][g] for n in costs} for g in range(groups + 1)]
+    conc = cluster.device.concurrency
+    if conc != 1.0:
+        parts = [shared_host_phases(part, ranks, cluster.devices_per_node, conc, colocated) for part in parts]
+        for n, tc in costs.items():
+            tc.contention = sum(part[n] for part in parts) - sum(seg[n])
+    if colocated:
+        step = sum(sum(part.values()) for part in parts) + sync_total + sum(c.dp_exposed for c in costs.values())
+    else:
+        step = (
+            sum(max(part.values()) for part in parts[:-1])
+            + sync_total
+            + max(parts[-1][n] + c.dp_exposed for n, c in costs.items())
+        )
+    return step + opts.step_overhead
+
+
+def evaluate_plan(
+    profiles: Mapping[str, TowerProfile],
+    cluster: Cluster,
+    opts: CostOptions,
+    choices: Mapping[str, TowerChoice],
+    ranks: Mapping[str, Sequence[int]],
+    global_batch: int,
+) -> StepCost:
+    """Price a complete plan (towers, degrees, microbatches, schedules and physical ranks).
+
+    Towers either hold disjoint ranks (*separate*) or all hold the same ranks (*colocated*, run one
+    after the other). Link contention: the gradient all-reduces of all groups that cross nodes run
+    together and share each node's NIC; a group's inter-node time is set by its busiest node.
+    """
+    colocated = _is_colocated(ranks)
+    used = frozenset().union(*(frozenset(r) for r in ranks.values()))
+    world, nodes = len(used), len({r // cluster.devices_per_node for r in used})
+    n_contrastive, embed = contrastive_features(profiles)
+    groups = sync_groups(choices)
+    sync = batch_syncs(cluster, opts, global_batch, embed, world, nodes, n_contrastive, groups)
+    lb = loss_bytes(split_batch(global_batch, None, groups)[0], world, n_contrastive, opts, embed)
+
+    rank_sets = {name: rank_groups(list(ranks[name]), c.tp, c.pp) for name, c in choices.items()}
+    traffic, node_load = gradient_traffic(profiles, cluster, opts, choices, rank_sets)
+    costs: dict[str, TowerCost] = {}
+    details: dict[str, dict[str, Any]] = {}
+    mem_by_rank: dict[int, float] = {}
+    for name, c in choices.items():
+        costs[name], details[name] = price_tower(
+            name,
+            profiles,
+            cluster,
+            opts,
+            c,
+            ranks,
+            rank_sets[name],
+            traffic[name],
+            colocated,
+            sync["per_group"],
+            lb,
+            global_batch,
+        )
+        for r in ranks[name]:
+            # the loss buffers exist once per rank, however many towers it holds
+            mem_by_rank[r] = mem_by_rank.get(r, lb) + costs[name].memory["total"] - lb
+    order = price_gradient_sums(costs, traffic, node_load, details, cluster, opts, colocated)
+    step = assemble_step(costs, sync["total"], groups, ranks, cluster, opts, colocated)
+
+    limit = cluster.device.memory * opts.memory_margin
+    peak = max(mem_by_rank.values())
+    if colocated:
+        for tc in costs.values():
+            tc.memory["total_device"] = peak
+    return StepCost(
+        towers=costs,
+        sync=sync,
+        step_time=float(step),
+        layout="colocated" if colocated else "separate",
+        extra={
+            "fits": peak <= limit,
+            "peak_memory": peak,
+            "memory_limit": limit,
+            "details": details,
+            "world": world,
+            "backward_order": order,
+        },
+    )
+
+
+def instruction_seconds(
+    profiles: Mapping[str, TowerProfile],
+    cluster: Cluster,
+    opts: CostOptions,
+    choices: Mapping[str, TowerChoice],
+    global_batch: int,
+    world: int,
+    nodes: int,
+) -> tuple[Callable[[int, ir.Instruction], float], Callable[[ir.Instruction], float]]:
+    """Seconds of each instruction of a plan's lists, priced as :func:`evaluate_plan` prices them:
+    a microbatch's forward or backward on a stage (compute and tensor-parallel all-reduces, a
+    recomputing backward with its forward again), each batch-sync; and the transfer to a stage
+    (the ``link`` of :func:`schedule.simulate`). For drawing a plan's step, not for the planner."""
+    n_contrastive, embed = contrastive_features(profiles)
+    syncs = batch_syncs(cluster, opts, global_batch, embed, world, nodes, n_contrastive, sync_groups(choices))
+    seconds_of_sync = syncs["per_group"]
+
+    @functools.cache
+    def micro(tower: str, rows: int) -> tuple[float, float, float]:
+        c, p = choices[tower], profiles[tower]
+        f, b = (float(x) for x in stage_compute(p, cluster, opts, float(rows), c.tp, c.pp))
+        t = float(tp_comm(p, cluster, opts, float(rows), c.tp, c.pp))
+        link = float(pp_comm(p, cluster, opts, float(rows), c.pp))
+        return f + t, 0.0 if p.frozen else b + t + (f + t if recomputes(c.schedule) else 0.0), link
+
+    def seconds(rank: int, ins: ir.Instruction) -> float:
+        if isinstance(ins, ir.Forward):
+            return micro(ins.tower, ins.rows)[0]
+        if isinstance(ins, ir.Backward):
+            return micro(ins.tower, ins.rows)[1]
+        if isinstance(ins, ir.BatchSync):
+            return seconds_of_sync[ins.sync_group]
+        return 0.0
+
+    def transfer(ins: ir.Instruction) -> float:
+        return micro(ins.tower, ins.rows)[2] if isinstance(ins, (ir.Forward, ir.Backward)) else 0.0
+
+    return seconds, transfer
+
+
+__all__ = [
+    "sync_groups",
+    "rank_groups",
+    "GradientTraffic",
+    "gradient_traffic",
+    "price_tower",
+    "link_bytes",
+    "price_gradient_sums",
+    "assemble_step",
+    "evaluate_plan",
+    "instruction_seconds",
+]

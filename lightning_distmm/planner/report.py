@@ -1,0 +1,187 @@
+"""The planner's report: what it decided and why, as a table, a dict (``plan_report.yaml``) and a
+timeline of one predicted step."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_distmm.core.plan import Plan
+from lightning_distmm.planner.balance import Balance
+from lightning_distmm.planner.baselines import Evaluated
+from lightning_distmm.planner.cluster import GB, Cluster
+from lightning_distmm.planner.options import PlannerOptions
+from lightning_distmm.planner.profile import TowerProfile
+
+
+@dataclass
+class Report:
+    """What the planner decided and why: the chosen plan's costs, the baselines, the solve time."""
+
+    model: str
+    cluster: Cluster
+    global_batch: int
+    plan: Plan
+    chosen: Evaluated
+    candidates: dict[str, Evaluated | None]
+    baselines: dict[str, Evaluated | None]
+    profiles: dict[str, TowerProfile]
+    solve_time: float
+    options: PlannerOptions
+    balance: Balance | None = None
+    placement_scores: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def step_time(self) -> float:
+        return self.chosen.step_time
+
+    def timeline(self, max_ranks: int = 64) -> list[Any]:
+        """The chosen plan's step, every rank's instruction list simulated with the cost model's
+        durations (:func:`lightning_distmm.core.schedule.simulate`); draw it with ``timeline_svg``."""
+        from lightning_distmm.core.schedule import schedules, simulate
+        from lightning_distmm.planner.cost import instruction_seconds
+
+        world = self.plan.world_size
+        if world > max_ranks:
+            raise ValueError(f"the plan has {world} ranks; a timeline draws at most {max_ranks} (max_ranks=)")
+        nodes = len({r // self.cluster.devices_per_node for r in range(world)})
+        seconds, transfer = instruction_seconds(
+            self.profiles, self.cluster, self.options.cost, self.chosen.choices, self.global_batch, world, nodes
+        )
+        return simulate(schedules(self.plan, self.global_batch), seconds, transfer)
+
+    def speedup(self, baseline: str) -> float | None:
+        b = self.baselines.get(baseline)
+        return None if b is None else b.step_time / self.step_time
+
+    # ------------------------------------------------------------------ printing
+    def table(self) -> str:
+        c = self.chosen
+        head = (
+            "tower",
+            "params",
+            "devices",
+            "dp/tp/pp",
+            "replica batch",
+            "micro x K",
+            "schedule",
+            "compute",
+            "comm",
+            "bubble",
+            "mem/dev",
+            "intra",
+            "inter",
+        )
+        rows = []
+        for name, ch in c.choices.items():
+            tc = c.cost.towers[name]
+            rb = ch.replica_batch
+            batch = f"{rb[0]}" if len(set(rb)) == 1 else f"{max(rb)}/{min(rb)}"
+            batch += f" x{len(rb)}" if len(rb) > 1 else ""
+            rows.append(
+                (
+                    name,
+                    _count(self.profiles[name].params) + (" frozen" if self.profiles[name].frozen else ""),
+                    str(ch.n),
+                    f"{ch.dp}/{ch.tp}/{ch.pp}",
+                    batch,
+                    f"{ch.microbatch} x{ch.K}",
+                    ch.schedule,
+                    _ms(tc.compute),
+                    _ms(tc.comm),
+                    _ms(tc.bubble),
+                    f"{tc.memory.get('total_device', tc.memory['total']) / GB:.1f} GB",
+                    f"{tc.bytes_intra / GB:.2f} GB",
+                    f"{tc.bytes_inter / GB:.2f} GB",
+                )
+            )
+        widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+        cl = self.cluster
+        lines = [
+            f"DistMM plan: model {self.model}, cluster {cl.name} ({cl.nodes} x {cl.devices_per_node} {cl.device.name}),"
+            f" global batch {self.global_batch}, layout {c.cost.layout}",
+            fmt.format(*head),
+            *(fmt.format(*r) for r in rows),
+            f"batch sync (feature all-gather, loss, gradient scatter): {_ms(c.cost.sync['total'])}",
+            f"predicted step time: {_ms(self.step_time)}  ({self.global_batch / self.step_time:,.0f} samples/s)",
+        ]
+        for name in ("ddp", "megatron"):
+            b = self.baselines.get(name)
+            label = {"ddp": "colocated DDP (open_clip style)", "megatron": "Megatron-LM style (uniform tp x pp x dp)"}[
+                name
+            ]
+            if b is None:
+                lines.append(f"  vs {label}: no configuration fits")
+            else:
+                cfg = next(iter(b.choices.values()))
+                lines.append(
+                    f"  vs {label}: {_ms(b.step_time)} (tp={cfg.tp} pp={cfg.pp} dp={cfg.dp}, microbatch {cfg.microbatch},"
+                    f" {cfg.schedule}) -> speedup {b.step_time / self.step_time:.2f}x"
+                )
+        for name, ev in self.candidates.items():
+            if ev is not None and ev is not c:
+                lines.append(f"  best {name} plan considered: {_ms(ev.step_time)}")
+        lines.append(
+            f"solve time: {self.solve_time * 1e3:.0f} ms"
+            + ("" if self.balance is None or self.balance.exact else " (balancer sampled phi)")
+        )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def to_dict(self) -> dict[str, Any]:
+        def ev(e: Evaluated | None) -> dict[str, Any] | None:
+            if e is None:
+                return None
+            return {
+                "step_time": e.step_time,
+                "layout": e.cost.layout,
+                "towers": {
+                    n: {
+                        **dataclasses.asdict(ch),
+                        "replica_batch": list(ch.replica_batch),
+                        **_tower_cost(e.cost.towers[n]),
+                    }
+                    for n, ch in e.choices.items()
+                },
+                "sync": e.cost.sync,
+            }
+
+        return {
+            "model": self.model,
+            "cluster": self.cluster.name,
+            "world_size": self.cluster.world_size,
+            "global_batch": self.global_batch,
+            "step_time": self.step_time,
+            "samples_per_second": self.global_batch / self.step_time,
+            "solve_time": self.solve_time,
+            "chosen": ev(self.chosen),
+            "baselines": {k: ev(v) for k, v in self.baselines.items()},
+            "speedup": {k: self.speedup(k) for k in self.baselines},
+            "candidates": {k: (None if v is None else v.step_time) for k, v in self.candidates.items()},
+            "options": {
+                **{k: v for k, v in dataclasses.asdict(self.options).items() if k != "cost"},
+                "cost": dataclasses.asdict(self.options.cost),
+            },
+            "profiles": {n: p.summary() for n, p in self.profiles.items()},
+        }
+
+
+def _tower_cost(tc: Any) -> dict[str, Any]:
+    d = dataclasses.asdict(tc)
+    d.pop("name", None)
+    return d
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:,.0f}M" if n >= 1e6 else f"{n / 1e3:,.0f}K"
+
+
+def _ms(t: float) -> str:
+    return f"{t * 1e3:,.1f} ms" if t < 100 else f"{t:,.2f} s"
+
+
+__all__ = ["Report"]

@@ -1,0 +1,342 @@
+"""The search: model config + cluster + global batch -> the fastest :class:`Plan` the cost model
+can price, with its :class:`Report`.
+
+:func:`make_plan` runs, in order:
+
+1. profiles (analytic from the model config, or given / measured);
+2. the search space and hard limits (degrees each tower may use, memory it needs at least,
+   enough samples for every replica);
+3. partitioner: per tower every (tp, pp, schedule, microbatches) on every device count;
+4. balancer: devices per tower minimising the barrier step ``max F + sync + max B`` (exact);
+5. placement: ranks per tower, TP inside nodes, layouts scored with link contention;
+6. the colocated family (per-tower parallelism on shared devices) and the two baselines
+   (DDP, Megatron-style) priced by the same model; the fastest of all is chosen, so the plan is
+   never predicted slower than a baseline.
+
+The ``distmm`` schedule is opt-in: it splits the batch into two sync groups, each with its own
+negatives, so it changes the loss (the module must set ``sync_groups = 2``). The default
+``schedules`` (:data:`DEFAULT_SCHEDULES`) are ``gpipe`` and ``cached``; listing ``distmm`` lets
+the planner consider it, on every tower or on none.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lightning_distmm.core.plan import Plan, TowerPlan, split_batch
+from lightning_distmm.planner.balance import (
+    Balance,
+    barrier_allocation,
+    best_by_devices,
+    even_allocation,
+    minmax_allocation,
+    proportional_allocation,
+)
+from lightning_distmm.planner.baselines import Evaluated, colocated_search
+from lightning_distmm.planner.cluster import GB, Cluster, load_cluster
+from lightning_distmm.planner.config import to_plain
+from lightning_distmm.planner.cost import (
+    RECOMPUTE,
+    CostOptions,
+    StepCost,
+    TowerChoice,
+    batch_syncs,
+    contrastive_features,
+    cost_schedule,
+    evaluate_plan,
+    loss_bytes,
+    runtime_schedule,
+)
+from lightning_distmm.planner.options import DEFAULT_SCHEDULES, PlannerOptions
+from lightning_distmm.planner.partition import (
+    Candidates,
+    InfeasibleError,
+    SearchSpace,
+    describe_no_fit,
+    min_memory,
+    tower_candidates,
+    tower_space,
+)
+from lightning_distmm.planner.placement import place
+from lightning_distmm.planner.profile import TowerProfile, model_profiles
+from lightning_distmm.planner.report import Report
+
+
+def make_plan(
+    model_cfg: Mapping[str, Any] | None,
+    cluster: Cluster | str | Mapping[str, Any],
+    global_batch: int,
+    options: PlannerOptions | Mapping[str, Any] | None = None,
+    profiles: Mapping[str, TowerProfile] | None = None,
+) -> tuple[Plan, Report]:
+    """Plan ``model_cfg`` (or the given ``profiles``) on ``cluster`` for ``global_batch`` samples per step."""
+    opts = PlannerOptions.from_any(options)
+    cl = load_cluster(cluster)  # may measure this machine (local_cpu): not part of the solve time
+    t0 = time.perf_counter()
+    if opts.world_size is not None and opts.world_size != cl.world_size:
+        cl = cl.with_world(int(opts.world_size))
+    if profiles is None:
+        if model_cfg is None:
+            raise ValueError("make_plan needs a model config or profiles")
+        profiles = model_profiles(model_cfg)
+    profiles = dict(profiles)
+    model_name = str((to_plain(model_cfg) or {}).get("name", "model")) if model_cfg is not None else "model"
+    G = int(global_batch)
+    if G < 1:
+        raise InfeasibleError(f"global batch must be at least 1, got {global_batch}")
+    D = cl.world_size
+    co = opts.cost
+    names = list(profiles)
+
+    # ---------------------------------------------------------------- search space and hard limits
+    if opts.tp is not None and opts.tp <= cl.devices_per_node:
+        bad = {n: p for n, p in profiles.items() if p.analytic and p.heads % opts.tp}
+        if bad and len(bad) == len(profiles):
+            heads = ", ".join(
+                f"{n} has {p.heads} heads ({p.heads} % {opts.tp} = {p.heads % opts.tp})" for n, p in bad.items()
+            )
+            raise InfeasibleError(
+                f"tp={opts.tp} divides no tower's head count: {heads}; leave planner.tp unset or pick a common divisor"
+            )
+    tps_all, pps_all = {}, {}
+    for n, p in profiles.items():
+        tps_all[n], pps_all[n] = tower_space(p, cl, D, opts.max_tp, opts.max_pp, opts.tp, opts.pp)
+    scheds = tuple(opts.schedules) + ((RECOMPUTE,) if opts.recompute and "gpipe" in opts.schedules else ())
+    space = SearchSpace(tps_all, pps_all, scheds, opts.max_microbatches)
+    n_contrastive, embed = contrastive_features(profiles)
+    lb = loss_bytes(G, D, n_contrastive, co, embed)
+    lb_distmm = loss_bytes(split_batch(G, None, 2)[0], D, n_contrastive, co, embed)  # a batch-sync over half the batch
+    syncs = {k: batch_syncs(cl, co, G, embed, D, cl.nodes, n_contrastive, k)["total"] for k in (1, 2)}
+    limit = cl.device.memory * co.memory_margin
+    for p in profiles.values():
+        need = min_memory(p, cl, co, G, D, space, lb)
+        if need["total"] > limit:
+            raise InfeasibleError(describe_no_fit(p, cl, co, need, D))
+    _check_replicas(profiles, space, D, G)
+
+    # ---------------------------------------------------------------- separate towers
+    candidates: dict[str, Evaluated | None] = {}
+    balance: Balance | None = None
+    scores: dict[str, float] = {}
+    if "separate" in opts.layouts and 1 < len(names) <= D:
+        cands = [
+            tower_candidates(
+                profiles[n], cl, co, G, D, space, lb, max_devices=D - len(names) + 1, distmm_loss_b=lb_distmm
+            )
+            for n in names
+        ]
+        fixed = None
+        if opts.balancer == "proportional":
+            fixed = proportional_allocation({n: profiles[n].train_flops_per_sample() or 1.0 for n in names}, D)
+        elif opts.balancer == "even":
+            fixed = even_allocation(names, D)
+        # a plan runs distmm on every tower or on none (one or two sync groups): balance each family,
+        # the second only when its lower bound (the min-max of F + B, plus its batch-syncs) can beat
+        # the first's objective plus its batch-sync, and place it only when its objective does
+        errors: list[InfeasibleError] = []
+        first: float | None = None
+        for n_sync, family in _sync_families(cands):
+            if fixed is not None:
+                family = [c.take(c.n == fixed[c.tower]) for c in family]
+            if not all(len(c) for c in family):
+                continue
+            if first is not None:
+                bound, _ = minmax_allocation(best_by_devices(family, D, [c.F + c.B for c in family]), D)
+                if bound + syncs[n_sync] >= first:
+                    continue
+            try:
+                bal = barrier_allocation(family, D, opts.max_points, fixed=fixed)
+            except InfeasibleError as err:
+                errors.append(err)
+                continue
+            if first is None:
+                first = bal.objective + syncs[n_sync]
+            elif bal.objective + syncs[n_sync] >= first:
+                continue
+            pruned = {c.tower: c for c in bal.notes["pruned"]}
+            choices = {n: pruned[n].choice(bal.index[n]) for n in names}
+
+            def score(layout: Mapping[str, list[int]], choices: dict[str, TowerChoice] = choices) -> float:
+                cost = evaluate_plan(profiles, cl, co, choices, layout, G)
+                return cost.step_time if cost.extra["fits"] else math.inf
+
+            layout, layout_scores = place(
+                {n: choices[n].n for n in names}, {n: choices[n].tp for n in names}, cl, opts.placement, score
+            )
+            cost = evaluate_plan(profiles, cl, co, choices, layout, G)
+            if balance is None:
+                balance, scores = bal, layout_scores
+            best = candidates.get("separate")
+            if cost.extra["fits"] and (best is None or cost.step_time < best.step_time):
+                candidates["separate"] = Evaluated("separate", choices, {n: list(layout[n]) for n in names}, cost)
+                balance, scores = bal, layout_scores
+        if balance is None and errors and fixed is None:
+            raise errors[0]
+        candidates.setdefault("separate", None)
+    if "colocated" in opts.layouts:
+        candidates["colocated"] = colocated_search(profiles, cl, co, G, space, "colocated")
+
+    # ---------------------------------------------------------------- baselines (in the same model)
+    baselines = {
+        "ddp": colocated_search(profiles, cl, co, G, _baseline_space(profiles, cl, D, opts, "ddp"), "ddp"),
+        "megatron": colocated_search(
+            profiles, cl, co, G, _baseline_space(profiles, cl, D, opts, "megatron"), "megatron"
+        ),
+    }
+    pool = [e for e in candidates.values() if e is not None]
+    if "colocated" in opts.layouts:
+        # the baselines are colocated plans: part of DistMM's space whenever their degrees and
+        # schedules are allowed (always, unless the options restrict DistMM)
+        for b in baselines.values():
+            if b is not None and all(
+                ch.tp in space.tps[n]
+                and ch.pp in space.pps[n]
+                and (profiles[n].frozen or ch.schedule in space.schedules)
+                for n, ch in b.choices.items()
+            ):
+                pool.append(b)
+    if not pool:
+        raise InfeasibleError(_why_nothing(profiles, cl, co, space, D, G, opts))
+    chosen = min(pool, key=lambda e: e.step_time)
+    solve = time.perf_counter() - t0
+    plan = to_plan(chosen, D, G)
+    report = Report(model_name, cl, G, plan, chosen, candidates, baselines, profiles, solve, opts, balance, scores)
+    return plan, report
+
+
+def _sync_families(cands: Sequence[Candidates]) -> list[tuple[int, list[Candidates]]]:
+    """The towers' candidates split by batch-syncs per step: plans with one (no tower on
+    ``distmm``) and plans with two (every tower on ``distmm``); the schedule is the plan's choice."""
+
+    def family(c: Candidates, distmm: bool) -> Candidates:
+        code = c.schedules.index("distmm") if "distmm" in c.schedules else -1
+        return c.take((c.sched == code) == distmm)
+
+    out = [(1, [family(c, False) for c in cands])]
+    if any("distmm" in c.schedules for c in cands):
+        out.append((2, [family(c, True) for c in cands]))
+    return out
+
+
+def to_plan(ev: Evaluated, world: int, global_batch: int) -> Plan:
+    """The runtime's :class:`Plan` for a priced plan."""
+    towers = {}
+    for n, ch in ev.choices.items():
+        schedule, recompute = runtime_schedule(ch.schedule)
+        towers[n] = TowerPlan(
+            ranks=list(ev.ranks[n]),
+            replica_batch=list(ch.replica_batch),
+            tp=ch.tp,
+            pp=ch.pp,
+            microbatch=ch.microbatch,
+            schedule=schedule,
+            recompute=recompute,
+        )
+    return Plan(world_size=world, towers=towers, global_batch=global_batch)
+
+
+def plan_choices(plan: Plan, global_batch: int | None = None) -> tuple[dict[str, TowerChoice], dict[str, list[int]]]:
+    """The cost model's view of a runtime :class:`Plan`: per tower its :class:`TowerChoice` and ranks."""
+    G = global_batch if global_batch is not None else plan.global_batch
+    if G is None:
+        raise ValueError("plan_choices needs the global batch (the plan has none)")
+    choices, ranks = {}, {}
+    for name, t in plan.towers.items():
+        rb = tuple(t.split(int(G)))
+        schedule = cost_schedule(t.schedule, t.recompute)
+        mb = min(t.microbatch, max(rb)) if t.microbatch else max(rb)
+        choices[name] = TowerChoice(name, len(t.ranks), t.tp, t.pp, mb, schedule, rb)
+        ranks[name] = list(t.ranks)
+    return choices, ranks
+
+
+def price_plan(
+    plan: Plan,
+    profiles: Mapping[str, TowerProfile],
+    cluster: Cluster | str | Mapping[str, Any],
+    options: PlannerOptions | Mapping[str, Any] | None = None,
+    global_batch: int | None = None,
+) -> StepCost:
+    """The predicted :class:`StepCost` of a runtime :class:`Plan` (any plan, not only the planner's)."""
+    cl = load_cluster(cluster)
+    if cl.world_size != plan.world_size:
+        cl = cl.with_world(plan.world_size)
+    choices, ranks = plan_choices(plan, global_batch)
+    G = global_batch if global_batch is not None else int(plan.global_batch)  # type: ignore[arg-type]
+    return evaluate_plan(profiles, cl, PlannerOptions.from_any(options).cost, choices, ranks, G)
+
+
+def _baseline_space(
+    profiles: Mapping[str, TowerProfile], cl: Cluster, D: int, opts: PlannerOptions, kind: str
+) -> SearchSpace:
+    """Baselines search their own full space (not DistMM's restrictions). DDP: tp = pp = 1 with the
+    schedules open_clip offers (keep activations, --grad-checkpointing, --accum-freq = cached);
+    Megatron: every uniform tp x pp, keep activations or full recompute."""
+    names = list(profiles)
+    if kind == "ddp":
+        return SearchSpace(
+            {n: [1] for n in names}, {n: [1] for n in names}, ("gpipe", RECOMPUTE, "cached"), opts.max_microbatches
+        )
+    return SearchSpace(
+        {n: profiles[n].valid_tp(cl.devices_per_node) for n in names},
+        {n: profiles[n].valid_pp(D) for n in names},
+        ("gpipe", RECOMPUTE),
+        opts.max_microbatches,
+    )
+
+
+def _max_split(space: SearchSpace, name: str, D: int) -> tuple[int, int, int]:
+    best = (1, 1, 1)
+    for tp in space.tps[name] or [1]:
+        for pp in space.pps[name] or [1]:
+            if tp * pp <= D and tp * pp > best[0]:
+                best = (tp * pp, tp, pp)
+    return best
+
+
+def _check_replicas(profiles: Mapping[str, TowerProfile], space: SearchSpace, D: int, G: int) -> None:
+    """Every device runs a replica of some tower, and every replica needs a sample."""
+    splits = {n: _max_split(space, n, D) for n in profiles}
+    colocated_need = max(math.ceil(D / splits[n][0]) for n in profiles)
+    need = colocated_need
+    if 1 < len(profiles) <= D:
+        need = min(need, math.ceil(D / sum(s[0] for s in splits.values())))
+    if G < need:
+        tight = min(profiles, key=lambda n: splits[n][0])
+        w, tp, pp = splits[tight]
+        raise InfeasibleError(
+            f"global batch {G} is below the replica count: {D} devices need at least {need} data-parallel replicas"
+            f" (tower {tight!r} splits at most tp*pp = {tp}*{pp} = {w} ways), and every replica needs at least one"
+            f" sample: short by {need - G}; raise global_batch to {need} or plan for fewer devices"
+        )
+
+
+def _why_nothing(
+    profiles: Mapping[str, TowerProfile],
+    cl: Cluster,
+    co: CostOptions,
+    space: SearchSpace,
+    D: int,
+    G: int,
+    opts: PlannerOptions,
+) -> str:
+    parts = [
+        f"no plan for {D} devices and global batch {G} fits device memory ({cl.device.memory / GB:.1f} GB x {co.memory_margin})"
+    ]
+    if opts.layouts == ("separate",) and len(profiles) > D:
+        parts.append(f"layouts=separate needs at least one device per tower ({len(profiles)} towers, {D} devices)")
+    for n, p in profiles.items():
+        need = min_memory(p, cl, co, G, D, space, 0.0)
+        parts.append(
+            f"tower {n!r} needs at least {need['total'] / GB:.2f} GB per device alone (tp={need['tp']}, pp={need['pp']})"
+        )
+    parts.append(
+        "colocated towers add their memory; allow larger tp/pp (planner.max_tp, planner.max_pp) or the cached schedule"
+    )
+    return "; ".join(parts)
+
+
+__all__ = ["make_plan", "to_plan", "plan_choices", "price_plan", "DEFAULT_SCHEDULES"]
