@@ -587,3 +587,18 @@ def test_report_draws_the_predicted_step():
     assert timeline_svg(intervals).count("rank ") == plan.world_size
     with pytest.raises(ValueError, match="at most 8"):
         report.timeline(max_ranks=8)
+
+
+def test_planner_imports_without_torch_or_lightning():
+    """The planner is pure Python above core: importing it (the package's own __init__ bypassed,
+    which registers the Lightning strategies) loads neither torch nor Lightning."""
+    code = (
+        "import sys, types\n"
+        "pkg = types.ModuleType('lightning_distmm'); pkg.__path__ = [sys.argv[1]]\n"
+        "sys.modules['lightning_distmm'] = pkg\n"
+        "import lightning_distmm.planner, lightning_distmm.planner.planner\n"
+        "print(sorted({'torch', 'torch.distributed', 'lightning'} & set(sys.modules)))\n"
+    )
+    package = str(Path(__file__).resolve().parents[1] / "lightning_distmm")
+    out = subprocess.run([sys.executable, "-c", code, package], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -122,7 +122,7 @@ def test_every_model_preset_profiles():
 
 
 def test_flops_follow_the_megatron_formula():
-    """24 s h^2 (1 + s / 6h) per block forward for MLP ratio 4 (DESIGN.md section 4)."""
+    """24 s h^2 (1 + s / 6h) per block forward for MLP ratio 4 (Megatron-LM, Narayanan et al. 2021)."""
     p = tower_profile(
         "text", {"arch": "clip_text", "vocab_size": 100, "context_length": 77, "width": 512, "layers": 1, "heads": 8}, E
     )

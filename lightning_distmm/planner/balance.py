@@ -2,7 +2,7 @@
 
 Two exact solvers and two simple rules:
 
-* :func:`minmax_allocation` — DESIGN.md section 4's dynamic program: minimise the slowest tower,
+* :func:`minmax_allocation` — the DistMM paper's dynamic program: minimise the slowest tower,
   ``f(k, d) = min_n max(T_k(n), f(k-1, d-n))`` over (tower, devices used), every device used.
   ``O(K * D * |n|)`` with numpy over ``d``; the last tower only needs ``d = D`` (one vector op).
 * :func:`barrier_allocation` — what a contrastive step actually costs. The batch sync is a
@@ -150,7 +150,7 @@ def barrier_allocation(
         return _objective(cands, picks), alloc, picks
 
     best, best_alloc, best_picks = INF, [], []
-    # start: the min-max of F + B (DESIGN's formulation), and the minimisers of F and of B
+    # start: the min-max of F + B (the paper's formulation), and the minimisers of F and of B
     for values in ([c.F + c.B for c in cands], [c.F for c in cands], [c.B for c in cands]):
         _, alloc = minmax_allocation(best_by_devices(cands, D, values), D)
         evals += 1
