@@ -20,17 +20,17 @@ import hydra
 import yaml
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_distmm.planner import InfeasibleError, make_plan  # noqa: E402
+from lightning_distmm.planner.config import to_plain  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="plan")
 def main(cfg: DictConfig) -> float:
-    options = OmegaConf.to_container(cfg.planner, resolve=True)
-    options["placement"] = OmegaConf.to_container(cfg.placement, resolve=True)
+    options = {**to_plain(cfg.planner), "placement": to_plain(cfg.placement)}
     try:
         plan, report = make_plan(cfg.model, cfg.cluster, int(cfg.global_batch), options)
     except InfeasibleError as err:
