@@ -1,58 +1,331 @@
 """Per-rank data loading: every rank walks the same global batches, and loads only its part.
 
 The user's DataLoader yields *global* batches (its ``batch_size`` is the number of samples one
-contrastive loss sees). Its batch sampler, whatever it is, decides the sample indices of each
-global batch; every rank runs an identical copy of it (Lightning makes shuffling reproducible
-from the seed, see ``DistMMStrategy.distributed_sampler_kwargs``), so every tower sees the same
-samples in the same order. This module then keeps, per global batch, only the rows this rank's
-towers compute on, and asks the dataset for only their fields.
+contrastive loss sees). Its batch sampler decides the sample indices of each global batch, in the
+order it would give one process: rank 0 iterates it and broadcasts the index lists to every rank
+(in chunks, over the default process group), so a sampler drawing from the global RNG, a seeded
+generator, a ``DistributedSampler`` or a custom batch sampler all give every rank, and a
+single-process run with the same seed, the same batches. This module then keeps, per global batch,
+only the rows this rank's towers compute on, and asks the dataset for only their fields.
 
-The loader is stateful: Lightning saves its position in the epoch with a checkpoint, and on
-resume the sampler is advanced past the batches already trained on (indices only, nothing is
-loaded), so a resumed run sees exactly the batches an uninterrupted run would.
+The loader is stateful. Its position is ``(epoch, samples of that epoch already trained)``, a count
+of samples rather than of batches, so a run resumed with another batch size continues at the next
+unseen sample. With the position, the checkpoint keeps the RNG states the epoch's order was drawn
+from (rank 0's global torch RNG and the sampler's generators, taken when the DataLoader's iterator
+was created), so a resumed run draws the same order again and skips what was trained (indices only,
+nothing is loaded). The epoch is the loader's own: Lightning's epoch counter reads one more when a
+run stopped by ``max_steps`` mid-epoch is resumed, and the loader binds its epoch to Lightning's
+with an offset instead of trusting it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+import torch.distributed as dist
+from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
 
 from lightning_distmm.core.layout import GLOBAL_BATCH_KEY, RankLayout
 from lightning_distmm.data.fields import load_fields
 
+#: rank 0 sends the batches of an epoch in chunks of about this many sample indices
+CHUNK_SAMPLES = 1 << 16
+
+
+class DataPositionError(ValueError):
+    """A saved data position that this DataLoader cannot continue from at the next unseen sample."""
+
+
+@dataclass
+class _Pass:
+    """One iteration of the batch sampler: which epoch's order, from which sample, how far it got."""
+
+    epoch: int
+    skip: int  # samples of the epoch trained before this pass (a resumed pass)
+    base_progress: int  # the trainer's count of trained batches when the pass started
+    rng: dict[str, Any] | None  # the RNG states its order was drawn from (drawing rank only)
+    resumed: bool  # the first pass after ``load_state_dict``
+    bound: bool  # its epoch was named by ``set_epoch`` before it started
+    ends: list[int] = field(default_factory=list)  # samples of the epoch done after each batch yielded
+    exhausted: bool = False
+
+
+class _SetEpoch:
+    """What Lightning finds at ``batch_sampler.sampler``: it calls ``set_epoch`` on it every epoch."""
+
+    def __init__(self, owner: RankBatchSampler):
+        self.owner = owner
+
+    def set_epoch(self, epoch: int) -> None:
+        self.owner.set_epoch(epoch)
+
 
 class RankBatchSampler(Sampler[list[tuple[int, int]]]):
-    """Wraps a global batch sampler; yields ``(index, global_batch_size)`` for this rank's rows."""
+    """Yields ``(index, global_batch_size)`` for this rank's rows of each global batch.
 
-    def __init__(self, batch_sampler: Any, layout: RankLayout):
+    Rank 0 iterates ``batch_sampler`` (the user's) and broadcasts the index lists; with one process
+    (or no process group) it is iterated locally. ``progress`` returns how many batches of the
+    current epoch the trainer has trained on; it tells the saved position apart from batches only
+    prefetched.
+    """
+
+    def __init__(
+        self,
+        batch_sampler: Any,
+        layout: RankLayout,
+        progress: Callable[[], int] | None = None,
+        generators: Sequence[torch.Generator] = (),
+        group: Any = None,
+    ):
         self.batch_sampler = batch_sampler
         self.layout = layout
-        self.skip = 0
+        self.progress = progress
+        self.group = group
+        self._generators = _unique_generators([*generators, *_sampler_generators(batch_sampler)])
+        self._epoch = 0  # the epoch of the next pass
+        self._skip = 0  # samples the next pass skips
+        self._offset = 0  # loader epoch - Lightning's epoch
+        self._pending: dict[str, Any] | None = None  # a loaded position that no pass has used yet
+        self._next_bound = False  # set_epoch named the next pass's epoch
+        self._pass: _Pass | None = None
+        self._iter_rng: dict[str, Any] | None = None
 
     @property
-    def sampler(self) -> Any:
-        # Lightning calls ``set_epoch`` on ``dataloader.batch_sampler.sampler``: pass it through
-        return getattr(self.batch_sampler, "sampler", None)
+    def sampler(self) -> _SetEpoch:
+        # Lightning calls ``set_epoch`` on ``dataloader.batch_sampler.sampler``: it reaches the loader
+        return _SetEpoch(self)
 
     @property
     def batch_size(self) -> int | None:
         return getattr(self.batch_sampler, "batch_size", None)
 
+    @property
+    def drop_last(self) -> bool:
+        return bool(getattr(self.batch_sampler, "drop_last", False))
+
     def __len__(self) -> int:
         return len(self.batch_sampler)
 
+    # ------------------------------------------------------------------ position
+    def set_epoch(self, epoch: int) -> None:
+        """The trainer starts its epoch ``epoch``: settle which of the data's epochs that is.
+
+        Lightning draws the first batch of a fit while setting up, before it names the epoch; that
+        pass is bound here. Otherwise the next pass continues a resumed pass that the trainer cut
+        short (the epoch it resumed in was shorter by its own count), or starts the next epoch.
+        """
+        current = self._pass
+        if current is not None and not current.bound:
+            self._offset = current.epoch - epoch
+            current.bound = True
+            return
+        self._settle_next(epoch)
+        self._next_bound = True
+
+    def _settle_next(self, epoch: int | None) -> None:
+        """Where the next pass starts, when the trainer names ``epoch`` (None: not named)."""
+        if self._pending is not None:
+            if epoch is not None:
+                self._offset = self._pending["epoch"] - epoch
+            return
+        current = self._pass
+        if current is None:
+            self._epoch = self._epoch if epoch is None else epoch + self._offset
+            self._skip = 0
+            return
+        position, finished = self._position_after(current)
+        if current.resumed and not finished:
+            # a resumed pass the trainer ended early: its epoch continues where training stopped
+            self._epoch, self._skip = position
+            if epoch is not None:
+                self._offset = self._epoch - epoch
+        else:
+            self._epoch = current.epoch + 1 if epoch is None else epoch + self._offset
+            self._skip = 0
+
+    def _trained(self, p: _Pass) -> int:
+        """Batches of pass ``p`` the trainer has trained on (all those yielded without a trainer)."""
+        if self.progress is None:
+            return len(p.ends)
+        return min(max(int(self.progress()) - p.base_progress, 0), len(p.ends))
+
+    def _position_after(self, p: _Pass) -> tuple[tuple[int, int], bool]:
+        """``((epoch, samples trained), whether the epoch is done)`` after what was trained of ``p``."""
+        trained = self._trained(p)
+        if p.exhausted and trained == len(p.ends):
+            return (p.epoch + 1, 0), True
+        return (p.epoch, p.ends[trained - 1] if trained else p.skip), False
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._pending is not None:
+            return dict(self._pending)
+        p = self._pass
+        if p is None:
+            return {"epoch": self._epoch, "samples": self._skip, "rng": self._snapshot()}
+        (epoch, samples), finished = self._position_after(p)
+        # an epoch under way is redrawn from the RNG it was drawn from; the next one from today's RNG
+        rng = self._snapshot() if finished else p.rng
+        return {"epoch": epoch, "samples": samples, "rng": rng}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "batches_done" in state and "samples" not in state:
+            raise DataPositionError(
+                f"this checkpoint records the data position as {state['batches_done']} batches of an unknown epoch"
+                " (written by an older lightning_distmm); the loader now needs (epoch, samples): resume from a"
+                " checkpoint written by this version, or start the fit without ckpt_path"
+            )
+        epoch, samples = int(state["epoch"]), int(state["samples"])
+        if epoch < 0 or samples < 0:
+            raise DataPositionError(f"invalid data position: epoch {epoch}, sample {samples}")
+        self._pending = {"epoch": epoch, "samples": samples, "rng": state.get("rng")}
+        self._epoch, self._skip = epoch, samples
+
+    # ------------------------------------------------------------------ RNG of the order
+    def _draws(self) -> bool:
+        """Whether this rank draws the order (rank 0, or a single process)."""
+        return not _distributed(self.group) or dist.get_rank() == _source_rank(self.group)
+
+    def _snapshot(self) -> dict[str, Any] | None:
+        if not self._draws():
+            return None
+        return {"torch": torch.get_rng_state(), "generators": [g.get_state() for g in self._generators]}
+
+    def _restore(self, rng: dict[str, Any]) -> None:
+        torch.set_rng_state(rng["torch"])
+        states = rng.get("generators") or []
+        if len(states) == len(self._generators):
+            for g, s in zip(self._generators, states):
+                g.set_state(s)
+
+    def before_iter(self) -> None:
+        """Called by the DataLoader's ``__iter__``, before it draws anything.
+
+        The drawing rank notes the RNG states the coming pass will draw from; on resume it first
+        puts back the states the saved epoch was drawn from, so the order (and the RNG afterwards,
+        for later epochs) is what the uninterrupted run had.
+        """
+        if not self._draws():
+            return
+        if self._pending is not None and self._pending.get("rng") is not None:
+            self._restore(self._pending["rng"])
+        self._iter_rng = self._snapshot()
+
+    # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        skip, self.skip = self.skip, 0
-        for i, indices in enumerate(self.batch_sampler):
-            if i < skip:
-                continue
-            indices = list(indices)
+        p = self._start_pass()
+        for indices in self._global_batches(p):
             n = len(indices)
+            p.ends.append((p.ends[-1] if p.ends else p.skip) + n)
             rows = self.layout.batch(n).rows
             yield [(indices[r], n) for r in rows]
+        p.exhausted = True
+
+    def _start_pass(self) -> _Pass:
+        if self._iter_rng is None:  # iterated directly, not through DistMMDataLoader.__iter__
+            self.before_iter()
+        resumed = self._pending is not None
+        if resumed:
+            self._pending = None
+        elif self._pass is not None and not self._next_bound:
+            self._settle_next(None)
+        rng, self._iter_rng = self._iter_rng, None
+        base = int(self.progress()) if self.progress is not None else 0
+        p = _Pass(self._epoch, self._skip, base, rng, resumed, bound=self._next_bound)
+        self._next_bound = False
+        self._pass = p
+        return p
+
+    def _global_batches(self, p: _Pass) -> Iterator[list[int]]:
+        if not _distributed(self.group):
+            yield from self._draw(p)
+            return
+        source = _source_rank(self.group)
+        draws = dist.get_rank() == source
+        batches = self._draw(p) if draws else None
+        while True:
+            message: list[Any] = [None]
+            failure: BaseException | None = None
+            if draws:
+                assert batches is not None
+                try:
+                    chunk, done = _take_chunk(batches)
+                    message[0] = ("batches", chunk, done)
+                except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others hang
+                    failure = e
+                    message[0] = ("error", type(e).__name__, str(e))
+            dist.broadcast_object_list(message, src=source, group=self.group)
+            kind, *rest = message[0]
+            if kind == "error":
+                if failure is not None:
+                    raise failure
+                name, text = rest
+                if name == DataPositionError.__name__:
+                    raise DataPositionError(text)
+                raise RuntimeError(f"rank {source} failed drawing the global batches: {name}: {text}")
+            chunk, done = rest
+            yield from chunk
+            if done:
+                return
+
+    def _draw(self, p: _Pass) -> Iterator[list[int]]:
+        """The global batches of epoch ``p.epoch`` from sample ``p.skip`` on (drawing rank only)."""
+        for obj in (self.batch_sampler, getattr(self.batch_sampler, "sampler", None)):
+            set_epoch = getattr(obj, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(p.epoch)
+        if p.skip == 0:
+            for indices in self.batch_sampler:
+                yield list(indices)
+            return
+        if type(self.batch_sampler) is BatchSampler:
+            yield from self._draw_rebatched(p)
+        else:
+            yield from self._draw_whole_batches(p)
+
+    def _draw_rebatched(self, p: _Pass) -> Iterator[list[int]]:
+        """A torch ``BatchSampler``: skip ``p.skip`` indices of its sampler, batch the rest at today's size."""
+        bs = self.batch_sampler
+        indices = iter(bs.sampler)
+        skipped = sum(1 for _ in itertools.islice(indices, p.skip))
+        if skipped < p.skip:
+            raise DataPositionError(
+                f"the checkpoint was written {p.skip} samples into epoch {p.epoch}, but this DataLoader's epoch has"
+                f" only {skipped} samples: the dataset or sampler changed since; resume with the data it was written"
+                f" with, or start the fit without ckpt_path"
+            )
+        while True:
+            batch = list(itertools.islice(indices, bs.batch_size))
+            if not batch or (bs.drop_last and len(batch) < bs.batch_size):
+                return
+            yield batch
+
+    def _draw_whole_batches(self, p: _Pass) -> Iterator[list[int]]:
+        """Another batch sampler: skip whole batches up to ``p.skip`` samples; refuse if one straddles it."""
+        done = 0
+        for indices in self.batch_sampler:
+            indices = list(indices)
+            if done >= p.skip:
+                yield indices
+                continue
+            if done + len(indices) > p.skip:
+                raise DataPositionError(
+                    f"the checkpoint was written {p.skip} samples into epoch {p.epoch}, but the batches of this"
+                    f" DataLoader's {type(self.batch_sampler).__name__} end at samples {done} and"
+                    f" {done + len(indices)}: a batch sampler other than torch's BatchSampler can only be resumed"
+                    f" at a batch boundary; resume with the batch sampler and batch size the checkpoint was"
+                    f" written with"
+                )
+            done += len(indices)
+        if done < p.skip:
+            raise DataPositionError(
+                f"the checkpoint was written {p.skip} samples into epoch {p.epoch}, but this DataLoader's epoch has"
+                f" only {done} samples: the dataset or sampler changed since; resume with the data it was written"
+                f" with, or start the fit without ckpt_path"
+            )
 
 
 class FieldSubsetDataset(Dataset):
@@ -87,24 +360,37 @@ class _CollateWithGlobalBatch:
 class DistMMDataLoader(DataLoader):
     """A DataLoader over this rank's rows and fields of the user's global batches.
 
-    ``progress`` returns how many batches of the current epoch have been trained on; it is what
-    the state dict records for an exact mid-epoch resume.
+    Args:
+        source: the user's DataLoader; its batch sampler (sampler, shuffling, generator) is used as is.
+        layout: which rows and fields this rank loads.
+        progress: how many batches of the current epoch the trainer has trained on (Lightning's
+            ``fit_loop.epoch_loop.batch_progress.current.processed``); the saved position counts
+            those, not the batches already prefetched.
+        group: the process group over which rank 0 sends the batches (default: the default group).
     """
 
-    def __init__(self, source: DataLoader, layout: RankLayout, progress: Callable[[], int] | None = None):
+    def __init__(
+        self,
+        source: DataLoader,
+        layout: RankLayout,
+        progress: Callable[[], int] | None = None,
+        group: Any = None,
+    ):
+        if isinstance(source.dataset, torch.utils.data.IterableDataset):
+            raise TypeError(
+                f"distmm needs a map-style Dataset (__len__ and __getitem__), so that each rank can load its rows"
+                f" of a global batch by index; {type(source.dataset).__name__} is an IterableDataset, which is not"
+                f" supported yet"
+            )
         if source.batch_sampler is None:
             raise ValueError(
                 "distmm needs a DataLoader with a batch_size (the global batch); batch_size=None is not supported"
             )
-        if isinstance(source.dataset, torch.utils.data.IterableDataset):
-            raise TypeError(
-                "distmm's per-tower loading needs a map-style dataset; IterableDataset is not supported yet"
-            )
         self.source = source
         self.layout = layout
-        self.progress = progress
+        generators = [source.generator] if source.generator is not None else []
         kwargs: dict[str, Any] = dict(
-            batch_sampler=RankBatchSampler(source.batch_sampler, layout),
+            batch_sampler=RankBatchSampler(source.batch_sampler, layout, progress, generators, group),
             num_workers=source.num_workers,
             collate_fn=_CollateWithGlobalBatch(source.collate_fn),
             pin_memory=source.pin_memory,
@@ -118,9 +404,56 @@ class DistMMDataLoader(DataLoader):
             kwargs["prefetch_factor"] = source.prefetch_factor
         super().__init__(FieldSubsetDataset(source.dataset, layout.fields), **kwargs)
 
-    def state_dict(self) -> dict[str, int]:
-        done = self.progress() if self.progress is not None else 0
-        return {"batches_done": int(done) % max(len(self.batch_sampler), 1)}
+    @property
+    def rank_sampler(self) -> RankBatchSampler:
+        assert isinstance(self.batch_sampler, RankBatchSampler)
+        return self.batch_sampler
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.batch_sampler.skip = int(state.get("batches_done", 0))  # type: ignore[union-attr]
+    def __iter__(self) -> Any:
+        self.rank_sampler.before_iter()
+        return super().__iter__()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data position: ``{"epoch", "samples"}`` trained, and the RNG states of the epoch's order."""
+        return self.rank_sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rank_sampler.load_state_dict(state)
+
+
+def _take_chunk(batches: Iterator[list[int]]) -> tuple[list[list[int]], bool]:
+    """The next batches worth about ``CHUNK_SAMPLES`` indices, and whether the epoch ended."""
+    chunk: list[list[int]] = []
+    size = 0
+    for indices in batches:
+        chunk.append(indices)
+        size += len(indices)
+        if size >= CHUNK_SAMPLES:
+            return chunk, False
+    return chunk, True
+
+
+def _distributed(group: Any) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def _source_rank(group: Any) -> int:
+    """The global rank that draws the order: the group's first."""
+    return 0 if group is None else dist.get_global_rank(group, 0)
+
+
+def _sampler_generators(batch_sampler: Any) -> list[torch.Generator]:
+    found = []
+    for obj in (batch_sampler, getattr(batch_sampler, "sampler", None)):
+        g = getattr(obj, "generator", None)
+        if isinstance(g, torch.Generator):
+            found.append(g)
+    return found
+
+
+def _unique_generators(generators: Iterable[torch.Generator]) -> list[torch.Generator]:
+    out: list[torch.Generator] = []
+    for g in generators:
+        if all(g is not h for h in out):
+            out.append(g)
+    return out

@@ -1,0 +1,144 @@
+"""Checks of the training data against a plan, run at setup on every rank.
+
+Every rank runs the same checks on the same dataset, so bad data fails on all ranks at once with a
+message naming the cause, instead of one rank failing (and the others waiting on it) when the bad
+sample or the short last batch is reached, after earlier steps have trained.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_distmm.core.plan import split_batch
+from lightning_distmm.data.fields import FieldDataset
+
+
+def check_dataloader(
+    dataloader: DataLoader,
+    fields_by_tower: Mapping[str, Sequence[str]],
+    replicas_by_tower: Mapping[str, int],
+    sync_groups: int = 1,
+) -> None:
+    """:func:`check_dataset` with the batch size, ``drop_last`` and epoch length of ``dataloader``."""
+    batch_sampler = dataloader.batch_sampler
+    sampler = getattr(batch_sampler, "sampler", None)
+    num_samples = None
+    if sampler is not None and hasattr(sampler, "__len__") and not isinstance(dataloader.dataset, IterableDataset):
+        num_samples = len(sampler)
+    check_dataset(
+        dataloader.dataset,
+        fields_by_tower,
+        batch_size=getattr(batch_sampler, "batch_size", None),
+        drop_last=bool(getattr(batch_sampler, "drop_last", False)),
+        replicas_by_tower=replicas_by_tower,
+        sync_groups=sync_groups,
+        num_samples=num_samples,
+    )
+
+
+def check_dataset(
+    dataset: Any,
+    fields_by_tower: Mapping[str, Sequence[str]],
+    batch_size: int | None,
+    drop_last: bool,
+    replicas_by_tower: Mapping[str, int],
+    sync_groups: int = 1,
+    num_samples: int | None = None,
+) -> None:
+    """Refuse data that distmm cannot train on, naming the cause.
+
+    Args:
+        dataset: the training DataLoader's dataset.
+        fields_by_tower: the batch fields each tower reads.
+        batch_size: the DataLoader's batch size, the global batch (None: a custom batch sampler,
+            whose batch sizes are not known in advance; the batch checks are skipped).
+        drop_last: whether the DataLoader drops a short last batch.
+        replicas_by_tower: each tower's data-parallel replicas; each needs a sample of every batch.
+        sync_groups: the batch-syncs of a step (2 under the ``distmm`` schedule): each replica
+            needs a sample of each sync group.
+        num_samples: samples of an epoch, if the sampler draws other than ``len(dataset)``.
+
+    Raises:
+        TypeError: an ``IterableDataset``, or samples that are not dicts keyed by field.
+        ValueError: an empty dataset, an epoch with no batch, or a (last) batch smaller than a
+            tower's replicas.
+        KeyError: a field a tower reads that the samples do not have.
+    """
+    name = type(dataset).__name__
+    if isinstance(dataset, IterableDataset):
+        raise TypeError(
+            f"distmm needs a map-style Dataset (__len__ and __getitem__), so that each rank can load its rows of a"
+            f" global batch by index; {name} is an IterableDataset, which is not supported yet: use a map-style"
+            f" Dataset"
+        )
+    if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+        raise TypeError(f"distmm needs a map-style Dataset with __len__ and __getitem__; {name} lacks one of them")
+    size = len(dataset)
+    if size == 0:
+        raise ValueError(f"the training dataset {name} is empty (len 0): there is no sample to train on")
+    have = _fields_of(dataset)
+    for tower, fields in fields_by_tower.items():
+        missing = [f for f in fields if f not in have]
+        if missing:
+            raise KeyError(
+                f"tower {tower!r} reads batch field(s) {missing} that the samples of {name} do not have"
+                f" (they have {sorted(have)})"
+            )
+    if batch_size is not None:
+        _check_batches(
+            num_samples if num_samples is not None else size, batch_size, drop_last, replicas_by_tower, sync_groups
+        )
+
+
+def _fields_of(dataset: Any) -> set[str]:
+    """The fields a sample has: a FieldDataset's declared ones, else those of sample 0."""
+    if isinstance(dataset, FieldDataset):
+        return set(dataset.fields)
+    sample = dataset[0]
+    if not isinstance(sample, Mapping):
+        described = type(sample).__name__
+        if isinstance(sample, tuple | list):
+            described = f"a {described} of {len(sample)} (e.g. open_clip's CsvDataset returns (image, text))"
+        raise TypeError(
+            f"distmm needs samples that are dicts keyed by field name, so that each tower finds its inputs by name;"
+            f" {type(dataset).__name__}[0] is {described}: return a dict such as {{'image': ..., 'text': ...}} from"
+            f" __getitem__ (with the names the towers' Tower(input=...) give), or subclass lightning_distmm.FieldDataset"
+        )
+    return set(sample)
+
+
+def _check_batches(
+    num_samples: int, batch_size: int, drop_last: bool, replicas_by_tower: Mapping[str, int], sync_groups: int
+) -> None:
+    """Every batch of an epoch gives each replica of each tower a sample (of each sync group)."""
+    if num_samples < batch_size and drop_last:
+        raise ValueError(
+            f"an epoch has no batch: {num_samples} samples are fewer than one batch of {batch_size} and the"
+            f" DataLoader has drop_last=True; use a smaller batch_size or more data"
+        )
+    sizes = {"every batch": batch_size}
+    last = num_samples % batch_size
+    if last and not drop_last:
+        sizes["the last batch of each epoch"] = last
+    for what, n in sizes.items():
+        groups = split_batch(n, None, sync_groups)
+        for tower, replicas in replicas_by_tower.items():
+            if min(groups) >= replicas:
+                continue
+            where = f"{what} has {n} samples"
+            if what != "every batch":
+                where += f" ({num_samples} samples in batches of {batch_size}, drop_last=False)"
+            need = (
+                f"each of its {sync_groups} sync groups ({groups}) must give each replica a sample"
+                if sync_groups > 1
+                else "a replica would get no sample"
+            )
+            advice = (
+                "set drop_last=True on the DataLoader (or a batch_size that leaves no short last batch)"
+                if what != "every batch"
+                else "raise the DataLoader's batch_size or give the tower fewer replicas"
+            )
+            raise ValueError(f"tower {tower!r} has {replicas} data-parallel replicas, but {where}: {need}; {advice}")
