@@ -1,6 +1,6 @@
 """When something goes wrong in a distmm job: every rank ends, and each ends with the root cause.
 
-Two parts, neither of which needs Lightning:
+Three parts, none of which needs Lightning:
 
 - :class:`ErrorRelay`: each rank writes the first error it saw to a file of its own in the job's
   run folder (a folder every rank can read: the Trainer's ``default_root_dir`` on a shared
@@ -12,16 +12,23 @@ Two parts, neither of which needs Lightning:
 - :class:`ParentWatchdog`: a daemon thread that ends its process when the process that started
   it (Lightning's launcher, which is rank 0 under the subprocess launcher, torchrun's agent, the
   spawn/fork parent) is gone, so no rank outlives its job waiting on a collective.
+- :func:`preemption_handler`: SIGTERM (a scheduler's preemption) ends the rank that receives it
+  at once with :class:`Preempted`, a root cause the relay hands to every other rank. Lightning's
+  own handler broadcasts from inside the signal handler, a collective the other ranks never
+  join, which leaves every rank waiting until the collective timeout.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import sys
 import threading
 import time
-from collections.abc import Iterable
+import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -39,6 +46,28 @@ _CONSEQUENCE_TEXT = (
     "ProcessGroupNCCL's watchdog",
 )
 _CONSEQUENCE_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError", "DistMMRankFailure")
+
+#: environment variable carrying the run's id from the launcher to the ranks it starts
+RUN_ID_ENV = "DISTMM_RUN_ID"
+
+
+class Preempted(SystemExit):
+    """This rank received SIGTERM: the job stops (a ``SystemExit``, so the process exits non-zero)."""
+
+
+def ensure_run_id() -> str:
+    """The id every rank of this run shares, made once by the process that starts the others.
+
+    torchrun and SLURM name their runs; otherwise the first process makes one and its children
+    (the subprocess, spawn and fork launchers copy the environment) inherit it.
+    """
+    for name in (RUN_ID_ENV, "TORCHELASTIC_RUN_ID"):
+        if os.environ.get(name):
+            return os.environ[name]
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"slurm-{os.environ['SLURM_JOB_ID']}-{os.environ.get('SLURM_STEP_ID', '0')}"
+    os.environ[RUN_ID_ENV] = uuid.uuid4().hex[:12]
+    return os.environ[RUN_ID_ENV]
 
 
 def is_consequence(exception: BaseException) -> bool:
@@ -84,6 +113,38 @@ class ErrorRelay:
     def _path(self, rank: int) -> Path:
         return self.folder / f"rank{rank}.json"
 
+    def register(self) -> None:
+        """Note this rank's process (pid, host), so that a rank that dies silently can be named."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        info = {"pid": os.getpid(), "host": socket.gethostname()}
+        tmp = self.folder / f"rank{self.rank}.proc.tmp{os.getpid()}"
+        tmp.write_text(json.dumps(info))
+        os.replace(tmp, self.folder / f"rank{self.rank}.proc")
+
+    def _silent_ranks(self, reported: set[int], stalled_too: bool) -> list[FailureRecord]:
+        """Ranks on this host that recorded nothing: dead ones (killed, out of memory), and, when
+        asked, live ones (stalled: the rest of the job is waiting on them)."""
+        out = []
+        host = socket.gethostname()
+        for path in sorted(self.folder.glob("rank*.proc")):
+            try:
+                rank = int(path.name[4:].split(".")[0])
+                info = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if rank in reported or info.get("host") != host:
+                continue
+            pid = int(info["pid"])
+            if not _pid_alive(pid):
+                message = (
+                    f"rank {rank} (pid {pid}) died without reporting an error (killed by a signal, or out of memory)"
+                )
+                out.append(FailureRecord(rank, time.time(), "RankDied", message, False))
+            elif stalled_too and pid != os.getpid():
+                message = f"rank {rank} (pid {pid}) reported no error and is still running: it stalled, the others waited for it"
+                out.append(FailureRecord(rank, time.time() + 1e6, "RankStalled", message, False))
+        return out
+
     def record(self, exception: BaseException, when: float | None = None) -> FailureRecord:
         """Write this rank's error unless it already wrote one (the first error is the one that counts)."""
         mine = FailureRecord(
@@ -119,25 +180,62 @@ class ErrorRelay:
 
     def first(self, wait: float = 3.0, poll: float = 0.1) -> FailureRecord | None:
         """The job's root cause as far as the records tell, waiting up to ``wait`` seconds for one
-        when only consequences are recorded so far (the failing rank may still be writing)."""
+        when only consequences are recorded so far (the failing rank may still be writing).
+
+        Without a recorded root cause, a rank of this host that died without a word is the cause;
+        failing that, after the wait, a rank that is alive and recorded nothing (it stalled)."""
         deadline = time.monotonic() + wait
         while True:
             records = self.records()
             found = earliest_cause(records)
-            if (found is not None and not found.consequence) or time.monotonic() >= deadline:
+            if found is not None and not found.consequence:
+                return found
+            expired = time.monotonic() >= deadline
+            silent = self._silent_ranks({r.rank for r in records}, stalled_too=expired) if self.folder.is_dir() else []
+            if silent:
+                return earliest_cause(silent)
+            if expired:
                 return found
             time.sleep(poll)
 
     def clear(self) -> None:
-        """Remove this rank's record (a run that ended well leaves nothing behind)."""
-        try:
-            self._path(self.rank).unlink()
-        except FileNotFoundError:
-            pass
-        try:
-            self.folder.rmdir()  # the last rank out removes the folder
-        except OSError:
-            pass
+        """Remove this rank's files (a run that ended well leaves nothing behind)."""
+        for path in (self._path(self.rank), self.folder / f"rank{self.rank}.proc"):
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+        for folder in (self.folder, self.folder.parent):  # the last rank out removes the folders
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def preemption_handler(rank: int, forward: Callable[[int], None] | None = None) -> Callable[..., None]:
+    """A SIGTERM handler: pass the signal on (a launcher to the ranks it started), then end this rank."""
+
+    def handler(signum: int, frame: object) -> None:
+        if forward is not None:
+            forward(signum)
+        raise Preempted(f"rank {rank} received {signal.Signals(signum).name} (preemption or a stop request)")
+
+    return handler
 
 
 class ParentWatchdog(threading.Thread):

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -12,7 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from lightning_distmm.faults import ErrorRelay, FailureRecord, earliest_cause, is_consequence
+from lightning_distmm.faults import (
+    ErrorRelay,
+    FailureRecord,
+    Preempted,
+    earliest_cause,
+    is_consequence,
+    preemption_handler,
+)
 
 
 class DistBackendError(RuntimeError):
@@ -63,6 +73,39 @@ def test_relay_waits_for_a_root_cause_while_only_consequences_are_recorded(tmp_p
     assert found is not None and found.consequence and time.monotonic() - start >= 0.45
 
 
+def test_a_rank_that_died_silently_is_named(tmp_path):
+    """SIGKILL leaves no record: the survivors' connection errors point at the rank whose process is gone."""
+    relay = ErrorRelay(tmp_path, 0)
+    relay.register()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / "rank1.proc").write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname()}))
+    relay.record(RuntimeError("Connection closed by peer"))
+    found = relay.first(wait=0.0)
+    assert found is not None and found.rank == 1 and "died without reporting an error" in found.message
+
+
+def test_a_live_silent_rank_is_named_stalled_after_the_wait(tmp_path):
+    relay = ErrorRelay(tmp_path, 0)
+    relay.record(RuntimeError("Socket Timeout"))
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        (tmp_path / "rank2.proc").write_text(json.dumps({"pid": live.pid, "host": socket.gethostname()}))
+        found = relay.first(wait=0.3, poll=0.05)
+        assert found is not None and found.rank == 2 and "stalled" in found.message
+    finally:
+        live.kill()
+
+
+def test_sigterm_handler_forwards_then_ends_the_rank():
+    forwarded = []
+    handler = preemption_handler(3, forwarded.append)
+    with pytest.raises(Preempted, match="rank 3 received SIGTERM"):
+        handler(signal.SIGTERM, None)
+    assert forwarded == [signal.SIGTERM]
+    assert not is_consequence(Preempted("rank 3 received SIGTERM"))
+
+
 _CHILD = textwrap.dedent(
     """
     import subprocess, sys, time
@@ -108,3 +151,132 @@ def test_alive_tells_a_finished_process():
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     assert not _alive(proc.pid) and _alive(os.getpid())
+
+
+# ---------------------------------------------------------------------------- whole jobs
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def _clean_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MASTER_PORT", "MASTER_ADDR")}
+    env["PYTHONWARNINGS"] = "ignore"
+    return env
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(case: str, folder: Path, **env: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "fault_case.py"), case, str(folder)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**_clean_env(), "MASTER_PORT": str(_free_port()), **env},
+        start_new_session=True,
+    )
+
+
+def _wait_for(path_glob: str, folder: Path, count: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and len(list(folder.glob(path_glob))) < count:
+        time.sleep(0.2)
+    assert len(list(folder.glob(path_glob))) >= count, f"only {sorted(folder.iterdir())} after {timeout} s"
+
+
+def _finish(job: subprocess.Popen, folder: Path, within: float) -> tuple[int, str, float]:
+    """Wait for the launcher and every rank to be gone; the launcher's code, output and seconds taken."""
+    start = time.monotonic()
+    try:
+        out, _ = job.communicate(timeout=within)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        out, _ = job.communicate()
+        raise AssertionError(f"the job did not end within {within} s:\n{out[-3000:]}") from None
+    pids = [int(p.read_text()) for p in folder.glob("pid*")]
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.2)
+    left = [p for p in pids if _alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"rank processes {left} outlived the job:\n{out[-3000:]}"
+    return job.returncode, out, time.monotonic() - start
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_ends_every_rank(tmp_path):
+    """A scheduler's preemption of one node: every rank stops within seconds, non-zero, saying why."""
+    job = _start("sigterm", tmp_path)
+    _wait_for("step*", tmp_path, 3, timeout=120)
+    os.kill(int((tmp_path / "pid2").read_text()), signal.SIGTERM)
+    code, out, _ = _finish(job, tmp_path, within=60)
+    assert code != 0
+    assert "SIGTERM" in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_sigkill_of_one_rank_names_it(tmp_path):
+    job = _start("sigkill", tmp_path)
+    _wait_for("step*", tmp_path, 3, timeout=120)
+    os.kill(int((tmp_path / "pid1").read_text()), signal.SIGKILL)
+    code, out, _ = _finish(job, tmp_path, within=60)
+    assert code != 0
+    assert re.search(r"rank 1 .*(died|killed|signal)", out), out[-3000:]
+
+
+@pytest.mark.slow
+def test_an_error_on_rank_0_reaches_every_rank(tmp_path):
+    """Rank 0 hosts the store; its error must still be what the other ranks end with."""
+    job = _start("rank0-raises", tmp_path)
+    code, out, _ = _finish(job, tmp_path, within=120)
+    assert code != 0
+    for rank in (1, 2):
+        assert re.search(rf"\[rank{rank}\].*rank 0: RuntimeError: boom on rank 0", out), out[-4000:]
+
+
+@pytest.mark.slow
+def test_master_port_in_use_ends_every_rank(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        job = _start("port", tmp_path, MASTER_PORT=str(port), MASTER_ADDR="127.0.0.1")
+        code, out, took = _finish(job, tmp_path, within=90)
+    assert code != 0
+    assert re.search(r"(address already in use|EADDRINUSE|port)", out, re.IGNORECASE), out[-3000:]
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_ends_the_job_at_the_collective_timeout(tmp_path):
+    job = _start("rank1-stalls", tmp_path)
+    code, out, took = _finish(job, tmp_path, within=150)
+    assert code != 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["popen", "spawn", "fork", "torchrun"])
+def test_every_rank_gets_its_share_of_the_cores(launcher, tmp_path):
+    """Lightning's launchers give each of n local ranks cpus // n intra-op threads; so must distmm's,
+    whoever starts the processes (under torchrun the script itself is the rank)."""
+    script = str(SCRIPTS / "thread_count.py")
+    env = {**_clean_env(), "MASTER_PORT": str(_free_port())}
+    if launcher == "torchrun":
+        port = _free_port()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port)]
+        cmd += [script, "popen", str(tmp_path)]
+    else:
+        cmd = [sys.executable, script, launcher, str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    cpus = len(os.sched_getaffinity(0))
+    expected = max(1, cpus // 2)
+    threads = {p.name: int(p.read_text()) for p in tmp_path.glob("rank*")}
+    assert threads == {"rank0": expected, "rank1": expected}, threads

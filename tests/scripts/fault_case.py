@@ -1,0 +1,48 @@
+"""One fault case under the real subprocess launcher (3 ranks): each rank writes its pid, then trains.
+
+Usage: ``fault_case.py CASE FOLDER``. The test injects the fault from outside (a signal) or the
+case injects it from inside (an exception on one rank); every rank's pid file lets the test check
+that no process outlives the job.
+"""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from datetime import timedelta  # noqa: E402
+
+import lightning as L  # noqa: E402
+from distmm_testing import TinyCLIP, loader, trainer_kwargs  # noqa: E402
+
+import lightning_distmm as ldm  # noqa: E402
+
+case, folder = sys.argv[1], Path(sys.argv[2])
+
+
+class Inject(L.Callback):
+    def on_train_start(self, trainer, pl_module):
+        (folder / f"pid{trainer.global_rank}").write_text(str(os.getpid()))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx >= 2:
+            (folder / f"step{trainer.global_rank}").write_text(str(batch_idx))
+        if case == "rank0-raises" and batch_idx == 3 and trainer.global_rank == 0:
+            raise RuntimeError("boom on rank 0")
+        if case == "rank1-stalls" and batch_idx == 3 and trainer.global_rank == 1:
+            time.sleep(3600)  # a hung rank: the others wait in a collective until the timeout
+        time.sleep(0.05)
+
+
+plan = ldm.Plan(3, {"image": {"ranks": [0, 1]}, "text": {"ranks": [2]}})
+timeout = timedelta(seconds=20) if case == "rank1-stalls" else timedelta(minutes=10)
+trainer = L.Trainer(
+    devices=3,
+    max_steps=100_000,
+    strategy=ldm.DistMMStrategy(plan, timeout=timeout),
+    callbacks=[Inject()],
+    **trainer_kwargs(),
+)
+trainer.fit(TinyCLIP(), loader(8, size=4096))
