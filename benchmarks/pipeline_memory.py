@@ -103,7 +103,7 @@ class Probe(L.Callback):
         self.times: list[float] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        pl_module._distmm_runtime.trace = []
+        trainer.strategy.runtime.trace = []
         self.meter.reset()
         self.stack.enter_context(self.meter.track())
         self.t0 = time.perf_counter()
@@ -112,10 +112,10 @@ class Probe(L.Callback):
         self.times.append(time.perf_counter() - self.t0)
         self.stack.close()
         # cached keeps each microbatch's stage input outside autograd until its recompute: count it
-        self.peaks.append(self.meter.peak + pl_module._distmm_runtime.stash_bytes)
+        self.peaks.append(self.meter.peak + trainer.strategy.runtime.stash_bytes)
         trace = [
             (type(i).__name__, getattr(i, "tower", ""), getattr(i, "mb", getattr(i, "sync_group", 0)), a, b)
-            for i, a, b in pl_module._distmm_runtime.trace
+            for i, a, b in trainer.strategy.runtime.trace
         ]
         Path(self.folder, f"rank{trainer.global_rank}.json").write_text(
             json.dumps({"peak": max(self.peaks), "times": self.times[self.warmup :], "trace": trace})

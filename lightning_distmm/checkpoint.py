@@ -18,19 +18,31 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim import Optimizer
 
-if TYPE_CHECKING:  # pragma: no cover
-    from lightning_distmm.strategy import DistMMStrategy
+from lightning_distmm.parallel.executor import RankRuntime
+from lightning_distmm.parallel.prepare import tower_prefixes
+from lightning_distmm.parallel.tensor_parallel import is_strided
 
 _METADATA = "meta.pt"
+
+
+class RuntimeHolder(Protocol):
+    """What :func:`consolidated_state_dict` needs of a strategy (``DistMMStrategy`` has it)."""
+
+    @property
+    def lightning_module(self) -> nn.Module | None: ...
+
+    @property
+    def root_device(self) -> torch.device: ...
+
+    runtime: RankRuntime | None
 
 
 def _flat_options():
@@ -44,15 +56,11 @@ def local_state_dict(module: nn.Module) -> dict[str, Any]:
     return {k: v for k, v in module.state_dict().items() if not (isinstance(v, torch.Tensor) and v.is_meta)}
 
 
-def _is_strided(v: Any) -> bool:
-    return isinstance(v, DTensor) and any(isinstance(p, _StridedShard) for p in v.placements)
-
-
 def for_dcp(state: dict[str, Any]) -> dict[str, Any]:
     """DCP describes a shard as one contiguous block, so it cannot store the head-aligned strided
     shards of a fused qkv (tensor parallelism): those are saved replicated across their tp group."""
     return {
-        k: v.redistribute(v.device_mesh, [Replicate()] * len(v.placements)) if _is_strided(v) else v
+        k: v.redistribute(v.device_mesh, [Replicate()] * len(v.placements)) if is_strided(v) else v
         for k, v in state.items()
     }
 
@@ -60,7 +68,7 @@ def for_dcp(state: dict[str, Any]) -> dict[str, Any]:
 def from_dcp(loaded: dict[str, Any], like: dict[str, Any]) -> dict[str, Any]:
     """Undo :func:`for_dcp` after a load: re-shard what was saved replicated like the live tensors."""
     return {
-        k: distribute_tensor(v.to_local(), like[k].device_mesh, like[k].placements) if _is_strided(like.get(k)) else v
+        k: distribute_tensor(v.to_local(), like[k].device_mesh, like[k].placements) if is_strided(like.get(k)) else v
         for k, v in loaded.items()
     }
 
@@ -72,11 +80,16 @@ def drop_remote_parameters(optimizers: Iterable[Optimizer]) -> None:
             group["params"] = [p for p in group["params"] if not p.is_meta]
 
 
+def _unwrapped(optimizer: Optimizer) -> Optimizer:
+    """The torch optimizer itself when ``optimizer`` wraps one (Lightning's ``LightningOptimizer.optimizer``)."""
+    inner = getattr(optimizer, "optimizer", None)
+    return inner if isinstance(inner, Optimizer) else optimizer
+
+
 def optimizer_state_dict(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
-    return get_optimizer_state_dict(module, optimizer, options=_flat_options())
+    return get_optimizer_state_dict(module, _unwrapped(optimizer), options=_flat_options())
 
 
 def _load_optimizer_state(
@@ -84,9 +97,7 @@ def _load_optimizer_state(
 ) -> None:
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    set_optimizer_state_dict(
-        module, getattr(optimizer, "_optimizer", optimizer), from_dcp(loaded, like), options=_flat_options()
-    )
+    set_optimizer_state_dict(module, _unwrapped(optimizer), from_dcp(loaded, like), options=_flat_options())
 
 
 def load_sharded(
@@ -125,9 +136,7 @@ def consolidated_state_dict(trainer_or_strategy: Any) -> dict[str, torch.Tensor]
     stages hold different tensors; tensor-parallel shards are assembled there first); rank 0
     receives what it does not hold itself (it knows the shapes from its meta tensors).
     """
-    from lightning_distmm.parallel.runtime import tower_prefixes
-
-    strategy: DistMMStrategy = getattr(trainer_or_strategy, "strategy", trainer_or_strategy)
+    strategy: RuntimeHolder = getattr(trainer_or_strategy, "strategy", trainer_or_strategy)
     module = strategy.lightning_module
     runtime = strategy.runtime
     assert module is not None and runtime is not None

@@ -4,22 +4,22 @@ A module that mixes in :class:`DistMMMixin` says which submodule encodes which b
 (:meth:`DistMMMixin.towers`) and how the towers' features meet (:meth:`DistMMMixin.interaction_loss`,
 always written for the *whole* batch). Under an ordinary strategy the mixin runs every tower on
 the whole batch in this process: that is the reference. Under ``strategy="distmm"`` the strategy
-installs a runtime and the same :meth:`contrastive_loss` call runs this rank's towers on this
-rank's samples, exchanges features, and computes this rank's share of the loss; the value it
-returns is the whole-batch loss on every rank, so logging it needs no reduction.
+installs a :class:`~lightning_distmm.tower.TowerRunner` and the same :meth:`contrastive_loss` call
+runs this rank's towers on this rank's samples, exchanges features, and computes this rank's
+share of the loss; the value it returns is the whole-batch loss on every rank, so logging it
+needs no reduction. The module's ``backward`` and ``configure_gradient_clipping`` hooks go
+through the runner too: the step's gradients are handed back around the autograd backward, and
+clipping by norm uses the norm of the whole model across ranks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import Tensor
 
-from lightning_distmm.tower import Tower
-
-if TYPE_CHECKING:  # pragma: no cover
-    from lightning_distmm.parallel.runtime import TowerRuntime
+from lightning_distmm.tower import Tower, TowerRunner
 
 
 def grouped_loss(loss: Callable[[dict[str, Tensor]], Tensor], features: dict[str, Tensor], groups: int) -> Tensor:
@@ -48,7 +48,8 @@ class DistMMMixin:
     trained with it sets ``sync_groups = 2``; the single-process reference then computes the same.
     """
 
-    _distmm_runtime: TowerRuntime | None = None
+    #: installed by the distmm strategy for the run (None: every tower runs here, on the whole batch)
+    _distmm_runner: TowerRunner | None = None
     sync_groups: int = 1
 
     # ------------------------------------------------------------------ user hooks
@@ -92,9 +93,9 @@ class DistMMMixin:
         Under distmm the returned tensor's value is the whole-batch loss and its gradient is this
         rank's contribution; the strategy's backward completes the exchange.
         """
-        runtime = self._distmm_runtime
-        if runtime is not None:
-            return runtime.contrastive_loss(self, batch)
+        runner = self._distmm_runner
+        if runner is not None:
+            return runner.contrastive_loss(self, batch)
         features = self.encode(batch)
         if self.sync_groups == 1:
             return self.interaction_loss(features)
@@ -102,11 +103,39 @@ class DistMMMixin:
 
     def global_batch_size(self, batch: Mapping[str, Any]) -> int:
         """Samples in the global batch (a rank under distmm only holds its share of them)."""
-        runtime = self._distmm_runtime
-        if runtime is not None:
-            return runtime.global_batch_size(batch)
+        runner = self._distmm_runner
+        if runner is not None:
+            return runner.global_batch_size(batch)
         first = self.tower_specs()[next(iter(self.tower_specs()))].fields[0]
         return len(batch[first])
+
+    # ------------------------------------------------------------------ Lightning hooks
+    def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        """Lightning's backward hook: under distmm the runner wraps the autograd backward of ``loss``
+        (it hands back the gradients the step's schedule produced, scaled by the gradient that
+        reaches ``loss``, and sums them). A module overriding this hook calls ``super().backward``."""
+        parent = super().backward  # type: ignore[misc]
+        runner = self._distmm_runner
+        if runner is None:
+            parent(loss, *args, **kwargs)
+        else:
+            runner.backward(lambda: parent(loss, *args, **kwargs))
+
+    def configure_gradient_clipping(
+        self, optimizer: Any, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
+    ) -> None:
+        """Lightning's clipping hook: under distmm, clipping by norm uses the norm of the whole model's
+        gradient across towers and ranks (each rank's own norm would differ). Clipping by value is
+        per element and stays Lightning's. A module overriding this hook calls
+        ``super().configure_gradient_clipping`` for the global norm (``self.clip_gradients`` clips by
+        the norm of this rank's gradients only)."""
+        runner = self._distmm_runner
+        algorithm = getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm)  # Lightning passes an enum
+        by_norm = algorithm is None or str(algorithm).lower() == "norm"
+        if runner is not None and gradient_clip_val and by_norm:
+            runner.clip_grad_norm_(float(gradient_clip_val))
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)  # type: ignore[misc]
 
     # ------------------------------------------------------------------ default Lightning steps
     def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> Tensor:

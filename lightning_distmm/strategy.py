@@ -5,22 +5,27 @@ A thin layer of hooks over reusable parts: :mod:`lightning_distmm.planner` says 
 loads each rank's share, :mod:`lightning_distmm.checkpoint` saves and restores shards. It subclasses
 Lightning's ``ModelParallelStrategy`` for process-group setup, launchers, DCP saving and
 restore-after-setup, and replaces what assumes one model replicated or sharded alike on every rank.
+
+One training step is one :class:`~lightning_distmm.parallel.step.StepState`: made when Lightning
+starts the batch (``on_train_batch_start``: does Lightning zero the gradients after this
+``training_step``), told whether its backward ends the optimizer step where Lightning decides it
+(``block_backward_sync``), and passed to the runtime by the module's ``contrastive_loss`` and
+``backward`` hooks through :class:`StepRunner`. Private Lightning accesses live in
+:mod:`lightning_distmm.lightning_seam`.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
@@ -29,13 +34,16 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from typing_extensions import override
 
 from lightning_distmm import checkpoint as ckpt
+from lightning_distmm import lightning_seam as seam
 from lightning_distmm.core.plan import Plan, PlanError, colocated_plan, proportional_plan
 from lightning_distmm.data.fields import FieldDataset, load_fields
 from lightning_distmm.data.loading import DistMMDataLoader
 from lightning_distmm.mixin import DistMMMixin
+from lightning_distmm.parallel.executor import RankRuntime
 from lightning_distmm.parallel.flops import tower_flops
 from lightning_distmm.parallel.groups import build_tower_groups
-from lightning_distmm.parallel.runtime import TowerRuntime
+from lightning_distmm.parallel.step import StepState
+from lightning_distmm.tower import TowerModule
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -73,23 +81,22 @@ class DistMMStrategy(ModelParallelStrategy):
         self._plan_spec = _parse_plan_spec(plan)
         self._start_method = start_method
         self.plan: Plan | None = self._plan_spec if isinstance(self._plan_spec, Plan) else None
-        self.runtime: TowerRuntime | None = None
-        self._sync_gradients = True
+        self.runtime: RankRuntime | None = None
+        #: what the module calls under distmm, holding the step in progress (made in ``setup``)
+        self.runner: StepRunner | None = None
 
     # ------------------------------------------------------------------ launch
     @override
     def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if self._start_method == "popen":
-            if not self.cluster_environment.creates_processes_externally:
-                self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = _DistMMMultiProcessingLauncher(self, start_method=self._start_method)
+        seam.configure_launcher(self, self._start_method, self._consolidated_state_dict)
+
+    def _consolidated_state_dict(self) -> dict[str, Tensor] | None:
+        return ckpt.consolidated_state_dict(self) if self.runtime is not None else None
 
     @override
     def setup_environment(self) -> None:
         # process groups only: the per-tower meshes need the module's towers, made in ``setup``
-        self._setup_distributed()
+        seam.init_process_groups(self)
 
     # ------------------------------------------------------------------ setup
     @override
@@ -111,25 +118,23 @@ class DistMMStrategy(ModelParallelStrategy):
         rank_zero_info(f"distmm {self.plan.table()}")
 
         groups = build_tower_groups(self.plan, self.root_device.type)
-        self.runtime = TowerRuntime(module, self.plan, groups, self.root_device)
-        self.runtime.bucket_cap_mb = self._bucket_cap_mb
+        self.runtime = RankRuntime(module, self.plan, groups, self.root_device, bucket_cap_mb=self._bucket_cap_mb)
         self.runtime.prepare_local_towers()
-        module._distmm_runtime = self.runtime
+        self.runner = StepRunner(self.runtime)
+        module._distmm_runner = self.runner
 
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        # the distmm loader picks each rank's rows itself; Lightning's DistributedSampler would
-        # reshuffle even an unshuffled training set
-        trainer._accelerator_connector.use_distributed_sampler = False
+        # the distmm loader picks each rank's rows itself
+        seam.disable_distributed_sampler(trainer)
         self.barrier()
 
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             ckpt.drop_remote_parameters(self.optimizers)
         self.setup_precision_plugin()
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            seam.optimizers_to_device(self.optimizers, self.root_device)
 
     def _resolve_plan(self, trainer: pl.Trainer, module: DistMMMixin) -> Plan:
         names = list(module.tower_specs())
@@ -164,14 +169,13 @@ class DistMMStrategy(ModelParallelStrategy):
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        device = self.root_device
-        self.model._apply(lambda t: t if t.is_meta else t.to(device))
+        seam.move_held_tensors(self.model, self.root_device)  # released towers stay on the meta device
 
     @override
     def teardown(self) -> None:
         module = self.lightning_module
-        if module is not None and getattr(module, "_distmm_runtime", None) is self.runtime:
-            module._distmm_runtime = None
+        if module is not None and self.runner is not None and getattr(module, "_distmm_runner", None) is self.runner:
+            module._distmm_runner = None
         super().teardown()
 
     # ------------------------------------------------------------------ data
@@ -218,52 +222,40 @@ class DistMMStrategy(ModelParallelStrategy):
         return trainer.fit_loop.epoch_loop.batch_progress.current.processed
 
     # ------------------------------------------------------------------ step
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """The step starts: Lightning zeroes the gradients after its ``training_step`` when it starts
+        an accumulation window (the runtime then drops the old ones before its backward)."""
+        if self.runner is not None:
+            trainer = self.lightning_module.trainer
+            self.runner.step = StepState(zero_after=seam.zeroes_gradients_after_training_step(trainer, batch_idx))
+
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """While accumulating, gradients stay local; the sums run once, in the optimizer step's backward."""
-        self._sync_gradients = False
+        """Lightning accumulates this step: its gradients stay local and the sums run once, in the
+        optimizer step's backward (sums are linear, so that is exact)."""
+        step = self.runner.step if self.runner is not None else None
+        if step is None:
+            yield None
+            return
+        before, step.sync = step.sync, False
         try:
             yield None
         finally:
-            self._sync_gradients = True
+            step.sync = before
 
     @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._batch_idx = batch_idx
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """Lightning's optimizer step, after checking that the step's gradients were handed back."""
 
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        assert self.lightning_module is not None and self.runtime is not None
-        # Lightning zeroes the gradients after this step when it starts an accumulation window:
-        # the runtime may then drop the old ones before its backward instead of holding two copies
-        trainer = self.lightning_module.trainer
-        self.runtime.discard_earlier_gradients = bool(
-            self.lightning_module.automatic_optimization
-            and getattr(self, "_batch_idx", None) is not None
-            and self._batch_idx % trainer.accumulate_grad_batches == 0
-        )
-        self.runtime.sync_this_step = self._sync_gradients
-        try:
-            return super().training_step(*args, **kwargs)
-        finally:
-            self.runtime.discard_earlier_gradients = False
+        def closure_then_check() -> Any:
+            out = closure()
+            if self.runner is not None and self.runner.step is not None:
+                self.runner.step.check_handed_back()
+            return out
 
-    @override
-    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        assert self.lightning_module is not None and self.runtime is not None
-        self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        earlier = self.runtime.set_aside_gradients()
-        self.precision_plugin.backward(closure_loss, self.lightning_module, optimizer, *args, **kwargs)
-        self.runtime.finish_backward(self._sync_gradients, earlier)
-        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
-        self.post_backward(closure_loss)
-        return closure_loss
-
-    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        assert self.runtime is not None
-        self.runtime.clip_grad_norm_(float(clip_val))
+        return super().optimizer_step(optimizer, closure_then_check, model, **kwargs)
 
     # ------------------------------------------------------------------ failures
     @override
@@ -306,43 +298,16 @@ _FIRST_FAILURE_KEY = "distmm/first_failure"
 def _record_first_failure(rank: int, exception: BaseException) -> str | None:
     """Write this rank's error to the store unless another rank's is there; return the first one."""
     import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _get_default_store
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
     mine = f"rank {rank}: {type(exception).__name__}: {exception}"
     try:
-        store = _get_default_store()
+        store = seam.default_store()
         first = store.compare_set(_FIRST_FAILURE_KEY, "", mine)
     except Exception:  # noqa: BLE001 - the store's host may be gone already
         return None
     return first.decode() if isinstance(first, bytes) else str(first)
-
-
-class _DistMMMultiProcessingLauncher(_MultiProcessingLauncher):
-    """Spawn/fork launcher that hands the parent the *whole* trained model.
-
-    Lightning's launcher sends rank 0's ``state_dict`` back; under distmm rank 0 holds only its
-    towers, so every rank first assembles the full state dict on rank 0.
-    """
-
-    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
-        import tempfile
-
-        from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
-
-        strategy = self._strategy
-        assert isinstance(strategy, DistMMStrategy)
-        state_dict = ckpt.consolidated_state_dict(strategy) if strategy.runtime is not None else None
-        if strategy.local_rank != 0:
-            return None
-        checkpoint_callback = trainer.checkpoint_callback
-        best = getattr(checkpoint_callback, "best_model_path", None) if checkpoint_callback else None
-        weights_path = None
-        if trainer.state.fn == TrainerFn.FITTING and state_dict is not None:
-            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
-            strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
-        return _WorkerOutput(best, weights_path, trainer.state, results, self.get_extra_results(trainer))
 
 
 def _parse_plan_spec(plan: PlanSpec) -> Plan | str:
@@ -375,11 +340,7 @@ def _check_loss_semantics(plan: Plan, module: DistMMMixin) -> None:
 
 def _train_dataloader(trainer: pl.Trainer) -> DataLoader | None:
     """The training DataLoader the fit will use, before Lightning processes it (None if unavailable)."""
-    try:
-        source = trainer.fit_loop._data_source
-        loader = source.dataloader() if source.is_defined() else None
-    except Exception:  # noqa: BLE001 - planning falls back to parameter counts
-        return None
+    loader = seam.train_dataloader(trainer)
     return loader if isinstance(loader, DataLoader) else None
 
 
@@ -398,9 +359,38 @@ def _example_batch(trainer: pl.Trainer) -> Mapping[str, Any] | None:
 
 def _with_seeded_shuffle(dataloader: DataLoader) -> DataLoader:
     """Replace an unseeded RandomSampler by one seeded from PL_GLOBAL_SEED, identical on every rank."""
-    from lightning.pytorch.utilities.data import _update_dataloader
-
     sampler = DistributedSampler(
         dataloader.dataset, num_replicas=1, rank=0, shuffle=True, seed=int(os.getenv("PL_GLOBAL_SEED", 0))
     )
-    return _update_dataloader(dataloader, sampler)
+    return seam.with_sampler(dataloader, sampler)
+
+
+class StepRunner:
+    """What the strategy installs on the module (:class:`~lightning_distmm.tower.TowerRunner`): the
+    runtime, with the step in progress passed to it explicitly.
+
+    ``step`` is the one piece of state carried between Lightning's hooks: made when the batch
+    starts, it is what the module's ``contrastive_loss`` and ``backward`` calls hand the runtime.
+    Outside a training batch (validation, ``trainer.validate``) a call gets a step of its own.
+    """
+
+    def __init__(self, runtime: RankRuntime) -> None:
+        self.runtime = runtime
+        self.step: StepState | None = None
+
+    def _current(self) -> StepState:
+        if self.step is None:
+            self.step = StepState()
+        return self.step
+
+    def contrastive_loss(self, module: TowerModule, batch: Mapping[str, Any]) -> Tensor:
+        return self.runtime.contrastive_loss(self._current(), module, batch)
+
+    def global_batch_size(self, batch: Mapping[str, Any]) -> int:
+        return self.runtime.global_batch_size(batch)
+
+    def backward(self, run_backward: Callable[[], None]) -> None:
+        self.runtime.backward(self._current(), run_backward)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        return self.runtime.clip_grad_norm_(max_norm, norm_type)

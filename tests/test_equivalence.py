@@ -109,7 +109,7 @@ def test_cached_recompute_replays_dropout():
     """The recomputed microbatch sees the dropout masks of its first forward."""
     import torch
 
-    from lightning_distmm.parallel.runtime import _restored_rng, _rng_state
+    from lightning_distmm.parallel.executor import _restored_rng, _rng_state
 
     drop = torch.nn.Dropout(0.5)
     x = torch.ones(1000)
@@ -308,13 +308,13 @@ def test_gradient_buckets_post_during_the_backward(tmp_path):
     bucket order, before finish() (one-rank gloo group)."""
     import torch.distributed as dist
 
-    from lightning_distmm.parallel.runtime import _GradientBuckets
+    from lightning_distmm.parallel.gradients import GradientBuckets
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
         params = list(model.parameters())
-        buckets = _GradientBuckets(params, None, cap=40)  # a bias or weight or two per bucket
+        buckets = GradientBuckets(params, None, cap=40)  # a bias or weight or two per bucket
         assert len(buckets.buckets) > 2 and buckets.buckets[0][0] is params[-1]  # last layer first
         model(torch.randn(3, 4)).sum().backward()
         assert buckets.next == len(buckets.buckets)  # all posted by the hooks

@@ -1,10 +1,12 @@
 """One DeviceMesh per tower, over the ranks the plan gives it.
 
 Each tower's mesh has the dimensions ``("dp", "pp", "tp")`` (tensor-parallel innermost, as the
-plan lays ranks out), so data-parallel gradient sums run on ``mesh.get_group("dp")`` and later
-tensor/pipeline parallelism finds its groups in the same place. Every rank constructs every
-tower's mesh in the same order, as torch.distributed requires of group creation; a rank outside
-a tower simply has no coordinate in its mesh.
+plan lays ranks out): data-parallel gradient sums run on ``mesh.get_group("dp")`` and tensor
+parallelism shards over ``mesh["tp"]``. Pipeline stages do not use the mesh's ``pp`` groups: their
+sends and receives run in per-tower process groups of their own, made by the runtime
+(:class:`lightning_distmm.parallel.executor.RankRuntime`). Every rank constructs every tower's
+mesh in the same order, as torch.distributed requires of group creation; a rank outside a tower
+simply has no coordinate in its mesh.
 """
 
 from __future__ import annotations

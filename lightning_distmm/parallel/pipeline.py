@@ -11,7 +11,7 @@ keeps only its stage's parameters. The cut is per tower family (like tensor para
 Activations travel between consecutive stages of the same replica (and the same tensor-parallel
 coordinate) point to point: a small header with the shape, then the tensor. Sends are posted
 without blocking (``isend``; the runtime waits for them before the step ends) and receives block,
-so a rank never waits on a peer that waits on it (``plan/schedule.py`` orders the lists, and its
+so a rank never waits on a peer that waits on it (``core/schedule.py`` orders the lists, and its
 tests simulate random plans for deadlocks).
 """
 
@@ -166,12 +166,13 @@ def release_unowned(tower: nn.Module, stage: Stage) -> None:
     """Move every parameter and buffer of ``tower`` that ``stage`` does not own to the meta device."""
     owned = owned_names(tower, stage)
     for fqn, sub in tower.named_modules():
+        # assigning to a registered name replaces the parameter or buffer in place (Module.__setattr__)
         for n, p in list(sub.named_parameters(recurse=False)):
             if p is not None and (f"{fqn}.{n}" if fqn else n) not in owned and not p.is_meta:
-                sub._parameters[n] = nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
+                setattr(sub, n, nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad))
         for n, b in list(sub.named_buffers(recurse=False)):
             if b is not None and (f"{fqn}.{n}" if fqn else n) not in owned and not b.is_meta:
-                sub._buffers[n] = b.to("meta")
+                setattr(sub, n, b.to("meta"))
 
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]

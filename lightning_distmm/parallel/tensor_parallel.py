@@ -26,9 +26,27 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor.placement_types import Placement
+
+
+def strided_shard(dim: int, split_factor: int) -> Placement:
+    """torch's private ``_StridedShard(dim, split_factor)``: shard ``dim`` as ``split_factor`` interleaved
+    blocks, each split evenly over the ranks (a fused qkv: each rank gets the q, k and v rows of its
+    heads). No public placement describes this layout; it is what ``parallelize_module`` itself
+    uses for nested sharding. The one private torch access under ``parallel/`` (which must not import
+    the Lightning seam module); ``tests/test_lightning_seam.py`` checks it."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=split_factor)
+
+
+def is_strided(value: object) -> bool:
+    """Whether ``value`` is a DTensor with a :func:`strided_shard` placement."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(value, DTensor) and any(isinstance(p, _StridedShard) for p in value.placements)
 
 
 class _CopyToTensorParallel(torch.autograd.Function):
@@ -51,7 +69,7 @@ class _FusedQKVColwise(nn.Module):
 
     def __init__(self, linear: nn.Linear, mesh: DeviceMesh):
         super().__init__()
-        placement = [_StridedShard(0, split_factor=3)]
+        placement = [strided_shard(0, split_factor=3)]
         self.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), mesh, placement))
         self.bias = (
             nn.Parameter(distribute_tensor(linear.bias.detach(), mesh, placement)) if linear.bias is not None else None
@@ -160,4 +178,4 @@ def apply_tp(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return module
 
 
-__all__ = ["apply_tp", "check_tp", "apply_tp_vit", "apply_tp_clip_text"]
+__all__ = ["apply_tp", "check_tp", "apply_tp_vit", "apply_tp_clip_text", "is_strided", "strided_shard"]

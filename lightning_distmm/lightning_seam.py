@@ -1,0 +1,180 @@
+"""Every private Lightning (and torch) access of the distmm strategy, each behind one named function.
+
+A distmm plan does what Lightning's strategies assume never happens: different ranks hold
+different modules and load different rows. Where Lightning offers a public hook the package uses
+it (``LightningModule.backward`` and ``configure_gradient_clipping`` through the mixin,
+``ParallelStrategy.block_backward_sync``, ``Strategy.process_dataloader``,
+``Strategy.on_train_batch_start``, ``Strategy.optimizer_step``); what is left is here, one
+function per access, each saying what it reaches and why no public API does the job.
+``tests/test_lightning_seam.py`` has one fast test per function that fails with a clear message
+when a Lightning or torch upgrade moves or changes what it reaches; ``pyproject.toml`` pins
+Lightning to the versions that test passes on.
+
+One private torch access lives outside this module: ``_StridedShard`` in
+:func:`lightning_distmm.parallel.tensor_parallel.strided_shard`, because ``parallel/`` must not
+import a module that imports Lightning. The strategy also overrides one private method,
+``Strategy._configure_launcher`` (Lightning's connector calls it on every strategy to pick the
+launcher; there is no public way to choose one): its body is :func:`configure_launcher`.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader, Sampler
+
+if TYPE_CHECKING:  # pragma: no cover
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import ParallelStrategy
+
+
+# ---------------------------------------------------------------------- launch and process groups
+def init_process_groups(strategy: ParallelStrategy) -> None:
+    """Set up the default process group only: ``ModelParallelStrategy._setup_distributed``.
+
+    ``ModelParallelStrategy.setup_environment`` (public) also builds its 2-D (dp, tp) DeviceMesh
+    over all ranks, which a distmm plan does not use (each tower gets its own mesh in ``setup``,
+    once the module's towers are known); its process-group half has no public name.
+    """
+    strategy._setup_distributed()  # type: ignore[attr-defined]
+
+
+def configure_launcher(
+    strategy: ParallelStrategy, start_method: str, consolidate: Callable[[], dict[str, torch.Tensor] | None]
+) -> None:
+    """Set ``strategy._launcher``: Lightning's ``_SubprocessScriptLauncher`` for ``"popen"`` (unless the
+    cluster creates the processes), else a multiprocessing launcher that returns the whole model.
+
+    Lightning calls ``Strategy._configure_launcher`` to pick a launcher and has no public way to
+    choose one; both launcher classes are private.
+    """
+    environment = strategy.cluster_environment
+    assert environment is not None
+    if start_method == "popen":
+        if not environment.creates_processes_externally:
+            launcher = _SubprocessScriptLauncher(environment, strategy.num_processes, strategy.num_nodes)
+            strategy._launcher = launcher  # type: ignore[attr-defined]
+    else:
+        method: Literal["spawn", "fork", "forkserver"] = start_method  # type: ignore[assignment]
+        strategy._launcher = ConsolidatingLauncher(strategy, consolidate, start_method=method)  # type: ignore[attr-defined]
+
+
+class ConsolidatingLauncher(_MultiProcessingLauncher):
+    """Spawn/fork launcher that hands the parent process the *whole* trained model.
+
+    Lightning's multiprocessing launcher sends rank 0's ``state_dict`` back to the parent (in the
+    private ``_collect_rank_zero_results``, as a private ``_WorkerOutput``); under distmm rank 0
+    holds only its towers, so every rank first assembles the full state dict on rank 0
+    (``consolidate``, a collective), and that is what the parent loads.
+    """
+
+    def __init__(
+        self,
+        strategy: ParallelStrategy,
+        consolidate: Callable[[], dict[str, torch.Tensor] | None],
+        start_method: Literal["spawn", "fork", "forkserver"] = "spawn",
+    ) -> None:
+        super().__init__(strategy, start_method=start_method)
+        self._consolidate = consolidate
+
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
+        state_dict = self._consolidate()  # on every rank: a collective
+        if self._strategy.local_rank != 0:
+            return None
+        checkpoint_callback = trainer.checkpoint_callback
+        best = getattr(checkpoint_callback, "best_model_path", None) if checkpoint_callback else None
+        weights_path = None
+        if trainer.state.fn == TrainerFn.FITTING and state_dict is not None:
+            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
+        return _WorkerOutput(best, weights_path, trainer.state, results, self.get_extra_results(trainer))
+
+
+def default_store() -> Any:
+    """The default process group's key-value store: torch's ``distributed_c10d._get_default_store``.
+
+    The strategy records the first rank's failure there so every rank reports it; torch has no
+    public getter for the store the default group was initialised with.
+    """
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+# ---------------------------------------------------------------------- the step
+def zeroes_gradients_after_training_step(trainer: pl.Trainer, batch_idx: int) -> bool:
+    """Whether Lightning zeroes the gradients after this batch's ``training_step`` (before its backward).
+
+    Lightning's rule, from the private ``_AutomaticOptimization._make_zero_grad_fn``: under
+    automatic optimization, on the first batch of each accumulation window. Lightning calls the
+    public ``optimizer_zero_grad`` hook only at that point, after ``training_step``; the runtime
+    needs to know when the step starts (it frees the old gradients and posts the sums during the
+    step's own backward).
+    """
+    module = trainer.lightning_module
+    return bool(module.automatic_optimization and batch_idx % trainer.accumulate_grad_batches == 0)
+
+
+def move_held_tensors(module: nn.Module, device: torch.device) -> None:
+    """Move ``module``'s parameters and buffers to ``device``, leaving those on the meta device there.
+
+    ``Module.to`` would try to copy the released (meta) towers and fail; torch's private
+    ``Module._apply`` is what ``to`` itself uses to swap each tensor in place.
+    """
+    module._apply(lambda t: t if t.is_meta else t.to(device))
+
+
+def optimizers_to_device(optimizers: Iterable[Optimizer], device: torch.device) -> None:
+    """Move the optimizers' state to ``device``: Lightning's private ``_optimizers_to_device``, as
+    ``ModelParallelStrategy.setup`` does (the distmm ``setup`` replaces that method)."""
+    from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+    _optimizers_to_device(optimizers, device)
+
+
+# ---------------------------------------------------------------------- data
+def disable_distributed_sampler(trainer: pl.Trainer) -> None:
+    """Keep Lightning from wrapping the loaders' samplers in a ``DistributedSampler``.
+
+    The distmm loader picks each rank's rows itself and every rank must walk the same global
+    batches; Lightning's ``DistributedSampler`` would also reshuffle an unshuffled training set.
+    ``Trainer(use_distributed_sampler=False)`` is the user's switch; a strategy can only set the
+    private ``trainer._accelerator_connector.use_distributed_sampler``.
+    """
+    trainer._accelerator_connector.use_distributed_sampler = False
+
+
+def train_dataloader(trainer: pl.Trainer) -> object | None:
+    """The training DataLoader the fit will use, before Lightning loads it (None if there is none).
+
+    ``trainer.train_dataloader`` is only set after the strategy's ``setup``; the plan is chosen
+    in ``setup`` (default and ``"auto"`` plans measure the towers on a sample). The loader given
+    to ``fit`` or defined by the module or datamodule is behind the private
+    ``trainer.fit_loop._data_source``. A user hook that fails here yields None (planning falls
+    back to parameter counts; the fit itself calls the hook again and reports the error).
+    """
+    source = trainer.fit_loop._data_source
+    if not source.is_defined():
+        return None
+    try:
+        return source.dataloader()
+    except Exception:  # noqa: BLE001 - the user's train_dataloader hook: reported by the fit itself
+        return None
+
+
+def with_sampler(dataloader: DataLoader, sampler: Sampler) -> DataLoader:
+    """A copy of ``dataloader`` with ``sampler``: Lightning's private ``_update_dataloader``, which
+    re-creates a DataLoader (subclasses included) from its original arguments; torch has no public
+    way to swap a DataLoader's sampler."""
+    from lightning.pytorch.utilities.data import _update_dataloader
+
+    return _update_dataloader(dataloader, sampler)

@@ -1,0 +1,350 @@
+"""The per-rank runtime of a distmm plan: one executor for the schedule's instruction list.
+
+One training step on a rank is its list from :func:`lightning_distmm.core.schedule.rank_schedule`,
+run in full inside :meth:`RankRuntime.contrastive_loss` (the module's ``training_step``), every
+instruction in list order:
+
+1. ``Forward``: a microbatch of a local tower through this rank's stage (the whole tower without
+   pipeline), receiving its input from the previous stage and posting its output to the next;
+2. ``BatchSync`` (last stages only): the wave's features of every tower are gathered into
+   whole-group tensors, which become leaves; the interaction loss runs forward on this rank's rows
+   (:mod:`lightning_distmm.interaction`) and backward; the per-rank partial feature gradients are
+   summed over the last stages; each microbatch takes its rows of that sum;
+3. ``Backward``: the microbatch's backward through the stage, from its feature gradient (last
+   stage) or the gradient received from the next stage, posting the input gradient back;
+4. ``GradSync``: the gradient sums (:mod:`lightning_distmm.parallel.gradients`). When the step's
+   gradients are the optimizer step's final ones (:attr:`StepState.final`), they are posted now:
+   each tower's in buckets during its last backward on the rank, the interaction parameters' here;
+   otherwise they are left for the backward that ends the optimizer step.
+
+The step's state travels in the :class:`~lightning_distmm.parallel.step.StepState` the caller
+passes; the returned loss has the whole-batch value on every rank, and :meth:`RankRuntime.backward`
+hands the step's gradients back around the autograd backward of that loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from lightning_distmm.core.layout import GLOBAL_BATCH_KEY, RankLayout
+from lightning_distmm.core.plan import Plan
+from lightning_distmm.core.schedule import (
+    Backward,
+    BatchSync,
+    Forward,
+    GradSync,
+    Instruction,
+    rank_schedule,
+    sync_ranks,
+)
+from lightning_distmm.interaction import row_share
+from lightning_distmm.parallel.exchange import FeatureSpec, GatherSlot, allreduce_sum, exchange_specs, gather_features
+from lightning_distmm.parallel.gradients import DeferredGradients, RankGradients
+from lightning_distmm.parallel.groups import TowerGroups
+from lightning_distmm.parallel.pipeline import PendingSend, Stage, recv_tensor, send_tensor
+from lightning_distmm.parallel.prepare import prepare_rank, return_freed_memory, tower_parameters
+from lightning_distmm.parallel.step import Microbatch, ScheduleRun, StepState
+from lightning_distmm.tower import TowerModule
+
+
+class RankRuntime:
+    """Runs this rank's share of every step, for every tower the rank holds: the instruction list,
+    the feature exchange, the gradient hand-off and sums (``gradients``)."""
+
+    def __init__(
+        self,
+        module: TowerModule,
+        plan: Plan,
+        groups: Mapping[str, TowerGroups],
+        device: torch.device,
+        bucket_cap_mb: float = 25.0,
+    ):
+        self.plan = plan
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.device = device
+        self.towers = module.tower_specs()
+        self.groups = groups
+        self.layout = RankLayout(plan, self.rank, {n: t.fields for n, t in self.towers.items()})
+        self.module = module
+        self.bucket_cap_mb = bucket_cap_mb
+        self.gradients = self._gradients()
+        self.specs: dict[str, FeatureSpec] | None = None
+        self._slots: dict[int, dict[str, GatherSlot]] = {}
+        #: the ranks that meet at the batch-sync (every rank of a last stage) and their process group
+        self.batch_sync_ranks = sync_ranks(plan)
+        self.batch_sync_pg = (
+            dist.new_group(list(self.batch_sync_ranks)) if len(self.batch_sync_ranks) < self.world else None
+        )
+        self._sends: list[PendingSend] = []
+        #: per pipelined tower, one process group for activations and one for gradients (see send_tensor)
+        self.p2p_groups = {
+            (name, kind): dist.new_group(list(range(self.world)))
+            for name, t in plan.towers.items()
+            if t.pp > 1
+            for kind in ("act", "grad")
+        }
+        self._schedules: dict[int, list[Instruction]] = {}
+        #: when a list, the executor appends ``(instruction, start, end)`` of its compute (perf_counter)
+        self.trace: list[tuple[Instruction, float, float]] | None = None
+        self.stages: dict[str, Stage] = {}  # this rank's stage of each local tower with pp > 1
+        #: bytes of stage-boundary activations the last forward kept outside autograd (cached schedule)
+        self.stash_bytes = 0
+
+    def _gradients(self) -> RankGradients:
+        tower_params, interaction_params = tower_parameters(self.module, self.towers)  # type: ignore[arg-type]
+        return RankGradients(
+            self.plan,
+            self.layout,
+            self.towers,
+            self.groups,
+            tower_params,
+            interaction_params,
+            self.device,
+            self.bucket_cap_mb,
+        )
+
+    def prepare_local_towers(self) -> None:
+        """Keep only what this rank runs (:func:`~lightning_distmm.parallel.prepare.prepare_rank`), rebuild
+        the parameter table (dropping references to replaced parameters) and hand the freed memory back."""
+        self.stages = prepare_rank(self.plan, self.towers, self.layout, self.groups, self.rank)
+        self.gradients = self._gradients()
+        return_freed_memory()
+
+    def trainable(self, name: str) -> bool:
+        return self.gradients.trainable(name)
+
+    # ------------------------------------------------------------------ the step
+    def global_batch_size(self, batch: Mapping[str, Any]) -> int:
+        if GLOBAL_BATCH_KEY not in batch:
+            raise KeyError(
+                "this batch did not come through the distmm data loader (no global batch size attached);"
+                " feed data through the Trainer's dataloaders"
+            )
+        return int(batch[GLOBAL_BATCH_KEY])
+
+    def slots(self, n: int) -> dict[str, GatherSlot]:
+        """Where each tower's features of a sync group of ``n`` rows come from (rows relative to the group)."""
+        if n not in self._slots:
+            self._slots[n] = {
+                name: GatherSlot([t.feature_rank(i) for i in range(t.dp)], self.layout.offsets(name, n))
+                for name, t in self.plan.towers.items()
+            }
+        return self._slots[n]
+
+    def schedule(self, n: int) -> list[Instruction]:
+        """This rank's instructions for a global batch of ``n`` (the plan's schedule, as data)."""
+        if n not in self._schedules:
+            self._schedules[n] = rank_schedule(self.plan, self.rank, n)
+        return self._schedules[n]
+
+    def contrastive_loss(self, step: StepState, module: TowerModule, batch: Mapping[str, Any]) -> Tensor:
+        """Run this rank's whole list for ``batch``; return the whole-batch loss (grouped under ``distmm``).
+
+        With autograd on, the run (its gradients, taken out of ``.grad``) is recorded in ``step``
+        for :meth:`backward`; the gradients from before it are restored when it ends, or dropped
+        when ``step.zero_after`` says Lightning zeroes them anyway.
+        """
+        n = self.global_batch_size(batch)
+        training = torch.is_grad_enabled()
+        for name in self.layout.local_towers:
+            for f in self.towers[name].fields:
+                if f not in batch:
+                    raise KeyError(
+                        f"tower {name!r} reads batch field {f!r} but the batch has only"
+                        f" {sorted(k for k in batch if k != GLOBAL_BATCH_KEY)}"
+                    )
+        run = ScheduleRun.of(self.schedule(n), self.layout.batch(n))
+        learns = training and self.gradients.learns()
+        run.set_aside = self.gradients.take() if learns else []
+        if step.zero_after:
+            run.set_aside = []  # Lightning zeroes them after this step: free them before the backward
+        # Gradient sums overlapped with the backward (DDP's idea) when this step's gradients are the
+        # whole optimizer step's: the same decision on every rank (it depends on the step only)
+        run.sums = [] if learns and step.final else None
+        last_backward = {ins.tower: i for i, ins in enumerate(run.instructions) if isinstance(ins, Backward)}
+        self.stash_bytes = 0
+        try:
+            for i, ins in enumerate(run.instructions):
+                self._sends = [s for s in self._sends if not s.done()]
+                if isinstance(ins, Forward):
+                    rows = {f: _take_rows(batch[f], run.rows[ins.tower, ins.mb]) for f in self.towers[ins.tower].fields}
+                    self._forward(ins, rows, training, run)
+                elif isinstance(ins, BatchSync):
+                    self._batch_sync(module, ins, run, training)
+                elif isinstance(ins, Backward):
+                    if training and self.trainable(ins.tower):
+                        self._backward(ins, run, last=last_backward[ins.tower] == i)
+                elif isinstance(ins, GradSync):
+                    self._grad_sync(run)
+            for pending in self._sends:
+                pending.wait()
+        finally:
+            self._sends = []
+            run.records.clear()
+            run.outputs.clear()
+            run.feature_grads.clear()
+        # the loss value for every rank (the first stages hold none): one sum over the world
+        total = run.loss.reshape(1).to(self.device, torch.float32)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        total = total[0].to(run.loss.dtype)
+        if not learns:
+            return total
+        run.produced = self.gradients.take()
+        self.gradients.restore(run.set_aside)
+        step.runs.append(run)
+        anchor = torch.zeros((), device=total.device, requires_grad=True)
+        return DeferredGradients.apply(total, anchor, run)
+
+    def backward(self, step: StepState, run_backward: Callable[[], None]) -> None:
+        """The backward of a loss ``contrastive_loss`` returned in ``step``: the gradients accumulated
+        so far are set aside, ``run_backward`` (autograd) records the upstream gradient and fills
+        ``.grad`` with the terms outside ``contrastive_loss``, and the step's gradients are handed back."""
+        earlier = self.gradients.take()
+        run_backward()
+        self.gradients.finish_backward(step, earlier)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        return self.gradients.clip_grad_norm_(max_norm, norm_type)
+
+    # ------------------------------------------------------------------ instructions
+    def _run_stage(self, name: str, x: Tensor | None, rows: Mapping[str, Any], training: bool) -> Tensor:
+        if name in self.stages:
+            return self.stages[name].run(x, rows)
+        tower = self.towers[name]
+        if self.plan.towers[name].recompute and training and self.trainable(name):
+            # activation checkpointing: keep the tower's inputs, recompute its forward in backward
+            return checkpoint(tower.encode, rows, use_reentrant=False)
+        return tower.encode(rows)
+
+    def _forward(self, ins: Forward, rows: Mapping[str, Any], training: bool, run: ScheduleRun) -> None:
+        """One microbatch through this rank's stage of a tower (the whole tower without pipeline)."""
+        grad = training and self.trainable(ins.tower)
+        group = self.p2p_groups.get((ins.tower, "act"))
+        x_in = recv_tensor(ins.recv_from, self.device, group) if ins.recv_from is not None else None
+        start = time.perf_counter()
+        if grad and not ins.keep:  # cached: no activations now, recompute from the input in backward
+            rng = _rng_state(self.device)
+            with torch.no_grad():
+                x = self._run_stage(ins.tower, x_in, rows, training)
+            run.records[ins.tower, ins.mb] = Microbatch(x_in, rows, None, rng)
+            if x_in is not None:
+                self.stash_bytes += x_in.numel() * x_in.element_size()
+        else:
+            if grad and x_in is not None:
+                x_in.requires_grad_(True)
+            x = self._run_stage(ins.tower, x_in, rows, training)
+            if grad:
+                run.records[ins.tower, ins.mb] = Microbatch(x_in, rows, x, None)
+        if self.trace is not None:
+            self.trace.append((ins, start, time.perf_counter()))
+        if ins.send_to is not None:
+            self._sends.append(send_tensor(x, ins.send_to, group))
+        else:
+            run.outputs.setdefault((ins.sync_group, ins.tower), []).append(x)
+
+    def _batch_sync(self, module: TowerModule, ins: BatchSync, run: ScheduleRun, training: bool) -> None:
+        """Wave ``ins.sync_group``'s features meet: gather, the loss forward and backward, the feature gradients split."""
+        start = time.perf_counter()
+        group_sizes = self.plan.group_split(run.n)
+        rows = group_sizes[ins.sync_group]
+        local = {tower: torch.cat(outs) for (wave, tower), outs in run.outputs.items() if wave == ins.sync_group}
+        if self.specs is None:
+            self.specs = exchange_specs(local, list(self.towers), self.batch_sync_pg)
+        full = gather_features(local, self.slots(rows), self.specs, self.device, self.batch_sync_pg)
+        for name, feats in full.items():
+            feats.requires_grad_(training and self.trainable(name))
+        index, parts = self.batch_sync_ranks.index(self.rank), len(self.batch_sync_ranks)
+        with row_share(index, parts) as share:
+            loss = module.interaction_loss(full)
+        if not share.asked:
+            # a whole-batch loss computed identically on every batch-sync rank: each contributes 1/parts of it
+            loss = loss / parts
+        if len(group_sizes) > 1:
+            loss = loss * (rows / run.n)  # the grouped loss: each group's mean weighted by its share of rows
+        run.loss = run.loss + loss.detach()
+        if not (training and loss.requires_grad):
+            return
+        torch.autograd.backward(loss)
+        grads = {}
+        for name, leaf in full.items():
+            if self.trainable(name):
+                grads[name] = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+        allreduce_sum(list(grads.values()), self.batch_sync_pg)
+        # each of this rank's microbatches of the wave takes its rows of the summed feature gradient
+        for (tower, mb), part in run.rows.items():
+            if tower in grads and run.wave_of[tower, mb] == ins.sync_group and run.last[tower]:
+                offset = self.layout.offsets(tower, rows)[run.batch.towers[tower].replica]
+                span = run.batch.towers[tower].spans[ins.sync_group]
+                a = offset + part.start - span.local_start
+                run.feature_grads[tower, mb] = grads[tower][a : a + part.stop - part.start]
+        if self.trace is not None:
+            self.trace.append((ins, start, time.perf_counter()))
+
+    def _backward(self, ins: Backward, run: ScheduleRun, last: bool) -> None:
+        """One microbatch backward through this rank's stage; the input gradient goes to the previous stage.
+
+        On the tower's ``last`` backward of a run whose sums are posted during the step, its
+        gradients become final during this backward, bucket by bucket, and each bucket's sum is
+        posted as soon as it is.
+        """
+        micro = run.records.pop((ins.tower, ins.mb))
+        feature_grad = run.feature_grads.pop((ins.tower, ins.mb), None)
+        buckets = self.gradients.buckets(ins.tower) if last and run.sums is not None else None
+        group = self.p2p_groups.get((ins.tower, "grad"))
+        g_out = recv_tensor(ins.recv_from, self.device, group) if ins.recv_from is not None else feature_grad
+        start = time.perf_counter()
+        if micro.output is None:  # cached: recompute the stage from its saved input, same RNG
+            x_in = micro.input.requires_grad_(True) if micro.input is not None else None
+            with _restored_rng(micro.rng, self.device):  # type: ignore[arg-type]
+                out = self._run_stage(ins.tower, x_in, micro.rows, True)
+        else:
+            x_in, out = micro.input, micro.output
+        torch.autograd.backward(out, g_out)
+        if self.trace is not None:
+            self.trace.append((ins, start, time.perf_counter()))
+        if ins.send_to is not None:
+            assert x_in is not None
+            self._sends.append(
+                send_tensor(x_in.grad if x_in.grad is not None else torch.zeros_like(x_in), ins.send_to, group)
+            )
+        if buckets is not None:
+            assert run.sums is not None
+            run.sums.extend(buckets.finish())
+
+    def _grad_sync(self, run: ScheduleRun) -> None:
+        """``GradSync``: post the sums now if this step's gradients are final (the towers' buckets went
+        during their last backwards; the interaction parameters' go here), else leave them for the
+        backward that ends the optimizer step."""
+        if run.sums is not None:
+            run.sums.extend(self.gradients.post_interaction_sum())
+
+
+def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+@contextlib.contextmanager
+def _restored_rng(state: tuple[Tensor, Tensor | None], device: torch.device) -> Iterator[None]:
+    """Replay a microbatch with the RNG state of its first forward (dropout masks match), then continue."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
+        yield
+
+
+def _take_rows(value: Any, rows: slice) -> Any:
+    if isinstance(value, (Tensor, list, tuple)):
+        return value[rows]
+    return value

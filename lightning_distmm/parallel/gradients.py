@@ -1,0 +1,294 @@
+"""Gradient handling on a rank: set aside and restored, handed back scaled, summed, clipped.
+
+The schedule runs its backwards inside ``training_step``, but Lightning zeroes the gradients
+between ``training_step`` and the backward of the returned loss. So a run takes the gradients it
+produced out of ``.grad`` and returns a loss whose autograd backward records the gradient that
+reaches it (:class:`DeferredGradients`: Lightning's 1/accumulate, or any function of the loss the
+user returns); :meth:`RankGradients.finish_backward` then adds them back scaled by it. Sums, not
+means: each rank's loss is its share of the whole-batch mean, so summing a tower's gradients over
+its replicas (the interaction parameters' over all ranks) gives exactly the single-process
+gradient, whatever the replicas' batch sizes. When a step's gradients are the whole optimizer
+step's, the sums are posted during the backward in DDP-style buckets (:class:`GradientBuckets`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Replicate
+
+from lightning_distmm.core.layout import RankLayout
+from lightning_distmm.core.plan import Plan
+from lightning_distmm.parallel.exchange import PendingSum, allreduce_sum, allreduce_sum_async
+from lightning_distmm.parallel.groups import TowerGroups
+from lightning_distmm.parallel.step import Gradients, ScheduleRun, StepState
+from lightning_distmm.tower import Tower
+
+
+class DeferredGradients(torch.autograd.Function):
+    """The returned loss: its value is the whole-batch loss; its backward records the upstream gradient in the run."""
+
+    @staticmethod
+    def forward(ctx: Any, value: Tensor, anchor: Tensor, run: ScheduleRun) -> Tensor:  # type: ignore[override]
+        ctx.run = run
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, None, None]:  # type: ignore[override]
+        ctx.run.scale = grad.detach() if ctx.run.scale is None else ctx.run.scale + grad.detach()
+        return None, None, None
+
+
+class RankGradients:
+    """The gradients of this rank's parameters: each local tower's and the interaction parameters'."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        layout: RankLayout,
+        towers: Mapping[str, Tower],
+        groups: Mapping[str, TowerGroups],
+        tower_params: Mapping[str, Mapping[str, nn.Parameter]],
+        interaction_params: Mapping[str, nn.Parameter],
+        device: torch.device,
+        bucket_cap_mb: float = 25.0,
+    ) -> None:
+        self.plan = plan
+        self.layout = layout
+        self.towers = towers
+        self.groups = groups
+        self.tower_params = tower_params
+        self.interaction_params = interaction_params
+        self.device = device
+        #: size of the gradient buckets summed during the backward (DDP's ``bucket_cap_mb``)
+        self.bucket_cap_mb = bucket_cap_mb
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+
+    def trainable(self, name: str) -> bool:
+        return not self.towers[name].frozen and any(p.requires_grad for p in self.tower_params[name].values())
+
+    def learns(self) -> bool:
+        """Whether a backward on this rank changes any gradient it holds."""
+        return any(self.trainable(t) for t in self.layout.local_towers) or any(
+            p.requires_grad for p in self.interaction_params.values()
+        )
+
+    def local_parameters(self) -> list[nn.Parameter]:
+        params = list(self.interaction_params.values())
+        for name in self.layout.local_towers:
+            params.extend(self.tower_params[name].values())
+        return params
+
+    # ------------------------------------------------------------------ set aside, hand back
+    def take(self) -> Gradients:
+        """Remove and return the gradients of this rank's parameters (leaving ``.grad`` empty)."""
+        taken = []
+        for p in self.local_parameters():
+            if p.grad is not None:
+                taken.append((p, p.grad))
+                p.grad = None
+        return taken
+
+    @staticmethod
+    def restore(grads: Gradients) -> None:
+        for p, g in grads:
+            p.grad = g
+
+    def finish_backward(self, step: StepState, earlier: Gradients) -> None:
+        """After the autograd backward of the returned loss: complete ``.grad`` and sum it.
+
+        ``.grad`` then holds the gradients of the terms the training_step added outside
+        ``contrastive_loss`` (a regulariser): every rank that holds a parameter computed them, and
+        the gradient sums would count them once per rank, so they are averaged over those ranks
+        first (DDP's rule). Then the gradients set aside before the backward (``earlier``:
+        accumulation) are added back, and each run's gradients, scaled by the upstream gradient of
+        the loss it returned (the same on every rank, so it may scale a sum already taken during
+        the step). The sums run here when the runs left them (``GradSync`` of a step whose
+        gradients were not final) and this backward ends an optimizer step.
+        """
+        runs, step.runs = step.runs, []
+        used = [run for run in runs if run.scale is not None]
+        if not used:
+            self.restore(earlier)
+            raise RuntimeError(
+                "distmm: backward() was called on a loss that does not come from contrastive_loss() in this step;"
+                " the training_step must return (a function of) the loss that DistMMMixin.contrastive_loss(batch) gave"
+            )
+        for p, copies in self.copies():
+            if p.grad is not None and copies > 1:
+                local(p.grad).div_(copies)
+        summed = all(run.sums is not None for run in used)
+        if summed:
+            assert step.sync and not earlier, "sums were posted during a step that accumulates"
+            for run in used:
+                for posted in run.sums or ():
+                    posted.wait()
+            # the terms outside contrastive_loss still need their sums, if any rank has one
+            extra = torch.tensor([float(any(p.grad is not None for p, _ in self.copies()))], device=self.device)
+            dist.all_reduce(extra)
+            if extra.item() > 0:
+                self.sum_all()
+        for p, g in [*earlier, *((p, scaled(g, run.scale)) for run in used for p, g in run.produced)]:
+            if p.grad is None:
+                p.grad = g
+            else:
+                local(p.grad).add_(local(g))
+        if step.sync and not summed:
+            self.sum_all()
+
+    # ------------------------------------------------------------------ sums
+    def buckets(self, name: str) -> GradientBuckets | None:
+        """Buckets of tower ``name``'s gradients, summed over its replicas as they become final (None: one replica)."""
+        tower = self.plan.towers[name]
+        if tower.dp == 1:
+            return None
+        group = None if tower.dp == self.world else self.groups[name].dp_group
+        params = [p for p in self.tower_params[name].values() if p.requires_grad and not p.is_meta]
+        return GradientBuckets(params, group, int(self.bucket_cap_mb * 2**20))
+
+    def post_interaction_sum(self) -> list[PendingSum]:
+        """Post the sum of the interaction parameters' gradients over all ranks (nothing if there are none)."""
+        grads = self._grads_for(self.interaction_params)
+        return [allreduce_sum_async(grads)] if grads else []
+
+    def copies(self) -> list[tuple[nn.Parameter, int]]:
+        """Each local parameter with the number of ranks that hold the same copy of it (the interaction
+        parameters: every rank; a tower's: its data-parallel replicas)."""
+        out = [(p, self.world) for p in self.interaction_params.values()]
+        for name in self.layout.local_towers:
+            out.extend((p, self.plan.towers[name].dp) for p in self.tower_params[name].values())
+        return out
+
+    def _grads_for(self, params: Mapping[str, nn.Parameter]) -> list[Tensor]:
+        out = []
+        for p in params.values():
+            if not p.requires_grad or p.is_meta:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            out.append(local(p.grad))
+        return out
+
+    def sum_all(self) -> None:
+        """Sum gradients over each tower's replicas and the interaction parameters over all ranks."""
+        world_grads = self._grads_for(self.interaction_params)
+        for name in self.layout.local_towers:
+            tower = self.plan.towers[name]
+            if tower.dp == 1 or not self.trainable(name):
+                continue
+            grads = self._grads_for(self.tower_params[name])
+            if tower.dp == self.world:
+                world_grads.extend(grads)  # the replicas span the world: one collective for all
+            else:
+                allreduce_sum(grads, self.groups[name].dp_group)
+        if world_grads:
+            allreduce_sum(world_grads)
+
+    # ------------------------------------------------------------------ clipping
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip by the norm of the gradient of the whole model, across all towers and ranks.
+
+        Each tower's gradient is counted once, by its first replica: tensor-parallel shards by
+        every rank of that replica, replicated parameters by the first tensor-parallel rank of each
+        pipeline stage (stages hold different parameters); the interaction
+        parameters once (by rank 0). Then every rank scales its own gradients.
+        """
+        norm_type = float(norm_type)
+        counted: list[Tensor] = []
+        if self.rank == 0:
+            counted.extend(p.grad for p in self.interaction_params.values() if p.grad is not None)
+        for name in self.layout.local_towers:
+            tower = self.plan.towers[name]
+            if self.rank not in tower.replica_ranks(0):
+                continue
+            first_tp = tower.replica_ranks(0).index(self.rank) % tower.tp == 0
+            for p in self.tower_params[name].values():
+                if p.grad is not None and (is_sharded(p) or first_tp):
+                    counted.append(local(p.grad))
+        if math.isinf(norm_type):
+            part = torch.stack([g.detach().abs().max() for g in counted]).max() if counted else torch.zeros(())
+            part = part.to(self.device, torch.float32)
+            dist.all_reduce(part, op=dist.ReduceOp.MAX)
+            total = part
+        else:
+            norms = [torch.linalg.vector_norm(g.detach(), norm_type) for g in counted]
+            part = (torch.stack(norms) ** norm_type).sum() if norms else torch.zeros(())
+            part = part.to(self.device, torch.float32)
+            dist.all_reduce(part, op=dist.ReduceOp.SUM)
+            total = part ** (1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in self.local_parameters():
+            if p.grad is not None:
+                grad = local(p.grad)
+                grad.detach().mul_(coef.to(grad.device, grad.dtype))
+        return total
+
+
+class GradientBuckets:
+    """DDP's reducer, for one tower during its last backward of the step: the parameters in fixed
+    buckets of up to ``cap`` bytes (reverse order: the last layers' gradients are final first); a
+    bucket's sum over ``group`` is posted once all its gradients are final, buckets in order, so
+    every replica posts the same sequence. :meth:`finish` posts what the backward did not reach."""
+
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup | None, cap: int):
+        self.group = group
+        self.buckets: list[list[nn.Parameter]] = []
+        size = 0
+        for p in reversed(params):
+            nbytes = local(p).numel() * local(p).element_size()
+            if not self.buckets or (size + nbytes > cap and self.buckets[-1]):
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
+            size += nbytes
+        self.ready: set[int] = set()
+        self.next = 0
+        self.posted: list[PendingSum] = []
+        self.hooks = [p.register_post_accumulate_grad_hook(self._on_ready) for p in params]
+
+    def _on_ready(self, p: Tensor) -> None:
+        self.ready.add(id(p))
+        while self.next < len(self.buckets) and all(id(q) in self.ready for q in self.buckets[self.next]):
+            self._post()
+
+    def _post(self) -> None:
+        grads = []
+        for p in self.buckets[self.next]:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(local(p.grad))
+        self.posted.append(allreduce_sum_async(grads, self.group))
+        self.next += 1
+
+    def finish(self) -> list[PendingSum]:
+        for hook in self.hooks:
+            hook.remove()
+        while self.next < len(self.buckets):
+            self._post()
+        return self.posted
+
+
+def scaled(g: Tensor, scale: Tensor | None) -> Tensor:
+    """``g`` multiplied in place by the upstream gradient ``scale`` (skipped when it is exactly 1)."""
+    if scale is not None and not bool(torch.all(scale == 1)):
+        local(g).mul_(scale.to(g.device, g.dtype))
+    return g
+
+
+def local(t: Tensor) -> Tensor:
+    """The tensor this rank stores: a DTensor's local shard (collectives and in-place ops act on it).
+
+    ``DTensor.to_local()`` returns the local shard itself, or a view of it when autograd is on:
+    in-place ops and collectives on it write the DTensor's storage either way.
+    """
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def is_sharded(t: Tensor) -> bool:
+    return isinstance(t, DTensor) and any(not isinstance(pl, Replicate) for pl in t.placements)

@@ -1,0 +1,128 @@
+"""Preparing a rank for a plan: keep only what it runs, cut its pipelines, shard it for tensor parallelism.
+
+Applied to the user's plain module from outside (torchtitan's ``parallelize`` style), once, before
+the optimizer sees the parameters: towers this rank does not run go to the meta device, a
+pipelined tower keeps only this rank's stage, and a tower with ``tp > 1`` is sharded over its
+tensor-parallel mesh. Every rank checks every tower's cut and sharding, so a plan that cannot be
+applied fails on all ranks at once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from lightning_distmm.core.layout import RankLayout
+from lightning_distmm.core.plan import Plan
+from lightning_distmm.core.schedule import stage_neighbours
+from lightning_distmm.parallel.groups import TowerGroups
+from lightning_distmm.parallel.pipeline import Stage, release_unowned, tower_stages
+from lightning_distmm.parallel.tensor_parallel import apply_tp, check_tp
+from lightning_distmm.tower import Tower
+
+
+def prepare_rank(
+    plan: Plan, towers: Mapping[str, Tower], layout: RankLayout, groups: Mapping[str, TowerGroups], rank: int
+) -> dict[str, Stage]:
+    """Release remote towers, cut pipelines, shard for TP; return this rank's stage of each pipelined tower.
+
+    Each step may swap in new Parameter objects (``Module.to("meta")``, DTensor sharding): the
+    caller builds its parameter table afterwards (an older one would keep the released storages
+    alive) and then calls :func:`return_freed_memory`.
+    """
+    release_remote_towers(towers, layout)
+    stages = cut_pipelines(plan, towers, layout, rank)
+    parallelize_local_towers(plan, towers, layout, groups)
+    return stages
+
+
+def release_remote_towers(towers: Mapping[str, Tower], layout: RankLayout) -> None:
+    """Move the parameters of towers this rank does not run to the meta device."""
+    for name, tower in towers.items():
+        if name not in layout.local_towers:
+            tower.module.to("meta")
+
+
+def cut_pipelines(plan: Plan, towers: Mapping[str, Tower], layout: RankLayout, rank: int) -> dict[str, Stage]:
+    """For towers with pp > 1: keep only this rank's stage of the tower, release the rest."""
+    for name, tower in plan.towers.items():  # every rank checks every cut: fail together
+        if tower.pp > 1:
+            try:
+                tower_stages(towers[name].module, tower.pp, towers[name].fields)
+            except ValueError as err:
+                raise ValueError(f"tower {name!r}, pp={tower.pp}: {err}") from None
+    stages: dict[str, Stage] = {}
+    for name in layout.local_towers:
+        tower = plan.towers[name]
+        if tower.pp == 1:
+            continue
+        stage = stage_neighbours(plan, name, rank)[1]
+        stages[name] = tower_stages(towers[name].module, tower.pp, towers[name].fields)[stage]
+        release_unowned(towers[name].module, stages[name])
+    return stages
+
+
+def parallelize_local_towers(
+    plan: Plan, towers: Mapping[str, Tower], layout: RankLayout, groups: Mapping[str, TowerGroups]
+) -> None:
+    """Shard the local towers that the plan gives tensor parallelism (tp > 1) over their tp mesh."""
+    for name, tower in plan.towers.items():  # every rank checks every tower: fail together
+        if tower.tp > 1:
+            check_tp(towers[name].module, tower.tp, name)
+    for name in layout.local_towers:
+        if plan.towers[name].tp > 1:
+            apply_tp(towers[name].module, groups[name].mesh["tp"])
+
+
+def tower_prefixes(module: nn.Module, towers: Mapping[str, Tower]) -> dict[str, str]:
+    """Each tower's submodule path inside ``module`` (found by identity), e.g. ``{"image": "visual"}``."""
+    prefixes: dict[str, str] = {}
+    for fqn, sub in module.named_modules():
+        for name, tower in towers.items():
+            if sub is tower.module and name not in prefixes:
+                prefixes[name] = fqn
+    missing = [n for n in towers if n not in prefixes]
+    if missing:
+        raise ValueError(f"tower(s) {missing}: the Tower's module is not a submodule of {type(module).__name__}")
+    return prefixes
+
+
+def tower_parameters(
+    module: nn.Module, towers: Mapping[str, Tower]
+) -> tuple[dict[str, dict[str, nn.Parameter]], dict[str, nn.Parameter]]:
+    """Split ``module``'s parameters by tower (by module identity); the rest are interaction parameters."""
+    prefixes = tower_prefixes(module, towers)
+    per_tower: dict[str, dict[str, nn.Parameter]] = {n: {} for n in towers}
+    rest: dict[str, nn.Parameter] = {}
+    owner_of: dict[int, str] = {}
+    for fqn, p in module.named_parameters(remove_duplicate=False):
+        owners = [n for n, pre in prefixes.items() if fqn.startswith(pre + ".")]
+        if len(owners) > 1:
+            raise ValueError(f"parameter {fqn!r} lies in several towers {owners}; towers must not nest")
+        if owners:
+            if owner_of.setdefault(id(p), owners[0]) != owners[0]:
+                raise ValueError(f"parameter {fqn!r} is shared between towers {owner_of[id(p)]!r} and {owners[0]!r}")
+            per_tower[owners[0]][fqn] = p
+        elif id(p) not in owner_of:
+            rest[fqn] = p
+    return per_tower, rest
+
+
+def return_freed_memory() -> None:
+    """Hand freed host memory back to the OS.
+
+    glibc keeps freed blocks below its (adaptive) mmap threshold in the heap, so releasing a
+    tower would not lower the resident set size; ``malloc_trim`` returns those pages. Device
+    memory freed by the caching allocator is returned with ``empty_cache``.
+    """
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -1,0 +1,115 @@
+"""The state of one training step on a rank, passed explicitly from the step's start to its backward.
+
+A step starts when Lightning starts a training batch; :class:`StepState` then carries what is
+decided there (does Lightning zero the gradients after this ``training_step``: ``zero_after``)
+and where Lightning decides it (does this step's backward end with the gradient sums: ``sync``,
+off while Lightning accumulates). The runtime's methods take it as an argument:
+``contrastive_loss`` runs the schedule and records one :class:`ScheduleRun` in it per call (the
+rank batch and rows, the instruction list, the gradients set aside and produced, the sums
+posted), and ``backward`` hands those gradients back, scaled by the upstream gradient that
+autograd recorded in the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_distmm.core.layout import RankBatch
+from lightning_distmm.core.schedule import Forward, Instruction
+from lightning_distmm.parallel.exchange import PendingSum
+
+#: a parameter and a gradient tensor of it, taken out of ``.grad``
+Gradients = list[tuple[nn.Parameter, Tensor]]
+
+
+@dataclass
+class Microbatch:
+    """A microbatch on this rank's stage: its input activation (None on the first stage), batch rows,
+    and either its output with the graph (kept) or the RNG state to recompute it (cached)."""
+
+    input: Tensor | None
+    rows: Mapping[str, Any]
+    output: Tensor | None
+    rng: tuple[Tensor, Tensor | None] | None
+
+
+@dataclass
+class ScheduleRun:
+    """One run of this rank's instruction list (one ``contrastive_loss`` call) and what it leaves for the backward.
+
+    ``rows[tower, mb]`` are the microbatch's rows of this rank's batch (each wave's rows of the
+    replica, cut in microbatch order), ``wave_of`` its sync group, ``last[tower]`` whether this rank
+    is the tower's last stage. ``records``, ``outputs`` and ``feature_grads`` live while the list
+    runs. ``set_aside`` holds the gradients from before the run (restored when it ends),
+    ``produced`` the gradients it made (handed back in the backward, times ``scale``, the gradient
+    that reached the returned loss), ``sums`` the gradient sums its ``GradSync`` posted.
+    """
+
+    instructions: list[Instruction]
+    batch: RankBatch
+    rows: dict[tuple[str, int], slice] = field(default_factory=dict)
+    wave_of: dict[tuple[str, int], int] = field(default_factory=dict)
+    last: dict[str, bool] = field(default_factory=dict)
+    records: dict[tuple[str, int], Microbatch] = field(default_factory=dict)
+    outputs: dict[tuple[int, str], list[Tensor]] = field(default_factory=dict)
+    feature_grads: dict[tuple[str, int], Tensor] = field(default_factory=dict)
+    loss: Tensor = field(default_factory=lambda: torch.zeros(()))
+    set_aside: Gradients = field(default_factory=list)
+    produced: Gradients = field(default_factory=list)
+    sums: list[PendingSum] | None = None  # None: the sums are left for the optimizer step's backward
+    scale: Tensor | None = None
+
+    @property
+    def n(self) -> int:
+        """The global batch size."""
+        return self.batch.n
+
+    @classmethod
+    def of(cls, instructions: list[Instruction], batch: RankBatch) -> ScheduleRun:
+        """A run's bookkeeping from its instructions: each (tower, microbatch)'s rows, wave and stage."""
+        run = cls(instructions, batch)
+        nxt: dict[tuple[str, int], int] = {}
+        for ins in instructions:
+            if isinstance(ins, Forward):
+                key = (ins.tower, ins.sync_group)
+                a = nxt.get(key, batch.towers[ins.tower].spans[ins.sync_group].local_start)
+                run.rows[ins.tower, ins.mb] = slice(a, a + ins.rows)
+                run.wave_of[ins.tower, ins.mb] = ins.sync_group
+                run.last[ins.tower] = ins.send_to is None
+                nxt[key] = a + ins.rows
+        return run
+
+
+@dataclass
+class StepState:
+    """One training step on this rank.
+
+    Args:
+        sync: this step's backward ends with the gradient sums (False while Lightning accumulates:
+            sums are linear, so one sum per optimizer step is exact).
+        zero_after: Lightning zeroes the gradients after this ``training_step`` (the first batch of
+            an accumulation window), so the gradients from before it may be dropped at once.
+    """
+
+    sync: bool = True
+    zero_after: bool = False
+    runs: list[ScheduleRun] = field(default_factory=list)
+
+    @property
+    def final(self) -> bool:
+        """The gradients this step produces are the whole optimizer step's: its ``GradSync`` may post
+        the sums during the step (nothing from before is added to them afterwards)."""
+        return self.sync and self.zero_after
+
+    def check_handed_back(self) -> None:
+        """Raise if autograd reached a loss of this step whose gradients were never handed back."""
+        if any(run.scale is not None for run in self.runs):
+            raise RuntimeError(
+                "distmm: the loss from contrastive_loss() was backpropagated but its gradients were not handed"
+                " back; a LightningModule.backward override must call super().backward(loss)"
+            )
