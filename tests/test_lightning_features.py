@@ -58,13 +58,18 @@ def test_trainer_options_match_reference(extra, tmp_path):
 
 @pytest.mark.slow
 def test_clipping_really_clips(tmp_path):
-    """The clip threshold is far below the gradient norm: without a global norm the weights differ."""
+    """The clip threshold is far below the gradient norm: clipped weights differ from unclipped ones,
+    in one process and under distmm, and distmm's clipping (by the norm of the whole model across
+    ranks) matches one process's."""
     L.seed_everything(0)
     a = TinyCLIP("sgd", lr=0.1)
-    b = copy.deepcopy(a)
+    b, c = copy.deepcopy(a), copy.deepcopy(a)
     run_reference(a, loader(8), 2, str(tmp_path / "a.json"), gradient_clip_val=0.05)
     run_reference(b, loader(8), 2, str(tmp_path / "b.json"))
     assert max_param_diff(a, b) > 1e-3
+    run_distmm(c, PLAN, 3, loader(8), 2, str(tmp_path / "c.json"), gradient_clip_val=0.05)
+    assert max_param_diff(c, b) > 1e-3
+    assert max_param_diff(c, a) <= 1e-5
 
 
 @pytest.mark.slow

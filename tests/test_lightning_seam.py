@@ -1,0 +1,150 @@
+"""One fast test per private Lightning / torch access (lightning_distmm/lightning_seam.py, and
+``_StridedShard`` in parallel/tensor_parallel.py): each fails with a message naming what moved
+when an upgrade changes it. pyproject.toml pins Lightning to the versions these pass on."""
+
+from __future__ import annotations
+
+import inspect
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from distmm_testing import TinyCLIP, loader, trainer_kwargs
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.utils.data import DataLoader, DistributedSampler
+
+import lightning_distmm as ldm
+from lightning_distmm import lightning_seam as seam
+
+
+def _distmm_trainer(start_method: str = "fork") -> L.Trainer:
+    """A Trainer with the distmm strategy, constructed (not run: no processes, no process group)."""
+    return L.Trainer(strategy=ldm.DistMMStrategy(start_method=start_method), devices=2, **trainer_kwargs())
+
+
+def test_init_process_groups_reaches_setup_distributed():
+    assert callable(getattr(ModelParallelStrategy, "_setup_distributed", None)), (
+        "Lightning's ModelParallelStrategy._setup_distributed is gone: seam.init_process_groups needs another way"
+        " to set up process groups without ModelParallelStrategy's device mesh"
+    )
+    assert "_setup_distributed()" in inspect.getsource(ModelParallelStrategy.setup_environment), (
+        "ModelParallelStrategy.setup_environment no longer calls _setup_distributed: check what it sets up now"
+    )
+
+
+def test_configure_launcher_is_called_by_lightning():
+    """Lightning calls Strategy._configure_launcher when it builds the Trainer; the seam sets the launcher."""
+    for method, expected in [("fork", seam.ConsolidatingLauncher), ("popen", None)]:
+        launcher = _distmm_trainer(method).strategy.launcher
+        if expected is not None:
+            assert isinstance(launcher, expected), f"Lightning did not call _configure_launcher ({launcher!r})"
+        else:
+            from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+            assert isinstance(launcher, _SubprocessScriptLauncher), f"popen launcher is {launcher!r}"
+
+
+def test_rank_zero_results_hook_and_worker_output():
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+
+    params = list(inspect.signature(_MultiProcessingLauncher._collect_rank_zero_results).parameters)
+    assert params == ["self", "trainer", "results"], f"_collect_rank_zero_results changed: {params}"
+    assert _WorkerOutput._fields == ("best_model_path", "weights_path", "trainer_state", "trainer_results", "extra"), (
+        f"_WorkerOutput changed: {_WorkerOutput._fields}"
+    )
+    source = inspect.getsource(_MultiProcessingLauncher._wrapping_function)
+    assert "_collect_rank_zero_results" in source, "the launcher no longer collects results through this hook"
+
+
+def test_default_store(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        store = seam.default_store()
+        assert store.compare_set("k", "", "first") in (b"first", "first")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_zero_grad_rule_matches_lightnings():
+    """seam.zeroes_gradients_after_training_step restates _AutomaticOptimization._make_zero_grad_fn."""
+    from lightning.pytorch.loops.optimization.automatic import _AutomaticOptimization
+
+    for accumulate in (1, 2, 3):
+        trainer = L.Trainer(devices=1, accumulate_grad_batches=accumulate, **trainer_kwargs())
+        trainer.strategy.connect(TinyCLIP())
+        automatic = _AutomaticOptimization(trainer)
+        for batch_idx in range(7):
+            lightning_zeroes = automatic._make_zero_grad_fn(batch_idx, torch.optim.SGD([torch.zeros(1)])) is not None
+            assert seam.zeroes_gradients_after_training_step(trainer, batch_idx) == lightning_zeroes, (
+                f"Lightning's zero-grad rule changed (accumulate={accumulate}, batch_idx={batch_idx})"
+            )
+
+
+def test_move_held_tensors_keeps_meta():
+    module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    module[0].to("meta")
+    seam.move_held_tensors(module, torch.device("cpu"))
+    assert module[0].weight.is_meta and module[1].weight.device.type == "cpu"
+
+
+def test_optimizers_to_device():
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.AdamW([p])
+    p.grad = torch.ones(2)
+    opt.step()
+    seam.optimizers_to_device([opt], torch.device("cpu"))
+    assert opt.state[p]["exp_avg"].device.type == "cpu"
+
+
+def test_disable_distributed_sampler():
+    trainer = _distmm_trainer()
+    data = loader(4)
+    assert trainer._data_connector._requires_distributed_sampler(data), (
+        "Lightning would not inject a DistributedSampler here any more: check use_distributed_sampler's role"
+    )
+    seam.disable_distributed_sampler(trainer)
+    assert not trainer._data_connector._requires_distributed_sampler(data), (
+        "trainer._accelerator_connector.use_distributed_sampler no longer switches the sampler injection off"
+    )
+
+
+def test_train_dataloader_before_setup():
+    """In a callback's setup (before the strategy's setup), the seam finds the loader given to fit."""
+    data = loader(4)
+    seen = []
+
+    class Probe(L.Callback):
+        def setup(self, trainer, pl_module, stage):
+            seen.append(seam.train_dataloader(trainer))
+
+    L.Trainer(devices=1, max_steps=1, callbacks=[Probe()], **trainer_kwargs()).fit(TinyCLIP(), data)
+    assert seen == [data], f"trainer.fit_loop._data_source no longer gives the fit's loader: {seen}"
+
+
+def test_with_sampler():
+    data = DataLoader(list(range(10)), batch_size=3, shuffle=True)
+    sampler = DistributedSampler(data.dataset, num_replicas=1, rank=0, shuffle=True, seed=1)
+    out = seam.with_sampler(data, sampler)
+    assert out.sampler is sampler and out.batch_size == 3 and out.dataset is data.dataset
+
+
+def test_strided_shard_and_to_local(tmp_path):
+    """_StridedShard (a fused qkv's head-aligned shard) and DTensor.to_local() sharing the shard's storage."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from lightning_distmm.parallel.gradients import local
+    from lightning_distmm.parallel.tensor_parallel import is_strided, strided_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        t = distribute_tensor(torch.arange(6.0).reshape(6, 1), mesh, [strided_shard(0, split_factor=3)])
+        assert is_strided(t), "torch's _StridedShard placement changed"
+        assert torch.equal(t.full_tensor(), torch.arange(6.0).reshape(6, 1))
+        grad = distribute_tensor(torch.ones(4), mesh, [strided_shard(0, split_factor=2)])
+        with torch.enable_grad():
+            local(grad).mul_(3)
+        assert torch.equal(grad.full_tensor(), torch.full((4,), 3.0)), "DTensor.to_local() no longer shares storage"
+    finally:
+        dist.destroy_process_group()
