@@ -1,14 +1,15 @@
 """Which loss rows this process computes.
 
-The interaction (the contrastive loss) sees the features of the whole batch on every rank, but a
-rank only needs to compute the loss *rows* it is responsible for: the rows are split evenly over
-all ranks, each rank sums its rows, and the sum over ranks is the whole-batch loss (open_clip's
+The interaction (the contrastive loss) sees the features of the whole batch on every rank that
+takes part in the batch-sync (the towers' last pipeline stages), but such a rank only needs to
+compute the loss *rows* it is responsible for: the rows are split evenly over the batch-sync's
+ranks, each sums its rows, and the sum over them is the whole-batch loss (open_clip's
 ``local_loss=True``). Row-decomposable losses ask :func:`local_rows` which rows are theirs; outside
 a distmm run (an ordinary ``Trainer``) every row is local, so the same loss code gives the plain
 whole-batch loss.
 
-A loss that never asks is a whole-batch loss computed identically on every rank; the runtime
-notices and divides it by the world size, so the sum over ranks is still exactly the loss.
+A loss that never asks is a whole-batch loss computed identically on every batch-sync rank; the
+runtime notices and divides it by the number of those ranks, so their sum is still exactly the loss.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def local_rows(n: int) -> slice:
 
 @contextlib.contextmanager
 def row_share(index: int, parts: int) -> Iterator[RowShare]:
+    """Inside the block, :func:`local_rows` gives share ``index`` of ``parts``; ``asked`` records whether it was called."""
     share = RowShare(index, parts)
     token = _SHARE.set(share)
     try:

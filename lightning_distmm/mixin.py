@@ -91,7 +91,7 @@ class DistMMMixin:
         """The whole-batch interaction loss for ``batch``, however the towers are placed.
 
         Under distmm the returned tensor's value is the whole-batch loss and its gradient is this
-        rank's contribution; the strategy's backward completes the exchange.
+        rank's contribution; the module's :meth:`backward` hook hands the step's gradients back.
         """
         runner = self._distmm_runner
         if runner is not None:
