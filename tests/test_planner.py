@@ -508,22 +508,29 @@ def test_plans_at_64_and_4096_devices():
 
 # ---------------------------------------------------------------------- auto
 def test_auto_plan_measures_live_towers():
+    """The timings decide the split: on separate ranks the tower measured heavier (named ``text``
+    here, second in order, so neither the name nor the order favours it) gets more ranks. One
+    thread while measuring: on a shared host a tiny op can wait milliseconds for a second thread."""
     import torch
     from torch import nn
 
-    """The timings decide the split: on separate ranks the tower measured heavier (named ``text``
-    here, second in order, so neither the name nor the order favours it) gets more ranks."""
     torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     dev = Device("cpu", 8 * GB, 20e9, 10e9, 1.0, 5e-6)
-    cl = Cluster("cpu4", 1, 4, dev, Link(2e9, 50e-6), Link(2e9, 50e-6))
-    heavy = nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 2048), nn.GELU(), nn.Linear(2048, 32))
+    cl = Cluster("cpu4", 1, 4, dev, Link(200e9, 5e-6), Link(200e9, 5e-6))
+    # ~70 MFLOP per sample over 64 tokens, few parameters (a cheap optimizer step): time grows with rows
+    heavy = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256), nn.Flatten(), nn.Linear(64 * 256, 32))
     light = nn.Sequential(nn.Linear(16, 32))
     towers = {
         "image": TowerInfo(light, lambda b: [torch.randn(b, 16)]),
-        "text": TowerInfo(heavy, lambda b: [torch.randn(b, 512)]),
+        "text": TowerInfo(heavy, lambda b: [torch.randn(b, 64, 256)]),
     }
     options = {"max_tp": 1, "max_pp": 1, "layouts": ["separate"], "recompute": False}
-    plan = auto_plan(towers, world_size=4, global_batch=64, cluster=cl, options=options)
+    try:
+        plan = auto_plan(towers, 4, 64, cluster=cl, options=options, batch_sizes=(4, 16, 32))
+    finally:
+        torch.set_num_threads(threads)
     assert plan.world_size == 4 and plan.global_batch == 64
     assert len(plan.towers["text"].ranks) > len(plan.towers["image"].ranks)
 
