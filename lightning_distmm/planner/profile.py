@@ -212,6 +212,22 @@ def _cross_block(s: int, h: int, heads: int, m: int, n_ctx: int, h_ctx: int) -> 
     )
 
 
+def _attn_pool(s: int, h: int, E: int, queries: int, heads: int) -> Block:
+    """open_clip's ``AttentionalPooler`` (CoCa) as a ViT's head: ``queries`` learned queries of width
+    ``E`` (the embedding width) attend to the ``s`` tokens of width ``h`` (LayerNorms on both), then
+    ``ln_post`` and the ``E x E`` projection of the first (pooled) token. Parameters as in open_clip
+    3.x: queries, q/k/v and output projections with biases, three LayerNorms, the projection."""
+    params = queries * E + 2 * E * E + 2 * E * h + 4 * E + 2 * E + 2 * h + 2 * E + E * E
+    return Block(
+        params=params,
+        gemms=(Gemm(s, h, 2 * E, "rep"), Gemm(queries, E, E, "rep"), Gemm(queries, E, E, "rep"), Gemm(1, E, E, "rep")),
+        attn=(Attn(queries, s, E, heads),),
+        elem_rep=4.0 * s * h + 6.0 * queries * E,
+        act_rep=float(s * h + 2 * s * E + 3 * queries * E),
+        kernels=8,
+    )
+
+
 def _merge(a: Block, b: Block) -> Block:
     return Block(
         params=a.params + b.params,
@@ -267,7 +283,11 @@ def tower_profile(
             kernels=4,
             boundary=float(s * h),
         )
-        post = Block(params=2 * h + h * E + E, gemms=(Gemm(1, h, E, "rep"),), elem_rep=2.0 * s * h, kernels=3)
+        pool = cfg.get("attn_pool")
+        if pool:
+            post = _attn_pool(s, h, E, int(pool.get("queries", 256)), int(pool.get("heads", 8)))
+        else:
+            post = Block(params=2 * h + h * E + E, gemms=(Gemm(1, h, E, "rep"),), elem_rep=2.0 * s * h, kernels=3)
         layer = _layer(s, h, heads, m)
     elif arch in ("clip_text", "bert"):
         V, ctx = int(_req(cfg, "vocab_size", name)), int(_req(cfg, "context_length", name))
