@@ -304,7 +304,7 @@ def test_the_planner_keeps_distmm_on_every_tower_or_none():
 
 
 @pytest.mark.parametrize(
-    "name, cluster, batch", [("clip_vit_bigg14", "a100_8x8", 4096), ("distmm_10b", "a100_8x8", 1024)]
+    "name, cluster, batch", [("clip_vit_bigg14", "a100_8x8", 4096), ("distmm_26b", "a100_8x8", 2048)]
 )
 def test_distmm_only_when_listed(name, cluster, batch):
     """distmm changes the loss (two sync groups, each with its own negatives): the default options
@@ -407,10 +407,19 @@ def test_tensor_parallel_plans_exist_and_fit():
     ],
 )
 def test_never_predicted_slower_than_a_baseline(name, cluster, batch):
-    _, rep = make_plan(model(name), cluster, batch)
+    """With every sharding allowed, DistMM's space contains every baseline (Megatron-LM's ZeRO-1 and
+    FSDP included); with the default (no sharding, what the runtime runs) it contains those that
+    do not shard."""
+    _, rep = make_plan(model(name), cluster, batch, {"shards": ["none", "optimizer", "full"]})
+    assert set(rep.baselines) == {"megatron", "fsdp", "ddp", "uniform+batchsync"}
     for b in rep.baselines.values():
         if b is not None:
             assert rep.step_time <= b.step_time * (1 + 1e-9)
+    _, default = make_plan(model(name), cluster, batch)
+    assert all(c.shard == "none" for c in default.chosen.choices.values())
+    for kind in ("ddp", "uniform+batchsync"):
+        b = default.baselines[kind]
+        assert b is None or default.step_time <= b.step_time * (1 + 1e-9)
 
 
 def test_separate_towers_win_on_a_slow_network():

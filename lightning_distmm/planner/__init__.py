@@ -25,7 +25,7 @@ from lightning_distmm.planner.balance import (  # noqa: E402
     minmax_allocation,
 )
 from lightning_distmm.planner.baselines import Evaluated, colocated_search  # noqa: E402
-from lightning_distmm.planner.cluster import Cluster, Device, Link, list_presets, load_cluster  # noqa: E402
+from lightning_distmm.planner.cluster import Cluster, Device, Link, list_presets  # noqa: E402
 from lightning_distmm.planner.cost import (  # noqa: E402
     CostOptions,
     StepCost,
@@ -35,7 +35,13 @@ from lightning_distmm.planner.cost import (  # noqa: E402
     evaluate_plan,
     replica_timeline,
 )
-from lightning_distmm.planner.measure import ConcurrencyProbe, host_busy_seconds, local_cluster, measure_local_cpu  # noqa: E402
+from lightning_distmm.planner.measure import (  # noqa: E402
+    ConcurrencyProbe,
+    host_busy_seconds,
+    load_cluster,
+    local_cluster,
+    measure_local_cpu,
+)
 from lightning_distmm.planner.options import DEFAULT_SCHEDULES, PlannerOptions  # noqa: E402
 from lightning_distmm.planner.partition import Candidates, InfeasibleError, SearchSpace, tower_candidates  # noqa: E402
 from lightning_distmm.planner.placement import place, tp_groups_inside_nodes  # noqa: E402

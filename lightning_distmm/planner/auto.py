@@ -103,6 +103,9 @@ def auto_plan(
         batch_sizes: microbatch sizes timed per tower.
         cluster: skip measuring the machine and use this spec.
 
+    It never shards a tower's state (``planner.shards`` must stay ``[none]``): the runtime does not
+    run ZeRO-1 or FSDP yet, so such a plan would not be the one that runs.
+
     Every rank must call it with the same inputs and get the same plan: call it on rank 0 and
     broadcast the plan's ``to_dict()``, since timings differ from rank to rank.
     """
@@ -112,6 +115,12 @@ def auto_plan(
         options = {"max_tp": 1, "max_pp": 1, "schedules": ["gpipe", "cached"], "recompute": False}
     if not isinstance(options, PlannerOptions):
         options = runtime_cost_defaults(options, device)
+    options = PlannerOptions.from_any(options)
+    if options.shards != ("none",):
+        raise ValueError(
+            f"plan='auto' cannot shard a tower's state (planner.shards={list(options.shards)}): the runtime runs"
+            " replicated data parallelism only; sharding is priced by the planner alone (make_plan, --paper)"
+        )
     cl = cluster or local_cluster(device, world_size, devices_per_node)
     if cl.world_size != world_size:
         cl = cl.with_world(world_size)

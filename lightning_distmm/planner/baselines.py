@@ -1,29 +1,44 @@
-"""Colocated plans, priced by the same cost model as DistMM's: the baselines and part of its space.
+"""Colocated plans, priced by the same cost model and precision policy as DistMM's: the baselines
+people run today, and part of DistMM's own space.
 
-* ``ddp`` — open_clip style: every device holds every tower, pure data parallelism
-  (tp = pp = 1), the whole-batch loss through ``gpipe`` (keep activations) or, when the replica
-  batch does not fit, ``cached`` (GradCache / open_clip ``--accum-freq``), best microbatch count.
-* ``megatron`` — Megatron-LM style: one uniform tp x pp x dp for the whole model (every tower split
-  the same way, stage ``i`` holding the ``i``-th slice of every tower), one microbatch size and one
-  schedule; every valid (tp, pp, schedule, microbatches) is tried and the fastest kept.
-* ``colocated`` — DistMM's colocated family: towers share all devices but each picks its own
-  tp, pp, microbatch and schedule (memory is shared, so they are chosen jointly; ``distmm``, when
-  the options list it, is on every tower or on none, as it splits the whole batch into two sync
-  groups). It contains both
-  baselines, which is why the DistMM plan is never predicted slower than either.
+Every baseline holds every tower on every device (what a single-model framework does with a
+two-tower model) and is searched for its fastest configuration under the same memory limit:
+
+* ``megatron`` -- Megatron-LM as shipped: one uniform tp x pp x dp over the whole model (the text
+  tower gets the image tower's degrees, stage ``i`` holds the ``i``-th slice of every tower). Its
+  pipeline schedules compute a loss per microbatch, so they cannot split a contrastive batch whose
+  loss needs every row's features: one microbatch per pipeline (``K = 1``: a pipeline of ``pp``
+  stages runs one stage at a time), or no pipelining. Distributed optimizer (ZeRO-1: optimizer
+  state split over the data-parallel replicas, gradients reduce-scattered, weights all-gathered);
+  full activation recompute allowed (``--recompute-granularity full``).
+* ``fsdp`` -- what open_clip users run at scale: pure data parallelism with every tower fully
+  sharded (FSDP2 / ZeRO-3: each layer's weights all-gathered before its forward and again for its
+  backward, its gradients reduce-scattered, one layer prefetched ahead), activation checkpointing
+  (``--grad-checkpointing``) or GradCache-style ``cached`` (``--accum-freq``) allowed.
+* ``ddp`` -- open_clip's default: pure data parallelism, replicated state, gradients all-reduced;
+  ``gpipe`` (keep activations), checkpointing or ``cached``, best microbatch count.
+* ``uniform+batchsync`` -- an ablation, not a system anyone runs: Megatron's uniform degrees but
+  with this package's pipeline schedules (many microbatches before one batch-sync), replicated
+  state. What the uniform degrees alone cost, apart from Megatron's one-microbatch pipeline.
+
+``colocated`` is DistMM's colocated family: towers share all devices but each picks its own tp, pp,
+microbatch, schedule and sharding (memory is shared, so they are chosen jointly; ``distmm``, when
+the options list it, is on every tower or on none). The search adds every baseline whose choices
+its options allow to its pool, which is why the DistMM plan is never predicted slower than them.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from lightning_distmm.core.plan import split_batch, sync_group_count
 from lightning_distmm.planner.cluster import Cluster
+from lightning_distmm.planner.colocated import colocated_estimate, colocated_options, combine, uniform_options
 from lightning_distmm.planner.cost import (
+    RECOMPUTE,
     CostOptions,
     StepCost,
     TowerChoice,
@@ -32,8 +47,46 @@ from lightning_distmm.planner.cost import (
     evaluate_plan,
     loss_bytes,
 )
-from lightning_distmm.planner.partition import SearchSpace, colocated_options, option
+from lightning_distmm.planner.partition import SearchSpace
 from lightning_distmm.planner.profile import TowerProfile
+
+BASELINES = ("megatron", "fsdp", "ddp", "uniform+batchsync")
+"""The baselines every plan is compared with, in the order the report prints them."""
+
+UNIFORM = ("megatron", "uniform+batchsync")
+"""Baselines that split every tower the same tp x pp ways."""
+
+LABELS = {
+    "megatron": "Megatron-LM (uniform tp x pp x dp, one microbatch per pipeline, ZeRO-1)",
+    "fsdp": "FSDP / ZeRO-3 data parallel (open_clip at scale)",
+    "ddp": "DDP (open_clip default)",
+    "uniform+batchsync": "ablation: uniform tp x pp x dp with this package's batch-sync pipeline",
+}
+
+
+def baseline_space(
+    kind: str,
+    profiles: Mapping[str, TowerProfile],
+    devices_per_node: int,
+    world: int,
+    max_microbatches: int | None = None,
+) -> SearchSpace:
+    """The configurations a baseline may choose from (its own full space, not DistMM's options)."""
+    names = list(profiles)
+    data_parallel = ({n: [1] for n in names}, {n: [1] for n in names})
+    uniform = (
+        {n: profiles[n].valid_tp(devices_per_node) for n in names},
+        {n: profiles[n].valid_pp(world) for n in names},
+    )
+    if kind == "ddp":
+        return SearchSpace(*data_parallel, ("gpipe", RECOMPUTE, "cached"), max_microbatches, ("none",))
+    if kind == "fsdp":
+        return SearchSpace(*data_parallel, ("gpipe", RECOMPUTE, "cached"), max_microbatches, ("full",))
+    if kind == "megatron":
+        return SearchSpace(*uniform, ("gpipe", RECOMPUTE), 1, ("optimizer",), max_k=1)
+    if kind == "uniform+batchsync":
+        return SearchSpace(*uniform, ("gpipe", RECOMPUTE), max_microbatches, ("none",))
+    raise ValueError(f"unknown baseline {kind!r}; baselines: {', '.join(BASELINES)}")
 
 
 @dataclass
@@ -52,7 +105,8 @@ class Evaluated:
 
 def _choice(name: str, o: Mapping[str, Any], world: int, G: int) -> TowerChoice:
     dp = world // (o["tp"] * o["pp"])
-    return TowerChoice(name, world, o["tp"], o["pp"], o["mb"], o["schedule"], tuple(split_batch(G, None, dp)))
+    rb = tuple(split_batch(G, None, dp))
+    return TowerChoice(name, world, o["tp"], o["pp"], o["mb"], o["schedule"], rb, o.get("shard", "none"))
 
 
 def colocated_search(
@@ -64,7 +118,8 @@ def colocated_search(
     mode: str = "colocated",
     top: int = 8,
 ) -> Evaluated | None:
-    """The fastest colocated plan of the given ``mode`` (``ddp``, ``megatron``, ``colocated``), or None."""
+    """The fastest colocated plan of the given ``mode`` (``colocated`` or a baseline of :data:`BASELINES`,
+    searched within ``space``, see :func:`baseline_space`), or None when nothing fits."""
     world = cluster.world_size
     names = list(profiles)
     n_contrastive, embed = contrastive_features(profiles)
@@ -80,13 +135,13 @@ def colocated_search(
             "total"
         ]
     combos: list[tuple[float, tuple[dict[str, Any], ...]]] = []
-    if mode == "ddp":
+    if mode in ("ddp", "fsdp"):
         opts_per = [colocated_options(profiles[n], cluster, opts, global_batch, world, space, [1], [1]) for n in names]
-        combos = _combine(opts_per, budget, opts, sync)
+        combos = combine(opts_per, budget, opts, sync)
     elif mode == "colocated":
         opts_per = [colocated_options(profiles[n], cluster, opts, global_batch, world, space) for n in names]
-        combos = _combine(opts_per, budget, opts, sync)
-    elif mode == "megatron":
+        combos = combine(opts_per, budget, opts, sync)
+    elif mode in UNIFORM:
         tps = sorted(set.intersection(*(set(space.tps[n]) for n in names)))
         pps = sorted(set.intersection(*(set(space.pps[n]) for n in names)))
         for tp, pp in itertools.product(tps, pps):
@@ -95,12 +150,12 @@ def colocated_search(
             per = []
             for n in names:
                 entries = {}
-                for o in _all_options(profiles[n], cluster, opts, global_batch, world, space, tp, pp):
+                for o in uniform_options(profiles[n], cluster, opts, global_batch, world, space, tp, pp):
                     # a frozen tower has no backward: it runs alongside whatever schedule the others use
                     for s in space.schedules if profiles[n].frozen else [o["schedule"]]:
-                        entries[(s, o["K"])] = o
+                        entries[(s, o["K"], o["shard"])] = o
                 per.append(entries)
-            for key in set.intersection(*(set(d) for d in per)):
+            for key in set.intersection(*(set(d) for d in per)) if per else ():
                 group = tuple(d[key] for d in per)
                 groups = sync_group_count({n: o["schedule"] for n, o in zip(names, group)})
                 if groups is not None and sum(o["mem"] for o in group) <= budget[groups]:
@@ -122,84 +177,4 @@ def colocated_search(
     return best
 
 
-def _all_options(
-    profile: TowerProfile, cluster: Cluster, opts: CostOptions, G: int, world: int, space: SearchSpace, tp: int, pp: int
-) -> list[dict[str, Any]]:
-    """Every (schedule, K) of one tower at a fixed tp x pp on all devices (no Pareto pruning)."""
-    import numpy as np
-
-    from lightning_distmm.planner.partition import _grid, k_grid
-
-    if world // (tp * pp) > G:
-        return []
-    dp = np.array([world // (tp * pp)], dtype=float)
-    Ks = k_grid(G, space.max_microbatches)
-    out = []
-    for s, d in _grid(profile, cluster, opts, G, dp, Ks, tp, pp, space.schedules, 0.0, False).items():
-        for j in range(len(Ks)):
-            if d["ok"][0, j] and Ks[j] == d["K"][0, j]:
-                out.append(option(d, tp, pp, s, j))
-    return out
-
-
-def colocated_estimate(group: Sequence[Mapping[str, Any]], opts: CostOptions) -> float:
-    """Step of colocated towers without the (constant) sync: forwards, backwards, optimizer steps,
-    and the gradient all-reduces on one stream, each hiding behind the later towers' backward."""
-    base = sum(o["F"] + o["Bphase"] + o["opt"] for o in group)
-    gb = sum(o["gb"] for o in group)
-    total_ar = sum(o["ar"] for o in group)
-    if not opts.overlap_grad_sync:
-        return base + total_ar
-    floor = total_ar * min(1.0, opts.bucket_bytes / gb) if gb else 0.0
-    best = math.inf
-    for order in itertools.permutations(group):
-        clock = stream = 0.0
-        for o in order:
-            clock += o["Bphase"]
-            stream = max(stream, clock - o["slot"]) + o["ar"]
-        best = min(best, max(stream - clock, floor))
-    return base + best
-
-
-def _combine(
-    per: Sequence[list[dict[str, Any]]],
-    budget: Mapping[int, float],
-    opts: CostOptions,
-    sync: Mapping[int, float],
-    cap: int = 20_000,
-    keep: int = 16,
-) -> list[tuple[float, tuple[dict[str, Any], ...]]]:
-    """The ``keep`` best combinations (one option per tower, ``distmm`` on all or none, memory
-    within ``budget[sync groups]``) by :func:`colocated_estimate` plus ``sync[sync groups]``,
-    scanned in order of their all-reduce-free lower bound."""
-    scored = []
-    for n_sync in (1, 2):  # one family at a time: no tower on distmm, or every tower on it
-        family = [[o for o in p if (o["schedule"] == "distmm") == (n_sync == 2)] for p in per]
-        if any(not p for p in family):
-            continue
-        if math.prod(len(p) for p in family) > cap:  # keep the fastest options of each tower
-            k = max(2, int(cap ** (1 / len(family))))
-            family = [p[:k] for p in family]
-        for group in itertools.product(*family):
-            if sum(o["mem"] for o in group) <= budget[n_sync]:
-                # lower bound: whichever tower goes last exposes at least its all-reduce minus its last slot
-                tail = (
-                    max(0.0, min(o["ar"] - o["slot"] for o in group))
-                    if opts.overlap_grad_sync
-                    else sum(o["ar"] for o in group)
-                )
-                scored.append(
-                    (sum(o["F"] + o["Bphase"] + o["opt"] for o in group) + tail + sync[n_sync], n_sync, group)
-                )
-    scored.sort(key=lambda g: g[0])
-    best: list[tuple[float, tuple[dict[str, Any], ...]]] = []
-    for lower, n_sync, group in scored:
-        if len(best) >= keep and lower >= best[-1][0]:
-            break
-        best.append((colocated_estimate(group, opts) + sync[n_sync], group))
-        best.sort(key=lambda g: g[0])
-        del best[keep:]
-    return best
-
-
-__all__ = ["Evaluated", "colocated_search"]
+__all__ = ["Evaluated", "colocated_search", "baseline_space", "BASELINES", "UNIFORM", "LABELS"]

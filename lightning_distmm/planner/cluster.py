@@ -4,8 +4,9 @@ Why a separate spec: every planning decision trades device time against link tim
 links differ by 10-50x (NVLink inside a node, Ethernet/InfiniBand between nodes). A cluster is
 plain data (YAML presets under ``conf/cluster/``), every constant of a preset cites its source.
 Loading a spec never measures anything: a preset that says ``measure: true`` (``local_cpu``) is
-measured by :func:`lightning_distmm.planner.measure.measure_local_cpu`, which :func:`load_cluster`
-calls for it.
+measured by :func:`lightning_distmm.planner.measure.measure_local_cpu`, which
+:func:`lightning_distmm.planner.measure.load_cluster` calls for it (this module imports nothing
+that measures).
 
 Compute is a roofline per GEMM: ``max(flops / (peak * gemm_efficiency), bytes / memory_bandwidth)``
 plus a fixed cost per kernel. That *is* the efficiency curve over microbatch work: a small
@@ -20,10 +21,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from lightning_distmm.planner.config import CONF_DIR, list_presets, to_plain
+from lightning_distmm.planner.config import CONF_DIR, list_presets
 
 GB = 1e9
 
@@ -111,7 +111,9 @@ class Cluster:
     ``intra`` is the per-device bandwidth into the node fabric (NVLink/NVSwitch: every device can
     drive it at once). ``inter`` is the bandwidth of one *node's* network interfaces together:
     all traffic of a node that leaves the node shares it. ``collective_latency`` is the fixed
-    base latency of one collective call.
+    base latency of one collective call. ``nccl`` (``ampere``, ``hopper``): collectives follow
+    NCCL's ring model with its protocol choice (:mod:`lightning_distmm.planner.cost.nccl`) instead
+    of ``collective_latency`` and the links' latencies (which remain the point-to-point latencies).
     """
 
     name: str
@@ -122,6 +124,7 @@ class Cluster:
     inter: Link
     collective_latency: float = 0.0
     notes: str = ""
+    nccl: str | None = None  # GPU generation for NCCL's protocol model (cost/nccl.py); None: one measured ring
 
     @property
     def world_size(self) -> int:
@@ -162,6 +165,7 @@ class Cluster:
                 "latency_us": _r(self.inter.latency * 1e6),
             },
             "collective_latency_us": _r(self.collective_latency * 1e6),
+            **({"nccl": self.nccl} if self.nccl else {}),
         }
 
     @classmethod
@@ -169,13 +173,13 @@ class Cluster:
         """Build from a preset mapping (units as in the YAML: GB, TFLOP/s, GB/s, microseconds).
 
         Pure: a spec that asks to be measured on this machine (``measure: true``) is refused here;
-        :func:`load_cluster` measures it.
+        :func:`lightning_distmm.planner.measure.load_cluster` measures it.
         """
         data = dict(data)
         if data.get("measure"):
             raise ValueError(
                 f"cluster spec {data.get('name', '?')!r} is measured on this machine (measure: true):"
-                " load it with load_cluster, which runs lightning_distmm.planner.measure.measure_local_cpu"
+                " load it with lightning_distmm.planner.measure.load_cluster, which measures it"
             )
         missing = [k for k in ("nodes", "devices_per_node", "device", "intra_node", "inter_node") if k not in data]
         if missing:
@@ -211,6 +215,7 @@ class Cluster:
             inter=link(data["inter_node"]),
             collective_latency=float(data.get("collective_latency_us", 0.0)) * 1e-6,
             notes=str(data.get("notes", "")),
+            nccl=str(data["nccl"]) if data.get("nccl") else None,
         )
 
 
@@ -219,36 +224,4 @@ def _r(x: float) -> float:
     return float(f"{x:.12g}")
 
 
-def load_cluster(spec: str | Path | Mapping[str, Any] | Cluster) -> Cluster:
-    """A :class:`Cluster` from a preset name (``conf/cluster/<name>.yaml``), a YAML path or a mapping.
-
-    A spec with ``measure: true`` is this machine, measured now (or from the per-host cache) by
-    :func:`lightning_distmm.planner.measure.measure_local_cpu`; its keys ``devices_per_node``,
-    ``gloo``, ``cache`` and ``name`` steer the measurement.
-    """
-    if isinstance(spec, Cluster):
-        return spec
-    if isinstance(spec, Mapping):
-        data = to_plain(spec)
-    else:
-        import yaml
-
-        path = Path(spec)
-        if not path.suffix:
-            path = CONF_DIR / "cluster" / f"{spec}.yaml"
-        if not path.is_file():
-            raise FileNotFoundError(f"no cluster preset {str(spec)!r}; presets: {list_presets('cluster')}")
-        data = yaml.safe_load(path.read_text())
-    if data.get("measure"):
-        from lightning_distmm.planner.measure import measure_local_cpu
-
-        return measure_local_cpu(
-            devices=int(data.get("devices_per_node") or 2),
-            measure_gloo=bool(data.get("gloo", True)),
-            cache=bool(data.get("cache", True)),
-            name=str(data.get("name", "local_cpu")),
-        )
-    return Cluster.from_dict(data)
-
-
-__all__ = ["Device", "Link", "Cluster", "load_cluster", "list_presets", "CONF_DIR", "GB"]
+__all__ = ["Device", "Link", "Cluster", "list_presets", "CONF_DIR", "GB"]

@@ -9,7 +9,7 @@ from typing import Any
 
 from lightning_distmm.core.plan import SCHEDULES
 from lightning_distmm.planner.config import to_plain
-from lightning_distmm.planner.cost import CostOptions
+from lightning_distmm.planner.cost import SHARDS, CostOptions
 
 BALANCERS = ("dp", "proportional", "even")
 
@@ -35,8 +35,12 @@ class PlannerOptions:
     loss, two sync groups, and is considered only when listed, on every tower or on none);
     ``layouts`` whether towers may get their own devices (``separate``) and/or share all devices
     (``colocated``); ``recompute`` whether ``gpipe`` may checkpoint activations (TowerPlan.recompute);
-    ``max_points`` the resolution of the balancer's parametric search; the rest are
-    :class:`CostOptions`. ``world_size`` plans for that many devices of the cluster's kind.
+    ``max_points`` the resolution of the balancer's parametric search; ``shards`` how a tower's
+    replicas may hold the training state (:data:`SHARDS`; default ``none``: the runtime does not
+    shard yet, so ``plan="auto"`` never chooses it; ``[none, optimizer, full]`` prices ZeRO-1 and
+    ZeRO-3 per tower, as ``benchmarks/planner.py --paper`` does); ``baselines`` which baselines to
+    price (default all of ``baselines.BASELINES``); the rest are :class:`CostOptions`.
+    ``world_size`` plans for that many devices of the cluster's kind.
     """
 
     balancer: str = "dp"
@@ -51,6 +55,8 @@ class PlannerOptions:
     max_points: int = 256
     world_size: int | None = None
     recompute: bool = True
+    shards: tuple[str, ...] = ("none",)
+    baselines: tuple[str, ...] | None = None
     cost: CostOptions = field(default_factory=CostOptions)
 
     def __post_init__(self) -> None:
@@ -62,6 +68,11 @@ class PlannerOptions:
         bad = [s for s in self.schedules if s not in SCHEDULES]
         if bad or not self.schedules:
             raise ValueError(f"planner.schedules={list(self.schedules)}: choose from {', '.join(SCHEDULES)}")
+        self.shards = tuple(self.shards)
+        if not self.shards or any(s not in SHARDS for s in self.shards):
+            raise ValueError(f"planner.shards={list(self.shards)}: choose from {', '.join(SHARDS)}")
+        if self.baselines is not None:
+            self.baselines = tuple(self.baselines)
         self.layouts = tuple(self.layouts)
         bad = [s for s in self.layouts if s not in LAYOUTS]
         if bad or not self.layouts:
@@ -93,7 +104,7 @@ class PlannerOptions:
         if unknown:
             raise ValueError(f"unknown planner option(s) {unknown}; known: {sorted(known | cost_keys)}")
         d = {k: v for k, v in d.items() if k in known}
-        for k in ("schedules", "layouts"):
+        for k in ("schedules", "layouts", "shards", "baselines"):
             if isinstance(d.get(k), str):
                 d[k] = tuple(x.strip() for x in d[k].split(","))
         return cls(**d, cost=CostOptions.from_dict(cost))

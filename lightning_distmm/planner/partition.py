@@ -20,6 +20,7 @@ candidates per device count instead of hundreds.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,8 +29,9 @@ from typing import Any
 import numpy as np
 
 from lightning_distmm.core.plan import PlanError, split_batch
-from lightning_distmm.planner.cluster import GB, Cluster
+from lightning_distmm.planner.cluster import Cluster
 from lightning_distmm.planner.cost import (
+    SHARDS,
     CostOptions,
     TowerChoice,
     compact_dp_allreduce,
@@ -41,6 +43,8 @@ from lightning_distmm.planner.cost import (
     optimizer_time,
     phases,
     pp_comm,
+    shard_comm,
+    sharded_stage,
     stage_compute,
     sync_group_rows,
     tp_comm,
@@ -72,6 +76,8 @@ class SearchSpace:
     pps: dict[str, list[int]]
     schedules: tuple[str, ...] = ("gpipe", "cached")  # distmm changes the loss: only when listed
     max_microbatches: int | None = None
+    shards: tuple[str, ...] = ("none",)  # how replicas may hold the training state (cost.options.SHARDS)
+    max_k: int | None = None  # at most this many microbatches per replica (Megatron-LM's baseline: 1)
 
 
 def tower_space(
@@ -142,6 +148,7 @@ class Candidates:
     schedules: tuple[str, ...]
     global_batch: int
     notes: dict[str, Any] = field(default_factory=dict)
+    shard: np.ndarray | None = None  # index into SHARDS per configuration (None: all "none")
 
     def __len__(self) -> int:
         return len(self.n)
@@ -161,6 +168,7 @@ class Candidates:
             self.schedules,
             self.global_batch,
             self.notes,
+            None if self.shard is None else self.shard[idx],
         )
 
     def pareto(self) -> Candidates:
@@ -190,6 +198,7 @@ class Candidates:
             microbatch=int(self.mb[i]),
             schedule=self.schedules[int(self.sched[i])],
             replica_batch=tuple(split_batch(self.global_batch, None, dp)),
+            shard=SHARDS[int(self.shard[i])] if self.shard is not None else "none",
         )
 
 
@@ -214,11 +223,13 @@ def _grid(
     loss_b: float,
     separate: bool,
     distmm_loss_b: float | None = None,
+    shard: str = "none",
 ) -> dict[str, dict[str, np.ndarray]]:
     """Costs over the grid replicas x microbatch-counts for each schedule (arrays [len(dp), len(Ks)]).
 
     ``K`` counts the replica's microbatches (``distmm``: over both sync groups, at least one each);
-    ``distmm_loss_b``: the loss buffers of a batch-sync over half the batch (default ``loss_b``).
+    ``distmm_loss_b``: the loss buffers of a batch-sync over half the batch (default ``loss_b``);
+    ``shard``: how the replicas hold the training state (weights gathered per layer under ``full``).
     """
     w = tp * pp
     dpn = cluster.devices_per_node
@@ -231,11 +242,16 @@ def _grid(
     tpc = tp_comm(profile, cluster, opts, mb, tp, pp, False)
     ppc = pp_comm(profile, cluster, opts, mb, pp, w > dpn)
     # a stage's time per microbatch (never below the transfer), the transfer between stages apart
-    f = np.maximum(fc + tpc, ppc)
-    bb = np.zeros_like(f) if profile.frozen else np.maximum(bc + tpc, ppc)
-    gb = grad_bytes_per_device(profile, opts, tp, pp)
+    fx, bx = fc + tpc, bc + tpc
+    if shard == "full":
+        ag, agrs = (np.asarray(x)[:, None] for x in shard_comm(profile, cluster, opts, dp, tp, pp))
+        fx, bx = sharded_stage(fx, ag, profile.layers // pp), sharded_stage(bx, agrs, profile.layers // pp)
+    f = np.maximum(fx, ppc)
+    bb = np.zeros_like(f) if profile.frozen else np.maximum(bx, ppc)
+    gb = grad_bytes_per_device(profile, opts, tp, pp, shard)
     ar = compact_dp_allreduce(cluster, gb, dp, tp, pp)[:, None] if gb > 0 else np.zeros((len(dp), 1))
-    opt_t = optimizer_time(profile, cluster, opts, tp, pp)
+    # the optimizer step of one replica's share (sharded: 1/dp of the stage; per replica count)
+    opt_t = np.asarray([optimizer_time(profile, cluster, opts, tp, pp, shard, int(d)) for d in dp])[:, None]
     cross = 0.0
     if separate and profile.cross_from:
         cross = cross_attention_time(cluster, opts.bytes_el * b * profile.cross_elems, cluster.nodes == 1)
@@ -260,7 +276,7 @@ def _grid(
         Bp = sum(segs[1:]) + (0.0 if profile.frozen else cross)
         window = last_slot(s, f, bb)  # colocated towers may also hide it behind each other (priced exactly later)
         Bx = Bp + exposed_allreduce(ar, window, gb, opts) + opt_t
-        mem = memory_per_device(profile, opts, s, mb, Ks_used, b, tp, pp, lb)["total"]
+        mem = memory_per_device(profile, opts, s, mb, Ks_used, b, tp, pp, lb, shard, dp[:, None])["total"]
         shape = mb.shape
         mem = np.broadcast_to(mem, shape)
         ok = ok & (mem <= limit)
@@ -274,8 +290,9 @@ def _grid(
             "Bphase": np.broadcast_to(Bp, shape),
             "ar": np.broadcast_to(ar, shape),
             "slot": np.broadcast_to(window, shape),
-            "opt": opt_t,
+            "opt": np.broadcast_to(opt_t, shape),
             "gb": gb,
+            "shard": shard,
         }
     return out
 
@@ -299,33 +316,34 @@ def tower_candidates(
     Ks = k_grid(global_batch, space.max_microbatches)
     scheds = tuple(space.schedules)
     names = scheds if "gpipe" in scheds else scheds + ("gpipe",)  # a frozen tower always runs "gpipe"
-    rows: dict[str, list[np.ndarray]] = {k: [] for k in ("n", "F", "B", "tp", "pp", "sched", "K", "mb", "mem")}
-    for tp in tps:
-        for pp in pps:
-            w = tp * pp
-            if w > D:
+    keys = ("n", "F", "B", "tp", "pp", "sched", "K", "mb", "mem", "shard")
+    rows: dict[str, list[np.ndarray]] = {k: [] for k in keys}
+    for tp, pp, shard in itertools.product(tps, pps, space.shards):
+        w = tp * pp
+        if w > D:
+            continue
+        dp = np.arange(1, min(D // w, global_batch) + 1, dtype=float)
+        if len(dp) == 0:
+            continue
+        g = _grid(profile, cluster, opts, global_batch, dp, Ks, tp, pp, scheds, loss_b, True, distmm_loss_b, shard)
+        for s, d in g.items():
+            obj = np.where(d["ok"], d["F"] + d["B"], np.inf)
+            j = np.argmin(obj, axis=1)
+            i = np.arange(len(dp))
+            good = np.isfinite(obj[i, j])
+            if not good.any():
                 continue
-            dp = np.arange(1, min(D // w, global_batch) + 1, dtype=float)
-            if len(dp) == 0:
-                continue
-            g = _grid(profile, cluster, opts, global_batch, dp, Ks, tp, pp, scheds, loss_b, True, distmm_loss_b)
-            for s, d in g.items():
-                obj = np.where(d["ok"], d["F"] + d["B"], np.inf)
-                j = np.argmin(obj, axis=1)
-                i = np.arange(len(dp))
-                good = np.isfinite(obj[i, j])
-                if not good.any():
-                    continue
-                i, j = i[good], j[good]
-                rows["n"].append(dp[i] * w)
-                rows["F"].append(d["F"][i, j])
-                rows["B"].append(d["B"][i, j])
-                rows["tp"].append(np.full(len(i), tp))
-                rows["pp"].append(np.full(len(i), pp))
-                rows["sched"].append(np.full(len(i), names.index(s)))
-                rows["K"].append(d["K"][i, j])
-                rows["mb"].append(d["mb"][i, j])
-                rows["mem"].append(d["mem"][i, j])
+            i, j = i[good], j[good]
+            rows["n"].append(dp[i] * w)
+            rows["F"].append(d["F"][i, j])
+            rows["B"].append(d["B"][i, j])
+            rows["tp"].append(np.full(len(i), tp))
+            rows["pp"].append(np.full(len(i), pp))
+            rows["sched"].append(np.full(len(i), names.index(s)))
+            rows["K"].append(d["K"][i, j])
+            rows["mb"].append(d["mb"][i, j])
+            rows["mem"].append(d["mem"][i, j])
+            rows["shard"].append(np.full(len(i), SHARDS.index(shard)))
     cat = {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in rows.items()}
     return Candidates(
         name,
@@ -340,118 +358,7 @@ def tower_candidates(
         cat["mem"],
         names,
         global_batch,
-    )
-
-
-def colocated_options(
-    profile: TowerProfile,
-    cluster: Cluster,
-    opts: CostOptions,
-    global_batch: int,
-    world: int,
-    space: SearchSpace,
-    tps: Sequence[int] | None = None,
-    pps: Sequence[int] | None = None,
-) -> list[dict[str, Any]]:
-    """Every (tp, pp, schedule, K) of one tower on all ``world`` devices, with its time and memory
-    *excluding* loss buffers (the caller adds them once per device). Pareto-pruned on (time, memory)."""
-    Ks = k_grid(global_batch, space.max_microbatches)
-    out: list[dict[str, Any]] = []
-    for tp in tps if tps is not None else space.tps[profile.name]:
-        for pp in pps if pps is not None else space.pps[profile.name]:
-            w = tp * pp
-            if world % w or world // w > global_batch:
-                continue
-            dp = np.array([world // w], dtype=float)
-            g = _grid(profile, cluster, opts, global_batch, dp, Ks, tp, pp, space.schedules, 0.0, False)
-            for s, d in g.items():
-                for j in range(len(Ks)):
-                    if not d["ok"][0, j]:
-                        continue
-                    out.append(option(d, tp, pp, s, j))
-    # two Pareto fronts on (time, memory): with the all-reduce exposed after the tower's own last
-    # microbatch, and with it fully hidden (behind the other towers' backward); each for plans
-    # without and with distmm (the other towers must match, so neither family prunes the other)
-    keep: dict[int, dict[str, Any]] = {}
-    for family in (False, True):
-        rows = [r for r in out if (r["schedule"] == "distmm") == family]
-        for key in (lambda r: r["F"] + r["B"], lambda r: r["F"] + r["Bphase"] + r["opt"]):
-            best_mem = math.inf
-            for r in sorted(rows, key=lambda r: (key(r), r["mem"])):
-                if r["mem"] < best_mem:
-                    keep[id(r)] = r
-                    best_mem = r["mem"]
-    return sorted(keep.values(), key=lambda r: (r["F"] + r["B"], r["mem"]))
-
-
-def option(d: dict[str, np.ndarray], tp: int, pp: int, schedule: str, j: int, i: int = 0) -> dict[str, Any]:
-    """One grid point as a plain record (for the colocated searches)."""
-    return {
-        "tp": tp,
-        "pp": pp,
-        "schedule": schedule,
-        "K": int(d["K"][i, j]),
-        "mb": int(d["mb"][i, j]),
-        "F": float(d["F"][i, j]),
-        "B": float(d["B"][i, j]),
-        "Bphase": float(d["Bphase"][i, j]),
-        "ar": float(d["ar"][i, j]),
-        "slot": float(d["slot"][i, j]),
-        "opt": float(d["opt"]),
-        "gb": float(d["gb"]),
-        "mem": float(d["mem"][i, j]),
-    }
-
-
-def min_memory(
-    profile: TowerProfile,
-    cluster: Cluster,
-    opts: CostOptions,
-    global_batch: int,
-    world: int,
-    space: SearchSpace,
-    loss_b: float,
-) -> dict[str, Any]:
-    """The least memory per device this tower can need in the search space (largest split, one-sample
-    microbatches, the leanest schedule), to say by how much an infeasible tower misses."""
-    best: dict[str, Any] | None = None
-    tps, pps = space.tps[profile.name] or [1], space.pps[profile.name] or [1]
-    for tp in tps:
-        for pp in pps:
-            w = tp * pp
-            if w > world:
-                continue
-            dp = max(1, min(world // w, global_batch))
-            b = math.ceil(global_batch / dp)
-            for s in tower_schedules(profile, space.schedules):
-                K = b
-                m = memory_per_device(profile, opts, s, 1, K, b, tp, pp, loss_b)
-                tot = float(m["total"])
-                if best is None or tot < best["total"]:
-                    best = {
-                        "total": tot,
-                        "static": float(m["static"]),
-                        "activations": float(m["activations"]),
-                        "tp": tp,
-                        "pp": pp,
-                        "schedule": s,
-                    }
-    assert best is not None
-    return best
-
-
-def describe_no_fit(
-    profile: TowerProfile, cluster: Cluster, opts: CostOptions, need: dict[str, Any], world: int
-) -> str:
-    limit = cluster.device.memory * opts.memory_margin
-    w = need["tp"] * need["pp"]
-    return (
-        f"tower {profile.name!r} ({profile.params / 1e9:.2f}B parameters) fits no device even split"
-        f" tp*pp = {need['tp']}*{need['pp']} = {w} ways (the most its {profile.heads} heads, {profile.layers} layers,"
-        f" nodes of {cluster.devices_per_node} and {world} devices allow): it needs {need['total'] / GB:.2f} GB per device"
-        f" (static {need['static'] / GB:.2f} GB + activations {need['activations'] / GB:.2f} GB at microbatch 1,"
-        f" schedule {need['schedule']}) but one {cluster.device.name} offers {cluster.device.memory / GB:.1f} GB x"
-        f" memory_margin {opts.memory_margin} = {limit / GB:.2f} GB: over by {(need['total'] - limit) / GB:.2f} GB"
+        shard=cat["shard"].astype(int),
     )
 
 
@@ -463,7 +370,4 @@ __all__ = [
     "tower_space",
     "tower_schedules",
     "tower_candidates",
-    "colocated_options",
-    "min_memory",
-    "describe_no_fit",
 ]

@@ -9,9 +9,11 @@ can price, with its :class:`Report`.
 3. partitioner: per tower every (tp, pp, schedule, microbatches) on every device count;
 4. balancer: devices per tower minimising the barrier step ``max F + sync + max B`` (exact);
 5. placement: ranks per tower, TP inside nodes, layouts scored with link contention;
-6. the colocated family (per-tower parallelism on shared devices) and the two baselines
-   (DDP, Megatron-style) priced by the same model; the fastest of all is chosen, so the plan is
-   never predicted slower than a baseline.
+6. the colocated family (per-tower parallelism on shared devices) and the baselines
+   (:data:`~lightning_distmm.planner.baselines.BASELINES`: Megatron-LM, FSDP, DDP and the
+   uniform+batchsync ablation) priced by the same model; the fastest of all is chosen, so the plan
+   is never predicted slower than a baseline its options allow (``shards`` must list a baseline's
+   sharding for it to join: the default, ``none``, leaves Megatron-LM's ZeRO-1 and FSDP out).
 
 The ``distmm`` schedule is opt-in: it splits the batch into two sync groups, each with its own
 negatives, so it changes the loss (the module must set ``sync_groups = 2``). The default
@@ -35,8 +37,8 @@ from lightning_distmm.planner.balance import (
     minmax_allocation,
     proportional_allocation,
 )
-from lightning_distmm.planner.baselines import Evaluated, colocated_search
-from lightning_distmm.planner.cluster import GB, Cluster, load_cluster
+from lightning_distmm.planner.baselines import BASELINES, Evaluated, baseline_space, colocated_search
+from lightning_distmm.planner.cluster import GB, Cluster
 from lightning_distmm.planner.config import to_plain
 from lightning_distmm.planner.cost import (
     RECOMPUTE,
@@ -50,13 +52,13 @@ from lightning_distmm.planner.cost import (
     loss_bytes,
     runtime_schedule,
 )
+from lightning_distmm.planner.limits import describe_no_fit, min_memory
+from lightning_distmm.planner.measure import load_cluster
 from lightning_distmm.planner.options import DEFAULT_SCHEDULES, PlannerOptions
 from lightning_distmm.planner.partition import (
     Candidates,
     InfeasibleError,
     SearchSpace,
-    describe_no_fit,
-    min_memory,
     tower_candidates,
     tower_space,
 )
@@ -105,7 +107,7 @@ def make_plan(
     for n, p in profiles.items():
         tps_all[n], pps_all[n] = tower_space(p, cl, D, opts.max_tp, opts.max_pp, opts.tp, opts.pp)
     scheds = tuple(opts.schedules) + ((RECOMPUTE,) if opts.recompute and "gpipe" in opts.schedules else ())
-    space = SearchSpace(tps_all, pps_all, scheds, opts.max_microbatches)
+    space = SearchSpace(tps_all, pps_all, scheds, opts.max_microbatches, tuple(opts.shards))
     n_contrastive, embed = contrastive_features(profiles)
     lb = loss_bytes(G, D, n_contrastive, co, embed)
     lb_distmm = loss_bytes(split_batch(G, None, 2)[0], D, n_contrastive, co, embed)  # a batch-sync over half the batch
@@ -181,10 +183,10 @@ def make_plan(
 
     # ---------------------------------------------------------------- baselines (in the same model)
     baselines = {
-        "ddp": colocated_search(profiles, cl, co, G, _baseline_space(profiles, cl, D, opts, "ddp"), "ddp"),
-        "megatron": colocated_search(
-            profiles, cl, co, G, _baseline_space(profiles, cl, D, opts, "megatron"), "megatron"
-        ),
+        kind: colocated_search(
+            profiles, cl, co, G, baseline_space(kind, profiles, cl.devices_per_node, D, opts.max_microbatches), kind
+        )
+        for kind in (opts.baselines if opts.baselines is not None else BASELINES)
     }
     pool = [e for e in candidates.values() if e is not None]
     if "colocated" in opts.layouts:
@@ -195,6 +197,7 @@ def make_plan(
                 ch.tp in space.tps[n]
                 and ch.pp in space.pps[n]
                 and (profiles[n].frozen or ch.schedule in space.schedules)
+                and ch.shard in space.shards
                 for n, ch in b.choices.items()
             ):
                 pool.append(b)
@@ -267,25 +270,6 @@ def price_plan(
     choices, ranks = plan_choices(plan, global_batch)
     G = global_batch if global_batch is not None else int(plan.global_batch)  # type: ignore[arg-type]
     return evaluate_plan(profiles, cl, PlannerOptions.from_any(options).cost, choices, ranks, G)
-
-
-def _baseline_space(
-    profiles: Mapping[str, TowerProfile], cl: Cluster, D: int, opts: PlannerOptions, kind: str
-) -> SearchSpace:
-    """Baselines search their own full space (not DistMM's restrictions). DDP: tp = pp = 1 with the
-    schedules open_clip offers (keep activations, --grad-checkpointing, --accum-freq = cached);
-    Megatron: every uniform tp x pp, keep activations or full recompute."""
-    names = list(profiles)
-    if kind == "ddp":
-        return SearchSpace(
-            {n: [1] for n in names}, {n: [1] for n in names}, ("gpipe", RECOMPUTE, "cached"), opts.max_microbatches
-        )
-    return SearchSpace(
-        {n: profiles[n].valid_tp(cl.devices_per_node) for n in names},
-        {n: profiles[n].valid_pp(D) for n in names},
-        ("gpipe", RECOMPUTE),
-        opts.max_microbatches,
-    )
 
 
 def _max_split(space: SearchSpace, name: str, D: int) -> tuple[int, int, int]:

@@ -9,7 +9,9 @@
   in closed form);
 * :mod:`.breakdown` the question and the answer (:class:`TowerChoice`, :class:`TowerCost`,
   :class:`StepCost`);
-* :mod:`.step` :func:`evaluate_plan`, which assembles a whole step from the above.
+* :mod:`.nccl` NCCL's ring model and protocol choice;
+* :mod:`.step` :func:`evaluate_plan`, which assembles a whole step from the above;
+* :mod:`.instructions` the seconds of each instruction of a plan's lists (for drawing a step).
 
 The functions accept numpy arrays (the partitioner evaluates thousands of (replicas,
 microbatches) combinations at once) and plain numbers (the final evaluation).
@@ -28,18 +30,22 @@ from lightning_distmm.planner.cost.comm import (
     pp_comm,
     ring_bytes,
     ring_latency,
+    shard_comm,
+    sharded_stage,
     sync_time,
     tp_comm,
 )
 from lightning_distmm.planner.cost.compute import block_time, optimizer_time, shared_host_phases, stage_compute
+from lightning_distmm.planner.cost.instructions import instruction_seconds
 from lightning_distmm.planner.cost.memory import (
     act_per_sample,
     grad_bytes_per_device,
     loss_bytes,
     memory_per_device,
     stage_params,
+    static_per_param,
 )
-from lightning_distmm.planner.cost.options import CostOptions
+from lightning_distmm.planner.cost.options import PRECISIONS, SHARDS, CostOptions, PrecisionPolicy, precision_policy
 from lightning_distmm.planner.cost.pipeline import (
     RECOMPUTE,
     SIMULATE_MAX_INSTRUCTIONS,
@@ -54,10 +60,14 @@ from lightning_distmm.planner.cost.pipeline import (
     runtime_schedule,
     sync_group_rows,
 )
-from lightning_distmm.planner.cost.step import evaluate_plan, instruction_seconds, rank_groups, sync_groups
+from lightning_distmm.planner.cost.step import evaluate_plan, rank_groups, sync_groups
 
 __all__ = [
     "CostOptions",
+    "PrecisionPolicy",
+    "PRECISIONS",
+    "SHARDS",
+    "precision_policy",
     "RECOMPUTE",
     "cost_schedule",
     "runtime_schedule",
@@ -71,6 +81,7 @@ __all__ = [
     "memory_per_device",
     "loss_bytes",
     "grad_bytes_per_device",
+    "static_per_param",
     "ring_latency",
     "ring_bytes",
     "allreduce_time",
@@ -79,6 +90,8 @@ __all__ = [
     "pp_comm",
     "cross_attention_time",
     "compact_dp_allreduce",
+    "shard_comm",
+    "sharded_stage",
     "exposed_allreduce",
     "last_slot",
     "contrastive_features",

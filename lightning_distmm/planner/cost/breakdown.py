@@ -20,6 +20,7 @@ class TowerChoice:
     microbatch: int
     schedule: str
     replica_batch: tuple[int, ...]
+    shard: str = "none"  # how the replicas hold the training state (cost.options.SHARDS)
 
     @property
     def dp(self) -> int:

@@ -1,7 +1,9 @@
 """Link time: collectives (the all-reduce, all-gather and their ring latency), tensor-parallel and
 pipeline transfers, the data-parallel gradient sum and the batch-sync.
 
-Collectives follow NCCL's tuning model (``src/graph/tuning.cc``): a ring of ``r`` ranks over ``m``
+Collectives follow NCCL's tuning model (``src/graph/tuning.cc``): on GPU clusters
+(``Cluster.nccl``) with the protocol NCCL picks by message size (:mod:`.nccl`, NCCL v2.30.7
+constants), else (a measured CPU cluster, gloo) one latency per step: a ring of ``r`` ranks over ``m``
 nodes costs ``base + (steps - inter_steps) * intra_latency + inter_steps * inter_latency`` plus its
 bytes over the links it crosses, computed hierarchically: the intra-node part over NVLink at the
 most members one node holds, the inter-node part over the node's NIC, which everything of the node
@@ -21,6 +23,7 @@ import numpy as np
 
 from lightning_distmm.core.plan import split_batch
 from lightning_distmm.planner.cluster import Cluster
+from lightning_distmm.planner.cost import nccl
 from lightning_distmm.planner.cost.options import CostOptions
 from lightning_distmm.planner.cost.pipeline import recomputes
 from lightning_distmm.planner.profile import TowerProfile
@@ -58,26 +61,40 @@ def allreduce_time(
     ranks, nodes = np.asarray(ranks, dtype=float), np.asarray(nodes, dtype=float)
     k = np.maximum(1, np.ceil(ranks / np.maximum(nodes, 1))) if per_node is None else np.asarray(per_node, dtype=float)
     load = ring_bytes(nbytes, np.maximum(nodes, 1)) if nic_load is None else np.asarray(nic_load, dtype=float)
-    t = ring_latency(cluster, ranks, nodes, 2)
-    t = t + np.where(k > 1, ring_bytes(nbytes, k) / cluster.intra.effective, 0.0)
-    t = t + np.where(nodes > 1, load / cluster.inter.effective, 0.0)
+    intra = np.where(k > 1, ring_bytes(nbytes, k), 0.0)
+    if cluster.nccl:
+        t = nccl.ring_time(cluster.nccl, cluster.intra.effective, cluster.inter.effective, 2, ranks, nodes, intra, load)
+    else:
+        t = ring_latency(cluster, ranks, nodes, 2) + intra / cluster.intra.effective
+        t = t + np.where(nodes > 1, load / cluster.inter.effective, 0.0)
     out = np.where(ranks > 1, t, 0.0)
     return float(out) if scalar else out
 
 
 def allgather_time(
-    cluster: Cluster, total_bytes: float, ranks: int, nodes: int = 1, per_node: int | None = None
-) -> float:
-    """Ring all-gather producing ``total_bytes`` on every rank (a reduce-scatter costs the same)."""
-    if ranks <= 1:
-        return 0.0
-    k = per_node if per_node is not None else max(1, math.ceil(ranks / max(nodes, 1)))
-    t = ring_latency(cluster, ranks, nodes, 1)
-    if k > 1:
-        t += (k - 1) / k * total_bytes / cluster.intra.effective
-    if nodes > 1:
-        t += (nodes - 1) / nodes * total_bytes / cluster.inter.effective
-    return t
+    cluster: Cluster,
+    total_bytes: Any,
+    ranks: Any,
+    nodes: Any = 1,
+    per_node: Any = None,
+    nic_load: Any = None,
+) -> Any:
+    """Ring all-gather producing ``total_bytes`` on every rank (a reduce-scatter costs the same).
+    ``nic_load``: the bytes the busiest node's NIC carries meanwhile (default this gather's own
+    ``(m-1)/m`` share). Numbers or numpy arrays."""
+    scalar = all(np.ndim(x) == 0 for x in (total_bytes, ranks, nodes, per_node, nic_load))
+    ranks, nodes = np.asarray(ranks, dtype=float), np.asarray(nodes, dtype=float)
+    k = np.maximum(1, np.ceil(ranks / np.maximum(nodes, 1))) if per_node is None else np.asarray(per_node, dtype=float)
+    m = np.maximum(nodes, 1)
+    load = (m - 1) / m * np.asarray(total_bytes, dtype=float) if nic_load is None else np.asarray(nic_load, dtype=float)
+    intra = (k - 1) / k * np.asarray(total_bytes, dtype=float)
+    if cluster.nccl:
+        t = nccl.ring_time(cluster.nccl, cluster.intra.effective, cluster.inter.effective, 1, ranks, nodes, intra, load)
+    else:
+        t = ring_latency(cluster, ranks, nodes, 1) + intra / cluster.intra.effective
+        t = t + np.where(nodes > 1, load / cluster.inter.effective, 0.0)
+    out = np.where(ranks > 1, t, 0.0)
+    return float(out) if scalar else out
 
 
 def nic_share(cluster: Cluster) -> float:
@@ -126,6 +143,18 @@ def cross_attention_time(cluster: Cluster, nbytes: Any, same_node: bool) -> Any:
 
 
 # ---------------------------------------------------------------------- data-parallel gradients
+def _compact_dp_groups(cluster: Cluster, dp: Any, tp: int, pp: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """A tower's data-parallel groups when its ``dp * tp * pp`` devices are packed from a node start:
+    the nodes one group spans, its most members on one node, and how many groups (one per stage and
+    tp rank) cross each node's NIC at once."""
+    dp = np.asarray(dp, dtype=float)
+    w = tp * pp
+    dpn = cluster.devices_per_node
+    if w <= dpn:
+        return np.ceil(dp * w / dpn), np.minimum(dp, dpn // w), w  # the groups span every node of the tower
+    return dp, np.ones_like(dp), dpn  # one member per replica, each replica on its own nodes
+
+
 def compact_dp_allreduce(cluster: Cluster, grad_bytes: float, dp: Any, tp: int, pp: int) -> np.ndarray:
     """Gradient all-reduce seconds when the tower's ``dp * tp * pp`` devices are packed from a node start.
 
@@ -133,18 +162,41 @@ def compact_dp_allreduce(cluster: Cluster, grad_bytes: float, dp: Any, tp: int, 
     together and share the NICs of the nodes they span (the partitioner's estimate before placement;
     placement prices the real layout).
     """
-    dp = np.asarray(dp, dtype=float)
-    w = tp * pp
-    dpn = cluster.devices_per_node
-    if w <= dpn:
-        nodes = np.ceil(dp * w / dpn)  # the groups span every node of the tower
-        per_node = np.minimum(dp, dpn // w)
-        node_bytes = grad_bytes * w  # each of the w shard groups crosses every node's NIC
-    else:
-        nodes = dp  # one member per replica, each replica on its own nodes
-        per_node = np.ones_like(dp)
-        node_bytes = grad_bytes * dpn
-    return allreduce_time(cluster, grad_bytes, dp, nodes, per_node, ring_bytes(node_bytes, np.maximum(nodes, 1)))
+    nodes, per_node, groups = _compact_dp_groups(cluster, dp, tp, pp)
+    load = ring_bytes(grad_bytes * groups, np.maximum(nodes, 1))
+    return allreduce_time(cluster, grad_bytes, np.asarray(dp, dtype=float), nodes, per_node, load)
+
+
+def shard_comm(
+    profile: TowerProfile, cluster: Cluster, opts: CostOptions, dp: Any, tp: int, pp: int
+) -> tuple[Any, Any]:
+    """A fully sharded (ZeRO-3 / FSDP2) stage's collectives per microbatch: the all-gather of its
+    weights (forward, and again for the backward, as ``reshard_after_forward`` does) and the
+    reduce-scatter of its gradients (in the gradient dtype), over the tower's compactly packed
+    data-parallel groups. Returns (forward, backward) seconds for the whole stage."""
+    from lightning_distmm.planner.cost.memory import stage_params
+
+    params = stage_params(profile, tp, pp)
+    pol = opts.policy
+    nodes, per_node, groups = _compact_dp_groups(cluster, dp, tp, pp)
+    m = np.maximum(nodes, 1)
+
+    def gather(nbytes: float) -> Any:
+        return allgather_time(
+            cluster, nbytes, np.asarray(dp, dtype=float), nodes, per_node, groups * (m - 1) / m * nbytes
+        )
+
+    ag = gather(params * pol.weights)
+    rs = 0.0 if profile.frozen else gather(params * pol.grads)
+    return ag, ag + rs
+
+
+def sharded_stage(compute: Any, comm: Any, layers: int) -> Any:
+    """Seconds of a fully sharded stage's forward or backward: each layer's collective overlaps the
+    previous layer's compute (FSDP2 prefetches one layer ahead), so the stage takes the longer of
+    its compute and its collectives, plus the first layer's collective, which nothing hides."""
+    comm = np.asarray(comm, dtype=float)
+    return np.maximum(compute, comm) + comm / max(layers, 1)
 
 
 def last_slot(schedule: str, f: Any, b: Any) -> Any:
@@ -228,6 +280,8 @@ __all__ = [
     "pp_comm",
     "cross_attention_time",
     "compact_dp_allreduce",
+    "shard_comm",
+    "sharded_stage",
     "last_slot",
     "exposed_allreduce",
     "contrastive_features",

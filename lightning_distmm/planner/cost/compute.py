@@ -73,16 +73,20 @@ def _analytic_stage(
     return layer + (pre + post if pp == 1 else np.maximum(pre, post))
 
 
-def optimizer_time(profile: TowerProfile, cluster: Cluster, opts: CostOptions, tp: int, pp: int) -> float:
+def optimizer_time(
+    profile: TowerProfile, cluster: Cluster, opts: CostOptions, tp: int, pp: int, shard: str = "none", dp: int = 1
+) -> float:
     """One Adam step on a device: measured when the profile has a timed step (its share of the
-    tower's parameters for tp/pp splits), else the optimizer's memory traffic over HBM bandwidth."""
+    tower's parameters for tp/pp splits), else the optimizer's memory traffic over HBM bandwidth.
+    A sharded optimizer state (``optimizer``, ``full``) is stepped by each replica for its 1/dp."""
     if profile.frozen:
         return 0.0
+    share = 1.0 / dp if shard != "none" else 1.0
     fit = profile.measured
     if fit is not None and fit.opt_time is not None:
-        return fit.opt_time * stage_params(profile, tp, pp) / max(profile.params, 1)
+        return fit.opt_time * stage_params(profile, tp, pp) / max(profile.params, 1) * share
     frac = profile.trainable_params / max(profile.params, 1)
-    return stage_params(profile, tp, pp) * frac * opts.optimizer_traffic / cluster.device.memory_bandwidth
+    return stage_params(profile, tp, pp) * frac * opts.optimizer_traffic / cluster.device.memory_bandwidth * share
 
 
 def shared_host_phases(

@@ -1,8 +1,9 @@
 """Device memory: the static bytes (weights, gradients, optimizer state) of a pipeline stage, the
 activations a schedule keeps for backward, and the loss buffers of a batch-sync.
 
-Static memory follows ZeRO's accounting (16 bytes per trainable parameter in mixed precision);
-activations are the profile's bytes per sample times what each schedule keeps alive at its peak
+Static memory is the precision policy's bytes per parameter (:class:`PrecisionPolicy`: 18 in bf16
+mixed precision, 16 in fp32), divided over the data-parallel replicas as the tower's ``shard`` says
+(ZeRO-1 splits the optimizer state, ZeRO-3 everything); activations are the profile's bytes per sample times what each schedule keeps alive at its peak
 (:func:`memory_per_device`). Functions take numpy arrays (the partitioner's grids) as well as numbers.
 """
 
@@ -25,6 +26,33 @@ def stage_params(profile: TowerProfile, tp: int, pp: int) -> float:
     layers = profile.layers // pp * profile.layer.params / tp
     ends = profile.pre.params + profile.post.params if pp == 1 else max(profile.pre.params, profile.post.params)
     return layers + ends
+
+
+def static_per_param(profile: TowerProfile, opts: CostOptions, shard: str = "none", dp: Any = 1) -> Any:
+    """Static bytes per parameter of the stage on one device: weights, gradients, optimizer state,
+    divided over ``dp`` replicas as ``shard`` says (ZeRO stages, Rajbhandari et al. SC'20 figure 1:
+    ``none`` W + G + O, ``optimizer`` W + G + O/dp, ``full`` (W + G + O)/dp). A frozen tower holds
+    its weights (split under ``full``)."""
+    pol = opts.policy
+    dp = np.asarray(dp, dtype=float)
+    frac = 0.0 if profile.frozen else profile.trainable_params / max(profile.params, 1)
+    weights = pol.weights + 0 * dp
+    trained = frac * (pol.grads + pol.optimizer) + 0 * dp
+    if shard == "optimizer":
+        trained = frac * (pol.grads + pol.optimizer / dp)
+    elif shard == "full":
+        weights, trained = weights / dp, trained / dp
+    elif shard != "none":
+        raise ValueError(f"shard={shard!r}: choose one of none, optimizer, full")
+    return weights + trained
+
+
+def gathered_layers_bytes(profile: TowerProfile, opts: CostOptions, tp: int) -> float:
+    """Extra bytes a fully sharded stage holds unsharded at once: the layer it computes and the one
+    FSDP2 prefetches (their bf16 weights), and one layer's gradients before their reduce-scatter."""
+    per_layer = (profile.layer.params if profile.analytic else profile.params) / tp
+    pol = opts.policy
+    return per_layer * (2 * pol.weights + (0 if profile.frozen else pol.grads))
 
 
 def act_per_sample(profile: TowerProfile, opts: CostOptions, tp: int, pp: int, mb: Any = 1.0) -> Any:
@@ -52,16 +80,16 @@ def memory_per_device(
     tp: int,
     pp: int,
     loss_bytes: Any = 0.0,
+    shard: str = "none",
+    dp: Any = 1,
 ) -> dict[str, Any]:
-    """Peak bytes on the busiest device of a replica: static (weights, grads, optimizer), activations, loss."""
+    """Peak bytes on the busiest device of a replica: static (weights, grads, optimizer; sharded over
+    ``dp`` replicas as ``shard`` says), activations, loss."""
     mb = np.asarray(mb, dtype=float)
     K = np.asarray(K, dtype=float)
-    per = stage_params(profile, tp, pp)
-    if profile.frozen:
-        static = per * opts.static_bytes_frozen
-    else:
-        trainable_frac = profile.trainable_params / max(profile.params, 1)
-        static = per * (trainable_frac * opts.static_bytes_trainable + (1 - trainable_frac) * opts.static_bytes_frozen)
+    static = stage_params(profile, tp, pp) * static_per_param(profile, opts, shard, dp)
+    if shard == "full":
+        static = static + gathered_layers_bytes(profile, opts, tp)
     aps = act_per_sample(profile, opts, tp, pp, mb)
     layer_act = aps / max(profile.layers // pp, 1)
     if profile.frozen:
@@ -93,12 +121,27 @@ def loss_bytes(global_batch: int, world: int, n_contrastive: int, opts: CostOpti
     return feats + 3.0 * 4 * rows * global_batch * max(n_contrastive - 1, 1) * 2
 
 
-def grad_bytes_per_device(profile: TowerProfile, opts: CostOptions, tp: int, pp: int) -> float:
-    """Gradient bytes one device of the heaviest stage all-reduces per step (trainable parameters only)."""
-    if profile.frozen:
+def grad_bytes_per_device(profile: TowerProfile, opts: CostOptions, tp: int, pp: int, shard: str = "none") -> float:
+    """Bytes one device of the heaviest stage all-reduces per step for its gradients (trainable
+    parameters only), in the gradient dtype of the precision policy (fp32 under bf16-mixed).
+
+    ``optimizer`` (ZeRO-1) reduce-scatters the gradients and all-gathers the updated weights: a ring
+    moves ``(r-1)/r`` of each, the same as an all-reduce of their mean size, so it is priced as one.
+    ``full`` (ZeRO-3) moves its gradients layer by layer during the backward
+    (:func:`lightning_distmm.planner.cost.comm.shard_comm`): nothing is left for the step's end."""
+    if profile.frozen or shard == "full":
         return 0.0
     frac = profile.trainable_params / max(profile.params, 1)
-    return stage_params(profile, tp, pp) * frac * opts.bytes_el
+    per = opts.grad_bytes if shard == "none" else (opts.grad_bytes + opts.policy.weights) / 2
+    return stage_params(profile, tp, pp) * frac * per
 
 
-__all__ = ["stage_params", "act_per_sample", "memory_per_device", "loss_bytes", "grad_bytes_per_device"]
+__all__ = [
+    "static_per_param",
+    "gathered_layers_bytes",
+    "stage_params",
+    "act_per_sample",
+    "memory_per_device",
+    "loss_bytes",
+    "grad_bytes_per_device",
+]

@@ -1,4 +1,4 @@
-"""The software-side assumptions every cost function shares (precision, kernels, overlap, margins)."""
+"""The software-side assumptions every cost function shares (precision, sharding, kernels, overlap, margins)."""
 
 from __future__ import annotations
 
@@ -6,14 +6,73 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+SHARDS = ("none", "optimizer", "full")
+"""How a tower's data-parallel replicas hold their training state: ``none`` (every replica holds all
+of it, gradients all-reduced: DDP), ``optimizer`` (ZeRO-1 / Megatron's distributed optimizer: master
+weights and Adam moments split over the replicas, gradients reduce-scattered, weights all-gathered
+after the step), ``full`` (ZeRO-3 / FSDP2: weights, gradients and optimizer state split, each
+layer's weights all-gathered before its forward and its backward, its gradients reduce-scattered)."""
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """Bytes per parameter and per activation element under one precision policy.
+
+    ``compute``: activations, tensor-parallel and pipeline messages; ``weights``: the copy of the
+    weights the kernels read (and FSDP gathers); ``grads``: the gradient buffer, also the dtype the
+    data-parallel reduction runs in; ``optimizer``: master weights and Adam's two moments.
+    """
+
+    name: str
+    compute: int
+    weights: int
+    grads: int
+    optimizer: int
+
+    @property
+    def trainable(self) -> int:
+        """Static bytes per trainable parameter, unsharded."""
+        return self.weights + self.grads + self.optimizer
+
+
+PRECISIONS = {
+    # fp32 weights (the master copy), fp32 gradients, Adam's m and v: 4 + 4 + 8 = 16 B/param
+    # (ZeRO, Rajbhandari et al. SC'20, section 3.1, with K = 8 without the extra master copy)
+    "fp32": PrecisionPolicy("fp32", compute=4, weights=4, grads=4, optimizer=8),
+    # bf16 compute weights, fp32 gradients (accumulated and reduced in fp32), fp32 master weights and
+    # Adam moments: 2 + 4 + 12 = 18 B/param, Megatron-LM's "bf16 param, fp32 grads" row of its
+    # distributed optimizer documentation (docs/source/api-guide/dist_optimizer.md: 18 bytes per
+    # parameter without the distributed optimizer, 6 + 12/d with it)
+    "bf16-mixed": PrecisionPolicy("bf16-mixed", compute=2, weights=2, grads=4, optimizer=12),
+}
+PRECISION_ALIASES = {
+    "32": "fp32",
+    "32-true": "fp32",
+    "fp32": "fp32",
+    "bf16-mixed": "bf16-mixed",
+    "16-mixed": "bf16-mixed",
+}
+"""Lightning's precision names map to the policy with the same bytes (fp16 mixed precision holds
+what bf16 mixed does)."""
+
+
+def precision_policy(name: str) -> PrecisionPolicy:
+    """The :class:`PrecisionPolicy` of a precision name (``fp32``, ``bf16-mixed``, Lightning's aliases)."""
+    key = PRECISION_ALIASES.get(str(name))
+    if key is None:
+        raise ValueError(f"precision={name!r}: choose one of {', '.join(PRECISION_ALIASES)}")
+    return PRECISIONS[key]
+
 
 @dataclass
 class CostOptions:
     """Software-side assumptions of the cost model (not hardware constants).
 
-    ``precision``: ``bf16-mixed`` (2-byte activations/weights/grads, fp32 master weights and Adam
-    moments: 16 bytes of static memory per trainable parameter, as in ZeRO, Rajbhandari et al. 2020)
-    or ``32`` (4 + 4 + 8 = 16 bytes as well). A frozen tower keeps only its weights.
+    ``precision``: the :class:`PrecisionPolicy` by name (``bf16-mixed``: bf16 compute, fp32 master
+    weights, fp32 gradient reduction, fp32 Adam moments, 18 B per trainable parameter; ``fp32``:
+    16 B). It applies to every plan alike, DistMM's and the baselines'. A frozen tower keeps only
+    its weights. How much of the static bytes a device holds depends on the tower's ``shard``
+    (:data:`SHARDS`, :func:`lightning_distmm.planner.cost.memory.static_per_param`).
     ``flash_attention``: attention probabilities are not stored (FlashAttention / SDPA kernels).
     ``overlap_grad_sync``: gradient all-reduce overlaps the backward, as DDP's buckets do
     (``bucket_bytes`` = DDP's default 25 MB); the last bucket is always exposed.
@@ -32,17 +91,30 @@ class CostOptions:
     feature_bytes: int = 4
     step_overhead: float = 0.0
 
+    def __post_init__(self) -> None:
+        precision_policy(self.precision)  # an unknown name fails here, with the choices
+
+    @property
+    def policy(self) -> PrecisionPolicy:
+        return precision_policy(self.precision)
+
     @property
     def bytes_el(self) -> int:
-        return 2 if str(self.precision).startswith(("bf16", "16")) else 4
+        """Bytes of an activation element (and of tensor-parallel and pipeline messages)."""
+        return self.policy.compute
 
     @property
     def static_bytes_trainable(self) -> float:
-        return 16.0
+        return float(self.policy.trainable)
 
     @property
     def static_bytes_frozen(self) -> float:
-        return float(self.bytes_el)
+        return float(self.policy.weights)
+
+    @property
+    def grad_bytes(self) -> float:
+        """Bytes per parameter of the data-parallel gradient reduction (the gradient dtype)."""
+        return float(self.policy.grads)
 
     @property
     def optimizer_traffic(self) -> float:
@@ -56,4 +128,4 @@ class CostOptions:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
-__all__ = ["CostOptions"]
+__all__ = ["CostOptions", "PrecisionPolicy", "PRECISIONS", "SHARDS", "precision_policy"]

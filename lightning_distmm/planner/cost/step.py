@@ -22,32 +22,27 @@ as the runtime's DDP-style buckets are) and assemble the step.
 
 from __future__ import annotations
 
-import functools
-import itertools
-import math
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from lightning_distmm.core import schedule as ir
 from lightning_distmm.core.plan import split_batch, sync_group_count
 from lightning_distmm.planner.cluster import Cluster
 from lightning_distmm.planner.cost.breakdown import StepCost, TowerChoice, TowerCost
 from lightning_distmm.planner.cost.comm import (
-    allreduce_time,
     batch_syncs,
     contrastive_features,
     cross_attention_time,
-    exposed_allreduce,
     last_slot,
     pp_comm,
-    ring_bytes,
+    shard_comm,
+    sharded_stage,
     tp_comm,
 )
 from lightning_distmm.planner.cost.compute import optimizer_time, shared_host_phases, stage_compute
-from lightning_distmm.planner.cost.memory import grad_bytes_per_device, loss_bytes, memory_per_device
+from lightning_distmm.planner.cost.gradients import GradientTraffic, gradient_traffic, price_gradient_sums
+from lightning_distmm.planner.cost.memory import loss_bytes, memory_per_device
 from lightning_distmm.planner.cost.options import CostOptions
 from lightning_distmm.planner.cost.pipeline import (
     SIMULATE_MAX_INSTRUCTIONS,
@@ -92,53 +87,6 @@ def _is_colocated(ranks: Mapping[str, Sequence[int]]) -> bool:
     return colocated
 
 
-@dataclass
-class GradientTraffic:
-    """One tower's data-parallel gradient sum: ``local`` is the slowest group's latency and
-    intra-node share (its NIC share is priced once for everything crossing the node), ``own_load``
-    the bytes its groups push through each node's NIC, ``nodes`` the nodes they cross."""
-
-    grad_bytes: float
-    local: float = 0.0
-    intra_bytes: float = 0.0
-    inter_bytes: float = 0.0
-    nodes: set[int] = field(default_factory=set)
-    own_load: dict[int, float] = field(default_factory=dict)
-
-
-def gradient_traffic(
-    profiles: Mapping[str, TowerProfile],
-    cluster: Cluster,
-    opts: CostOptions,
-    choices: Mapping[str, TowerChoice],
-    groups: Mapping[str, Mapping[str, list[list[int]]]],
-) -> tuple[dict[str, GradientTraffic], dict[int, float]]:
-    """Every tower's :class:`GradientTraffic` and the bytes each node's NIC carries for all of them."""
-    node = lambda r: r // cluster.devices_per_node  # noqa: E731
-    node_load: dict[int, float] = {}
-    out: dict[str, GradientTraffic] = {}
-    for name, c in choices.items():
-        gb = grad_bytes_per_device(profiles[name], opts, c.tp, c.pp)
-        traffic = out[name] = GradientTraffic(gb)
-        for g in groups[name]["dp"]:
-            counts: dict[int, int] = {}
-            for r in g:
-                counts[node(r)] = counts.get(node(r), 0) + 1
-            m, k = len(counts), max(counts.values())
-            if len(g) > 1 and gb > 0:
-                local = allreduce_time(cluster, gb, len(g), m, k, nic_load=0.0)
-                traffic.local = max(traffic.local, local)
-                traffic.intra_bytes += sum(ring_bytes(gb, cnt) * cnt for cnt in counts.values() if cnt > 1)
-                if m > 1:
-                    crossing = ring_bytes(gb, m)
-                    traffic.inter_bytes += crossing * m
-                    for nd in counts:
-                        node_load[nd] = node_load.get(nd, 0.0) + crossing
-                        traffic.own_load[nd] = traffic.own_load.get(nd, 0.0) + crossing
-                        traffic.nodes.add(nd)
-    return out, node_load
-
-
 def price_tower(
     name: str,
     profiles: Mapping[str, TowerProfile],
@@ -176,8 +124,13 @@ def price_tower(
     fc_r, bc_r = (np.atleast_1d(x) for x in stage_compute(p, cluster, opts, at, c.tp, c.pp))
     tpc_r = np.atleast_1d(tp_comm(p, cluster, opts, at, c.tp, c.pp, tp_cross))
     ppc_r = np.atleast_1d(pp_comm(p, cluster, opts, at, c.pp, pp_cross))
-    f_r = np.maximum(fc_r + tpc_r, ppc_r)
-    b_r = np.zeros_like(f_r) if p.frozen else np.maximum(bc_r + tpc_r, ppc_r)
+    fx_r, bx_r = fc_r + tpc_r, bc_r + tpc_r
+    if c.shard == "full":  # per-layer weight gathers and gradient scatters (compact packing estimate)
+        ag, agrs = shard_comm(p, cluster, opts, c.dp, c.tp, c.pp)
+        layers = p.layers // P
+        fx_r, bx_r = sharded_stage(fx_r, ag, layers), sharded_stage(bx_r, agrs, layers)
+    f_r = np.maximum(fx_r, ppc_r)
+    b_r = np.zeros_like(f_r) if p.frozen else np.maximum(bx_r, ppc_r)
     row = {r: i for i, r in enumerate(sizes)}
     fc, bc, f, b, ppc = (float(x[row[mb]]) for x in (fc_r, bc_r, f_r, b_r, ppc_r))
 
@@ -218,7 +171,8 @@ def price_tower(
         float(fc_r[row[r]] + (0.0 if p.frozen else bc_r[row[r]] + (fc_r[row[r]] if recompute else 0.0))) for r in mbs
     )
     memory = {
-        k: float(v) for k, v in memory_per_device(p, opts, c.schedule, mb, K, c.max_batch, c.tp, c.pp, lb).items()
+        k: float(v)
+        for k, v in memory_per_device(p, opts, c.schedule, mb, K, c.max_batch, c.tp, c.pp, lb, c.shard, c.dp).items()
     }
     intra_b, inter_b = link_bytes(p, c, opts, K, recompute, traffic, tp_cross, pp_cross)
     if cross:
@@ -233,7 +187,7 @@ def price_tower(
         bubble=bubble,
         dp_allreduce=0.0,
         dp_exposed=0.0,
-        optimizer=optimizer_time(p, cluster, opts, c.tp, c.pp),
+        optimizer=optimizer_time(p, cluster, opts, c.tp, c.pp, c.shard, c.dp),
         cross_comm=cross * (1 if p.frozen else 2),
         memory=memory,
         bytes_intra=intra_b,
@@ -276,49 +230,6 @@ def link_bytes(
     intra_b = traffic.intra_bytes + (0.0 if tp_cross else tp_bytes) + (0.0 if pp_cross else pp_bytes)
     inter_b = traffic.inter_bytes + (tp_bytes if tp_cross else 0.0) + (pp_bytes if pp_cross else 0.0)
     return intra_b, inter_b
-
-
-def price_gradient_sums(
-    costs: Mapping[str, TowerCost],
-    traffic: Mapping[str, GradientTraffic],
-    node_load: Mapping[int, float],
-    details: Mapping[str, Mapping[str, Any]],
-    cluster: Cluster,
-    opts: CostOptions,
-    colocated: bool,
-) -> list[str]:
-    """Set each tower's gradient all-reduce and the part of it the backward does not hide; returns
-    the order the towers run their last backward in.
-
-    Separate towers reduce at the same time and share the NICs of the nodes they cross, each hiding
-    its sum behind its own last backward slot. Colocated towers run one after the other, so a
-    tower's all-reduce also overlaps the backward of the towers after it (one communication stream;
-    the best order is taken)."""
-    inter = cluster.inter.effective
-    if not colocated:
-        for n, tc in costs.items():
-            t = traffic[n]
-            a = t.local + max((node_load.get(nd, 0.0) for nd in t.nodes), default=0.0) / inter
-            tc.dp_allreduce = a
-            tc.dp_exposed = float(exposed_allreduce(a, details[n]["slot"], t.grad_bytes, opts)) if a > 0 else 0.0
-        return list(costs)
-    ar = {n: traffic[n].local + max(traffic[n].own_load.values(), default=0.0) / inter for n in costs}
-    gb_total = sum(traffic[n].grad_bytes for n in costs)
-    total_ar = sum(ar.values())
-    floor = total_ar * min(1.0, opts.bucket_bytes / gb_total) if (gb_total and opts.overlap_grad_sync) else total_ar
-    best_exposed, best_order = math.inf, list(costs)
-    for order in itertools.permutations(costs):
-        clock, stream = 0.0, 0.0
-        for n in order:
-            clock += costs[n].segments[-1]
-            stream = max(stream, clock - details[n]["slot"]) + ar[n]
-        exposed = max(stream - clock, floor) if opts.overlap_grad_sync else total_ar
-        if exposed < best_exposed:
-            best_exposed, best_order = exposed, list(order)
-    share = sum(ar.values()) or 1.0
-    for n, tc in costs.items():
-        tc.dp_allreduce, tc.dp_exposed = ar[n], best_exposed * ar[n] / share
-    return best_order
 
 
 def assemble_step(
@@ -419,46 +330,6 @@ def evaluate_plan(
     )
 
 
-def instruction_seconds(
-    profiles: Mapping[str, TowerProfile],
-    cluster: Cluster,
-    opts: CostOptions,
-    choices: Mapping[str, TowerChoice],
-    global_batch: int,
-    world: int,
-    nodes: int,
-) -> tuple[Callable[[int, ir.Instruction], float], Callable[[ir.Instruction], float]]:
-    """Seconds of each instruction of a plan's lists, priced as :func:`evaluate_plan` prices them:
-    a microbatch's forward or backward on a stage (compute and tensor-parallel all-reduces, a
-    recomputing backward with its forward again), each batch-sync; and the transfer to a stage
-    (the ``link`` of :func:`schedule.simulate`). For drawing a plan's step, not for the planner."""
-    n_contrastive, embed = contrastive_features(profiles)
-    syncs = batch_syncs(cluster, opts, global_batch, embed, world, nodes, n_contrastive, sync_groups(choices))
-    seconds_of_sync = syncs["per_group"]
-
-    @functools.cache
-    def micro(tower: str, rows: int) -> tuple[float, float, float]:
-        c, p = choices[tower], profiles[tower]
-        f, b = (float(x) for x in stage_compute(p, cluster, opts, float(rows), c.tp, c.pp))
-        t = float(tp_comm(p, cluster, opts, float(rows), c.tp, c.pp))
-        link = float(pp_comm(p, cluster, opts, float(rows), c.pp))
-        return f + t, 0.0 if p.frozen else b + t + (f + t if recomputes(c.schedule) else 0.0), link
-
-    def seconds(rank: int, ins: ir.Instruction) -> float:
-        if isinstance(ins, ir.Forward):
-            return micro(ins.tower, ins.rows)[0]
-        if isinstance(ins, ir.Backward):
-            return micro(ins.tower, ins.rows)[1]
-        if isinstance(ins, ir.BatchSync):
-            return seconds_of_sync[ins.sync_group]
-        return 0.0
-
-    def transfer(ins: ir.Instruction) -> float:
-        return micro(ins.tower, ins.rows)[2] if isinstance(ins, (ir.Forward, ir.Backward)) else 0.0
-
-    return seconds, transfer
-
-
 __all__ = [
     "sync_groups",
     "rank_groups",
@@ -469,5 +340,4 @@ __all__ = [
     "price_gradient_sums",
     "assemble_step",
     "evaluate_plan",
-    "instruction_seconds",
 ]

@@ -1,0 +1,175 @@
+"""The baselines name what they are (Megatron-LM, FSDP, DDP, the uniform+batchsync ablation), the
+precision policy sets the bytes per parameter, sharding divides them, and collectives pick NCCL's
+protocol by message size."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from lightning_distmm.planner import make_plan
+from lightning_distmm.planner.baselines import BASELINES, baseline_space, colocated_search
+from lightning_distmm.planner.cluster import CONF_DIR
+from lightning_distmm.planner.cost import (
+    CostOptions,
+    evaluate_plan,
+    grad_bytes_per_device,
+    memory_per_device,
+    precision_policy,
+    static_per_param,
+)
+from lightning_distmm.planner.cost.memory import gathered_layers_bytes
+from lightning_distmm.planner.cost.nccl import choose_protocol
+from lightning_distmm.planner.measure import load_cluster
+from lightning_distmm.planner.profile import model_profiles
+
+ALL_SHARDS = {"shards": ["none", "optimizer", "full"]}
+
+
+def model(name: str) -> dict:
+    return yaml.safe_load((CONF_DIR / "model" / f"{name}.yaml").read_text())
+
+
+# ---------------------------------------------------------------------- precision policy
+def test_precision_policy_bytes():
+    """bf16-mixed: 2 (bf16 weights) + 4 (fp32 gradients) + 12 (fp32 master + Adam m, v) = 18 B, as
+    Megatron-LM's distributed-optimizer documentation counts; fp32: 4 + 4 + 8 = 16 B."""
+    bf16, fp32 = CostOptions(precision="bf16-mixed"), CostOptions(precision="fp32")
+    assert (bf16.policy.weights, bf16.policy.grads, bf16.policy.optimizer) == (2, 4, 12)
+    assert bf16.static_bytes_trainable == 18 and bf16.bytes_el == 2 and bf16.grad_bytes == 4
+    assert (fp32.policy.weights, fp32.policy.grads, fp32.policy.optimizer) == (4, 4, 8)
+    assert fp32.static_bytes_trainable == 16 and fp32.bytes_el == 4 and fp32.grad_bytes == 4
+    assert precision_policy("32") == precision_policy("fp32")  # Lightning's name
+    with pytest.raises(ValueError, match="precision"):
+        CostOptions(precision="int8")
+
+
+def test_gradients_reduced_in_fp32_under_bf16_mixed():
+    p = model_profiles(model("clip_vit_l14"))["image"]
+    for precision in ("bf16-mixed", "fp32"):
+        o = CostOptions(precision=precision)
+        assert grad_bytes_per_device(p, o, 1, 1) == pytest.approx(4 * p.params)
+
+
+@pytest.mark.parametrize("dp", [1, 8, 64])
+def test_sharding_divides_the_static_bytes(dp):
+    """ZeRO-1 (Megatron's distributed optimizer): 6 + 12/d B per parameter; ZeRO-3: 18/d; a frozen
+    tower holds its bf16 weights (split under ZeRO-3)."""
+    profiles = model_profiles(model("lit_l16_bert_large"))
+    trained, frozen = profiles["text"], profiles["image"]
+    assert frozen.frozen and not trained.frozen
+    o = CostOptions()
+    assert static_per_param(trained, o, "none", dp) == pytest.approx(18)
+    assert static_per_param(trained, o, "optimizer", dp) == pytest.approx(6 + 12 / dp)
+    assert static_per_param(trained, o, "full", dp) == pytest.approx(18 / dp)
+    assert static_per_param(frozen, o, "none", dp) == pytest.approx(2)
+    assert static_per_param(frozen, o, "full", dp) == pytest.approx(2 / dp)
+
+
+def test_fsdp_memory_is_one_shard_of_the_state():
+    """The fsdp baseline's static memory per rank is 1/dp of weights + gradients + optimizer state,
+    plus the two layers FSDP2 holds gathered (the one computing, the one prefetched)."""
+    cl = load_cluster("a100_8x8")
+    profiles = model_profiles(model("clip_vit_bigg14"))
+    _, rep = make_plan(model("clip_vit_bigg14"), cl, 4096, ALL_SHARDS)
+    fsdp = rep.baselines["fsdp"]
+    assert fsdp is not None
+    o = CostOptions()
+    for name, ch in fsdp.choices.items():
+        p = profiles[name]
+        assert (ch.shard, ch.tp, ch.pp, ch.dp) == ("full", 1, 1, cl.world_size)
+        static = fsdp.cost.towers[name].memory["static"]
+        expected = p.params * o.static_bytes_trainable / ch.dp + gathered_layers_bytes(p, o, 1)
+        assert static == pytest.approx(expected)
+        # and the same tower unsharded holds dp times its share
+        full = memory_per_device(p, o, ch.schedule, ch.microbatch, ch.K, ch.max_batch, 1, 1)["static"]
+        assert float(full) == pytest.approx(p.params * 18)
+
+
+# ---------------------------------------------------------------------- baselines
+@pytest.mark.parametrize(
+    "name, cluster, batch",
+    [("clip_vit_l14", "a100_8x8", 4096), ("clip_vit_bigg14", "a100_8x8", 4096), ("distmm_4b", "h100_8x8", 2048)],
+)
+def test_megatron_runs_one_microbatch_per_pipeline(name, cluster, batch):
+    """Megatron-LM's pipeline computes a loss per microbatch: a contrastive batch cannot be split, so
+    each pipeline runs its whole replica batch as one microbatch; one tp x pp for every tower; ZeRO-1."""
+    _, rep = make_plan(model(name), cluster, batch, ALL_SHARDS)
+    meg = rep.baselines["megatron"]
+    assert meg is not None
+    assert len({(c.tp, c.pp, c.dp) for c in meg.choices.values()}) == 1
+    for c in meg.choices.values():
+        assert c.K == 1 and c.microbatch == c.max_batch
+        assert c.shard == "optimizer" and c.schedule in ("gpipe", "gpipe+recompute")
+
+
+def test_megatron_space_is_restricted():
+    profiles = model_profiles(model("clip_vit_bigg14"))
+    sp = baseline_space("megatron", profiles, 8, 64)
+    assert sp.max_k == 1 and sp.max_microbatches == 1 and sp.shards == ("optimizer",)
+    assert "cached" not in sp.schedules and "distmm" not in sp.schedules
+    assert baseline_space("fsdp", profiles, 8, 64).shards == ("full",)
+    assert baseline_space("ddp", profiles, 8, 64).shards == ("none",)
+    with pytest.raises(ValueError, match="baseline"):
+        baseline_space("deepspeed", profiles, 8, 64)
+
+
+def test_uniform_batchsync_ablation_may_split_the_batch():
+    """The ablation keeps today's column: uniform degrees with this package's many-microbatch pipeline."""
+    _, rep = make_plan(model("distmm_26b"), "a100_8x8", 4096, ALL_SHARDS)
+    assert rep.baselines["megatron"] is None  # no uniform split fits one microbatch of the replica batch
+    ab = rep.baselines["uniform+batchsync"]
+    assert ab is not None and max(c.K for c in ab.choices.values()) > 1
+
+
+def test_baselines_priced_like_any_plan():
+    """Each baseline's price is evaluate_plan's price of its choices (one cost model for all)."""
+    cl = load_cluster("a100_8x8")
+    profiles = model_profiles(model("clip_vit_h14"))
+    o = CostOptions()
+    for kind in BASELINES:
+        ev = colocated_search(profiles, cl, o, 2048, baseline_space(kind, profiles, 8, 64), kind)
+        assert ev is not None and ev.name == kind
+        again = evaluate_plan(profiles, cl, o, ev.choices, ev.ranks, 2048)
+        assert again.step_time == pytest.approx(ev.step_time)
+
+
+def test_default_options_never_shard():
+    """plan='auto' and the default options keep every tower's state replicated (the runtime does not shard)."""
+    from lightning_distmm.planner.auto import auto_plan
+
+    plan, rep = make_plan(model("distmm_10b"), "h200_8x8", 1024)
+    assert all(c.shard == "none" for c in rep.chosen.choices.values())
+    with pytest.raises(ValueError, match="cannot shard"):
+        auto_plan({}, 2, 8, options={"shards": ["none", "full"]})
+
+
+def test_sharding_lets_a_big_tower_fit_without_deep_tp():
+    """A 26B model: with ZeRO-3 allowed the planner may hold the image tower as sharded data
+    parallelism; the choice is priced and fits."""
+    _, rep = make_plan(model("distmm_26b"), "a100_8x8", 4096, ALL_SHARDS)
+    plain = make_plan(model("distmm_26b"), "a100_8x8", 4096)[1]
+    assert rep.step_time <= plain.step_time * (1 + 1e-9)
+    assert rep.chosen.cost.extra["fits"]
+
+
+# ---------------------------------------------------------------------- NCCL protocols
+@pytest.mark.parametrize(
+    "nbytes, protocol",
+    [(64e3, "LL"), (8e6, "LL128"), (256e6, "Simple")],
+)
+def test_nccl_protocol_by_message_size(nbytes, protocol):
+    """An all-reduce over the 8 GPUs of an A100 node: a tensor-parallel activation (64 KB) goes LL, a
+    medium message LL128, a gradient bucket set Simple (NCCL v2.30.7's constants)."""
+    cl = load_cluster("a100_8x8")
+    got = choose_protocol("ampere", cl.intra.effective, cl.inter.effective, 2, 8, 1, 2 * 7 / 8 * nbytes, 0.0)
+    assert got == protocol
+
+
+def test_small_tp_allreduce_is_cheaper_than_simple_ring_latency():
+    """At tp 8 the Simple ring's latency alone is 8.4 + 14 x 3.4 = 56 us; a small all-reduce costs less."""
+    from lightning_distmm.planner.cost import allreduce_time
+
+    cl = load_cluster("a100_8x8")
+    assert allreduce_time(cl, 64e3, 8, 1, 8) < 20e-6
+    assert allreduce_time(cl, 1e9, 8, 1, 8) > 5e-3
