@@ -9,7 +9,7 @@ from typing import Any
 
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.planner.balance import Balance
-from lightning_distmm.planner.baselines import Evaluated
+from lightning_distmm.planner.baselines import BASELINES, LABELS, Evaluated
 from lightning_distmm.planner.cluster import GB, Cluster
 from lightning_distmm.planner.options import PlannerOptions
 from lightning_distmm.planner.profile import TowerProfile
@@ -107,19 +107,18 @@ class Report:
             f"batch sync (feature all-gather, loss, gradient scatter): {_ms(c.cost.sync['total'])}",
             f"predicted step time: {_ms(self.step_time)}  ({self.global_batch / self.step_time:,.0f} samples/s)",
         ]
-        for name in ("ddp", "megatron"):
-            b = self.baselines.get(name)
-            label = {"ddp": "colocated DDP (open_clip style)", "megatron": "Megatron-LM style (uniform tp x pp x dp)"}[
-                name
-            ]
+        for name in BASELINES:
+            if name not in self.baselines:
+                continue
+            b = self.baselines[name]
             if b is None:
-                lines.append(f"  vs {label}: no configuration fits")
+                lines.append(f"  vs {LABELS[name]}: no configuration fits")
             else:
-                cfg = next(iter(b.choices.values()))
                 lines.append(
-                    f"  vs {label}: {_ms(b.step_time)} (tp={cfg.tp} pp={cfg.pp} dp={cfg.dp}, microbatch {cfg.microbatch},"
-                    f" {cfg.schedule}) -> speedup {b.step_time / self.step_time:.2f}x"
+                    f"  vs {LABELS[name]}: {_ms(b.step_time)} ({describe(b)}) -> speedup {b.step_time / self.step_time:.2f}x"
                 )
+        if any(ch.shard != "none" for ch in c.choices.values()):
+            lines.append("  note: the chosen plan shards a tower's state, which the runtime does not run yet")
         for name, ev in self.candidates.items():
             if ev is not None and ev is not c:
                 lines.append(f"  best {name} plan considered: {_ms(ev.step_time)}")
@@ -170,6 +169,17 @@ class Report:
         }
 
 
+def describe(ev: Evaluated) -> str:
+    """A plan in one line: per tower its devices, tp/pp/dp, microbatch x count, schedule and sharding
+    (towers with the same configuration merged)."""
+    parts: dict[str, list[str]] = {}
+    for name, ch in ev.choices.items():
+        shard = "" if ch.shard == "none" else f" {'zero1' if ch.shard == 'optimizer' else 'zero3'}"
+        key = f"{ch.n}dev tp{ch.tp} pp{ch.pp} dp{ch.dp} mb{ch.microbatch}x{ch.K} {ch.schedule}{shard}"
+        parts.setdefault(key, []).append(name)
+    return "; ".join(f"{'+'.join(names)}: {k}" for k, names in parts.items())
+
+
 def _tower_cost(tc: Any) -> dict[str, Any]:
     d = dataclasses.asdict(tc)
     d.pop("name", None)
@@ -184,4 +194,4 @@ def _ms(t: float) -> str:
     return f"{t * 1e3:,.1f} ms" if t < 100 else f"{t:,.2f} s"
 
 
-__all__ = ["Report"]
+__all__ = ["Report", "describe"]
