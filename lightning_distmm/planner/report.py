@@ -114,8 +114,11 @@ class Report:
             if b is None:
                 lines.append(f"  vs {LABELS[name]}: no configuration fits")
             else:
+                outside = sorted({ch.shard for ch in b.choices.values()} - set(self.options.shards))
+                why = f" (its sharding {outside} is not in planner.shards)" if outside else ""
                 lines.append(
-                    f"  vs {LABELS[name]}: {_ms(b.step_time)} ({describe(b)}) -> speedup {b.step_time / self.step_time:.2f}x"
+                    f"  vs {LABELS[name]}: {_ms(b.step_time)} ({describe(b)}) -> speedup"
+                    f" {b.step_time / self.step_time:.2f}x{why}"
                 )
         if any(ch.shard != "none" for ch in c.choices.values()):
             lines.append("  note: the chosen plan shards a tower's state, which the runtime does not run yet")
