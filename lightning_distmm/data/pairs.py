@@ -1,0 +1,275 @@
+"""Image-caption pair datasets in the formats people keep them in, decoded per tower.
+
+- :class:`CsvPairs`: open_clip's CSV/TSV format (one row per pair: an image path column and a
+  caption column, ``filepath`` / ``title`` by default, as ``--csv-img-key`` / ``--csv-caption-key``).
+- :class:`ImageFolderPairs`: a folder of images with a sidecar ``<stem>.txt`` caption per image,
+  or one captions file (JSON ``{relative path: caption}`` or ``path<TAB>caption`` lines).
+
+Both are :class:`~lightning_distmm.data.fields.FieldDataset` s: ``load(index, fields)`` does only
+the work of the fields asked for. Under distmm an image rank opens and decodes the image file and
+runs the transform, never the tokenizer; a text rank tokenizes, never touching the image file.
+Fields: ``image`` (the transform's tensor), ``caption`` (str), ``input_ids`` / ``attention_mask``.
+
+``decoded`` counts, per field, the samples that produced it in this process, and ``decode_log``
+(a file path) appends one JSON line ``[rank, index, fields]`` per ``load``, so work done in other
+processes (distmm ranks, DataLoader workers) can be checked too.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from lightning_distmm.data.fields import FieldDataset
+from lightning_distmm.data.preprocess import CaptionTokenizer
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+TOKEN_FIELDS = ("input_ids", "attention_mask")
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class PairDataset(FieldDataset):
+    """Image file + caption pairs; subclasses say where sample ``index``'s image and caption are.
+
+    Args:
+        transform: a PIL image -> tensor callable (see :func:`~lightning_distmm.data.preprocess.image_transform`);
+            None gives ``torchvision``'s ``ToTensor`` (no resizing).
+        tokenizer: a :class:`~lightning_distmm.data.preprocess.CaptionTokenizer`, or what its
+            constructor takes (None: the embedded tokenizer; a local directory; a ``tokenizer.json``).
+        context_length: token width when ``tokenizer`` is not already a ``CaptionTokenizer``.
+        decode_log: append ``[rank, index, fields]`` per ``load`` to this file (for checks across processes).
+    """
+
+    fields: tuple[str, ...] = ("image", "caption", *TOKEN_FIELDS)
+
+    def __init__(
+        self,
+        transform: Callable[[Any], Tensor] | None = None,
+        tokenizer: Any = None,
+        context_length: int = 77,
+        decode_log: str | os.PathLike | None = None,
+    ):
+        if transform is None:
+            from torchvision.transforms import ToTensor
+
+            transform = ToTensor()
+        self.transform = transform
+        self._tokenizer_arg = tokenizer
+        self._context_length = int(context_length)
+        self._tokenizer: CaptionTokenizer | None = tokenizer if isinstance(tokenizer, CaptionTokenizer) else None
+        self.decode_log = str(decode_log) if decode_log is not None else None
+        self.decoded: Counter[str] = Counter()
+
+    # ------------------------------------------------------------------ what subclasses provide
+    def image_path(self, index: int) -> Path:
+        raise NotImplementedError
+
+    def caption(self, index: int) -> str:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ decoding
+    @property
+    def tokenizer(self) -> CaptionTokenizer:
+        """Built on first use, so that a rank that never tokenizes never loads the tokenizer."""
+        if self._tokenizer is None:
+            self._tokenizer = CaptionTokenizer(self._tokenizer_arg, self._context_length)
+        return self._tokenizer
+
+    def decode_image(self, index: int) -> Tensor:
+        from PIL import Image
+
+        with Image.open(self.image_path(index)) as img:
+            return self.transform(img.convert("RGB"))
+
+    def load(self, index: int, fields: Iterable[str]) -> dict[str, Any]:
+        fields = tuple(fields)
+        unknown = [f for f in fields if f not in self.fields]
+        if unknown:
+            raise KeyError(f"{type(self).__name__} has no field(s) {unknown}; fields are {self.fields}")
+        index = self._check_index(index)
+        out: dict[str, Any] = {}
+        if "image" in fields:
+            out["image"] = self.decode_image(index)
+        if any(f in fields for f in ("caption", *TOKEN_FIELDS)):
+            text = self.caption(index)
+            if "caption" in fields:
+                out["caption"] = text
+            if any(f in fields for f in TOKEN_FIELDS):
+                tokens = self.tokenizer(text)
+                out.update({f: tokens[f] for f in TOKEN_FIELDS if f in fields})
+        self.decoded.update(fields)
+        if self.decode_log is not None:
+            with open(self.decode_log, "a") as f:
+                f.write(json.dumps([_rank(), index, sorted(fields)]) + "\n")
+        return {f: out[f] for f in fields}
+
+    def _check_index(self, index: int) -> int:
+        n = len(self)
+        index = int(index)
+        if index < 0:
+            index += n
+        if not 0 <= index < n:
+            raise IndexError(f"index {index} out of range for {type(self).__name__} of {n} samples")
+        return index
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def __getstate__(self) -> dict[str, Any]:  # workers get a fresh counter; the tokenizer object pickles
+        state = dict(self.__dict__)
+        state["decoded"] = Counter()
+        return state
+
+
+class CsvPairs(PairDataset):
+    """open_clip's CSV/TSV image-caption format.
+
+    Args:
+        path: the CSV (``.csv``: comma-separated) or TSV (anything else: tab-separated, open_clip's default).
+        img_key: the column of image paths (open_clip: ``filepath``).
+        caption_key: the column of captions (open_clip: ``title``).
+        sep: the separator, overriding the guess from the suffix.
+        root: what relative image paths are relative to (default: the CSV's folder).
+        transform, tokenizer, context_length, decode_log: see :class:`PairDataset`.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        img_key: str = "filepath",
+        caption_key: str = "title",
+        sep: str | None = None,
+        root: str | os.PathLike | None = None,
+        transform: Callable[[Any], Tensor] | None = None,
+        tokenizer: Any = None,
+        context_length: int = 77,
+        decode_log: str | os.PathLike | None = None,
+    ):
+        super().__init__(transform, tokenizer, context_length, decode_log)
+        self.path = Path(path).expanduser()
+        if not self.path.is_file():
+            raise FileNotFoundError(f"CsvPairs: no file {str(self.path)!r}")
+        sep = sep if sep is not None else ("," if self.path.suffix.lower() == ".csv" else "\t")
+        self.root = Path(root).expanduser() if root is not None else self.path.parent
+        with open(self.path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f, delimiter=sep)
+            columns = reader.fieldnames or []
+            missing = [k for k in (img_key, caption_key) if k not in columns]
+            if missing:
+                raise KeyError(
+                    f"{self.path}: no column(s) {missing} (separator {sep!r}); its columns are {columns}:"
+                    f" pass img_key= / caption_key= (open_clip's --csv-img-key / --csv-caption-key) or sep="
+                )
+            rows = [(r[img_key], r[caption_key]) for r in reader]
+        if not rows:
+            raise ValueError(f"{self.path} has a header but no rows")
+        self._images = [p for p, _ in rows]
+        self._captions = [c for _, c in rows]
+
+    def __len__(self) -> int:
+        return len(self._images)
+
+    def image_path(self, index: int) -> Path:
+        path = Path(self._images[index]).expanduser()
+        return path if path.is_absolute() else self.root / path
+
+    def caption(self, index: int) -> str:
+        return self._captions[index]
+
+    def __repr__(self) -> str:
+        return f"CsvPairs({str(self.path)!r}, {len(self)} pairs)"
+
+
+class ImageFolderPairs(PairDataset):
+    """A folder of images (searched recursively, sorted by path) with their captions.
+
+    Args:
+        root: the folder.
+        captions: None for a sidecar ``<image stem>.txt`` next to each image; or a captions file:
+            ``.json`` (``{path relative to root: caption}``) or lines ``path<TAB>caption``.
+            Images without a caption are an error (named), not silently skipped.
+        extensions: image file suffixes (lower case).
+        transform, tokenizer, context_length, decode_log: see :class:`PairDataset`.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        captions: str | os.PathLike | None = None,
+        extensions: Sequence[str] = IMAGE_EXTENSIONS,
+        transform: Callable[[Any], Tensor] | None = None,
+        tokenizer: Any = None,
+        context_length: int = 77,
+        decode_log: str | os.PathLike | None = None,
+    ):
+        super().__init__(transform, tokenizer, context_length, decode_log)
+        self.root = Path(root).expanduser()
+        if not self.root.is_dir():
+            raise FileNotFoundError(f"ImageFolderPairs: no folder {str(self.root)!r}")
+        exts = tuple(e.lower() for e in extensions)
+        self._images = sorted(p for p in self.root.rglob("*") if p.is_file() and p.suffix.lower() in exts)
+        if not self._images:
+            raise ValueError(f"{self.root} holds no image files (suffixes {list(exts)})")
+        self._captions: list[str] | None = None
+        if captions is not None:
+            table = _read_captions(Path(captions).expanduser())
+            keys = [p.relative_to(self.root).as_posix() for p in self._images]
+            missing = [k for k in keys if k not in table]
+            if missing:
+                raise KeyError(f"{captions} has no caption for {len(missing)} image(s), e.g. {missing[:3]}")
+            self._captions = [table[k] for k in keys]
+        else:
+            missing = [p for p in self._images if not p.with_suffix(".txt").is_file()]
+            if missing:
+                raise FileNotFoundError(
+                    f"{len(missing)} image(s) under {self.root} have no sidecar caption file, e.g."
+                    f" {[str(p.with_suffix('.txt')) for p in missing[:3]]}; or pass captions= (a JSON or TSV file)"
+                )
+
+    def __len__(self) -> int:
+        return len(self._images)
+
+    def image_path(self, index: int) -> Path:
+        return self._images[index]
+
+    def caption(self, index: int) -> str:
+        if self._captions is not None:
+            return self._captions[index]
+        return self._images[index].with_suffix(".txt").read_text(encoding="utf-8").strip()
+
+    def __repr__(self) -> str:
+        return f"ImageFolderPairs({str(self.root)!r}, {len(self)} pairs)"
+
+
+def _read_captions(path: Path) -> dict[str, str]:
+    if not path.is_file():
+        raise FileNotFoundError(f"no captions file {str(path)!r}")
+    if path.suffix.lower() == ".json":
+        table = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(table, dict):
+            raise TypeError(f"{path}: expected a JSON object {{image path: caption}}")
+        return {str(k): str(v) for k, v in table.items()}
+    table = {}
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        if "\t" not in line:
+            raise ValueError(f"{path}:{n}: expected 'path<TAB>caption'")
+        name, text = line.split("\t", 1)
+        table[name] = text
+    return table
+
+
+__all__ = ["CsvPairs", "ImageFolderPairs", "PairDataset", "IMAGE_EXTENSIONS"]

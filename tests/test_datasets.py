@@ -1,0 +1,241 @@
+"""Pair datasets (open_clip CSV/TSV, image folders): each decodes only the fields asked for, and
+under distmm a rank decodes only its rows and its towers' fields and trains like one process."""
+
+from __future__ import annotations
+
+import copy
+import json
+import multiprocessing as mp
+import os
+import signal
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from distmm_testing import SEQ, VOCAB, TinyCLIP, max_param_diff, read_losses, run_distmm, run_reference
+from PIL import Image
+from torch.utils.data import DataLoader
+
+import lightning_distmm as ldm
+from lightning_distmm.data import CaptionTokenizer, CsvPairs, ImageFolderPairs, image_transform
+from lightning_distmm.data.tokenizer import build_tokenizer
+
+WORDS = ["red", "green", "blue", "circle", "square", "cross", "big", "small", "a"]
+assert len(WORDS) + 4 <= VOCAB  # the tiny text tower's vocabulary
+
+
+def _caption(i: int) -> str:
+    return f"a {['big', 'small'][i % 2]} {WORDS[i % 3]} {WORDS[3 + i % 3]}"  # 4 words + BOS/EOS = SEQ
+
+
+def _write_images(folder: Path, n: int, size: int = 8, sidecar: bool = True) -> list[str]:
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    names = []
+    for i in range(n):
+        name = f"img_{i:03d}.png"
+        Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(folder / name)
+        if sidecar:
+            (folder / name).with_suffix(".txt").write_text(_caption(i) + "\n")
+        names.append(name)
+    return names
+
+
+def _write_csv(tmp: Path, n: int, sep: str = "\t", img_key: str = "filepath", caption_key: str = "title") -> Path:
+    names = _write_images(tmp / "images", n, sidecar=False)
+    path = tmp / ("pairs.csv" if sep == "," else "pairs.tsv")
+    lines = [f"{img_key}{sep}{caption_key}"] + [f"images/{name}{sep}{_caption(i)}" for i, name in enumerate(names)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _tiny_kwargs(log: Path | None = None) -> dict:
+    return dict(
+        transform=image_transform(input_size=(3, 8, 8), crop_pct=1.0, interpolation="bilinear"),
+        tokenizer=CaptionTokenizer(build_tokenizer(WORDS), context_length=SEQ),
+        decode_log=log,
+    )
+
+
+# ---------------------------------------------------------------------- one process
+@pytest.mark.parametrize("sep", ["\t", ","])
+def test_csv_pairs_reads_open_clip_format(tmp_path, sep):
+    ds = CsvPairs(_write_csv(tmp_path, 5, sep=sep), **_tiny_kwargs())
+    assert len(ds) == 5
+    sample = ds[2]
+    assert set(sample) == {"image", "caption", "input_ids", "attention_mask"}
+    assert sample["image"].shape == (3, 8, 8) and sample["caption"] == _caption(2)
+    assert sample["input_ids"].shape == (SEQ,) and int(sample["input_ids"].max()) < VOCAB
+    assert sample["attention_mask"].tolist() == [1] * SEQ
+
+
+def test_csv_pairs_custom_columns_and_clear_errors(tmp_path):
+    path = _write_csv(tmp_path, 3, img_key="path", caption_key="caption")
+    assert CsvPairs(path, img_key="path", caption_key="caption", **_tiny_kwargs())[0]["caption"] == _caption(0)
+    with pytest.raises(KeyError, match=r"no column\(s\) \['filepath', 'title'\].*img_key="):
+        CsvPairs(path)
+    with pytest.raises(FileNotFoundError, match="no file"):
+        CsvPairs(tmp_path / "nope.tsv")
+
+
+def test_image_folder_pairs_sidecar_and_captions_file(tmp_path):
+    _write_images(tmp_path / "side", 4)
+    ds = ImageFolderPairs(tmp_path / "side", **_tiny_kwargs())
+    assert len(ds) == 4 and ds.load(3, ["caption"]) == {"caption": _caption(3)}
+
+    names = _write_images(tmp_path / "plain", 3, sidecar=False)
+    with pytest.raises(FileNotFoundError, match="no sidecar caption"):
+        ImageFolderPairs(tmp_path / "plain")
+    table = tmp_path / "captions.json"
+    table.write_text(json.dumps({n: f"caption {i}" for i, n in enumerate(names)}))
+    assert ImageFolderPairs(tmp_path / "plain", captions=table)[1]["caption"] == "caption 1"
+    tsv = tmp_path / "captions.tsv"
+    tsv.write_text("".join(f"{n}\tline {i}\n" for i, n in enumerate(names[:2])))
+    with pytest.raises(KeyError, match="no caption for 1 image"):
+        ImageFolderPairs(tmp_path / "plain", captions=tsv)
+
+
+def test_load_decodes_only_the_fields_asked_for(tmp_path, monkeypatch):
+    log = tmp_path / "decode.log"
+    ds = CsvPairs(_write_csv(tmp_path, 4), **_tiny_kwargs(log))
+    opened = []
+    real_open = Image.open
+    monkeypatch.setattr(Image, "open", lambda *a, **k: opened.append(a[0]) or real_open(*a, **k))
+    tokenized = []
+    real_call = CaptionTokenizer.__call__
+    monkeypatch.setattr(CaptionTokenizer, "__call__", lambda self, t: tokenized.append(t) or real_call(self, t))
+
+    text = ds.load(1, ["input_ids", "attention_mask"])
+    assert set(text) == {"input_ids", "attention_mask"} and opened == [] and tokenized == [_caption(1)]
+    image = ds.load(2, ["image"])
+    assert set(image) == {"image"} and len(opened) == 1 and len(tokenized) == 1
+    ds.load(0, ["caption"])
+    assert len(opened) == 1 and len(tokenized) == 1  # a caption alone is neither decoded nor tokenized
+    assert ds.decoded == {"input_ids": 1, "attention_mask": 1, "image": 1, "caption": 1}
+    assert [json.loads(line) for line in log.read_text().splitlines()] == [
+        [0, 1, ["attention_mask", "input_ids"]],
+        [0, 2, ["image"]],
+        [0, 0, ["caption"]],
+    ]
+    # a field does not depend on the others loaded with it
+    assert torch.equal(ds[2]["image"], image["image"]) and torch.equal(ds[1]["input_ids"], text["input_ids"])
+    with pytest.raises(KeyError, match="no field"):
+        ds.load(0, ["pixels"])
+
+
+def test_transform_follows_the_model_pretrained_cfg():
+    from timm.models.vision_transformer import VisionTransformer
+
+    model = VisionTransformer(img_size=16, patch_size=8, embed_dim=16, depth=1, num_heads=2, num_classes=4)
+    out = image_transform(model=model)(Image.new("RGB", (40, 30)))
+    assert out.shape == (3, 16, 16)
+
+
+def test_local_tokenizer_directory(tmp_path):
+    """A Hugging Face tokenizer saved to a folder loads from it (local files only)."""
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=build_tokenizer(WORDS), pad_token="[PAD]", bos_token="[BOS]", eos_token="[EOS]"
+    )
+    fast.save_pretrained(tmp_path / "tok")
+    tok = CaptionTokenizer(tmp_path / "tok", context_length=8)
+    enc = tok("a red circle")
+    assert enc["input_ids"].tolist() == tok.batch(["a red circle"])["input_ids"][0].tolist()
+    assert enc["attention_mask"].tolist() == [1] * 5 + [0] * 3 and int(enc["input_ids"][4]) == 3  # [EOS]
+    with pytest.raises(FileNotFoundError, match="nothing is downloaded"):
+        CaptionTokenizer(tmp_path / "missing")
+
+
+# ---------------------------------------------------------------------- under distmm
+def in_subprocess(fn: Callable[[], None], timeout: float = 300) -> None:
+    """Run ``fn`` in a forked process group; a hang past ``timeout`` fails the test (and is killed)."""
+    ctx = mp.get_context("fork")
+    errors = ctx.Queue()
+
+    def main() -> None:
+        os.setsid()
+        try:
+            fn()
+            errors.put(None)
+        except BaseException:
+            errors.put(traceback.format_exc())
+
+    p = ctx.Process(target=main)
+    p.start()
+    p.join(timeout)
+    if p.is_alive():
+        os.killpg(p.pid, signal.SIGKILL)
+        p.join()
+        pytest.fail(f"the run did not finish in {timeout}s: a hang")
+    error = errors.get(timeout=5)
+    assert error is None, error
+
+
+def _records(log: Path) -> dict[int, list[tuple[int, tuple[str, ...]]]]:
+    by_rank: dict[int, list] = {}
+    for line in log.read_text().splitlines():
+        rank, index, fields = json.loads(line)
+        by_rank.setdefault(rank, []).append((index, tuple(fields)))
+    return by_rank
+
+
+def _compare(make_dataset, plan: ldm.Plan, world: int, tmp_path: Path, optimizer: str = "sgd", steps: int = 3) -> None:
+    """Train TinyCLIP 3 steps on ``make_dataset(None)`` in one process and on ``make_dataset(log)``
+    under ``plan``: the same weights and losses.
+
+    SGD (momentum 0.9): AdamW normalises each element by its own gradient's size, so an element
+    whose true gradient is near zero (here a few of ``mlp.fc2.weight`` on noise images) turns the
+    float rounding of a different summation order into visible steps (2.5e-5 after 3 steps).
+    """
+    batch = 8
+    L.seed_everything(0)
+    reference = TinyCLIP(optimizer, lr=0.05 if optimizer == "sgd" else 0.01)
+    module, initial = copy.deepcopy(reference), copy.deepcopy(reference)
+    data = DataLoader(make_dataset(None), batch_size=batch, drop_last=True)
+    run_reference(reference, data, steps, str(tmp_path / "ref.json"))
+    log = tmp_path / "decode.log"
+    data = DataLoader(make_dataset(log), batch_size=batch, drop_last=True)
+    run_distmm(module, plan, world, data, steps, str(tmp_path / "dist.json"))
+    assert max_param_diff(reference, module) <= 1e-5
+    assert max_param_diff(reference, initial) > 1e-3
+    assert read_losses(tmp_path / "dist.json") == pytest.approx(read_losses(tmp_path / "ref.json"), abs=1e-5)
+
+
+@pytest.mark.slow
+def test_csv_pairs_under_distmm_equal_one_process_and_decode_per_rank(tmp_path):
+    """Image on ranks 0, 1 (4 rows each of a batch of 8), text on rank 2: each rank decoded only
+    its rows and its tower's fields, and the weights equal one process's after 3 steps."""
+    csv_path = _write_csv(tmp_path, 24)
+    plan = ldm.Plan(3, {"image": {"ranks": [0, 1]}, "text": {"ranks": [2]}})
+    in_subprocess(lambda: _compare(lambda log: CsvPairs(csv_path, **_tiny_kwargs(log)), plan, 3, tmp_path, "sgd"))
+    records = _records(tmp_path / "decode.log")
+    image, text = ("image",), ("attention_mask", "input_ids")
+    assert {f for r in records.values() for _, f in r} == {image, text}
+    assert all(f == image for _, f in records[0] + records[1]) and all(f == text for _, f in records[2])
+    # 3 steps of 8 rows (Lightning may prefetch one batch more): rank 0 rows 0-3, rank 1 rows 4-7 of each batch
+    steps = {i // 8 for i, _ in records[2]}
+    assert steps >= {0, 1, 2}
+    for step in steps:
+        assert sorted(i for i, _ in records[0] if i // 8 == step) == list(range(8 * step, 8 * step + 4))
+        assert sorted(i for i, _ in records[1] if i // 8 == step) == list(range(8 * step + 4, 8 * step + 8))
+        assert sorted(i for i, _ in records[2] if i // 8 == step) == list(range(8 * step, 8 * step + 8))
+
+
+@pytest.mark.slow
+def test_image_folder_pairs_under_distmm_equal_one_process(tmp_path):
+    _write_images(tmp_path / "images", 24)
+    plan = ldm.Plan(2, {"image": {"ranks": [0]}, "text": {"ranks": [1]}})
+    in_subprocess(
+        lambda: _compare(
+            lambda log: ImageFolderPairs(tmp_path / "images", **_tiny_kwargs(log)), plan, 2, tmp_path, "sgd"
+        )
+    )
+    records = _records(tmp_path / "decode.log")
+    assert {f for _, f in records[0]} == {("image",)}
+    assert {f for _, f in records[1]} == {("attention_mask", "input_ids")}
+    assert [i for i, _ in records[0]] == [i for i, _ in records[1]]  # the same rows, in the same order
