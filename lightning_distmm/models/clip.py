@@ -16,10 +16,16 @@ Tower archs:
 
 - ``vit``: ``timm.models.vision_transformer.VisionTransformer`` (class token pooling); its head
   (``num_classes=embed_dim``) is the projection. Optional ``pretrained_path`` (a local
-  ``state_dict`` file; a head of another shape is skipped).
+  ``state_dict`` file; a head of another shape is skipped). Optional keys, timm's defaults when
+  absent: ``pre_norm`` (a LayerNorm before the blocks, no patch-embedding bias), ``norm_eps``
+  (1e-6), ``act`` (``gelu`` | ``quick_gelu``), ``head_bias`` (true), ``qkv_bias`` (true). With
+  ``pre_norm: true, norm_eps: 1e-5, head_bias: false`` the tower is the CLIP ViT of open_clip and
+  Hugging Face, tensor for tensor (:mod:`lightning_distmm.models.bridges`).
 - ``clip_text``: :class:`TextTower`, ``transformers.CLIPTextModel`` + a linear projection, pooled at
   the last attended token (the ``[EOS]`` of :mod:`lightning_distmm.data.tokenizer`), computed from
-  ``attention_mask``, so it does not depend on ``eos_token_id`` conventions.
+  ``attention_mask``, so it does not depend on ``eos_token_id`` conventions. Optional keys:
+  ``act`` (``quick_gelu``, Hugging Face's default, | ``gelu``), ``norm_eps`` (1e-5),
+  ``pad_token_id`` / ``bos_token_id`` / ``eos_token_id`` (those of the embedded tokenizer).
 - ``bert``: :class:`BertTower`, ``transformers.BertModel`` (no pooler), first-token ([BOS]/[CLS])
   pooling + a linear projection.
 
@@ -29,6 +35,7 @@ Every tower maps its inputs to ``[B, embed_dim]`` features.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -130,6 +137,8 @@ class TextTower(nn.Module):
         pad_token_id: int = _PAD_ID,
         bos_token_id: int = _BOS_ID,
         eos_token_id: int = _EOS_ID,
+        act: str = "quick_gelu",
+        norm_eps: float = 1e-5,
     ):
         super().__init__()
         from transformers import CLIPTextConfig, CLIPTextModel
@@ -145,6 +154,8 @@ class TextTower(nn.Module):
             pad_token_id=pad_token_id,
             bos_token_id=bos_token_id,
             eos_token_id=eos_token_id,
+            hidden_act=act,
+            layer_norm_eps=norm_eps,
         )
         self.context_length = context_length
         self.transformer = CLIPTextModel(config)
@@ -215,6 +226,7 @@ def build_vit(cfg: Mapping[str, Any], embed_dim: int) -> nn.Module:
     from timm.models.vision_transformer import VisionTransformer
 
     where = "a vit tower"
+    norm_eps = float(cfg.get("norm_eps", 1e-6))
     model = VisionTransformer(
         img_size=int(_require(cfg, "img_size", where)),
         patch_size=int(_require(cfg, "patch_size", where)),
@@ -225,7 +237,13 @@ def build_vit(cfg: Mapping[str, Any], embed_dim: int) -> nn.Module:
         mlp_ratio=float(cfg.get("mlp_ratio", 4.0)),
         num_classes=embed_dim,
         global_pool=cfg.get("global_pool", "token"),
+        pre_norm=bool(cfg.get("pre_norm", False)),
+        qkv_bias=bool(cfg.get("qkv_bias", True)),
+        norm_layer=functools.partial(nn.LayerNorm, eps=norm_eps),
+        act_layer=cfg.get("act") or "gelu",
     )
+    if not cfg.get("head_bias", True):  # CLIP's image projection is a matrix without bias
+        model.head = nn.Linear(model.embed_dim, embed_dim, bias=False)
     path = cfg.get("pretrained_path")
     if path:
         _load_local_weights(model, path, skip_prefixes=("head.",))
@@ -274,6 +292,9 @@ def build_tower(cfg: Mapping[str, Any], embed_dim: int) -> nn.Module:
             mlp_ratio=float(cfg.get("mlp_ratio", 4.0)),
             embed_dim=embed_dim,
         )
+        if arch == "clip_text":
+            optional = ("act", "norm_eps", "pad_token_id", "bos_token_id", "eos_token_id")
+            kwargs.update({k: cfg[k] for k in optional if cfg.get(k) is not None})
         tower: nn.Module = TextTower(**kwargs) if arch == "clip_text" else BertTower(**kwargs)
         if cfg.get("pretrained_path"):
             _load_local_weights(tower, cfg["pretrained_path"], skip_prefixes=("proj.",))
@@ -376,6 +397,18 @@ class CLIPModel(DistMMMixin, L.LightningModule):
 
         lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": lr_scheduler, "interval": "step"}}
+
+    @classmethod
+    def load_from_checkpoint(
+        cls, checkpoint_path: Any, map_location: Any = None, strict: bool | None = None, **kwargs: Any
+    ) -> Any:  # type: ignore[override]
+        """Lightning's ``load_from_checkpoint``, which also reads distmm's checkpoint folders
+        (:func:`lightning_distmm.models.checkpoints.load_checkpoint`)."""
+        from lightning_distmm.models.checkpoints import is_checkpoint_folder, load_checkpoint
+
+        if is_checkpoint_folder(checkpoint_path):
+            return load_checkpoint(cls, checkpoint_path, map_location=map_location, strict=strict, **kwargs)
+        return super().load_from_checkpoint(checkpoint_path, map_location=map_location, strict=strict, **kwargs)
 
     def _total_steps(self) -> int | None:
         try:
