@@ -2,9 +2,9 @@
 
 Three parts, none of which needs Lightning:
 
-- :class:`ErrorRelay`: each rank writes the first error it saw to a file of its own in the job's
-  run folder (a folder every rank can read: the Trainer's ``default_root_dir`` on a shared
-  filesystem), with the time it happened and whether it is a *consequence* (a peer closed its
+- :class:`ErrorRelay`: each rank writes the first error it saw to a file of its own in the run's
+  folder (under the host's temporary folder; the ranks of other hosts are reached through the
+  torch.distributed store while its host lives), with the time it happened and whether it is a *consequence* (a peer closed its
   connection mid-collective, a collective timed out) or a *root cause* (anything else). A rank
   that fails reads every rank's record and reports the earliest root cause, falling back to the
   earliest consequence. Files survive the death of any rank, rank 0 (which hosts the
@@ -198,6 +198,20 @@ class ErrorRelay:
                 return found
             time.sleep(poll)
 
+    def recorded(self) -> bool:
+        """Whether this rank recorded a failure (its record must then outlive the rank's teardown)."""
+        return self._path(self.rank).exists()
+
+    def finish(self, world_size: int) -> None:
+        """After a failure was reported: mark this rank done; the last rank out removes the folder."""
+        try:
+            (self.folder / f"rank{self.rank}.done").touch()
+            done = {p.name for p in self.folder.glob("rank*.done")}
+        except OSError:
+            return
+        if all(f"rank{r}.done" in done for r in range(world_size)):
+            _remove_tree(self.folder)
+
     def clear(self) -> None:
         """Remove this rank's files (a run that ended well leaves nothing behind)."""
         for path in (self._path(self.rank), self.folder / f"rank{self.rank}.proc"):
@@ -210,6 +224,29 @@ class ErrorRelay:
                 folder.rmdir()
             except OSError:
                 break
+
+
+def remove_stale_runs(root: str | os.PathLike) -> None:
+    """Remove run folders under ``root`` whose every rank process on this host is gone (a failed run
+    whose ranks could not all finish, e.g. one was killed)."""
+    root = Path(root)
+    if not root.is_dir():
+        return
+    host = socket.gethostname()
+    for run in root.iterdir():
+        procs = list(run.glob("rank*.proc")) if run.is_dir() else []
+        try:
+            infos = [json.loads(p.read_text()) for p in procs]
+        except (OSError, ValueError):
+            continue
+        if infos and all(i.get("host") == host and not _pid_alive(int(i["pid"])) for i in infos):
+            _remove_tree(run)
+
+
+def _remove_tree(folder: Path) -> None:
+    import shutil
+
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -243,22 +280,38 @@ class ParentWatchdog(threading.Thread):
 
     A process whose parent dies is re-parented (to init or a subreaper), so ``os.getppid()``
     changes: that is checked every ``interval`` seconds. Started on ranks that a launcher created.
+    Before it ends the process it prints, as ``[rank<N>]: ...``, what ``cause`` says stopped the
+    job (the relay's root cause), so the rank's last words name it.
     """
 
-    def __init__(self, interval: float = 1.0, code: int = 1, describe: str = "the launcher") -> None:
+    def __init__(
+        self,
+        interval: float = 1.0,
+        code: int = 1,
+        rank: int | None = None,
+        cause: Callable[[], str | None] | None = None,
+    ) -> None:
         super().__init__(name="distmm-parent-watchdog", daemon=True)
         self.parent = os.getppid()
         self.interval = interval
         self.code = code
-        self.describe = describe
+        self.rank = rank
+        self.cause = cause
         self._stop_event = threading.Event()
 
     def run(self) -> None:
         while not self._stop_event.wait(self.interval):
             if os.getppid() != self.parent:
+                why = None
+                if self.cause is not None:
+                    try:
+                        why = self.cause()
+                    except Exception:  # noqa: BLE001 - the process ends either way
+                        why = None
+                prefix = f"[rank{self.rank}]: " if self.rank is not None else ""
                 sys.stderr.write(
-                    f"distmm: {self.describe} (pid {self.parent}) is gone; ending rank process {os.getpid()}"
-                    " instead of waiting for its collectives to time out\n"
+                    f"{prefix}distmm: {why + '; ' if why else ''}the launcher (pid {self.parent}) is gone: ending"
+                    f" rank process {os.getpid()} instead of waiting for its collectives to time out\n"
                 )
                 sys.stderr.flush()
                 os._exit(self.code)

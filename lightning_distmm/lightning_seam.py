@@ -51,8 +51,13 @@ def init_process_groups(strategy: ParallelStrategy) -> None:
 def configure_launcher(
     strategy: ParallelStrategy, start_method: str, consolidate: Callable[[], dict[str, torch.Tensor] | None]
 ) -> None:
-    """Set ``strategy._launcher``: Lightning's ``_SubprocessScriptLauncher`` for ``"popen"`` (unless the
-    cluster creates the processes), else a multiprocessing launcher that returns the whole model.
+    """Set ``strategy._launcher``: Lightning's ``_SubprocessScriptLauncher`` for ``"popen"``, else a
+    multiprocessing launcher that returns the whole model.
+
+    The subprocess launcher is set on every rank, also where the processes were created by
+    someone else (its children, torchrun, SLURM), as DDP does: its ``launch`` then starts no
+    process but gives the rank its share of the host's cores for intra-op threads; without it
+    every rank runs as many threads as the host has cores.
 
     Lightning calls ``Strategy._configure_launcher`` to pick a launcher and has no public way to
     choose one; both launcher classes are private.
@@ -60,9 +65,8 @@ def configure_launcher(
     environment = strategy.cluster_environment
     assert environment is not None
     if start_method == "popen":
-        if not environment.creates_processes_externally:
-            launcher = _SubprocessScriptLauncher(environment, strategy.num_processes, strategy.num_nodes)
-            strategy._launcher = launcher  # type: ignore[attr-defined]
+        launcher = _SubprocessScriptLauncher(environment, strategy.num_processes, strategy.num_nodes)
+        strategy._launcher = launcher  # type: ignore[attr-defined]
     else:
         method: Literal["spawn", "fork", "forkserver"] = start_method  # type: ignore[assignment]
         strategy._launcher = ConsolidatingLauncher(strategy, consolidate, start_method=method)  # type: ignore[attr-defined]

@@ -17,6 +17,9 @@ starts the batch (``on_train_batch_start``: does Lightning zero the gradients af
 from __future__ import annotations
 
 import os
+import signal
+import tempfile
+import threading
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -24,19 +27,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_distmm import checkpoint as ckpt
+from lightning_distmm import faults
 from lightning_distmm import lightning_seam as seam
 from lightning_distmm.core.plan import Plan, PlanError, colocated_plan, proportional_plan
-from lightning_distmm.data.fields import FieldDataset, load_fields
+from lightning_distmm.data.checks import check_dataloader
 from lightning_distmm.data.loading import DistMMDataLoader
 from lightning_distmm.mixin import DistMMMixin
 from lightning_distmm.parallel.executor import RankRuntime
@@ -49,6 +52,10 @@ if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
 
 PlanSpec = Plan | str | os.PathLike | None
+
+#: how long a collective may wait before it fails: long enough for a slow checkpoint write, short
+#: enough that a stalled rank ends the job in minutes, not Lightning's default half hour
+DEFAULT_TIMEOUT = timedelta(minutes=10)
 StartMethod = Literal["popen", "spawn", "fork"]
 
 
@@ -64,6 +71,7 @@ class DistMMStrategy(ModelParallelStrategy):
             ``"spawn"``; ``"fork"`` (the notebook-safe one).
         bucket_cap_mb: gradients are summed over a tower's replicas in buckets of this size,
             posted during the backward as they become final (DDP's ``bucket_cap_mb``).
+        timeout: how long a collective waits for its peers before failing (default 10 minutes).
     """
 
     strategy_name = "distmm"
@@ -73,7 +81,7 @@ class DistMMStrategy(ModelParallelStrategy):
         plan: PlanSpec = None,
         start_method: StartMethod = "popen",
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | None = DEFAULT_TIMEOUT,
         bucket_cap_mb: float = 25.0,
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
@@ -84,10 +92,14 @@ class DistMMStrategy(ModelParallelStrategy):
         self.runtime: RankRuntime | None = None
         #: what the module calls under distmm, holding the step in progress (made in ``setup``)
         self.runner: StepRunner | None = None
+        #: each rank's first error, readable by every rank after any rank's death (docs/runtime.md)
+        self._relay: faults.ErrorRelay | None = None
+        self._watchdog: faults.ParentWatchdog | None = None
 
     # ------------------------------------------------------------------ launch
     @override
     def _configure_launcher(self) -> None:
+        faults.ensure_run_id()  # before any rank is started, so that every rank inherits it
         seam.configure_launcher(self, self._start_method, self._consolidated_state_dict)
 
     def _consolidated_state_dict(self) -> dict[str, Tensor] | None:
@@ -95,8 +107,32 @@ class DistMMStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        # process groups only: the per-tower meshes need the module's towers, made in ``setup``
-        seam.init_process_groups(self)
+        # failure handling first: joining the process group is the first thing that can hang
+        assert self.cluster_environment is not None
+        started_by_launcher = self._start_method != "popen" or self.cluster_environment.creates_processes_externally
+        if started_by_launcher and self._watchdog is None and threading.current_thread() is threading.main_thread():
+            self._watchdog = faults.ParentWatchdog(rank=self.global_rank, cause=self._recorded_cause)
+            self._watchdog.start()
+        self._relay = faults.ErrorRelay(self._failure_folder(), self.global_rank)
+        self._relay.register()
+        # process groups only: the per-tower meshes need the module's towers, made in ``setup``.
+        # Lightning re-seeds every generator from PL_GLOBAL_SEED there (reset_seed); the RNG state
+        # the user's script reached (model built, same on every rank) is kept instead, so that an
+        # unseeded sampler, dropout and the like draw what an ordinary single-process run draws
+        with _random_state_kept(self.root_device):
+            seam.init_process_groups(self)
+
+    def _recorded_cause(self) -> str | None:
+        """The root cause other ranks recorded, if any (what a rank says when its launcher is gone)."""
+        found = self._relay.first(wait=2.0) if self._relay is not None else None
+        return found.describe() if found is not None and found.rank != self.global_rank else None
+
+    def _failure_folder(self) -> Path:
+        """Where the ranks of this run on this host record their failures (runs whose processes are
+        all gone are removed first)."""
+        root = Path(tempfile.gettempdir()) / "distmm-runs"
+        faults.remove_stale_runs(root)
+        return root / faults.ensure_run_id()
 
     # ------------------------------------------------------------------ setup
     @override
@@ -150,7 +186,7 @@ class DistMMStrategy(ModelParallelStrategy):
 
     def _auto_plan(self, trainer: pl.Trainer, module: DistMMMixin) -> Plan:
         """The planner on profiles measured here: rank 0 measures and plans, every rank gets its plan."""
-        from lightning_distmm.planner.planner import auto_plan, tower_info_from_batch
+        from lightning_distmm.planner.auto import auto_plan, tower_info_from_batch
 
         example, global_batch = _example_batch(trainer), _train_batch_size(trainer)
         if example is None or global_batch is None:
@@ -176,6 +212,11 @@ class DistMMStrategy(ModelParallelStrategy):
         module = self.lightning_module
         if module is not None and self.runner is not None and getattr(module, "_distmm_runner", None) is self.runner:
             module._distmm_runner = None
+        if self._relay is not None and not self._relay.recorded():
+            self._relay.clear()  # a run that ends well leaves no failure folder behind
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
         super().teardown()
 
     # ------------------------------------------------------------------ data
@@ -189,37 +230,43 @@ class DistMMStrategy(ModelParallelStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         if not isinstance(dataloader, DataLoader) or self.runtime is None:
             return dataloader
-        self._check_dataset_fields(dataloader)
+        assert self.plan is not None
+        # every rank checks every tower, so a bad dataset fails everywhere at once, before training
+        check_dataloader(
+            dataloader,
+            {name: tower.fields for name, tower in self.runtime.towers.items()},
+            {name: t.dp for name, t in self.plan.towers.items()},
+            self.plan.sync_groups,
+        )
         batch_size = getattr(dataloader.batch_sampler, "batch_size", None)
         if batch_size is not None:
-            assert self.plan is not None
             self.plan.check_global_batch(batch_size)
-        if isinstance(dataloader.sampler, RandomSampler) and dataloader.sampler.generator is None:
-            dataloader = _with_seeded_shuffle(dataloader)
         return DistMMDataLoader(dataloader, self.runtime.layout, progress=self._batches_done)
-
-    def _check_dataset_fields(self, dataloader: DataLoader) -> None:
-        """Every rank checks every tower's fields, so a missing field fails everywhere at once."""
-        assert self.runtime is not None
-        dataset = dataloader.dataset
-        if isinstance(dataset, FieldDataset):
-            have = set(dataset.fields)
-        else:
-            sample = load_fields(dataset, 0, ()) if len(dataset) == 0 else dataset[0]  # type: ignore[arg-type]
-            have = set(sample) if isinstance(sample, Mapping) else set()
-        for name, tower in self.runtime.towers.items():
-            missing = [f for f in tower.fields if f not in have]
-            if missing:
-                raise KeyError(
-                    f"tower {name!r} reads batch field(s) {missing} that the samples of"
-                    f" {type(dataset).__name__} do not have (they have {sorted(have)})"
-                )
 
     def _batches_done(self) -> int:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None:
             return 0
         return trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
+    # ------------------------------------------------------------------ preemption
+    @override
+    def on_train_start(self) -> None:
+        self._handle_preemption()
+
+    @override
+    def on_validation_start(self) -> None:
+        self._handle_preemption()
+
+    def _handle_preemption(self) -> None:
+        """SIGTERM ends the rank that gets it at once, with an error every other rank reports.
+
+        Installed over Lightning's handler, which broadcasts from inside the signal handler: a
+        collective the other ranks never join, so every rank would wait until the timeout.
+        """
+        if threading.current_thread() is threading.main_thread():
+            forward = getattr(self._launcher, "kill", None)  # the launcher passes it on to its ranks
+            signal.signal(signal.SIGTERM, faults.preemption_handler(self.global_rank, forward))
 
     # ------------------------------------------------------------------ step
     @override
@@ -260,15 +307,31 @@ class DistMMStrategy(ModelParallelStrategy):
     # ------------------------------------------------------------------ failures
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """End every rank with the error that stopped the job, not with the broken pipe it left.
+        """End every rank with the error that caused the failure, not with the broken pipe it left.
 
-        The first rank to fail writes its error to the process group's store; a rank whose own
-        failure came later (a peer closed its connection mid-collective) raises that first error.
+        Each rank records its first error (with the time, and whether it is a consequence: a peer
+        closed its connection mid-collective, a collective timed out) in the run's failure folder
+        and reads every rank's: the earliest root cause is what every rank ends with. A rank that
+        died without a word (SIGKILL, out of memory) or stalled is named as such.
         """
         super().on_exception(exception)
-        first = _record_first_failure(self.global_rank, exception)
+        first = self._first_failure(exception)
+        if self._relay is not None:
+            self._relay.finish(self.world_size)
         if first is not None and not first.startswith(f"rank {self.global_rank}:"):
             raise DistMMRankFailure(f"distmm: {first}") from exception
+
+    def _first_failure(self, exception: BaseException) -> str | None:
+        stored = None
+        if not faults.is_consequence(exception):
+            stored = _record_first_failure(self.global_rank, exception)
+        if self._relay is None:
+            return stored
+        mine = self._relay.record(exception)
+        found = self._relay.first(wait=5.0 if mine.consequence else 0.0)
+        if found is not None and found.consequence and stored is not None:
+            return stored  # a root cause from a rank whose records this host cannot read
+        return found.describe() if found is not None else stored
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -296,7 +359,8 @@ _FIRST_FAILURE_KEY = "distmm/first_failure"
 
 
 def _record_first_failure(rank: int, exception: BaseException) -> str | None:
-    """Write this rank's error to the store unless another rank's is there; return the first one."""
+    """Write this rank's error to the store unless another rank's is there; return the first one
+    (the channel across nodes that share no filesystem, while the store's host, rank 0, lives)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -357,12 +421,23 @@ def _example_batch(trainer: pl.Trainer) -> Mapping[str, Any] | None:
     return batch if isinstance(batch, Mapping) else None
 
 
-def _with_seeded_shuffle(dataloader: DataLoader) -> DataLoader:
-    """Replace an unseeded RandomSampler by one seeded from PL_GLOBAL_SEED, identical on every rank."""
-    sampler = DistributedSampler(
-        dataloader.dataset, num_replicas=1, rank=0, shuffle=True, seed=int(os.getenv("PL_GLOBAL_SEED", 0))
-    )
-    return seam.with_sampler(dataloader, sampler)
+@contextmanager
+def _random_state_kept(device: torch.device) -> Generator[None, None, None]:
+    """Restore Python's, NumPy's and torch's random states (CPU and ``device``) on exit."""
+    import random
+
+    import numpy as np
+
+    states = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    cuda = torch.cuda.get_rng_state_all() if device.type == "cuda" and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 class StepRunner:

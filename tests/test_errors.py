@@ -67,7 +67,7 @@ CASES = {
         3,
         ldm.Plan(3, {"image": {"ranks": [0, 1, 2]}, "text": {"ranks": [0]}}),
         lambda: loader(2),
-        "global batch 2 is smaller than its 3",
+        "has 3 data-parallel replicas, but every batch has 2 samples",
     ),
 }
 

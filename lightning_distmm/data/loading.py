@@ -156,9 +156,22 @@ class RankBatchSampler(Sampler[list[tuple[int, int]]]):
     def _position_after(self, p: _Pass) -> tuple[tuple[int, int], bool]:
         """``((epoch, samples trained), whether the epoch is done)`` after what was trained of ``p``."""
         trained = self._trained(p)
-        if p.exhausted and trained == len(p.ends):
+        done = p.ends[trained - 1] if trained else p.skip
+        total = self._epoch_samples()
+        if (p.exhausted and trained == len(p.ends)) or (total is not None and trained and done >= total):
             return (p.epoch + 1, 0), True
-        return (p.epoch, p.ends[trained - 1] if trained else p.skip), False
+        return (p.epoch, done), False
+
+    def _epoch_samples(self) -> int | None:
+        """Samples of one whole epoch, when the batch sampler says (torch's BatchSampler over a sized
+        sampler); a trainer that knows the length stops there without exhausting the iterator."""
+        bs = self.batch_sampler
+        if type(bs) is not BatchSampler:
+            return None
+        total = _length(bs.sampler)
+        if total is None:
+            return None
+        return (total // bs.batch_size) * bs.batch_size if bs.drop_last else total
 
     def state_dict(self) -> dict[str, Any]:
         if self._pending is not None:
@@ -278,7 +291,11 @@ class RankBatchSampler(Sampler[list[tuple[int, int]]]):
             if callable(set_epoch):
                 set_epoch(p.epoch)
         if p.skip == 0:
-            for indices in self.batch_sampler:
+            # no further than the epoch's length: a training loop that knows the length stops there,
+            # and pulling one more batch can draw from the sampler's generator (RandomSampler's tail)
+            count = _length(self.batch_sampler)
+            batches = iter(self.batch_sampler)
+            for indices in itertools.islice(batches, count) if count is not None else batches:
                 yield list(indices)
             return
         if type(self.batch_sampler) is BatchSampler:
@@ -297,10 +314,15 @@ class RankBatchSampler(Sampler[list[tuple[int, int]]]):
                 f" only {skipped} samples: the dataset or sampler changed since; resume with the data it was written"
                 f" with, or start the fit without ckpt_path"
             )
-        while True:
+        total = _length(bs.sampler)
+        left = None if total is None else max(total - p.skip, 0)
+        count = None if left is None else (left // bs.batch_size if bs.drop_last else -(-left // bs.batch_size))
+        made = 0
+        while count is None or made < count:
             batch = list(itertools.islice(indices, bs.batch_size))
             if not batch or (bs.drop_last and len(batch) < bs.batch_size):
                 return
+            made += 1
             yield batch
 
     def _draw_whole_batches(self, p: _Pass) -> Iterator[list[int]]:
@@ -419,6 +441,14 @@ class DistMMDataLoader(DataLoader):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.rank_sampler.load_state_dict(state)
+
+
+def _length(obj: Any) -> int | None:
+    """``len(obj)``, or None for an object without a length."""
+    try:
+        return len(obj)
+    except TypeError:
+        return None
 
 
 def _take_chunk(batches: Iterator[list[int]]) -> tuple[list[list[int]], bool]:

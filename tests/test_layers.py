@@ -1,0 +1,185 @@
+"""The package's layers point one way (docs/design.md): checked on the source and on a live import.
+
+``core`` is the contract every rank runs by (no torch, no Lightning, no other package module);
+``planner`` is pure Python above it (no torch.distributed, no Lightning); ``parallel`` is the
+runtime (torch, no Lightning); the Lightning wiring sits on top. Every import counts, including
+imports inside functions and under ``TYPE_CHECKING``: an arrow pointing up is a circle waiting
+to happen.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "lightning_distmm"
+
+#: each area and the areas it may import (besides itself); anything else is an arrow pointing up
+ALLOWED: dict[str, set[str]] = {
+    "core": set(),
+    "planner": {"core"},
+    "tower": set(),
+    "interaction": set(),
+    "faults": set(),
+    "losses": {"interaction"},
+    "parallel": {"core", "tower", "interaction"},
+    "data": {"core"},
+    "checkpoint": {"core", "tower", "parallel"},
+    "mixin": {"core", "tower", "interaction"},
+    "models": {"core", "tower", "interaction", "losses", "mixin", "parallel"},
+    "lightning_seam": {"core", "tower", "parallel", "checkpoint"},
+    "strategy": {
+        "core",
+        "planner",
+        "tower",
+        "interaction",
+        "parallel",
+        "data",
+        "checkpoint",
+        "mixin",
+        "lightning_seam",
+        "faults",
+    },
+    "__init__": {"core", "tower", "interaction", "losses", "data", "checkpoint", "mixin", "strategy", "lightning_seam"},
+}
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def area(module: str) -> str:
+    """``lightning_distmm.parallel.runtime`` -> ``parallel``; the package itself -> ``__init__``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every ``lightning_distmm`` module ``path`` imports, at any depth of the file."""
+    tree = ast.parse(path.read_text())
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("lightning_distmm"))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.startswith("lightning_distmm"):
+                # ``from lightning_distmm.core import schedule``: the submodule when it is one
+                for a in node.names:
+                    sub = f"{node.module}.{a.name}"
+                    found.add(sub if _is_module(sub) else node.module)
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            raise AssertionError(f"{path}: relative import; the package uses absolute imports")
+    return found
+
+
+def _is_module(name: str) -> bool:
+    rel = Path(*name.split("."))
+    return (PACKAGE.parent / rel).with_suffix(".py").is_file() or (PACKAGE.parent / rel / "__init__.py").is_file()
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports."""
+    return {module_name(p): imports_of(p) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_layers_point_one_way():
+    wrong = []
+    for module, targets in import_graph().items():
+        src = area(module)
+        for target in targets:
+            dst = area(target)
+            if dst != src and dst not in ALLOWED.get(src, set()):
+                wrong.append(f"{module} -> {target}")
+    assert not wrong, "imports that point up the layers (docs/design.md):\n" + "\n".join(sorted(wrong))
+
+
+def test_no_import_circles():
+    graph = import_graph()
+    # Tarjan's strongly connected components over modules
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    # a package's __init__ importing its own submodules is not a circle unless they import it back
+    assert not circles, f"import circles: {circles}"
+
+
+def test_core_is_free_of_every_other_package_module():
+    for module, targets in import_graph().items():
+        if area(module) == "core":
+            assert all(area(t) == "core" for t in targets), f"{module} imports {sorted(targets)}"
+
+
+_LIVE_IMPORT = """
+import importlib, json, sys, types
+from pathlib import Path
+# load the subpackage without the package's __init__ (which registers the Lightning strategies)
+pkg = types.ModuleType("lightning_distmm")
+pkg.__path__ = [sys.argv[1]]
+sys.modules["lightning_distmm"] = pkg
+for name in sys.argv[2:]:
+    importlib.import_module(name)
+    for sub in sorted(Path(sys.argv[1], name.split(".")[1]).rglob("*.py")):
+        rel = sub.relative_to(Path(sys.argv[1]).parent).with_suffix("")
+        parts = [p for p in rel.parts if p != "__init__"]
+        importlib.import_module(".".join(parts))
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "lightning", "pytorch_lightning"))))
+"""
+
+
+@pytest.mark.parametrize(
+    "subpackage, forbidden",
+    [
+        ("lightning_distmm.core", ("torch", "lightning", "pytorch_lightning")),
+        ("lightning_distmm.planner", ("torch", "lightning", "pytorch_lightning")),
+    ],
+)
+def test_pure_layers_import_neither_torch_distributed_nor_lightning(subpackage, forbidden):
+    """Imported on their own, every module of core and planner leaves torch (whose import pulls in
+    torch.distributed) and Lightning unloaded: the planner measures with torch only inside functions."""
+    out = subprocess.run(
+        [sys.executable, "-c", _LIVE_IMPORT, str(PACKAGE), subpackage],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not [m for m in loaded if m.split(".")[0] in forbidden], f"{subpackage} loads {loaded[:10]}"
