@@ -1,9 +1,16 @@
-"""Train a CLIP-style model on the shapes dataset, then measure held-out retrieval.
+"""Train a CLIP-style model (default: on the shapes dataset), then measure held-out retrieval.
 
     python recipes/train.py                                  # strategy=distmm, 2 CPU processes
     python recipes/train.py strategy=single                  # one process, the reference
     python recipes/train.py strategy=ddp                     # plain DDP baseline
     python recipes/train.py strategy.plan=plan.yaml trainer.max_steps=200
+    python recipes/train.py experiment=clip_digits logger=csv   # zero-shot on real digit scans
+    python recipes/train.py experiment=clip_csv data.path=data/shapes_csv/train.csv   # after recipes/make_csv.py
+    python recipes/train.py ckpt_path=path/to/epoch=0-step=100.ckpt                 # resume
+
+The config follows lightning-hydra-template: ``data``, ``logger`` and ``callbacks`` entries with a
+``_target_`` are instantiated, ``experiment/`` files override groups, and ``main`` returns
+``trainer.callback_metrics[optimized_metric]`` for a sweeper.
 
 Multi-process strategies launched from this script (distmm, ddp) use Lightning's subprocess
 launcher: it re-runs this script for ranks > 0 with the same command-line overrides plus
@@ -23,7 +30,8 @@ from typing import Any
 import hydra
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from torch.utils.data import DataLoader
 
 # runnable as ``python recipes/train.py`` from a checkout without installing the package
 _ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +39,6 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 from lightning_distmm import DistMMStrategy, consolidated_state_dict  # noqa: E402
-from lightning_distmm.data.shapes import ShapesDataModule  # noqa: E402
 from lightning_distmm.data.tokenizer import build_caption_tokenizer  # noqa: E402
 from lightning_distmm.models.clip import CLIPModel, num_parameters, to_plain  # noqa: E402
 from lightning_distmm.models.metrics import format_metrics, retrieval_metrics  # noqa: E402
@@ -73,17 +80,59 @@ def per_process_batch(cfg: DictConfig, trainer_kwargs: dict[str, Any]) -> int:
     return batch
 
 
-def build_data(cfg: DictConfig, batch_size: int) -> ShapesDataModule:
-    kwargs = to_plain(cfg.data)
-    name = kwargs.pop("name", "shapes")
-    if name != "shapes":
-        raise SystemExit(f"data.name={name!r}: this recipe knows only 'shapes'")
-    kwargs["batch_size"] = batch_size
-    return ShapesDataModule(**kwargs)
+def build_data(cfg: DictConfig, batch_size: int) -> L.LightningDataModule:
+    """The datamodule: ``data._target_`` instantiated (lightning-hydra-template style), with the batch size."""
+    if "_target_" not in cfg.data:
+        raise SystemExit("data needs a _target_ (a LightningDataModule class); see conf/data/*.yaml")
+    return hydra.utils.instantiate(cfg.data, batch_size=batch_size)
+
+
+def instantiate_group(group: DictConfig | None) -> list[Any]:
+    """Every entry of a config group (``callbacks``, ``logger``) that has a ``_target_``, instantiated."""
+    if group is None:
+        return []
+    if "_target_" in group:
+        return [hydra.utils.instantiate(group)]
+    return [hydra.utils.instantiate(v) for v in group.values() if isinstance(v, DictConfig) and "_target_" in v]
+
+
+def trainer_arguments(cfg: DictConfig) -> dict[str, Any]:
+    """``cfg.trainer`` as keyword arguments; values with a ``_target_`` (``+trainer.logger={_target_: ...}``) instantiated."""
+    kwargs: dict[str, Any] = {}
+    for key, value in cfg.trainer.items():
+        if isinstance(value, DictConfig) and "_target_" in value:
+            kwargs[key] = hydra.utils.instantiate(value)
+        elif isinstance(value, ListConfig) and any(isinstance(v, DictConfig) and "_target_" in v for v in value):
+            kwargs[key] = [hydra.utils.instantiate(v) if isinstance(v, DictConfig) else v for v in value]
+        else:
+            kwargs[key] = to_plain(value)
+    return kwargs
+
+
+def settle_max_epochs(trainer_kwargs: dict[str, Any], datamodule: L.LightningDataModule) -> None:
+    """With ``max_steps`` and no ``max_epochs``, the epochs those steps take (the progress bar shows
+    ``Epoch 0/1``, not Lightning's ``Epoch 0/-2`` for "unbounded"); training still stops at ``max_steps``."""
+    steps = trainer_kwargs.get("max_steps")
+    if trainer_kwargs.get("max_epochs") is not None or not steps or steps < 0:
+        return
+    try:
+        batches = len(datamodule.train_dataloader())
+    except TypeError:  # no length: leave Lightning's default
+        return
+    accumulate = int(trainer_kwargs.get("accumulate_grad_batches") or 1)
+    limit = trainer_kwargs.get("limit_train_batches")
+    if isinstance(limit, int) and limit > 0:
+        batches = min(batches, limit)
+    elif isinstance(limit, float):
+        batches = max(1, int(batches * limit))
+    per_epoch = max(1, batches // accumulate)
+    trainer_kwargs["max_epochs"] = -(-int(steps) // per_epoch)
 
 
 def check_text_vocab(cfg: DictConfig) -> None:
     """The tokenizer's ids must fit every text tower's embedding table."""
+    if cfg.data.get("_target_") != "lightning_distmm.data.shapes.ShapesDataModule":
+        return  # other datamodules bring their own tokenizer
     vocab = build_caption_tokenizer().get_vocab_size()
     for name, tower in cfg.model.towers.items():
         if "vocab_size" in tower and int(tower.vocab_size) < vocab:
@@ -161,13 +210,18 @@ def main(cfg: DictConfig) -> dict[str, float] | None:
     prepare_hydra_relaunch()
     L.seed_everything(int(cfg.seed), workers=True)
 
-    trainer_kwargs = to_plain(cfg.trainer)
+    trainer_kwargs = trainer_arguments(cfg)
     strategy = build_strategy(cfg.strategy, trainer_kwargs)
     check_text_vocab(cfg)
     datamodule = build_data(cfg, per_process_batch(cfg, trainer_kwargs))
+    settle_max_epochs(trainer_kwargs, datamodule)
     model = CLIPModel(cfg.model, cfg.optim)
 
-    trainer = L.Trainer(**trainer_kwargs, strategy=strategy, default_root_dir=str(out_dir))
+    callbacks = [*(trainer_kwargs.pop("callbacks", None) or []), *instantiate_group(cfg.get("callbacks"))]
+    loggers = instantiate_group(cfg.get("logger"))
+    if loggers:
+        trainer_kwargs["logger"] = loggers
+    trainer = L.Trainer(**trainer_kwargs, strategy=strategy, callbacks=callbacks, default_root_dir=str(out_dir))
     rank_zero_info(
         f"model {cfg.model.name}: {num_parameters(model):,} parameters"
         f" (image {num_parameters(model.visual):,}, text {num_parameters(model.text):,});"
@@ -175,18 +229,37 @@ def main(cfg: DictConfig) -> dict[str, float] | None:
         f" output {out_dir}"
     )
     start = time.time()
-    trainer.fit(model, datamodule=datamodule)
+    ckpt_path = cfg.get("ckpt_path")
+    trainer.fit(model, datamodule=datamodule, ckpt_path=hydra.utils.to_absolute_path(ckpt_path) if ckpt_path else None)
     fit_seconds = time.time() - start
 
-    metrics = evaluate(trainer, model, datamodule, cfg, out_dir, fit_seconds) if cfg.eval.enabled else None
+    logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/") and v.numel() == 1}
+    if logged:
+        rank_zero_info("last validation: " + ", ".join(f"{k} = {v:.4f}" for k, v in sorted(logged.items())))
+    if "val/zeroshot/top1" in logged:
+        chance = logged.get("val/zeroshot/chance_top1")
+        rank_zero_info(f"zero-shot top1 = {logged['val/zeroshot/top1']:.3f} (chance {chance:.3f})")
+    if cfg.eval.enabled:
+        evaluate(trainer, model, datamodule, cfg, out_dir, fit_seconds)
     release_process_group(launched_here)
-    return metrics
+    return optimized_metric(trainer, cfg.get("optimized_metric"))
+
+
+def optimized_metric(trainer: L.Trainer, name: str | None) -> float | None:
+    """The value a Hydra sweeper optimises: ``trainer.callback_metrics[name]`` after fit."""
+    if not name:
+        return None
+    value = trainer.callback_metrics.get(name)
+    if value is None:
+        rank_zero_info(f"optimized_metric {name!r} was not logged; logged: {sorted(trainer.callback_metrics)}")
+        return None
+    return float(value)
 
 
 def evaluate(
     trainer: L.Trainer,
     model: CLIPModel,
-    datamodule: ShapesDataModule,
+    datamodule: L.LightningDataModule,
     cfg: DictConfig,
     out_dir: Path,
     fit_seconds: float,
@@ -195,7 +268,8 @@ def evaluate(
     eval_model = evaluation_module(trainer, model, cfg)
     if trainer.global_rank != 0 or eval_model is None:
         return None
-    metrics = retrieval_metrics(eval_model, datamodule.eval_dataloader(int(cfg.eval.batch_size)))
+    held_out = getattr(datamodule, "retrieval_dataset", None) or datamodule.val_dataset
+    metrics = retrieval_metrics(eval_model, DataLoader(held_out, batch_size=int(cfg.eval.batch_size)))
     print(format_metrics(metrics), flush=True)
     train_loss = trainer.callback_metrics.get("train/loss")
     record = {

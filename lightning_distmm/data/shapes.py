@@ -294,6 +294,29 @@ class ShapesDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_dataset, self.val_batch_size, drop_last=False)
 
+    # ------------------------------------------------------------------ for the evaluation callbacks
+    @property
+    def retrieval_dataset(self) -> ShapesDataset:
+        """Held-out pairs for :class:`lightning_distmm.models.evaluation.Retrieval` (descriptions unique)."""
+        return self.val_dataset
+
+    @property
+    def zero_shot_dataset(self) -> ShapesDataset:
+        return self.val_dataset
+
+    @property
+    def classnames(self) -> list[str]:
+        """One name per label (a colour, shape and place combination): ``"red circle at the top left"``."""
+        names = []
+        for label in range(NUM_COMBOS):
+            color, shape, position = describe(label)
+            names.append(f"{color} {shape} {POSITIONS[position][1]}")
+        return names
+
+    def tokenize(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Prompts to the text tower's inputs (the captions' tokenizer and width)."""
+        return encode(list(texts), self.val_dataset.context_length, build_caption_tokenizer())
+
     def eval_dataloader(self, batch_size: int | None = None) -> DataLoader:
         """The held-out (val) split in order, for retrieval metrics."""
         return self._loader(self.val_dataset, batch_size or self.val_batch_size, drop_last=False)

@@ -1,0 +1,129 @@
+"""A LightningDataModule over the pair datasets (:mod:`lightning_distmm.data.pairs`).
+
+``PairsDataModule`` trains on an open_clip CSV/TSV or an image folder, validates on a second one
+or on a held-out tail of the first, and gives the evaluation callbacks what they ask for
+(``retrieval_dataset``, ``tokenize``). ``batch_size`` is the global batch, as everywhere here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_distmm.data.fields import FieldDataset
+from lightning_distmm.data.pairs import CsvPairs, ImageFolderPairs
+from lightning_distmm.data.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, CaptionTokenizer, image_transform
+
+
+class FieldSubset(FieldDataset):
+    """Samples ``indices`` of a :class:`FieldDataset`, still loading only the fields asked for
+    (``torch.utils.data.Subset`` would load whole samples)."""
+
+    def __init__(self, dataset: FieldDataset, indices: Sequence[int]):
+        self.dataset, self.indices = dataset, list(indices)
+        self.fields = dataset.fields
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def load(self, index: int, fields: Iterable[str]) -> dict[str, Any]:
+        return self.dataset.load(self.indices[index], fields)
+
+
+class PairsDataModule(L.LightningDataModule):
+    """Image-caption pairs from files.
+
+    Args:
+        path: the training pairs: a CSV/TSV file (:class:`CsvPairs`) or a folder (:class:`ImageFolderPairs`).
+        val_path: held-out pairs in the same format; None holds out the last ``val_size`` pairs of ``path``.
+        val_size: pairs held out when ``val_path`` is None.
+        img_key, caption_key, sep: the CSV's columns and separator (open_clip's defaults: ``filepath``, ``title``, tab).
+        captions: an image folder's captions file (None: sidecar ``.txt`` files).
+        image_size: the image tower's input side; mean, std, interpolation, crop_pct: the eval transform
+            (``timm.data.create_transform``; CLIP's mean and std by default).
+        tokenizer: a local tokenizer directory or ``tokenizer.json`` (None: the embedded tokenizer).
+        context_length: token width.
+        batch_size: the global batch; val_batch_size, num_workers, shuffle: as for any DataModule.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        val_path: str | None = None,
+        val_size: int = 256,
+        img_key: str = "filepath",
+        caption_key: str = "title",
+        sep: str | None = None,
+        captions: str | None = None,
+        image_size: int = 224,
+        mean: Sequence[float] = OPENAI_CLIP_MEAN,
+        std: Sequence[float] = OPENAI_CLIP_STD,
+        interpolation: str = "bicubic",
+        crop_pct: float = 1.0,
+        tokenizer: str | None = None,
+        context_length: int = 77,
+        batch_size: int = 64,
+        val_batch_size: int | None = None,
+        num_workers: int = 0,
+        shuffle: bool = True,
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        self.batch_size, self.val_batch_size = int(batch_size), int(val_batch_size or batch_size)
+        self.num_workers, self.shuffle = int(num_workers), bool(shuffle)
+        transform = image_transform(
+            input_size=(3, int(image_size), int(image_size)),
+            mean=tuple(mean),
+            std=tuple(std),
+            interpolation=interpolation,
+            crop_pct=crop_pct,
+        )
+        self.text = CaptionTokenizer(tokenizer, context_length)
+        common: dict[str, Any] = {"transform": transform, "tokenizer": self.text}
+
+        def open_pairs(where: str) -> FieldDataset:
+            if os.path.isdir(where):
+                return ImageFolderPairs(where, captions=captions, **common)
+            return CsvPairs(where, img_key=img_key, caption_key=caption_key, sep=sep, **common)
+
+        train = open_pairs(path)
+        if val_path is not None:
+            self.train_dataset, self.val_dataset = train, open_pairs(val_path)
+        else:
+            n = len(train)
+            if not 0 < val_size < n:
+                raise ValueError(f"val_size={val_size} must leave training pairs of the {n} in {path}")
+            self.train_dataset = FieldSubset(train, range(n - val_size))
+            self.val_dataset = FieldSubset(train, range(n - val_size, n))
+        self.retrieval_dataset = self.val_dataset
+
+    def tokenize(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
+        return self.text.batch(list(texts))
+
+    def train_dataloader(self) -> DataLoader:
+        sampler = None
+        if self.shuffle:  # seeded: the same order under every strategy (and resumable)
+            kwargs: dict[str, Any] = {"num_replicas": 1, "rank": 0}
+            if self.trainer is not None:
+                kwargs.update(getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {})
+            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+            sampler = DistributedSampler(self.train_dataset, shuffle=True, seed=seed, **kwargs)
+        return DataLoader(
+            self.train_dataset,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            drop_last=True,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_dataset, batch_size=self.val_batch_size, num_workers=self.num_workers)
+
+
+__all__ = ["FieldSubset", "PairsDataModule"]

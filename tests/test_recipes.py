@@ -1,0 +1,59 @@
+"""recipes/train.py's Hydra config: groups, experiments, _target_ instantiation, the epoch count."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "recipes"))
+
+import train  # noqa: E402
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="train", overrides=["out_dir=/tmp/unused", *overrides])
+
+
+@pytest.mark.parametrize("experiment", ["clip_shapes", "clip_digits", "clip_csv"])
+def test_experiments_compose_and_instantiate(experiment):
+    cfg = _compose(f"experiment={experiment}", "data.path=x.csv" if experiment == "clip_csv" else "seed=0")
+    assert "_target_" in cfg.data
+    callbacks = train.instantiate_group(cfg.callbacks)
+    names = {type(c).__name__ for c in callbacks}
+    assert names == ({"ZeroShotClassification"} if experiment == "clip_digits" else {"Retrieval"})
+
+
+def test_logger_group_and_trainer_logger_target():
+    cfg = _compose("logger=csv")
+    (logger,) = train.instantiate_group(cfg.logger)
+    assert type(logger).__name__ == "CSVLogger"
+    cfg = _compose("+trainer.logger={_target_: lightning.pytorch.loggers.CSVLogger, save_dir: /tmp/x}")
+    assert type(train.trainer_arguments(cfg)["logger"]).__name__ == "CSVLogger"
+
+
+def test_max_epochs_follows_max_steps():
+    from lightning_distmm.data.shapes import ShapesDataModule
+
+    dm = ShapesDataModule(batch_size=8, train_size=80)  # 10 batches an epoch
+    kwargs = {"max_steps": 25, "max_epochs": None}
+    train.settle_max_epochs(kwargs, dm)
+    assert kwargs["max_epochs"] == 3
+    kwargs = {"max_steps": 25, "max_epochs": None, "accumulate_grad_batches": 2}
+    train.settle_max_epochs(kwargs, dm)
+    assert kwargs["max_epochs"] == 5
+
+
+def test_make_csv_writes_open_clip_format(tmp_path):
+    import make_csv
+
+    from lightning_distmm.data import CsvPairs
+
+    train_csv, val_csv = make_csv.main(["--out", str(tmp_path), "--train", "6", "--val", "3"])
+    pairs = CsvPairs(train_csv)
+    assert len(pairs) == 6 and len(CsvPairs(val_csv)) == 3
+    assert pairs[0]["image"].shape == (3, 32, 32) and " " in pairs[0]["caption"]
