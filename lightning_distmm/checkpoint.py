@@ -133,8 +133,9 @@ def consolidated_state_dict(trainer_or_strategy: Any) -> dict[str, torch.Tensor]
     Takes the ``Trainer`` or its ``DistMMStrategy``.
 
     Each tensor comes from the first rank of its tower's first replica that holds it (pipeline
-    stages hold different tensors; tensor-parallel shards are assembled there first); rank 0
-    receives what it does not hold itself (it knows the shapes from its meta tensors).
+    stages hold different tensors; tensor-parallel shards are assembled there first; a sharded
+    tower's FSDP shards are assembled by all its ranks); rank 0 receives what it does not hold
+    itself (it knows the shapes from its meta tensors).
     """
     strategy: RuntimeHolder = getattr(trainer_or_strategy, "strategy", trainer_or_strategy)
     module = strategy.lightning_module
@@ -150,15 +151,25 @@ def consolidated_state_dict(trainer_or_strategy: Any) -> dict[str, torch.Tensor]
     everyone: list[set[str]] = [set()] * dist.get_world_size()
     dist.all_gather_object(everyone, held)
     for name in runtime.towers:
-        replica = runtime.plan.towers[name].replica_ranks(0)
-        by_source: dict[int, list[str]] = {}
-        for k in (k for k in full if k.startswith(prefixes[name])):
-            # the first rank of the first replica that holds it (pipeline stages hold different keys)
-            by_source.setdefault(next(r for r in replica if k in everyone[r]), []).append(k)
+        tower = runtime.plan.towers[name]
+        keys_of_tower = [k for k in full if k.startswith(prefixes[name])]
+        if tower.sharded:
+            # FSDP shards span every rank of the tower: all of them assemble each tensor (a
+            # collective over the tower's mesh), its first rank sends them on
+            by_source = {tower.ranks[0]: keys_of_tower} if keys_of_tower else {}
+        else:
+            replica = tower.replica_ranks(0)
+            by_source = {}
+            for k in keys_of_tower:
+                # the first rank of the first replica that holds it (pipeline stages hold different keys)
+                by_source.setdefault(next(r for r in replica if k in everyone[r]), []).append(k)
         for src, keys in by_source.items():
-            peers = [r for r in replica if set(keys) <= everyone[r]]  # the source's tensor-parallel group
+            if tower.sharded:
+                peers = list(tower.ranks)
+            else:  # the source's tensor-parallel group
+                peers = [r for r in tower.replica_ranks(0) if set(keys) <= everyone[r]]
             if rank in peers:
-                # tensor-parallel shards are assembled among the peers (a collective there)
+                # sharded tensors are assembled among the peers (a collective there)
                 tensors = {
                     k: (full[k].full_tensor() if isinstance(full[k], DTensor) else full[k]).detach() for k in keys
                 }

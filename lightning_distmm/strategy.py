@@ -44,6 +44,7 @@ from lightning_distmm.data.loading import DistMMDataLoader
 from lightning_distmm.mixin import DistMMMixin
 from lightning_distmm.parallel.executor import RankRuntime
 from lightning_distmm.parallel.flops import tower_flops
+from lightning_distmm.parallel.fsdp import mixed_precision_policy
 from lightning_distmm.parallel.groups import build_tower_groups
 from lightning_distmm.parallel.step import StepState
 from lightning_distmm.tower import TowerModule
@@ -153,7 +154,9 @@ class DistMMStrategy(ModelParallelStrategy):
         _check_loss_semantics(self.plan, module)
         rank_zero_info(f"distmm {self.plan.table()}")
 
-        groups = build_tower_groups(self.plan, self.root_device.type)
+        precision = getattr(self.precision_plugin, "precision", None)
+        nodes = self._nodes_of_ranks()
+        groups = build_tower_groups(self.plan, self.root_device.type, nodes, mixed_precision_policy(precision))
         self.runtime = RankRuntime(module, self.plan, groups, self.root_device, bucket_cap_mb=self._bucket_cap_mb)
         self.runtime.prepare_local_towers()
         self.runner = StepRunner(self.runtime)
@@ -171,6 +174,13 @@ class DistMMStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             seam.optimizers_to_device(self.optimizers, self.root_device)
+
+    def _nodes_of_ranks(self) -> list[int]:
+        """The node of every global rank, as the launcher numbers them (torchrun's GROUP_RANK,
+        SLURM's node id): what HSDP's rows and node-aware placement go by."""
+        nodes: list[int] = [0] * self.world_size
+        torch.distributed.all_gather_object(nodes, int(self.node_rank))
+        return nodes
 
     def _resolve_plan(self, trainer: pl.Trainer, module: DistMMMixin) -> Plan:
         names = list(module.tower_specs())
@@ -287,10 +297,13 @@ class DistMMStrategy(ModelParallelStrategy):
             yield None
             return
         before, step.sync = step.sync, False
+        assert self.runtime is not None
+        self.runtime.gradients.set_sharded_sync(False)  # FSDP's no_sync for sharded towers
         try:
             yield None
         finally:
             step.sync = before
+            self.runtime.gradients.set_sharded_sync(True)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

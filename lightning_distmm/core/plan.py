@@ -17,6 +17,10 @@ from typing import Any
 import yaml
 
 SCHEDULES = ("gpipe", "distmm", "cached")
+#: how a tower's parameters, gradients and optimizer state are held over its data-parallel ranks:
+#: ``none`` replicated (DDP-style sums), ``full`` sharded over all of them (FSDP), ``hybrid`` sharded
+#: inside a node and replicated across nodes (HSDP)
+SHARDS = ("none", "full", "hybrid")
 
 
 class PlanError(ValueError):
@@ -72,6 +76,14 @@ class TowerPlan:
     recompute: bool = False
     """Activation checkpointing: keep each transformer block's input, recompute the block in backward
     (Megatron-LM ``--recompute-granularity full``, open_clip ``--grad-checkpointing``)."""
+    shard: str = "none"
+    """Parameters, gradients and optimizer state over the tower's data-parallel ranks: ``none``
+    (replicated), ``full`` (sharded over all replicas, FSDP) or ``hybrid`` (sharded over the replicas
+    on one node, replicated across nodes, HSDP)."""
+
+    @property
+    def sharded(self) -> bool:
+        return self.shard != "none"
 
     @property
     def dp(self) -> int:
@@ -140,6 +152,13 @@ class Plan:
                 raise PlanError(f"{where}: unknown schedule {t.schedule!r}; choose one of {', '.join(SCHEDULES)}")
             if not isinstance(t.recompute, bool):
                 raise PlanError(f"{where}: recompute must be true or false, got {t.recompute!r}")
+            if t.shard not in SHARDS:
+                raise PlanError(f"{where}: unknown shard {t.shard!r}; choose one of {', '.join(SHARDS)}")
+            if t.sharded and t.pp > 1:
+                raise PlanError(
+                    f"{where}: shard={t.shard!r} with pp={t.pp} is not supported by the runtime yet;"
+                    f" shard a pipelined tower's replicas with shard: none, or use pp: 1"
+                )
             if t.microbatch is not None and (not _is_int(t.microbatch) or t.microbatch < 1):
                 raise PlanError(f"{where}: microbatch must be a positive integer or null, got {t.microbatch!r}")
             if t.replica_batch is not None:
@@ -284,7 +303,7 @@ class Plan:
 
     # ------------------------------------------------------------------ printout
     def table(self) -> str:
-        head = ("tower", "ranks", "dp", "tp", "pp", "replica batch", "microbatch", "schedule")
+        head = ("tower", "ranks", "dp", "tp", "pp", "shard", "replica batch", "microbatch", "schedule")
         rows = []
         for name, t in self.towers.items():
             batch = "+".join(map(str, t.replica_batch)) if t.replica_batch else "even"
@@ -295,6 +314,7 @@ class Plan:
                     str(t.dp),
                     str(t.tp),
                     str(t.pp),
+                    t.shard,
                     batch,
                     str(t.microbatch or "-"),
                     t.schedule + ("+recompute" if t.recompute else ""),
@@ -372,6 +392,8 @@ def _check_types(data: Mapping[str, Any]) -> None:
                 _expect(isinstance(value, str), path, f"one of {', '.join(SCHEDULES)}", value)
             elif key == "recompute":
                 _expect(isinstance(value, bool), path, "true or false", value)
+            elif key == "shard":
+                _expect(isinstance(value, str), path, f"one of {', '.join(SHARDS)}", value)
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -443,6 +465,7 @@ __all__ = [
     "TowerPlan",
     "PlanError",
     "SCHEDULES",
+    "SHARDS",
     "sync_group_count",
     "split_batch",
     "colocated_plan",

@@ -9,6 +9,12 @@ means: each rank's loss is its share of the whole-batch mean, so summing a tower
 its replicas (the interaction parameters' over all ranks) gives exactly the single-process
 gradient, whatever the replicas' batch sizes. When a step's gradients are the whole optimizer
 step's, the sums are posted during the backward in DDP-style buckets (:class:`GradientBuckets`).
+
+A sharded tower (``shard: full | hybrid``) is summed by FSDP itself: its reduce-scatter runs in the
+tower's backward (``set_gradient_divide_factor(1.0)``: a sum), so its ``.grad`` holds this rank's
+shard of the summed gradient; while Lightning accumulates, FSDP's gradient sync is off
+(:meth:`RankGradients.set_sharded_sync`) and the unsharded gradients accumulate inside FSDP until
+the optimizer step's backward reduces their total.
 """
 
 from __future__ import annotations
@@ -69,6 +75,20 @@ class RankGradients:
         self.bucket_cap_mb = bucket_cap_mb
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
+        #: upstream gradients of the runs whose sharded towers' gradients FSDP holds unreduced
+        self._held_scales: list[Tensor] = []
+
+    def sharded(self, name: str) -> bool:
+        """Tower ``name`` is sharded by FSDP on this rank (its gradient sums are FSDP's)."""
+        return self.plan.towers[name].sharded and name in self.layout.local_towers
+
+    def set_sharded_sync(self, sync: bool) -> None:
+        """FSDP's gradient sync for this rank's sharded towers (off while Lightning accumulates)."""
+        from lightning_distmm.parallel.fsdp import set_gradient_sync
+
+        for name in self.layout.local_towers:
+            if self.sharded(name):
+                set_gradient_sync(self.towers[name].module, sync)
 
     def trainable(self, name: str) -> bool:
         return not self.towers[name].frozen and any(p.requires_grad for p in self.tower_params[name].values())
@@ -123,6 +143,7 @@ class RankGradients:
         for p, copies in self.copies():
             if p.grad is not None and copies > 1:
                 local(p.grad).div_(copies)
+        self._check_held_scales(step, used)
         summed = all(run.sums is not None for run in used)
         if summed:
             assert step.sync and not earlier, "sums were posted during a step that accumulates"
@@ -142,11 +163,31 @@ class RankGradients:
         if step.sync and not summed:
             self.sum_all()
 
+    def _check_held_scales(self, step: StepState, used: list[ScheduleRun]) -> None:
+        """FSDP reduces the *total* of the gradients it accumulated unsynced, which the last run's
+        upstream gradient then scales: exact when every run of the window had the same one
+        (Lightning's ``1/accumulate_grad_batches``); anything else is refused rather than wrong."""
+        if not any(self.sharded(n) and self.trainable(n) for n in self.layout.local_towers):
+            return
+        scales = [run.scale for run in used if run.scale is not None]
+        if not step.sync:
+            self._held_scales.extend(scales)
+            return
+        held, self._held_scales = self._held_scales, []
+        if held and any(not torch.equal(h.to(scales[0].device), scales[0]) for h in held[1:] + scales):
+            raise RuntimeError(
+                "distmm: a sharded tower accumulates its gradients inside FSDP, which reduces their total once;"
+                " the losses of the accumulated batches reached backward with different scales"
+                f" ({[float(h) for h in held + scales]}), which that total cannot express. Return the loss"
+                " unscaled per batch (Lightning's 1/accumulate_grad_batches is fine) or use shard: none"
+            )
+
     # ------------------------------------------------------------------ sums
     def buckets(self, name: str) -> GradientBuckets | None:
-        """Buckets of tower ``name``'s gradients, summed over its replicas as they become final (None: one replica)."""
+        """Buckets of tower ``name``'s gradients, summed over its replicas as they become final (None:
+        one replica, or a sharded tower, which FSDP sums)."""
         tower = self.plan.towers[name]
-        if tower.dp == 1:
+        if tower.dp == 1 or self.sharded(name):
             return None
         group = None if tower.dp == self.world else self.groups[name].dp_group
         params = [p for p in self.tower_params[name].values() if p.requires_grad and not p.is_meta]
@@ -180,7 +221,7 @@ class RankGradients:
         world_grads = self._grads_for(self.interaction_params)
         for name in self.layout.local_towers:
             tower = self.plan.towers[name]
-            if tower.dp == 1 or not self.trainable(name):
+            if tower.dp == 1 or not self.trainable(name) or self.sharded(name):
                 continue
             grads = self._grads_for(self.tower_params[name])
             if tower.dp == self.world:
@@ -196,8 +237,10 @@ class RankGradients:
 
         Each tower's gradient is counted once, by its first replica: tensor-parallel shards by
         every rank of that replica, replicated parameters by the first tensor-parallel rank of each
-        pipeline stage (stages hold different parameters); the interaction
-        parameters once (by rank 0). Then every rank scales its own gradients.
+        pipeline stage (stages hold different parameters); a sharded tower's (FSDP) shards by every
+        rank holding a distinct one (each ``DTensor``'s rank at coordinate 0 of its replicated mesh
+        dimensions); the interaction parameters once (by rank 0). Then every rank scales its own
+        gradients.
         """
         norm_type = float(norm_type)
         counted: list[Tensor] = []
@@ -205,6 +248,9 @@ class RankGradients:
             counted.extend(p.grad for p in self.interaction_params.values() if p.grad is not None)
         for name in self.layout.local_towers:
             tower = self.plan.towers[name]
+            if self.sharded(name):
+                counted.extend(local(p.grad) for p in self.tower_params[name].values() if counts_once(p.grad))
+                continue
             if self.rank not in tower.replica_ranks(0):
                 continue
             first_tp = tower.replica_ranks(0).index(self.rank) % tower.tp == 0
@@ -288,6 +334,17 @@ def local(t: Tensor) -> Tensor:
     in-place ops and collectives on it write the DTensor's storage either way.
     """
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def counts_once(g: Tensor | None) -> bool:
+    """Whether this rank's piece of the DTensor ``g`` is one no other rank counts: its coordinate is
+    0 along every mesh dimension where ``g`` is replicated (a plain tensor on a sharded tower: never)."""
+    if not isinstance(g, DTensor):
+        return False
+    coordinate = g.device_mesh.get_coordinate()
+    if coordinate is None:
+        return False
+    return all(c == 0 for c, pl in zip(coordinate, g.placements) if isinstance(pl, Replicate))
 
 
 def is_sharded(t: Tensor) -> bool:

@@ -7,11 +7,18 @@ sends and receives run in per-tower process groups of their own, made by the run
 (:class:`lightning_distmm.parallel.executor.RankRuntime`). Every rank constructs every tower's
 mesh in the same order, as torch.distributed requires of group creation; a rank outside a tower
 simply has no coordinate in its mesh.
+
+A sharded tower (``shard: full | hybrid``) also gets the mesh FSDP shards over
+(:attr:`TowerGroups.shard_mesh`): the ``dp`` dimension of its mesh for ``full``; for ``hybrid``
+across several nodes a 2-D ``("replicate", "shard")`` mesh of its replicas, one row per node (shard
+inside a node, replicate across nodes), built from the node of every rank that the launcher reports.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,6 +32,10 @@ class TowerGroups:
     name: str
     plan: TowerPlan
     mesh: DeviceMesh
+    #: the mesh FSDP shards the tower over (None: the tower is replicated)
+    shard_mesh: DeviceMesh | None = None
+    #: FSDP's MixedPrecisionPolicy for the tower (None: compute in the parameters' dtype)
+    mp_policy: Any = None
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
@@ -34,10 +45,48 @@ class TowerGroups:
         return self.mesh.get_group("dp")
 
 
-def build_tower_groups(plan: Plan, device_type: str) -> dict[str, TowerGroups]:
+def build_tower_groups(
+    plan: Plan, device_type: str, nodes: Sequence[int] | None = None, mp_policy: Any = None
+) -> dict[str, TowerGroups]:
+    """Every tower's mesh (and, for sharded towers, the mesh FSDP shards over).
+
+    ``nodes[r]`` is the node of global rank ``r`` as the launcher numbers them (None: one node);
+    ``mp_policy`` is FSDP's mixed-precision policy for the sharded towers. Collective: every rank
+    calls it with the same arguments.
+    """
     groups = {}
     for name, tower in plan.towers.items():
         layout = torch.tensor(tower.ranks, dtype=torch.int).reshape(tower.dp, tower.pp, tower.tp)
         mesh = DeviceMesh(device_type, layout, mesh_dim_names=("dp", "pp", "tp"))
-        groups[name] = TowerGroups(name, tower, mesh)
+        shard_mesh = None
+        if tower.sharded:
+            rows = hybrid_rows(name, tower, nodes) if tower.shard == "hybrid" else None
+            if rows is None or len(rows) == 1:
+                shard_mesh = mesh["dp"]
+            else:
+                shard_mesh = DeviceMesh(
+                    device_type, torch.tensor(rows, dtype=torch.int), mesh_dim_names=("replicate", "shard")
+                )
+        groups[name] = TowerGroups(name, tower, mesh, shard_mesh, mp_policy if tower.sharded else None)
     return groups
+
+
+def hybrid_rows(name: str, tower: TowerPlan, nodes: Sequence[int] | None) -> list[list[int]]:
+    """The tower's replicas by node, one row per node (HSDP shards along a row, replicates down a
+    column); every node must hold the same number of them."""
+    by_node: dict[int, list[int]] = {}
+    for replica in range(tower.dp):
+        rank = tower.replica_ranks(replica)[0]
+        by_node.setdefault(nodes[rank] if nodes is not None else 0, []).append(rank)
+    sizes = {n: len(r) for n, r in by_node.items()}
+    if len(set(sizes.values())) > 1:
+        raise ValueError(
+            f"tower {name!r}, shard='hybrid': its replicas are spread unevenly over nodes ({sizes} replicas per"
+            " node); HSDP needs the same number on every node: change the tower's ranks or use shard: full"
+        )
+    if len(by_node) > 1 and tower.tp > 1:
+        raise ValueError(
+            f"tower {name!r}: shard='hybrid' across {len(by_node)} nodes with tp={tower.tp} is not supported;"
+            " use shard: full with tensor parallelism"
+        )
+    return [by_node[n] for n in sorted(by_node)]

@@ -1,9 +1,10 @@
-"""Preparing a rank for a plan: keep only what it runs, cut its pipelines, shard it for tensor parallelism.
+"""Preparing a rank for a plan: keep only what it runs, cut its pipelines, shard it (tensor parallelism, FSDP).
 
 Applied to the user's plain module from outside (torchtitan's ``parallelize`` style), once, before
 the optimizer sees the parameters: towers this rank does not run go to the meta device, a
-pipelined tower keeps only this rank's stage, and a tower with ``tp > 1`` is sharded over its
-tensor-parallel mesh. Every rank checks every tower's cut and sharding, so a plan that cannot be
+pipelined tower keeps only this rank's stage, a tower with ``tp > 1`` is sharded over its
+tensor-parallel mesh, and a tower with ``shard: full | hybrid`` is wrapped with FSDP2 over its
+data-parallel mesh. Every rank checks every tower's cut and sharding, so a plan that cannot be
 applied fails on all ranks at once.
 """
 
@@ -19,6 +20,7 @@ from torch import nn
 from lightning_distmm.core.layout import RankLayout
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.core.schedule import stage_neighbours
+from lightning_distmm.parallel.fsdp import apply_fsdp, check_fsdp
 from lightning_distmm.parallel.groups import TowerGroups
 from lightning_distmm.parallel.pipeline import Stage, release_unowned, tower_stages
 from lightning_distmm.parallel.tensor_parallel import apply_tp, check_tp
@@ -28,7 +30,8 @@ from lightning_distmm.tower import Tower
 def prepare_rank(
     plan: Plan, towers: Mapping[str, Tower], layout: RankLayout, groups: Mapping[str, TowerGroups], rank: int
 ) -> dict[str, Stage]:
-    """Release remote towers, cut pipelines, shard for TP; return this rank's stage of each pipelined tower.
+    """Release remote towers, cut pipelines, shard for TP, then for FSDP; return this rank's stage of
+    each pipelined tower.
 
     Each step may swap in new Parameter objects (``Module.to("meta")``, DTensor sharding): the
     caller builds its parameter table afterwards (an older one would keep the released storages
@@ -37,6 +40,7 @@ def prepare_rank(
     release_remote_towers(towers, layout)
     stages = cut_pipelines(plan, towers, layout, rank)
     parallelize_local_towers(plan, towers, layout, groups)
+    shard_local_towers(plan, towers, layout, groups)
     return stages
 
 
@@ -76,6 +80,20 @@ def parallelize_local_towers(
     for name in layout.local_towers:
         if plan.towers[name].tp > 1:
             apply_tp(towers[name].module, groups[name].mesh["tp"])
+
+
+def shard_local_towers(
+    plan: Plan, towers: Mapping[str, Tower], layout: RankLayout, groups: Mapping[str, TowerGroups]
+) -> None:
+    """Shard the local towers whose plan says ``shard: full | hybrid`` over their data-parallel mesh
+    (FSDP2, after tensor parallelism so that the two compose as 2-D)."""
+    for name, tower in plan.towers.items():  # every rank checks every tower: fail together
+        if tower.sharded:
+            check_fsdp(towers[name].module, tower.tp, name)
+    for name in layout.local_towers:
+        mesh = groups[name].shard_mesh
+        if plan.towers[name].sharded and mesh is not None:
+            apply_fsdp(towers[name].module, mesh, groups[name].mp_policy)
 
 
 def tower_prefixes(module: nn.Module, towers: Mapping[str, Tower]) -> dict[str, str]:

@@ -1,0 +1,118 @@
+"""Sharded towers (FSDP2 over a tower's own data-parallel ranks) train exactly like one process."""
+
+import pytest
+from distmm_testing import DeepCLIP, TinyCLIP, compare_with_reference
+
+import lightning_distmm as ldm
+
+SHARDED_PLANS = {
+    "image-full2+text1": (3, 8, ldm.Plan(3, {"image": {"ranks": [0, 1], "shard": "full"}, "text": {"ranks": [2]}})),
+    "both-sharded-uneven": (
+        4,
+        9,
+        ldm.Plan(
+            4,
+            {
+                "image": {"ranks": [0, 1, 2], "replica_batch": [4, 3, 2], "shard": "full"},
+                "text": {"ranks": [2, 3], "replica_batch": [5, 4], "shard": "full"},
+            },
+            9,
+        ),
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("name", list(SHARDED_PLANS))
+def test_sharded_towers_match_single_process(name, optimizer, tmp_path):
+    world, batch, plan = SHARDED_PLANS[name]
+    lr = 0.05 if optimizer == "sgd" else 0.01
+    result = compare_with_reference(lambda: TinyCLIP(optimizer, lr=lr), plan, world, batch, 3, tmp_path)
+    result.assert_exact()
+
+
+MORE_PLANS = {
+    # microbatches kept (gpipe) and recomputed (cached) through FSDP's hooks
+    "gpipe-mb3": ldm.Plan(3, {"image": {"ranks": [0, 1], "shard": "full", "microbatch": 3}, "text": {"ranks": [2]}}),
+    "cached-mb2": ldm.Plan(
+        3,
+        {
+            "image": {"ranks": [0, 1], "shard": "full", "microbatch": 2, "schedule": "cached"},
+            "text": {"ranks": [2], "shard": "none", "microbatch": 2, "schedule": "cached"},
+        },
+    ),
+    "recompute-colocated": ldm.Plan(
+        2, {"image": {"ranks": [0, 1], "shard": "full", "recompute": True}, "text": {"ranks": [0, 1], "shard": "full"}}
+    ),
+    # tensor parallelism inside each replica, FSDP across the replicas: a 2-D (dp, tp) layout
+    "image-tp2xfsdp2+text-colocated": ldm.Plan(
+        4, {"image": {"ranks": [0, 1, 2, 3], "tp": 2, "shard": "full"}, "text": {"ranks": [0, 2], "shard": "full"}}
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MORE_PLANS))
+def test_sharding_composes(name, tmp_path):
+    plan = MORE_PLANS[name]
+    make = (lambda: DeepCLIP("adamw", lr=0.01)) if "tp2" in name else (lambda: TinyCLIP("adamw", lr=0.01))
+    compare_with_reference(make, plan, plan.world_size, 10, 3, tmp_path).assert_exact()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_accumulation_and_clipping_with_sharding(optimizer, tmp_path):
+    """FSDP's gradient sync is off while Lightning accumulates; clipping uses the global norm with a
+    sharded tower's shards each counted once. Clipping is active (the norm is above 0.05)."""
+    plan = ldm.Plan(3, {"image": {"ranks": [0, 1], "shard": "full"}, "text": {"ranks": [1, 2], "shard": "full"}})
+    lr = 0.05 if optimizer == "sgd" else 0.01
+    result = compare_with_reference(
+        lambda: TinyCLIP(optimizer, lr=lr),
+        plan,
+        3,
+        8,
+        3,
+        tmp_path,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.05,
+    )
+    result.assert_exact()
+    assert len(result.distributed_losses) == 6
+
+
+def test_shard_in_plan_yaml_round_trip_and_validation():
+    plan = ldm.Plan(3, {"image": {"ranks": [0, 1], "shard": "full"}, "text": {"ranks": [2], "shard": "hybrid"}})
+    again = ldm.Plan.from_yaml(plan.to_yaml())
+    assert again.towers["image"].shard == "full" and again.towers["text"].shard == "hybrid"
+    assert again.towers["image"].sharded and not ldm.Plan(1, {"a": {"ranks": [0]}}).towers["a"].sharded
+    assert "full" in plan.table()
+    with pytest.raises(ldm.PlanError, match="unknown shard 'zero3'"):
+        ldm.Plan(1, {"image": {"ranks": [0], "shard": "zero3"}})
+    with pytest.raises(ldm.PlanError, match="towers.image.shard: expected one of none, full, hybrid"):
+        ldm.Plan.from_dict({"world_size": 1, "towers": {"image": {"ranks": [0], "shard": True}}})
+    with pytest.raises(ldm.PlanError, match="pp=2 is not supported"):
+        ldm.Plan(2, {"image": {"ranks": [0, 1], "pp": 2, "shard": "full"}})
+
+
+def test_hybrid_rows_follow_the_launchers_nodes():
+    from lightning_distmm.parallel.groups import hybrid_rows
+
+    tower = ldm.TowerPlan(ranks=[0, 1, 2, 3], shard="hybrid")
+    assert hybrid_rows("image", tower, [0, 0, 1, 1]) == [[0, 1], [2, 3]]
+    assert hybrid_rows("image", tower, [1, 0, 1, 0]) == [[1, 3], [0, 2]]
+    assert hybrid_rows("image", tower, None) == [[0, 1, 2, 3]]
+    with pytest.raises(ValueError, match="unevenly over nodes"):
+        hybrid_rows("image", ldm.TowerPlan(ranks=[0, 1, 2], shard="hybrid"), [0, 0, 1])
+
+
+def test_tp_with_fsdp_refuses_a_fused_qkv_bias():
+    from timm.models.vision_transformer import VisionTransformer
+
+    from lightning_distmm.parallel.fsdp import check_fsdp, transformer_blocks
+
+    vit = VisionTransformer(img_size=8, patch_size=4, embed_dim=16, depth=2, num_heads=2, qkv_bias=True)
+    assert len(transformer_blocks(vit)) == 2
+    check_fsdp(vit, 1, "image")
+    with pytest.raises(ValueError, match="tower 'image': blocks.0.attn.qkv has a bias"):
+        check_fsdp(vit, 2, "image")
