@@ -9,6 +9,11 @@ folder with one shard per rank plus ``meta.pt`` (loops, callbacks, schedulers). 
   ``param_groups.<fqn>.lr``), because ranks hold different parameters: un-flattened, the
   ``param_groups`` entry would have one key with different contents per rank and DCP would keep
   only one of them;
+* the plan the checkpoint was trained under and its global batch are kept in ``meta.pt``
+  (:data:`PLAN_KEY`): a checkpoint resumes under *any* plan for the same towers (DCP re-shards
+  every tensor by its global name and shape: replicated, tensor-parallel or FSDP-sharded, on any
+  number of ranks), and :func:`check_plan_change` refuses the one change that cannot continue the
+  same training, a plan fixed to another global batch;
 * :func:`consolidated_state_dict` assembles the whole model on rank 0 while training runs, and
   :func:`export_checkpoint` turns a saved folder into a plain ``state_dict`` file offline, with
   no processes at all; both load into the module with no distmm.
@@ -26,11 +31,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.optim import Optimizer
 
+from lightning_distmm.core.plan import Plan, PlanError
 from lightning_distmm.parallel.executor import RankRuntime
 from lightning_distmm.parallel.prepare import tower_prefixes
 from lightning_distmm.parallel.tensor_parallel import is_strided
 
 _METADATA = "meta.pt"
+#: the key of ``meta.pt`` that records the plan a checkpoint was trained under and its global batch
+PLAN_KEY = "distmm_plan"
 
 
 class RuntimeHolder(Protocol):
@@ -98,6 +106,37 @@ def _load_optimizer_state(
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     set_optimizer_state_dict(module, _unwrapped(optimizer), from_dcp(loaded, like), options=_flat_options())
+
+
+def plan_record(plan: Plan, global_batch: int | None) -> dict[str, Any]:
+    """What a checkpoint records of its run: the plan (plain data) and the global batch it trained at."""
+    return {"plan": plan.to_dict(), "global_batch": global_batch if global_batch is not None else plan.global_batch}
+
+
+def check_plan_change(path: Path, plan: Plan) -> None:
+    """Refuse to resume the checkpoint at ``path`` under ``plan`` when the change cannot continue the
+    same training: ``plan`` is made for another global batch than the one the checkpoint trained at.
+
+    Anything else may change (ranks, replica batches, tp, pp, sharding, schedule, world size): the
+    weights and optimizer state are re-sharded by name, and the data loader continues at the next
+    unseen sample of the epoch's order. A plan without ``global_batch`` resumes at whatever batch
+    the DataLoader gives (the loader's position is a count of samples).
+    """
+    meta = path / _METADATA
+    if not meta.is_file():
+        return
+    record = torch.load(meta, weights_only=False).get(PLAN_KEY)
+    if not record:
+        return
+    saved = record.get("global_batch")
+    if plan.global_batch is not None and saved is not None and plan.global_batch != saved:
+        before = Plan.from_dict(record["plan"])
+        raise PlanError(
+            f"checkpoint {path} was trained at a global batch of {saved} under\n{before.table()}\nand cannot resume"
+            f" under a plan made for a global batch of {plan.global_batch}:\n{plan.table()}\nA plan change keeps the"
+            f" global batch (the contrastive loss, its negatives and the optimizer's steps depend on it): make the"
+            f" new plan for global_batch: {saved}, or leave global_batch unset to resume at the DataLoader's batch"
+        )
 
 
 def load_sharded(

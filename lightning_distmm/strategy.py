@@ -358,9 +358,17 @@ class DistMMStrategy(ModelParallelStrategy):
         return ckpt.for_dcp(ckpt.optimizer_state_dict(self.lightning_module, optimizer))
 
     @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self.plan is not None and self.lightning_module is not None:
+            batch = _train_batch_size(self.lightning_module.trainer)
+            checkpoint[ckpt.PLAN_KEY] = ckpt.plan_record(self.plan, batch)
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        assert self.lightning_module is not None
+        assert self.lightning_module is not None and self.plan is not None
         path = Path(self.broadcast(checkpoint_path))
+        ckpt.check_plan_change(path, self.plan)  # on every rank: all fail together
         return ckpt.load_sharded(path, self.lightning_module, self.optimizers, weights_only=weights_only)
 
 
