@@ -110,13 +110,13 @@ def test_callbacks_under_distmm_equal_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_clip_digits_zero_shot_far_above_chance(tmp_path, capsys):
-    """Real scans (scikit-learn's digits): 300 steps of the tiny CLIP (AdamW 3e-3, cosine), then zero-shot with a prompt
-    template the training captions never use."""
-    zs = ZeroShotClassification(templates=ZERO_SHOT_TEMPLATES)
-    torch.set_num_threads(2)
-    _fit("auto", 1, tmp_path / "m.json", [zs], DigitsDataModule(batch_size=64), 250)
+    """Real scans (scikit-learn's digits): 300 steps of the tiny CLIP (AdamW 3e-3, 50 warmup steps,
+    cosine), then zero-shot with a prompt template the training captions never use."""
+    callbacks = [ZeroShotClassification(templates=ZERO_SHOT_TEMPLATES)]
+    optim = {"warmup_steps": 50, "scheduler": "cosine", "lr": 3e-3}
+    in_subprocess(lambda: _fit("auto", 1, tmp_path / "m.json", callbacks, DigitsDataModule(), 300, optim))
+    metrics = json.loads((tmp_path / "m.json").read_text())
+    top1, top5 = metrics["val/zeroshot/top1"], metrics["val/zeroshot/top5"]
     with capsys.disabled():
-        print(
-            f"\nclip_digits zero-shot top1 = {zs.metrics['top1']:.3f} (chance 0.100), top5 = {zs.metrics['top5']:.3f}"
-        )
-    assert zs.metrics["top1"] > 0.5
+        print(f"\nclip_digits zero-shot top1 = {top1:.3f} (chance 0.100), top5 = {top5:.3f} (chance 0.500)")
+    assert top1 > 0.5
