@@ -173,10 +173,16 @@ def test_load_from_checkpoint_reads_a_distmm_folder(tmp_path):
 
 
 def test_load_from_checkpoint_still_reads_files_and_names_bad_folders(tmp_path):
-    trained = _fit(tmp_path, "auto", 1)
-    loaded = CLIPModel.load_from_checkpoint(tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
-    assert all(torch.equal(v, trained.state_dict()[k]) for k, v in loaded.state_dict().items())
+    from test_datasets import in_subprocess
+
     from lightning_distmm.models.checkpoints import load_checkpoint
+
+    def run() -> None:  # in a child: a fit in the pytest process would keep later tests from forking ranks
+        trained = _fit(tmp_path, "auto", 1)
+        loaded = CLIPModel.load_from_checkpoint(tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
+        assert all(torch.equal(v, trained.state_dict()[k]) for k, v in loaded.state_dict().items())
+
+    in_subprocess(run)
 
     (tmp_path / "empty").mkdir()
     with pytest.raises(IsADirectoryError, match="not a distmm checkpoint folder"):
