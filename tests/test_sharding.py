@@ -116,3 +116,16 @@ def test_tp_with_fsdp_refuses_a_fused_qkv_bias():
     check_fsdp(vit, 1, "image")
     with pytest.raises(ValueError, match="tower 'image': blocks.0.attn.qkv has a bias"):
         check_fsdp(vit, 2, "image")
+
+
+def test_auto_plan_maps_the_planners_shard_choice():
+    from lightning_distmm.planner.auto import auto_plan, with_shards
+
+    plan = ldm.Plan(3, {"image": {"ranks": [0, 1]}, "text": {"ranks": [2]}}, 8)
+    sharded = with_shards(plan, {"image": "full", "text": "none"})
+    assert sharded.towers["image"].shard == "full" and sharded.towers["text"].shard == "none"
+    assert sharded.towers["image"].ranks == [0, 1] and sharded.global_batch == 8
+    with pytest.raises(ValueError, match="runtime does not run"):
+        with_shards(plan, {"image": "optimizer"})
+    with pytest.raises(ValueError, match="cannot shard a tower as \\['optimizer'\\]"):
+        auto_plan({}, 2, 8, options={"shards": ["none", "optimizer"]})

@@ -1,0 +1,102 @@
+"""Two "nodes" on this machine, launched as people launch them, train like one process."""
+
+import copy
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from distmm_testing import TinyCLIP, loader, run_reference
+
+SCRIPT = Path(__file__).parent / "scripts" / "multinode_train.py"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "PL_"))}
+    env.update(PYTHONPATH=f"{ROOT}:{env.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.update(extra)
+    return env
+
+
+def _finish(procs: list[subprocess.Popen], timeout: float = 300) -> None:
+    try:
+        for p in procs:
+            p.wait(timeout=timeout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    logs = "\n".join(p.stdout.read().decode()[-3000:] for p in procs if p.stdout)  # type: ignore[union-attr]
+    assert all(p.returncode == 0 for p in procs), logs
+
+
+def _check_against_one_process(out: Path, tmp_path: Path) -> dict:
+    L.seed_everything(0)
+    reference = TinyCLIP("sgd", lr=0.05)
+    initial = copy.deepcopy(reference)
+    run_reference(reference, loader(8), 3, str(tmp_path / "ref.json"))
+    trained = torch.load(out / "weights.pt")
+    expected = reference.state_dict()
+    assert trained.keys() == expected.keys()
+    assert max((trained[k] - expected[k]).abs().max().item() for k in expected) <= 1e-5
+    assert max((initial.state_dict()[k] - expected[k]).abs().max().item() for k in expected) > 1e-3
+    return json.loads((out / "nodes.json").read_text())
+
+
+@pytest.mark.slow
+def test_torchrun_two_nodes_equals_one_process(tmp_path):
+    """`torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d` started twice (two "nodes")."""
+    endpoint = f"127.0.0.1:{_port()}"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2"]
+    command += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "distmm-test"]
+    command += [str(SCRIPT), str(tmp_path)]
+    procs = [
+        subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT)
+        for _ in range(2)
+    ]
+    _finish(procs)
+    placed = _check_against_one_process(tmp_path, tmp_path)
+    nodes = placed["nodes"]
+    assert sorted(nodes) == [0, 0, 1, 1]  # the launcher's node ranks (GROUP_RANK), two ranks each
+    # HSDP: one row per node (shard inside it), the launcher's real node of every rank
+    assert placed["image_mesh"] == [[r for r in range(4) if nodes[r] == n] for n in (0, 1)]
+
+
+@pytest.mark.slow
+def test_slurm_environment_two_nodes_equals_one_process(tmp_path):
+    """The variables SLURM's srun sets per task (Lightning's SLURMEnvironment), two "nodes" of two tasks."""
+    port = str(_port())
+    procs = []
+    for rank in range(4):
+        env = _env(
+            SLURM_NTASKS="4",
+            SLURM_NTASKS_PER_NODE="2",
+            SLURM_PROCID=str(rank),
+            SLURM_LOCALID=str(rank % 2),
+            SLURM_NODEID=str(rank // 2),
+            SLURM_NNODES="2",
+            SLURM_JOB_ID="4242",
+            SLURM_JOB_NAME="distmm-test",
+            SLURM_NODELIST="127.0.0.1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+        )
+        command = [sys.executable, str(SCRIPT), str(tmp_path)]
+        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT))
+    _finish(procs)
+    placed = _check_against_one_process(tmp_path, tmp_path)
+    assert placed["nodes"] == [0, 0, 1, 1]
+    assert placed["image_mesh"] == [[0, 1], [2, 3]]
