@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Generator, Iterable, Mapping
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -182,3 +183,42 @@ def with_sampler(dataloader: DataLoader, sampler: Sampler) -> DataLoader:
     from lightning.pytorch.utilities.data import _update_dataloader
 
     return _update_dataloader(dataloader, sampler)
+
+
+# ---------------------------------------------------------------------- helpers of the strategy over the accesses above
+def _train_dataloader(trainer: pl.Trainer) -> DataLoader | None:
+    """The training DataLoader the fit will use, before Lightning processes it (None if unavailable)."""
+    loader = train_dataloader(trainer)
+    return loader if isinstance(loader, DataLoader) else None
+
+
+def train_batch_size(trainer: pl.Trainer) -> int | None:
+    return getattr(getattr(_train_dataloader(trainer), "batch_sampler", None), "batch_size", None)
+
+
+def example_batch(trainer: pl.Trainer) -> Mapping[str, Any] | None:
+    """One collated sample of the training data, to count or time the towers (None if unavailable)."""
+    loader = _train_dataloader(trainer)
+    if loader is None or len(loader.dataset) == 0:  # type: ignore[arg-type]
+        return None
+    batch = loader.collate_fn([loader.dataset[0]])
+    return batch if isinstance(batch, Mapping) else None
+
+
+@contextmanager
+def random_state_kept(device: torch.device) -> Generator[None, None, None]:
+    """Restore Python's, NumPy's and torch's random states (CPU and ``device``) on exit."""
+    import random
+
+    import numpy as np
+
+    states = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    cuda = torch.cuda.get_rng_state_all() if device.type == "cuda" and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)

@@ -120,7 +120,7 @@ class DistMMStrategy(ModelParallelStrategy):
         # Lightning re-seeds every generator from PL_GLOBAL_SEED there (reset_seed); the RNG state
         # the user's script reached (model built, same on every rank) is kept instead, so that an
         # unseeded sampler, dropout and the like draw what an ordinary single-process run draws
-        with _random_state_kept(self.root_device):
+        with seam.random_state_kept(self.root_device):
             seam.init_process_groups(self)
 
     def _recorded_cause(self) -> str | None:
@@ -147,15 +147,15 @@ class DistMMStrategy(ModelParallelStrategy):
             )
         self.accelerator.setup(trainer)
         towers = module.tower_specs()
+        nodes = self._nodes_of_ranks()
         if self.plan is None:
-            self.plan = self._resolve_plan(trainer, module)
+            self.plan = self._resolve_plan(trainer, module, nodes)
         self.plan.check_world(self.world_size)
         self.plan.check_towers(list(towers))
         _check_loss_semantics(self.plan, module)
         rank_zero_info(f"distmm {self.plan.table()}")
 
         precision = getattr(self.precision_plugin, "precision", None)
-        nodes = self._nodes_of_ranks()
         groups = build_tower_groups(self.plan, self.root_device.type, nodes, mixed_precision_policy(precision))
         self.runtime = RankRuntime(module, self.plan, groups, self.root_device, bucket_cap_mb=self._bucket_cap_mb)
         self.runtime.prepare_local_towers()
@@ -182,23 +182,28 @@ class DistMMStrategy(ModelParallelStrategy):
         torch.distributed.all_gather_object(nodes, int(self.node_rank))
         return nodes
 
-    def _resolve_plan(self, trainer: pl.Trainer, module: DistMMMixin) -> Plan:
+    def _resolve_plan(self, trainer: pl.Trainer, module: DistMMMixin, nodes: list[int]) -> Plan:
         names = list(module.tower_specs())
         spec = self._plan_spec
         if spec == "colocated":
             return colocated_plan(names, self.world_size)
         if spec == "default":
-            flops = tower_flops(module.tower_specs(), _example_batch(trainer))
+            flops = tower_flops(module.tower_specs(), seam.example_batch(trainer))
             return proportional_plan({n: flops[n] for n in names}, self.world_size)
         if spec == "auto":
-            return self._auto_plan(trainer, module)
+            return self._auto_plan(trainer, module, nodes)
         raise PlanError(f"unknown plan {spec!r}")
 
-    def _auto_plan(self, trainer: pl.Trainer, module: DistMMMixin) -> Plan:
-        """The planner on profiles measured here: rank 0 measures and plans, every rank gets its plan."""
+    def _auto_plan(self, trainer: pl.Trainer, module: DistMMMixin, nodes: list[int]) -> Plan:
+        """The planner on profiles measured here: rank 0 measures and plans, every rank gets its plan.
+        Its node-aware placement goes by the launcher's nodes (``nodes[rank]``), which must hold
+        contiguous, equal blocks of ranks (as torchrun and SLURM number them)."""
+        per_node = nodes.count(nodes[0])
+        if nodes != [r // per_node for r in range(len(nodes))]:
+            raise PlanError(f"plan='auto' places towers by node but the launcher's nodes of ranks 0.. are {nodes}")
         from lightning_distmm.planner.auto import auto_plan, tower_info_from_batch
 
-        example, global_batch = _example_batch(trainer), _train_batch_size(trainer)
+        example, global_batch = seam.example_batch(trainer), seam.train_batch_size(trainer)
         if example is None or global_batch is None:
             raise PlanError("plan='auto' needs a training DataLoader with a batch_size to measure the towers on")
         data = None
@@ -208,7 +213,7 @@ class DistMMStrategy(ModelParallelStrategy):
             # must compute the module's loss: distmm's two sync groups exactly when it asks for them
             schedules = ["distmm"] if module.sync_groups == 2 else ["gpipe", "cached"]
             options = {"max_tp": 1, "max_pp": 1, "schedules": schedules, "recompute": False}
-            plan = auto_plan(infos, self.world_size, global_batch, self.root_device, options=options)
+            plan = auto_plan(infos, self.world_size, global_batch, self.root_device, options, per_node)
             data = plan.to_dict()
         return Plan.from_dict(self.broadcast(data, src=0))
 
@@ -360,7 +365,7 @@ class DistMMStrategy(ModelParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if self.plan is not None and self.lightning_module is not None:
-            batch = _train_batch_size(self.lightning_module.trainer)
+            batch = seam.train_batch_size(self.lightning_module.trainer)
             checkpoint[ckpt.PLAN_KEY] = ckpt.plan_record(self.plan, batch)
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
@@ -421,44 +426,6 @@ def _check_loss_semantics(plan: Plan, module: DistMMMixin) -> None:
             f" module to train with that loss (the single-process reference then computes the same), or choose"
             f" {'another schedule' if plan.sync_groups > 1 else 'schedule: distmm'}"
         )
-
-
-def _train_dataloader(trainer: pl.Trainer) -> DataLoader | None:
-    """The training DataLoader the fit will use, before Lightning processes it (None if unavailable)."""
-    loader = seam.train_dataloader(trainer)
-    return loader if isinstance(loader, DataLoader) else None
-
-
-def _train_batch_size(trainer: pl.Trainer) -> int | None:
-    return getattr(getattr(_train_dataloader(trainer), "batch_sampler", None), "batch_size", None)
-
-
-def _example_batch(trainer: pl.Trainer) -> Mapping[str, Any] | None:
-    """One collated sample of the training data, to count or time the towers (None if unavailable)."""
-    loader = _train_dataloader(trainer)
-    if loader is None or len(loader.dataset) == 0:  # type: ignore[arg-type]
-        return None
-    batch = loader.collate_fn([loader.dataset[0]])
-    return batch if isinstance(batch, Mapping) else None
-
-
-@contextmanager
-def _random_state_kept(device: torch.device) -> Generator[None, None, None]:
-    """Restore Python's, NumPy's and torch's random states (CPU and ``device``) on exit."""
-    import random
-
-    import numpy as np
-
-    states = (random.getstate(), np.random.get_state(), torch.get_rng_state())
-    cuda = torch.cuda.get_rng_state_all() if device.type == "cuda" and torch.cuda.is_initialized() else None
-    try:
-        yield
-    finally:
-        random.setstate(states[0])
-        np.random.set_state(states[1])
-        torch.set_rng_state(states[2])
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
 
 
 class StepRunner:
