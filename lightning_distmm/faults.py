@@ -20,6 +20,8 @@ Three parts, none of which needs Lightning:
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -28,7 +30,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -49,6 +51,20 @@ _CONSEQUENCE_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError", 
 
 #: environment variable carrying the run's id from the launcher to the ranks it starts
 RUN_ID_ENV = "DISTMM_RUN_ID"
+#: environment variable carrying the launcher's pid to the ranks it starts (their expected parent)
+LAUNCHER_PID_ENV = "DISTMM_LAUNCHER_PID"
+
+
+def note_launcher() -> None:
+    """Called by a process about to start ranks: they will know their parent's pid even if it dies
+    before they look (a rank that finds another parent then knows its launcher is gone)."""
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+
+
+def expected_parent() -> int:
+    """The launcher's pid when it said so (:func:`note_launcher`), else this process's parent now."""
+    noted = os.environ.get(LAUNCHER_PID_ENV)
+    return int(noted) if noted and noted != str(os.getpid()) else os.getppid()
 
 
 class Preempted(SystemExit):
@@ -73,11 +89,13 @@ def ensure_run_id() -> str:
 def is_consequence(exception: BaseException) -> bool:
     """Whether ``exception`` is what a rank sees when another rank failed (a closed connection, a
     collective timeout), as opposed to a failure of its own."""
+    text = str(exception)
+    if "EADDRINUSE" in text or "address already in use" in text:
+        return False  # this rank could not listen: its own failure, not a peer's
     if isinstance(exception, (ConnectionError, BrokenPipeError)):
         return True
     if type(exception).__name__ in _CONSEQUENCE_TYPES:
         return True
-    text = str(exception)
     return any(t in text for t in _CONSEQUENCE_TEXT)
 
 
@@ -264,6 +282,34 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
+@contextlib.contextmanager
+def dies_with_parent(sig: int = signal.SIGKILL) -> Iterator[None]:
+    """While inside, the kernel sends ``sig`` to this process when its parent dies (Linux ``prctl``).
+
+    For blocking calls that hold the interpreter lock (joining the torch.distributed store), when
+    :class:`ParentWatchdog`'s thread cannot run; elsewhere (not Linux) it does nothing.
+    """
+    libc = None
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        except OSError:
+            libc = None
+    parent = expected_parent()
+    if libc is not None:
+        libc.prctl(_PR_SET_PDEATHSIG, int(sig))
+        if os.getppid() != parent:  # the parent died before the request took effect
+            os.kill(os.getpid(), sig)
+    try:
+        yield
+    finally:
+        if libc is not None:
+            libc.prctl(_PR_SET_PDEATHSIG, 0)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
 def preemption_handler(rank: int, forward: Callable[[int], None] | None = None) -> Callable[..., None]:
     """A SIGTERM handler: pass the signal on (a launcher to the ranks it started), then end this rank."""
 
@@ -292,7 +338,7 @@ class ParentWatchdog(threading.Thread):
         cause: Callable[[], str | None] | None = None,
     ) -> None:
         super().__init__(name="distmm-parent-watchdog", daemon=True)
-        self.parent = os.getppid()
+        self.parent = expected_parent()
         self.interval = interval
         self.code = code
         self.rank = rank

@@ -16,6 +16,7 @@ starts the batch (``on_train_batch_start``: does Lightning zero the gradients af
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import tempfile
@@ -101,6 +102,9 @@ class DistMMStrategy(ModelParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         faults.ensure_run_id()  # before any rank is started, so that every rank inherits it
+        assert self.cluster_environment is not None
+        if self._start_method != "popen" or not self.cluster_environment.creates_processes_externally:
+            faults.note_launcher()  # this process starts the ranks (popen's rank 0, the spawn/fork parent)
         seam.configure_launcher(self, self._start_method, self._consolidated_state_dict)
 
     def _consolidated_state_dict(self) -> dict[str, Tensor] | None:
@@ -120,7 +124,10 @@ class DistMMStrategy(ModelParallelStrategy):
         # Lightning re-seeds every generator from PL_GLOBAL_SEED there (reset_seed); the RNG state
         # the user's script reached (model built, same on every rank) is kept instead, so that an
         # unseeded sampler, dropout and the like draw what an ordinary single-process run draws
-        with seam.random_state_kept(self.root_device):
+        # joining the store holds the interpreter lock, so the watchdog's thread cannot run: a rank
+        # that a launcher started dies with it meanwhile (rank 0 failing to bind MASTER_PORT, say)
+        dies_with_launcher = faults.dies_with_parent() if started_by_launcher else contextlib.nullcontext()
+        with dies_with_launcher, seam.random_state_kept(self.root_device):
             seam.init_process_groups(self)
 
     def _recorded_cause(self) -> str | None:

@@ -141,7 +141,7 @@ def test_default_options_never_shard():
     plan, rep = make_plan(model("distmm_10b"), "h200_8x8", 1024)
     assert all(c.shard == "none" for c in rep.chosen.choices.values())
     with pytest.raises(ValueError, match="cannot shard"):
-        auto_plan({}, 2, 8, options={"shards": ["none", "full"]})
+        auto_plan({}, 2, 8, options={"shards": ["none", "optimizer"]})
 
 
 def test_sharding_lets_a_big_tower_fit_without_deep_tp():

@@ -32,6 +32,66 @@ class NoMask(Dataset):
         return {"image": torch.zeros(3, 8, 8), "input_ids": torch.ones(6, dtype=torch.long)}
 
 
+class _TupleOut(torch.nn.Module):
+    """Wraps a tower so it returns ``(features, None)``, as many Hugging Face models return tuples."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args):
+        return self.inner(*args), None
+
+
+class TupleTower(TinyCLIP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.text = _TupleOut(self.text)
+
+
+class _DropLastRow(torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)[:-1]
+
+
+class ShortTower(TinyCLIP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.visual = _DropLastRow(self.visual)
+
+
+class _NoGrad(torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        with torch.no_grad():
+            return self.inner(x)
+
+
+class NoGradTower(TinyCLIP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.visual = _NoGrad(self.visual)
+
+
+class VectorLoss(TinyCLIP):
+    def interaction_loss(self, features):
+        return (features["image"] * features["text"]).sum(dim=1)
+
+
+class DetachedLoss(TinyCLIP):
+    def interaction_loss(self, features):
+        return super().interaction_loss(features).detach()
+
+
+SEPARATE = ldm.Plan(2, {"image": {"ranks": [0]}, "text": {"ranks": [1]}})
+
 CASES = {
     "world-size": (
         3,
@@ -63,6 +123,31 @@ CASES = {
         lambda: loader(4),
         r"tower 'image', pp=2: a ViT with 1 blocks cannot be cut into pp=2 stages",
     ),
+    "tower-returns-tuple": (2, SEPARATE, lambda: loader(4), r"tower 'text' returned a tuple, not a tensor", TupleTower),
+    "tower-short-rows": (
+        2,
+        SEPARATE,
+        lambda: loader(4),
+        r"tower 'image' returned features of shape \[3, 8\] for 4 samples",
+        ShortTower,
+    ),
+    "tower-short-rows-validate": (
+        2,
+        SEPARATE,
+        lambda: loader(4),
+        r"tower 'image' returned features of shape \[3, 8\] for 4 samples",
+        ShortTower,
+        "validate",
+    ),
+    "tower-under-no-grad": (
+        2,
+        SEPARATE,
+        lambda: loader(4),
+        r"tower 'image' has trainable parameters but its features carry no gradient",
+        NoGradTower,
+    ),
+    "loss-vector": (2, SEPARATE, lambda: loader(4), r"must return a scalar tensor .*, got \[4\]", VectorLoss),
+    "loss-detached": (2, SEPARATE, lambda: loader(4), r"loss that does not depend on the features", DetachedLoss),
     "batch-below-replicas": (
         3,
         ldm.Plan(3, {"image": {"ranks": [0, 1, 2]}, "text": {"ranks": [0]}}),
@@ -76,7 +161,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_input_fails_on_every_rank(case, tmp_path):
     """The real subprocess launcher: each rank's own exception handler records what it raised."""
-    world, _, _, message = CASES[case]
+    world, _, _, message, *_ = CASES[case]
     script = Path(__file__).parent / "scripts" / "fail_fast.py"
     start = time.monotonic()
     proc = subprocess.run(
@@ -89,9 +174,12 @@ def test_bad_input_fails_on_every_rank(case, tmp_path):
     assert proc.returncode != 0
     assert re.search(message, proc.stderr), proc.stderr[-2000:]
     assert time.monotonic() - start < 90
+    # every rank went through its exception handling, and each ends with the message (its own
+    # error, or the relayed root cause of the rank that failed first)
     texts = {p.name: p.read_text() for p in tmp_path.glob("rank*.txt")}
     assert sorted(texts) == [f"rank{r}.txt" for r in range(world)], texts
-    assert all(re.search(message, t) for t in texts.values())
+    for rank in range(world):
+        assert re.search(rf"\[rank{rank}\]: .*{message}", proc.stderr), (rank, proc.stderr[-3000:])
 
 
 def test_plan_yaml_with_unknown_keys_fails_at_construction(tmp_path):

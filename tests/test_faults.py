@@ -35,6 +35,7 @@ def test_connection_errors_and_timeouts_are_consequences():
     assert is_consequence(DistBackendError("anything"))
     assert is_consequence(ConnectionResetError("reset"))
     assert not is_consequence(RuntimeError("stage 1 exploded in its forward"))
+    assert not is_consequence(DistBackendError("port: 29500, code: -98, name: EADDRINUSE, address already in use"))
     assert not is_consequence(KeyError("tower 'image' reads batch field 'image'"))
 
 

@@ -249,6 +249,7 @@ class RankRuntime:
         if ins.send_to is not None:
             self._sends.append(send_tensor(x, ins.send_to, group))
         else:
+            _check_features(ins.tower, x, ins.rows, grad and ins.keep)
             run.outputs.setdefault((ins.sync_group, ins.tower), []).append(x)
 
     def _batch_sync(self, module: TowerModule, ins: BatchSync, run: ScheduleRun, training: bool) -> None:
@@ -265,6 +266,7 @@ class RankRuntime:
         index, parts = self.batch_sync_ranks.index(self.rank), len(self.batch_sync_ranks)
         with row_share(index, parts) as share:
             loss = module.interaction_loss(full)
+        _check_loss(loss, training and any(f.requires_grad for f in full.values()))
         if not share.asked:
             # a whole-batch loss computed identically on every batch-sync rank: each contributes 1/parts of it
             loss = loss / parts
@@ -326,6 +328,42 @@ class RankRuntime:
         backward that ends the optimizer step."""
         if run.sums is not None:
             run.sums.extend(self.gradients.post_interaction_sum())
+
+
+def _check_features(tower: str, x: Any, rows: int, needs_grad: bool) -> None:
+    """A tower's output must be one tensor with a row per sample (and, if it trains, a graph)."""
+    if not isinstance(x, Tensor):
+        raise TypeError(
+            f"tower {tower!r} returned a {type(x).__name__}, not a tensor: a tower must return one tensor of"
+            f" features with a row per sample (wrap the encoder so it returns e.g. the pooled output or the"
+            f" image embedding)"
+        )
+    if x.dim() == 0 or x.shape[0] != rows:
+        raise ValueError(
+            f"tower {tower!r} returned features of shape {list(x.shape)} for {rows} samples: a tower must"
+            f" return one row per sample ([{rows}, ...])"
+        )
+    if needs_grad and not x.requires_grad:
+        raise RuntimeError(
+            f"tower {tower!r} has trainable parameters but its features carry no gradient (its forward runs"
+            f" under torch.no_grad(), or detaches its output): mark it Tower(..., frozen=True) to keep it"
+            f" fixed, or let its forward record gradients"
+        )
+
+
+def _check_loss(loss: Any, needs_grad: bool) -> None:
+    """``interaction_loss`` must return a scalar tensor that depends on the features it was given."""
+    if not isinstance(loss, Tensor) or loss.dim() != 0:
+        shape = list(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+        raise ValueError(
+            f"interaction_loss must return a scalar tensor (the loss over the batch), got {shape}: reduce it"
+            f" (e.g. .mean()) inside interaction_loss"
+        )
+    if needs_grad and not loss.requires_grad:
+        raise RuntimeError(
+            "interaction_loss returned a loss that does not depend on the features' gradients (it was detached,"
+            " or computed under torch.no_grad()): the towers cannot learn from it"
+        )
 
 
 def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:

@@ -15,9 +15,18 @@ import lightning_distmm as ldm  # noqa: E402
 
 torch.set_num_threads(1)
 case, folder = sys.argv[1], sys.argv[2]
-world, plan, data, _ = CASES[case]
+world, plan, data, _, *extra = CASES[case]
+module = extra[0]() if extra else TinyCLIP()
+validate = extra[1:] == ["validate"]
 trainer = L.Trainer(
-    devices=world, max_steps=2, strategy=ldm.DistMMStrategy(plan), callbacks=[ErrorRecorder(folder)], **trainer_kwargs()
+    devices=world,
+    max_steps=2,
+    strategy=ldm.DistMMStrategy(plan),
+    callbacks=[ErrorRecorder(folder)],
+    **trainer_kwargs(limit_val_batches=2 if validate else 0),
 )
-trainer.fit(TinyCLIP(), data())
+if validate:
+    trainer.validate(module, data())
+else:
+    trainer.fit(module, data())
 os._exit(0)
