@@ -16,15 +16,7 @@ from typing import Any
 
 import yaml
 
-SCHEDULES = ("gpipe", "distmm", "cached")
-#: how a tower's parameters, gradients and optimizer state are held over its data-parallel ranks:
-#: ``none`` replicated (DDP-style sums), ``full`` sharded over all of them (FSDP), ``hybrid`` sharded
-#: inside a node and replicated across nodes (HSDP)
-SHARDS = ("none", "full", "hybrid")
-
-
-class PlanError(ValueError):
-    """A plan that cannot run: the message names the tower and the problem."""
+from lightning_distmm.core.plan_schema import SCHEDULES, SHARDS, PlanError, UniqueKeyLoader, check_types, is_int
 
 
 def sync_group_count(schedules: Mapping[str, str]) -> int | None:
@@ -122,9 +114,9 @@ class Plan:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        if not _is_int(self.world_size) or self.world_size < 1:
+        if not is_int(self.world_size) or self.world_size < 1:
             raise PlanError(f"world_size must be a positive integer, got {self.world_size!r}")
-        if self.global_batch is not None and (not _is_int(self.global_batch) or self.global_batch < 1):
+        if self.global_batch is not None and (not is_int(self.global_batch) or self.global_batch < 1):
             raise PlanError(f"global_batch must be a positive integer or None, got {self.global_batch!r}")
         if not self.towers:
             raise PlanError("a plan needs at least one tower")
@@ -135,14 +127,14 @@ class Plan:
                 raise PlanError(f"{where} has no ranks")
             if len(set(t.ranks)) != len(t.ranks):
                 raise PlanError(f"{where} lists a rank twice: {t.ranks}")
-            bad = [r for r in t.ranks if not _is_int(r) or not 0 <= r < self.world_size]
+            bad = [r for r in t.ranks if not is_int(r) or not 0 <= r < self.world_size]
             if bad:
                 raise PlanError(
                     f"{where} uses ranks {bad} outside the world of {self.world_size} ranks (0..{self.world_size - 1})"
                 )
             for degree in ("tp", "pp"):
                 value = getattr(t, degree)
-                if not _is_int(value) or value < 1:
+                if not is_int(value) or value < 1:
                     raise PlanError(f"{where}: {degree} must be a positive integer, got {value!r}")
             if len(t.ranks) % (t.tp * t.pp):
                 raise PlanError(
@@ -159,14 +151,14 @@ class Plan:
                     f"{where}: shard={t.shard!r} with pp={t.pp} is not supported by the runtime yet;"
                     f" shard a pipelined tower's replicas with shard: none, or use pp: 1"
                 )
-            if t.microbatch is not None and (not _is_int(t.microbatch) or t.microbatch < 1):
+            if t.microbatch is not None and (not is_int(t.microbatch) or t.microbatch < 1):
                 raise PlanError(f"{where}: microbatch must be a positive integer or null, got {t.microbatch!r}")
             if t.replica_batch is not None:
                 if len(t.replica_batch) != t.dp:
                     raise PlanError(
                         f"{where}: replica_batch has {len(t.replica_batch)} entries but the tower has dp={t.dp} replicas"
                     )
-                if any(not _is_int(b) or b < 1 for b in t.replica_batch):
+                if any(not is_int(b) or b < 1 for b in t.replica_batch):
                     raise PlanError(f"{where}: replica_batch entries must be positive integers, got {t.replica_batch}")
                 if self.global_batch is not None and sum(t.replica_batch) != self.global_batch:
                     raise PlanError(
@@ -268,7 +260,7 @@ class Plan:
             raise PlanError(f"unknown plan key(s) {unknown}; allowed keys are {sorted(allowed)}")
         if "world_size" not in data or "towers" not in data:
             raise PlanError("a plan needs 'world_size' and 'towers'")
-        _check_types(data)
+        check_types(data)
         return cls(world_size=data["world_size"], towers=dict(data["towers"]), global_batch=data.get("global_batch"))
 
     def to_yaml(self, path: str | Path | None = None) -> str:
@@ -291,7 +283,7 @@ class Plan:
         stream = io.StringIO(text)
         stream.name = str(source) if is_path else "<string>"  # PyYAML's error marks name the stream
         try:
-            data = yaml.load(stream, Loader=_UniqueKeyLoader)  # a SafeLoader subclass: no arbitrary objects
+            data = yaml.load(stream, Loader=UniqueKeyLoader)  # a SafeLoader subclass: no arbitrary objects
         except PlanError as e:
             raise PlanError(f"{where}{e}") from None
         except yaml.YAMLError as e:
@@ -351,72 +343,6 @@ def _as_tower_plan(name: str, value: Any) -> TowerPlan:
     if kwargs.get("replica_batch") is not None:
         kwargs["replica_batch"] = list(kwargs["replica_batch"])
     return TowerPlan(**kwargs)
-
-
-def _is_int(value: Any) -> bool:
-    """An integer that is not a bool (YAML's ``true`` is a Python ``bool``, itself an ``int``)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _expect(ok: bool, path: str, what: str, value: Any) -> None:
-    if not ok:
-        raise PlanError(f"{path}: expected {what}, got {value!r}")
-
-
-def _check_types(data: Mapping[str, Any]) -> None:
-    """The type of every value of a plan's plain data, failing with its key path (``towers.image.tp``)."""
-    _expect(_is_int(data["world_size"]) and data["world_size"] >= 1, "world_size", "a positive int", data["world_size"])
-    batch = data.get("global_batch")
-    _expect(batch is None or (_is_int(batch) and batch >= 1), "global_batch", "a positive int or null", batch)
-    towers = data["towers"]
-    _expect(isinstance(towers, Mapping), "towers", "a mapping of tower name to settings", towers)
-    ints = "a list of ints"
-    for name, tower in towers.items():
-        _expect(isinstance(name, str), "towers", "tower names that are strings", name)
-        where = f"towers.{name}"
-        if isinstance(tower, TowerPlan):
-            continue
-        _expect(isinstance(tower, Mapping), where, "a mapping of tower settings", tower)
-        for key, value in tower.items():
-            path = f"{where}.{key}"
-            if key == "ranks":
-                _expect(isinstance(value, list) and all(_is_int(r) for r in value), path, ints, value)
-            elif key == "replica_batch":
-                ok = value is None or (isinstance(value, list) and all(_is_int(b) for b in value))
-                _expect(ok, path, f"{ints} or null", value)
-            elif key in ("tp", "pp"):
-                _expect(_is_int(value) and value >= 1, path, "a positive int", value)
-            elif key == "microbatch":
-                _expect(value is None or (_is_int(value) and value >= 1), path, "a positive int or null", value)
-            elif key == "schedule":
-                _expect(isinstance(value, str), path, f"one of {', '.join(SCHEDULES)}", value)
-            elif key == "recompute":
-                _expect(isinstance(value, bool), path, "true or false", value)
-            elif key == "shard":
-                _expect(isinstance(value, str), path, f"one of {', '.join(SHARDS)}", value)
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's SafeLoader, except that a mapping with a key given twice is refused."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: merged keys may be overridden
-                continue
-            key = self.construct_object(key_node, deep=True)
-            line = key_node.start_mark.line + 1
-            try:
-                hash(key)
-            except TypeError:
-                continue  # the SafeLoader refuses an unhashable key with its own message
-            if key in seen:
-                raise PlanError(
-                    f"line {line}: key {key!r} is given twice (first on line {seen[key]}); YAML would keep only"
-                    f" the last one: merge them into one entry"
-                )
-            seen[key] = line
-        return super().construct_mapping(node, deep=deep)
 
 
 def _ranks_str(ranks: list[int]) -> str:

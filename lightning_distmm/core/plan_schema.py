@@ -1,0 +1,91 @@
+"""The schema of a plan's plain data: the names it may use and the type of every value.
+
+Plain data comes from YAML files, Hydra configs and users' dicts; every value is checked here
+with its key path (``towers.image.ranks: expected a list of ints, got 0``), and a YAML mapping
+that gives a key twice is refused, before :class:`lightning_distmm.core.plan.Plan` checks that
+the values make a plan that can run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+
+SCHEDULES = ("gpipe", "distmm", "cached")
+#: how a tower's parameters, gradients and optimizer state are held over its data-parallel ranks:
+#: ``none`` replicated (DDP-style sums), ``full`` sharded over all of them (FSDP), ``hybrid`` sharded
+#: inside a node and replicated across nodes (HSDP)
+SHARDS = ("none", "full", "hybrid")
+
+
+class PlanError(ValueError):
+    """A plan that cannot run: the message names the tower and the problem."""
+
+
+def is_int(value: Any) -> bool:
+    """An integer that is not a bool (YAML's ``true`` is a Python ``bool``, itself an ``int``)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _expect(ok: bool, path: str, what: str, value: Any) -> None:
+    if not ok:
+        raise PlanError(f"{path}: expected {what}, got {value!r}")
+
+
+def check_types(data: Mapping[str, Any]) -> None:
+    """The type of every value of a plan's plain data, failing with its key path (``towers.image.tp``)."""
+    _expect(is_int(data["world_size"]) and data["world_size"] >= 1, "world_size", "a positive int", data["world_size"])
+    batch = data.get("global_batch")
+    _expect(batch is None or (is_int(batch) and batch >= 1), "global_batch", "a positive int or null", batch)
+    towers = data["towers"]
+    _expect(isinstance(towers, Mapping), "towers", "a mapping of tower name to settings", towers)
+    ints = "a list of ints"
+    for name, tower in towers.items():
+        _expect(isinstance(name, str), "towers", "tower names that are strings", name)
+        where = f"towers.{name}"
+        if dataclasses.is_dataclass(tower):  # a TowerPlan already built
+            continue
+        _expect(isinstance(tower, Mapping), where, "a mapping of tower settings", tower)
+        for key, value in tower.items():
+            path = f"{where}.{key}"
+            if key == "ranks":
+                _expect(isinstance(value, list) and all(is_int(r) for r in value), path, ints, value)
+            elif key == "replica_batch":
+                ok = value is None or (isinstance(value, list) and all(is_int(b) for b in value))
+                _expect(ok, path, f"{ints} or null", value)
+            elif key in ("tp", "pp"):
+                _expect(is_int(value) and value >= 1, path, "a positive int", value)
+            elif key == "microbatch":
+                _expect(value is None or (is_int(value) and value >= 1), path, "a positive int or null", value)
+            elif key == "schedule":
+                _expect(isinstance(value, str), path, f"one of {', '.join(SCHEDULES)}", value)
+            elif key == "recompute":
+                _expect(isinstance(value, bool), path, "true or false", value)
+            elif key == "shard":
+                _expect(isinstance(value, str), path, f"one of {', '.join(SHARDS)}", value)
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's SafeLoader, except that a mapping with a key given twice is refused."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: merged keys may be overridden
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                hash(key)
+            except TypeError:
+                continue  # the SafeLoader refuses an unhashable key with its own message
+            if key in seen:
+                raise PlanError(
+                    f"line {line}: key {key!r} is given twice (first on line {seen[key]}); YAML would keep only"
+                    f" the last one: merge them into one entry"
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
