@@ -104,7 +104,7 @@ def to_open_clip_config(model: CLIPModel) -> dict[str, Any]:
         if eps != 1e-5:  # open_clip's LayerNorm default
             cfg[where]["norm_kwargs"] = {"eps": eps}
     if "logit_bias" in dict(model.named_parameters()):
-        cfg["init_logit_bias"] = float(model.logit_bias)
+        cfg["init_logit_bias"] = float(model.logit_bias.detach())
     return cfg
 
 

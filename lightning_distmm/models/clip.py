@@ -5,7 +5,8 @@ so the keys are a contract)::
 
     name: clip_tiny
     embed_dim: 64
-    init_logit_scale: 2.659            # log(1 / 0.07)
+    loss: clip                         # clip (softmax InfoNCE) | siglip (sigmoid, learnable bias)
+    init_logit_scale: 2.659            # log(1 / 0.07); siglip's default is log(10)
     towers:
       image: {arch: vit, input: image, img_size: 32, patch_size: 8, width: 64, layers: 2,
               heads: 2, mlp_ratio: 4.0, frozen: false}
@@ -30,6 +31,19 @@ Tower archs:
   pooling + a linear projection.
 
 Every tower maps its inputs to ``[B, embed_dim]`` features.
+
+Losses (``loss``; ``clip`` when absent):
+
+- ``clip``: :func:`lightning_distmm.losses.clip_loss`, the symmetric softmax InfoNCE of CLIP, with
+  a learnable ``logit_scale`` (initialised to ``init_logit_scale``, default ``log(1 / 0.07)``).
+- ``siglip``: :func:`lightning_distmm.losses.siglip_loss`, the pairwise sigmoid loss of SigLIP
+  (Zhai et al., 2023), with a learnable ``logit_scale`` and ``logit_bias``, initialised as in the
+  paper and open_clip's ``SigLipLoss`` models to ``log(10)`` and ``-10`` (``init_logit_scale``,
+  ``init_logit_bias``): the bias starts the many negative pairs near their target, so early
+  training is not dominated by them. ``conf/model/siglip_tiny.yaml`` is the tiny SigLIP.
+
+Both are sums of per-row terms, so under distmm each rank computes only its rows and any plan
+(uneven replica batches included) equals one process.
 """
 
 from __future__ import annotations
@@ -45,7 +59,7 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from lightning_distmm.losses import clip_loss
+from lightning_distmm.losses import clip_loss, siglip_loss
 from lightning_distmm.mixin import DistMMMixin
 from lightning_distmm.tower import Tower
 
@@ -53,6 +67,7 @@ from lightning_distmm.tower import Tower
 CLIP_TINY: dict[str, Any] = {
     "name": "clip_tiny",
     "embed_dim": 64,
+    "loss": "clip",  # clip | siglip (models.clip.LOSSES)
     "init_logit_scale": 2.659,  # log(1 / 0.07)
     "sync_groups": 1,  # 2 for the distmm schedule's loss (DistMMMixin.sync_groups)
     "towers": {
@@ -94,6 +109,14 @@ DEFAULT_OPTIM: dict[str, Any] = {
 
 #: logit_scale is clamped to log(100) in the loss, as in CLIP
 MAX_LOGIT_SCALE = math.log(100.0)
+
+#: the losses a model config's ``loss`` key selects
+LOSSES = ("clip", "siglip")
+#: CLIP's initial logit scale: a temperature of 0.07
+CLIP_INIT_LOGIT_SCALE = math.log(1 / 0.07)
+#: SigLIP's initial logit scale and bias (the paper's t' = log 10, b = -10; open_clip's ``init_logit_bias``)
+SIGLIP_INIT_LOGIT_SCALE = math.log(10.0)
+SIGLIP_INIT_LOGIT_BIAS = -10.0
 
 # special-token ids of lightning_distmm.data.tokenizer
 _PAD_ID, _BOS_ID, _EOS_ID = 0, 2, 3
@@ -335,7 +358,15 @@ class CLIPModel(DistMMMixin, L.LightningModule):
             attr = self.TOWER_ATTRS.get(name, f"tower_{name}")
             setattr(self, attr, build_tower(tower_cfg, embed_dim))
             self._tower_attrs[name] = attr
-        self.logit_scale = nn.Parameter(torch.tensor(float(model_cfg.get("init_logit_scale", math.log(1 / 0.07)))))
+        self.loss_name = str(model_cfg.get("loss") or "clip")
+        if self.loss_name not in LOSSES:
+            raise ValueError(f"model.loss {self.loss_name!r} is not one of {LOSSES}")
+        siglip = self.loss_name == "siglip"
+        default_scale = SIGLIP_INIT_LOGIT_SCALE if siglip else CLIP_INIT_LOGIT_SCALE
+        self.logit_scale = nn.Parameter(torch.tensor(float(model_cfg.get("init_logit_scale", default_scale))))
+        if siglip:  # SigLIP's learnable bias of every pair's logit (CLIP's softmax is shift-invariant: none)
+            bias = model_cfg.get("init_logit_bias")
+            self.logit_bias = nn.Parameter(torch.tensor(float(SIGLIP_INIT_LOGIT_BIAS if bias is None else bias)))
         # 2 with the distmm schedule: the loss over two sync groups (DistMMMixin.sync_groups)
         self.sync_groups = int(model_cfg.get("sync_groups", 1))
 
@@ -351,7 +382,11 @@ class CLIPModel(DistMMMixin, L.LightningModule):
         return out
 
     def interaction_loss(self, features: dict[str, Tensor]) -> Tensor:
-        return clip_loss(features["image"], features["text"], self.logit_scale.clamp(0.0, MAX_LOGIT_SCALE))
+        """The configured loss (``loss``: clip | siglip) over the whole batch's image and text features."""
+        logit_scale = self.logit_scale.clamp(0.0, MAX_LOGIT_SCALE)
+        if self.loss_name == "siglip":
+            return siglip_loss(features["image"], features["text"], logit_scale, self.logit_bias)
+        return clip_loss(features["image"], features["text"], logit_scale)
 
     # ------------------------------------------------------------------ optimisation
     def _param_groups(self) -> list[dict[str, Any]]:
@@ -425,6 +460,7 @@ def num_parameters(module: nn.Module, trainable_only: bool = False) -> int:
 __all__ = [
     "CLIP_TINY",
     "DEFAULT_OPTIM",
+    "LOSSES",
     "CLIPModel",
     "TextTower",
     "BertTower",
