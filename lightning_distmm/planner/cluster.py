@@ -35,6 +35,10 @@ class Device:
     Units: bytes, FLOP/s, bytes/s, seconds. ``gemm_efficiency`` is the sustained fraction of
     ``peak_flops`` reached by large GEMMs; ``kernel_overhead`` the fixed cost of one kernel/op.
     ``efficiency_points`` ([[gemm_flops, fraction_of_peak], ...], increasing) overrides the roofline.
+    ``gemm_class_efficiency`` ([[gemm_flops, efficiency], ...]) replaces the single ``gemm_efficiency``
+    inside the roofline by one per GEMM size class (log-linear in FLOPs, clamped), wave quantisation
+    and the memory term kept: measured on one GPU by ``benchmarks/gpu_calibrate.py`` and loaded by
+    :mod:`lightning_distmm.planner.calibration`.
     ``concurrency`` is how much longer compute takes while the other devices of the node compute
     too (time with all busy / time alone): 1 for GPUs, measured for CPU processes, which share the
     host's cores, caches and memory bandwidth (:func:`measure_local_cpu`).
@@ -49,6 +53,7 @@ class Device:
     efficiency_points: list[list[float]] | None = None
     sm_count: int | None = None
     concurrency: float = 1.0
+    gemm_class_efficiency: list[list[float]] | None = None
     gemm_tiles: tuple[tuple[int, int], ...] = ((128, 128), (128, 64), (64, 64))
 
     def wave_efficiency(self, m: Any, n: Any, batch: Any = 1) -> Any:
@@ -78,17 +83,35 @@ class Device:
         flops = np.asarray(flops, dtype=float)
         if self.efficiency_points:
             return flops / (self.peak_flops * self.efficiency(flops))
-        eff = self.gemm_efficiency * (self.wave_efficiency(m, n, batch) if m is not None and n is not None else 1.0)
+        eff = self.compute_efficiency(flops) * (
+            self.wave_efficiency(m, n, batch) if m is not None and n is not None else 1.0
+        )
         return np.maximum(flops / (self.peak_flops * eff), np.asarray(bytes_moved) / self.memory_bandwidth)
+
+    def compute_efficiency(self, flops: Any) -> Any:
+        """The roofline's efficiency for GEMMs of ``flops``: per size class when calibrated, else
+        the single ``gemm_efficiency``."""
+        import numpy as np
+
+        if not self.gemm_class_efficiency:
+            return self.gemm_efficiency
+        return _interp_log(self.gemm_class_efficiency, np.asarray(flops, dtype=float))
 
     def efficiency(self, flops: Any) -> Any:
         """Measured efficiency at GEMM size ``flops`` (log-linear interpolation, clamped)."""
         import numpy as np
 
-        pts = sorted(self.efficiency_points or [[1.0, self.gemm_efficiency]])
-        xs = np.log([max(p[0], 1.0) for p in pts])
-        ys = [max(p[1], 1e-6) for p in pts]
-        return np.interp(np.log(np.maximum(np.asarray(flops, dtype=float), 1.0)), xs, ys)
+        return _interp_log(self.efficiency_points or [[1.0, self.gemm_efficiency]], np.asarray(flops, dtype=float))
+
+
+def _interp_log(points: list[list[float]], flops: Any) -> Any:
+    """Log-linear interpolation of ``[[flops, efficiency], ...]`` at ``flops``, clamped at both ends."""
+    import numpy as np
+
+    pts = sorted(points)
+    xs = np.log([max(p[0], 1.0) for p in pts])
+    ys = [max(p[1], 1e-6) for p in pts]
+    return np.interp(np.log(np.maximum(flops, 1.0)), xs, ys)
 
 
 @dataclass
@@ -153,6 +176,11 @@ class Cluster:
                 **({"sm_count": self.device.sm_count} if self.device.sm_count else {}),
                 **({"efficiency_points": self.device.efficiency_points} if self.device.efficiency_points else {}),
                 **({"concurrency": _r(self.device.concurrency)} if self.device.concurrency != 1.0 else {}),
+                **(
+                    {"gemm_class_efficiency": self.device.gemm_class_efficiency}
+                    if self.device.gemm_class_efficiency
+                    else {}
+                ),
             },
             "intra_node": {
                 "bandwidth_gbps": _r(self.intra.bandwidth / GB),
@@ -181,6 +209,11 @@ class Cluster:
                 f"cluster spec {data.get('name', '?')!r} is measured on this machine (measure: true):"
                 " load it with lightning_distmm.planner.measure.load_cluster, which measures it"
             )
+        if data.get("calibration"):
+            raise ValueError(
+                f"cluster spec {data.get('name', '?')!r} is priced from a calibration file: load it with"
+                " lightning_distmm.planner.measure.load_cluster (lightning_distmm.planner.calibration)"
+            )
         missing = [k for k in ("nodes", "devices_per_node", "device", "intra_node", "inter_node") if k not in data]
         if missing:
             raise ValueError(f"cluster spec {data.get('name', '?')!r} lacks key(s) {missing}")
@@ -197,6 +230,9 @@ class Cluster:
             else None,
             sm_count=int(dev["sm_count"]) if dev.get("sm_count") else None,
             concurrency=float(dev.get("concurrency", 1.0)),
+            gemm_class_efficiency=[list(map(float, p)) for p in dev["gemm_class_efficiency"]]
+            if dev.get("gemm_class_efficiency")
+            else None,
         )
 
         def link(d: Mapping[str, Any]) -> Link:

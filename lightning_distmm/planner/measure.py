@@ -218,7 +218,9 @@ def load_cluster(spec: str | Path | Mapping[str, Any] | Cluster) -> Cluster:
 
     A spec with ``measure: true`` is this machine, measured now (or from the per-host cache) by
     :func:`lightning_distmm.planner.measure.measure_local_cpu`; its keys ``devices_per_node``,
-    ``gloo``, ``cache`` and ``name`` steer the measurement.
+    ``gloo``, ``cache`` and ``name`` steer the measurement. A spec with ``calibration: <json>``
+    is a device measured earlier by ``benchmarks/gpu_calibrate.py`` on the links of its ``base``
+    preset (:func:`lightning_distmm.planner.calibration.cluster_from_spec`).
     """
     if isinstance(spec, Cluster):
         return spec
@@ -240,6 +242,10 @@ def load_cluster(spec: str | Path | Mapping[str, Any] | Cluster) -> Cluster:
             cache=bool(data.get("cache", True)),
             name=str(data.get("name", "local_cpu")),
         )
+    if data.get("calibration"):
+        from lightning_distmm.planner.calibration import cluster_from_spec
+
+        return cluster_from_spec(data)
     return Cluster.from_dict(data)
 
 
