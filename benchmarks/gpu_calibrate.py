@@ -306,7 +306,7 @@ def measure_tower(
                 }
             )
             del inputs
-        except torch.OutOfMemoryError:
+        except torch.cuda.OutOfMemoryError:
             row["oom"] = True
             rows.append(row)
             break
@@ -427,7 +427,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     if cuda:
         result["versions"]["cuda"] = torch.version.cuda
-        result["versions"]["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        with contextlib.suppress(Exception):  # an int on old releases, a tuple on recent ones
+            v = torch.cuda.nccl.version()
+            result["versions"]["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
     out = Path(args.out)
 
     def save(final: bool = False) -> None:
