@@ -13,6 +13,7 @@ import torch
 from distmm_testing import TinyCLIP, loader, trainer_kwargs
 from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.loggers.logger import Logger
+from lightning.pytorch.utilities import rank_zero_only
 from test_datasets import in_subprocess
 
 import lightning_distmm as ldm
@@ -36,7 +37,8 @@ class StepRecorder(L.Callback):
 
 
 class MemoryLogger(Logger):
-    """Every metrics dict Lightning logs, written to a JSON file (rank 0 only logs)."""
+    """Every metrics dict Lightning logs on rank 0, written to a JSON file (the other ranks' calls are
+    dropped, as Lightning's own loggers drop them: they would overwrite the file)."""
 
     def __init__(self, path: Path) -> None:
         super().__init__()
@@ -53,6 +55,7 @@ class MemoryLogger(Logger):
     def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
         pass
 
+    @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         self.records.append({k: float(v) for k, v in metrics.items()})
         self.path.write_text(json.dumps(self.records))
