@@ -61,6 +61,12 @@ def note_launcher() -> None:
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
 
 
+def started_by_our_launcher() -> bool:
+    """Whether a Lightning launcher of this package started this process (it noted its pid)."""
+    noted = os.environ.get(LAUNCHER_PID_ENV)
+    return bool(noted) and noted != str(os.getpid())
+
+
 def expected_parent() -> int:
     """The launcher's pid when it said so (:func:`note_launcher`), else this process's parent now."""
     noted = os.environ.get(LAUNCHER_PID_ENV)

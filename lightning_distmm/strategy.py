@@ -126,7 +126,10 @@ class DistMMStrategy(ModelParallelStrategy):
         # unseeded sampler, dropout and the like draw what an ordinary single-process run draws
         # joining the store holds the interpreter lock, so the watchdog's thread cannot run: a rank
         # that a launcher started dies with it meanwhile (rank 0 failing to bind MASTER_PORT, say)
-        dies_with_launcher = faults.dies_with_parent() if started_by_launcher else contextlib.nullcontext()
+        # (only under our launchers, which start ranks from their main thread: the signal follows the
+        # *thread* that started the process, and torchrun's agent starts workers from a thread that ends)
+        ours = started_by_launcher and faults.started_by_our_launcher()
+        dies_with_launcher = faults.dies_with_parent() if ours else contextlib.nullcontext()
         with dies_with_launcher, seam.random_state_kept(self.root_device):
             seam.init_process_groups(self)
 
