@@ -80,7 +80,7 @@ def test_timeout_stops_cleanly_and_still_writes(tmp_path):
 def test_committed_smoke_json_loads_as_a_device_profile():
     data = load_calibration(SMOKE)
     assert data["kind"] == "cpu-smoke"
-    cl = cluster_from_calibration(SMOKE, base="a100_8x8", name="smoke")
+    cl = cluster_from_calibration(SMOKE, base=load_cluster("a100_8x8"), name="smoke")
     base = load_cluster("a100_8x8")
     assert cl.name == "smoke" and (cl.nodes, cl.devices_per_node) == (8, 8)
     assert cl.intra == base.intra and cl.inter == base.inter and cl.nccl == base.nccl

@@ -126,13 +126,9 @@ def device_from_calibration(source: str | Path | Mapping[str, Any], base: Device
     )
 
 
-def cluster_from_calibration(
-    source: str | Path | Mapping[str, Any], base: str | Cluster = "h200_8x8", name: str | None = None
-) -> Cluster:
+def cluster_from_calibration(source: str | Path | Mapping[str, Any], base: Cluster, name: str | None = None) -> Cluster:
     """``base``'s nodes, links and NCCL model with the device measured in ``source``."""
-    from lightning_distmm.planner.measure import load_cluster
-
-    base_cluster = load_cluster(base)
+    base_cluster = base
     device = device_from_calibration(source, base_cluster.device)
     cal = load_calibration(source)
     return dataclasses.replace(
@@ -144,11 +140,10 @@ def cluster_from_calibration(
     )
 
 
-def cluster_from_spec(data: Mapping[str, Any]) -> Cluster:
-    """A preset that names a calibration file (keys ``calibration``, ``base``, ``name``)."""
-    return cluster_from_calibration(
-        data["calibration"], base=data.get("base", "h200_8x8"), name=str(data.get("name") or "") or None
-    )
+def cluster_from_spec(data: Mapping[str, Any], base: Cluster) -> Cluster:
+    """A preset that names a calibration file (keys ``calibration``, ``base``, ``name``), over the
+    ``base`` cluster the caller loaded (``measure.load_cluster`` resolves the preset name)."""
+    return cluster_from_calibration(data["calibration"], base=base, name=str(data.get("name") or "") or None)
 
 
 def tower_steps(source: str | Path | Mapping[str, Any]) -> list[dict[str, Any]]:

@@ -245,7 +245,7 @@ def load_cluster(spec: str | Path | Mapping[str, Any] | Cluster) -> Cluster:
     if data.get("calibration"):
         from lightning_distmm.planner.calibration import cluster_from_spec
 
-        return cluster_from_spec(data)
+        return cluster_from_spec(data, base=load_cluster(str(data.get("base", "h200_8x8"))))
     return Cluster.from_dict(data)
 
 
