@@ -11,7 +11,11 @@ Configurations run in interleaved rounds (so machine noise hits all alike); the 
 measured on rank 0 from ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward,
 gradient sync, optimizer step), skipping warm-up steps. Prints medians and ratios to DDP.
 
-    python benchmarks/step_time.py --devices 2 --batch 64 --steps 14 --rounds 3
+``--launcher`` picks how the ranks start, the same for DDP and distmm: ``fork`` (the notebook
+launchers, in this process), ``spawn``, or ``popen`` (Lightning's subprocess launcher, as a script
+run from a shell: each run is this script started again with ``--only``).
+
+    python benchmarks/step_time.py --devices 2 --batch 64 --steps 14 --rounds 3 --launcher popen
 """
 
 from __future__ import annotations
@@ -116,12 +120,26 @@ class StepTimer(L.Callback):
             Path(self.path).write_text(json.dumps(self.times))
 
 
+DDP_STRATEGY = {"fork": "ddp_notebook", "spawn": "ddp_spawn", "popen": "ddp"}
+
+
 def run(config: str, args: argparse.Namespace, out: str) -> list[float]:
+    """One fit of ``config``; its timed steps. ``popen`` runs it as this script started again."""
+    if args.launcher == "popen" and not args.only:
+        import subprocess
+        import sys
+
+        cmd = [sys.executable, __file__, "--only", config, "--out", out, "--launcher", "popen"]
+        cmd += ["--devices", str(args.devices), "--batch", str(args.batch), "--steps", str(args.steps)]
+        cmd += ["--warmup", str(args.warmup)] + (["--threads", str(args.threads)] if args.threads else [])
+        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "LOCAL_RANK", "WORLD_SIZE")}
+        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return json.loads(Path(out).read_text())[args.warmup :]
     L.seed_everything(0, verbose=False)
     world = args.devices
     if config == "ddp":
         module: L.LightningModule = OpenClipDDP()
-        strategy: object = "ddp_notebook"
+        strategy: object = DDP_STRATEGY[args.launcher]
         per_rank = args.batch // world
     else:
         module = BenchCLIP()
@@ -132,7 +150,7 @@ def run(config: str, args: argparse.Namespace, out: str) -> list[float]:
             plan = ldm.Plan(
                 world, {"image": {"ranks": list(range(image))}, "text": {"ranks": list(range(image, world))}}
             )
-        strategy = ldm.DistMMStrategy(plan=plan, start_method="fork")
+        strategy = ldm.DistMMStrategy(plan=plan, start_method=args.launcher)
         per_rank = args.batch
     data = DataLoader(
         SyntheticPairs(args.batch * args.steps, IMG, VOCAB, SEQ), batch_size=per_rank, shuffle=False, drop_last=True
@@ -160,9 +178,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads per rank (default: what the launcher sets)"
+    )
+    parser.add_argument("--launcher", choices=["fork", "spawn", "popen"], default="fork")
+    parser.add_argument("--only", help=argparse.SUPPRESS)  # popen: one configuration, run as a script
+    parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.only:
+        run(args.only, args, args.out)
+        return
     warnings.filterwarnings("ignore")
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     configs = ["ddp", "distmm-colocated", "distmm-separate"]
@@ -174,8 +201,8 @@ def main() -> None:
     base = statistics.median(samples["ddp"])
     params = sum(p.numel() for p in BenchCLIP().parameters())
     print(
-        f"\nstep time, {args.devices} CPU ranks (gloo), global batch {args.batch}, {params / 1e6:.2f}M parameters,"
-        f" {args.rounds} rounds x {args.steps - args.warmup} timed steps"
+        f"\nstep time, {args.devices} CPU ranks (gloo, {args.launcher} launcher), global batch {args.batch},"
+        f" {params / 1e6:.2f}M parameters, {args.rounds} rounds x {args.steps - args.warmup} timed steps"
     )
     print(f"{'configuration':<20} {'median ms':>10} {'vs ddp':>8}")
     for c in configs:
