@@ -125,7 +125,7 @@ def check_plan_change(path: Path, plan: Plan) -> None:
     meta = path / _METADATA
     if not meta.is_file():
         return
-    record = torch.load(meta, weights_only=False).get(PLAN_KEY)
+    record = read_metadata(path).get(PLAN_KEY)
     if not record:
         return
     saved = record.get("global_batch")
@@ -149,6 +149,7 @@ def load_sharded(
         raise FileNotFoundError(
             f"{path} is not a distmm checkpoint folder (expected a directory with {_METADATA} and DCP shards)"
         )
+    check_shards(path)  # every rank, before the collective load: a damaged file fails everywhere, by name
     model_state = local_state_dict(module)
     live = {"state_dict": model_state}
     for i, optimizer in enumerate(optimizers):
@@ -163,7 +164,53 @@ def load_sharded(
         )
     for i, optimizer in enumerate(optimizers):
         _load_optimizer_state(module, optimizer, state[f"optimizer_{i}"], live[f"optimizer_{i}"])
-    return torch.load(path / _METADATA, weights_only=bool(weights_only) if weights_only is not None else False)
+    return read_metadata(path, weights_only=bool(weights_only) if weights_only is not None else False)
+
+
+def read_metadata(path: Path, weights_only: bool = False) -> dict[str, Any]:
+    """``meta.pt`` of the checkpoint folder ``path`` (loops, callbacks, the plan), naming the file when
+    it cannot be read."""
+    meta = Path(path) / _METADATA
+    try:
+        return torch.load(meta, weights_only=weights_only)
+    except Exception as err:  # noqa: BLE001 - torch.load raises many kinds for a damaged file
+        raise ValueError(
+            f"checkpoint {path}: {meta.name} cannot be read ({type(err).__name__}: {err}); the file is damaged or"
+            f" was not written by a finished save: resume from another checkpoint"
+        ) from err
+
+
+def check_shards(path: Path) -> None:
+    """Every shard file the checkpoint's DCP metadata refers to exists and is long enough.
+
+    A save cut short leaves a truncated ``__N_0.distcp``; torch would fail deep in the load with
+    ``EOFError`` or an unpickling error that names no file.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = Path(path)
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as err:  # noqa: BLE001 - a damaged .metadata fails in many ways
+        raise ValueError(
+            f"checkpoint {path}: its DCP index .metadata cannot be read ({type(err).__name__}: {err}): the save"
+            f" did not finish or the file is damaged; resume from another checkpoint"
+        ) from err
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        rel = getattr(info, "relative_path", None)
+        if rel is not None:
+            needed[rel] = max(needed.get(rel, 0), int(info.offset) + int(info.length))
+    for rel, size in sorted(needed.items()):
+        shard = path / rel
+        if not shard.is_file():
+            raise FileNotFoundError(f"checkpoint {path}: shard {rel} is missing (the index .metadata refers to it)")
+        have = shard.stat().st_size
+        if have < size:
+            raise ValueError(
+                f"checkpoint {path}: shard {rel} is truncated ({have} bytes; the index .metadata needs {size}):"
+                f" the save did not finish; resume from another checkpoint"
+            )
 
 
 def consolidated_state_dict(trainer_or_strategy: Any) -> dict[str, torch.Tensor] | None:

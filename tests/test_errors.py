@@ -246,3 +246,40 @@ def test_failing_stage_ends_every_rank_with_its_error():
         assert re.search(
             rf"\[rank{rank}\]: .*DistMMRankFailure: distmm: rank 1: RuntimeError: stage 1 exploded", out
         ), out[-3000:]
+
+
+def _saved_checkpoint(folder: Path) -> Path:
+    """A small DCP checkpoint folder written in one process, with a meta.pt as distmm writes it."""
+    import torch.distributed.checkpoint as dcp
+
+    folder.mkdir()
+    dcp.save({"state_dict": {"w": torch.arange(4096.0), "b": torch.ones(3)}}, checkpoint_id=folder)
+    torch.save({"epoch": 0, "global_step": 2}, folder / "meta.pt")
+    return folder
+
+
+def test_a_truncated_shard_is_named(tmp_path):
+    from lightning_distmm.checkpoint import check_shards
+
+    folder = _saved_checkpoint(tmp_path / "epoch=0-step=2.ckpt")
+    check_shards(folder)  # whole: no complaint
+    shard = next(folder.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(ValueError, match=rf"shard {shard.name} is truncated \(100 bytes; the index .metadata needs"):
+        check_shards(folder)
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match=rf"shard {shard.name} is missing"):
+        check_shards(folder)
+
+
+def test_a_damaged_index_or_meta_file_is_named(tmp_path):
+    from lightning_distmm.checkpoint import check_shards, read_metadata
+
+    folder = _saved_checkpoint(tmp_path / "ckpt")
+    assert read_metadata(folder)["global_step"] == 2
+    (folder / "meta.pt").write_bytes(b"not a pickle at all")
+    with pytest.raises(ValueError, match=r"meta.pt cannot be read .*damaged"):
+        read_metadata(folder)
+    (folder / ".metadata").write_bytes(b"\x00garbage")
+    with pytest.raises(ValueError, match=r"its DCP index .metadata cannot be read"):
+        check_shards(folder)
