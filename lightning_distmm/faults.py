@@ -56,21 +56,36 @@ LAUNCHER_PID_ENV = "DISTMM_LAUNCHER_PID"
 
 
 def note_launcher() -> None:
-    """Called by a process about to start ranks: they will know their parent's pid even if it dies
-    before they look (a rank that finds another parent then knows its launcher is gone)."""
+    """Called by a process about to start ranks: a fresh run id, and its pid, for the ranks it starts.
+
+    The ranks then know their launcher even if it dies before they look. Both are set anew by every
+    launch, so a second ``fit`` in a notebook, or a torchrun started from a process that launched
+    before, never reads a stale value.
+    """
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    os.environ[RUN_ID_ENV] = uuid.uuid4().hex[:12]
+
+
+def _noted_launcher() -> int | None:
+    """The pid the launcher noted, if it is this process's launcher: it is the parent, or it is gone
+    (the rank started after its launcher died). A live process that is not the parent noted it for
+    another launch (the variable came down through an unrelated process, torchrun's agent say)."""
+    noted = os.environ.get(LAUNCHER_PID_ENV)
+    if not noted or not noted.isdigit() or int(noted) == os.getpid():
+        return None
+    pid = int(noted)
+    return pid if pid == os.getppid() or not _pid_alive(pid) else None
 
 
 def started_by_our_launcher() -> bool:
-    """Whether a Lightning launcher of this package started this process (it noted its pid)."""
-    noted = os.environ.get(LAUNCHER_PID_ENV)
-    return bool(noted) and noted != str(os.getpid())
+    """Whether a launcher of this package started this process (and noted its pid)."""
+    return _noted_launcher() is not None
 
 
 def expected_parent() -> int:
-    """The launcher's pid when it said so (:func:`note_launcher`), else this process's parent now."""
-    noted = os.environ.get(LAUNCHER_PID_ENV)
-    return int(noted) if noted and noted != str(os.getpid()) else os.getppid()
+    """The launcher's pid when it noted it (:func:`note_launcher`), else this process's parent now."""
+    noted = _noted_launcher()
+    return noted if noted is not None else os.getppid()
 
 
 class Preempted(SystemExit):
@@ -78,17 +93,17 @@ class Preempted(SystemExit):
 
 
 def ensure_run_id() -> str:
-    """The id every rank of this run shares, made once by the process that starts the others.
+    """The id every rank of this run shares.
 
-    torchrun and SLURM name their runs; otherwise the first process makes one and its children
-    (the subprocess, spawn and fork launchers copy the environment) inherit it.
+    torchrun and SLURM name their runs; under this package's launchers the launcher made one
+    (:func:`note_launcher`) and its ranks inherit it; otherwise one is made here.
     """
-    for name in (RUN_ID_ENV, "TORCHELASTIC_RUN_ID"):
-        if os.environ.get(name):
-            return os.environ[name]
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return f"torchrun-{os.environ['TORCHELASTIC_RUN_ID']}"
     if os.environ.get("SLURM_JOB_ID"):
         return f"slurm-{os.environ['SLURM_JOB_ID']}-{os.environ.get('SLURM_STEP_ID', '0')}"
-    os.environ[RUN_ID_ENV] = uuid.uuid4().hex[:12]
+    if not os.environ.get(RUN_ID_ENV):
+        os.environ[RUN_ID_ENV] = uuid.uuid4().hex[:12]
     return os.environ[RUN_ID_ENV]
 
 

@@ -101,10 +101,12 @@ class DistMMStrategy(ModelParallelStrategy):
     # ------------------------------------------------------------------ launch
     @override
     def _configure_launcher(self) -> None:
-        faults.ensure_run_id()  # before any rank is started, so that every rank inherits it
         assert self.cluster_environment is not None
         if self._start_method != "popen" or not self.cluster_environment.creates_processes_externally:
-            faults.note_launcher()  # this process starts the ranks (popen's rank 0, the spawn/fork parent)
+            # this process starts the ranks (popen's rank 0, the spawn/fork parent): a fresh run id
+            # and its pid, set before any rank starts, so that every rank inherits them
+            faults.note_launcher()
+        faults.ensure_run_id()
         seam.configure_launcher(self, self._start_method, self._consolidated_state_dict)
 
     def _consolidated_state_dict(self) -> dict[str, Tensor] | None:

@@ -281,3 +281,24 @@ def test_every_rank_gets_its_share_of_the_cores(launcher, tmp_path):
     expected = max(1, cpus // 2)
     threads = {p.name: int(p.read_text()) for p in tmp_path.glob("rank*")}
     assert threads == {"rank0": expected, "rank1": expected}, threads
+
+
+def test_a_launcher_pid_noted_for_another_launch_is_ignored():
+    """A rank trusts the noted launcher pid only when it is its parent (or gone): a value that came
+    down through an unrelated process (pytest, then torchrun's agent) must not end the rank."""
+    code = (
+        "import os; from lightning_distmm import faults; "
+        "print(faults.started_by_our_launcher(), faults.expected_parent() == os.getppid())"
+    )
+    # noted = this test process, which is the child's parent: trusted
+    env = {**_clean_env(), "DISTMM_LAUNCHER_PID": str(os.getpid())}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["True", "True"], out.stderr[-2000:]
+    # noted = a live process that is not the parent: ignored
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        env["DISTMM_LAUNCHER_PID"] = str(other.pid)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.stdout.split() == ["False", "True"], out.stderr[-2000:]
+    finally:
+        other.kill()
