@@ -62,12 +62,7 @@ def allreduce_time(
     k = np.maximum(1, np.ceil(ranks / np.maximum(nodes, 1))) if per_node is None else np.asarray(per_node, dtype=float)
     load = ring_bytes(nbytes, np.maximum(nodes, 1)) if nic_load is None else np.asarray(nic_load, dtype=float)
     intra = np.where(k > 1, ring_bytes(nbytes, k), 0.0)
-    if cluster.nccl:
-        t = nccl.ring_time(cluster.nccl, cluster.intra.effective, cluster.inter.effective, 2, ranks, nodes, intra, load)
-    else:
-        t = ring_latency(cluster, ranks, nodes, 2) + intra / cluster.intra.effective
-        t = t + np.where(nodes > 1, load / cluster.inter.effective, 0.0)
-    out = np.where(ranks > 1, t, 0.0)
+    out = _ring_time(cluster, 2, ranks, nodes, intra, load)
     return float(out) if scalar else out
 
 
@@ -88,13 +83,20 @@ def allgather_time(
     m = np.maximum(nodes, 1)
     load = (m - 1) / m * np.asarray(total_bytes, dtype=float) if nic_load is None else np.asarray(nic_load, dtype=float)
     intra = (k - 1) / k * np.asarray(total_bytes, dtype=float)
-    if cluster.nccl:
-        t = nccl.ring_time(cluster.nccl, cluster.intra.effective, cluster.inter.effective, 1, ranks, nodes, intra, load)
-    else:
-        t = ring_latency(cluster, ranks, nodes, 1) + intra / cluster.intra.effective
-        t = t + np.where(nodes > 1, load / cluster.inter.effective, 0.0)
-    out = np.where(ranks > 1, t, 0.0)
+    out = _ring_time(cluster, 1, ranks, nodes, intra, load)
     return float(out) if scalar else out
+
+
+def _ring_time(cluster: Cluster, steps_per_rank: int, ranks: Any, nodes: Any, intra: Any, load: Any) -> Any:
+    """A ring collective of ``steps_per_rank`` passes (2: all-reduce, 1: all-gather): ``intra`` bytes
+    each member sends inside its node, ``load`` the busiest NIC's bytes; 0 on one rank."""
+    if cluster.nccl:
+        eff_in, eff_out = cluster.intra.effective, cluster.inter.effective
+        t = nccl.ring_time(cluster.nccl, eff_in, eff_out, steps_per_rank, ranks, nodes, intra, load)
+    else:
+        t = ring_latency(cluster, ranks, nodes, steps_per_rank) + intra / cluster.intra.effective
+        t = t + np.where(nodes > 1, load / cluster.inter.effective, 0.0)
+    return np.where(ranks > 1, t, 0.0)
 
 
 def nic_share(cluster: Cluster) -> float:
