@@ -9,6 +9,10 @@ from __future__ import annotations
 import copy
 import json
 import math
+import multiprocessing as mp
+import os
+import signal
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -250,3 +254,27 @@ def compare_with_reference(
     return Comparison(
         reference, module, initial, read_losses(tmp_path / "ref.json"), read_losses(tmp_path / "dist.json")
     )
+
+
+def in_subprocess(fn: Callable[[], None], timeout: float = 300) -> None:
+    """Run ``fn`` in a forked process group; a hang past ``timeout`` fails the test (and is killed)."""
+    ctx = mp.get_context("fork")
+    errors = ctx.Queue()
+
+    def main() -> None:
+        os.setsid()
+        try:
+            fn()
+            errors.put(None)
+        except BaseException:
+            errors.put(traceback.format_exc())
+
+    p = ctx.Process(target=main)
+    p.start()
+    p.join(timeout)
+    if p.is_alive():
+        os.killpg(p.pid, signal.SIGKILL)
+        p.join()
+        pytest.fail(f"the run did not finish in {timeout}s: a hang")
+    error = errors.get(timeout=5)
+    assert error is None, error

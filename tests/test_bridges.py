@@ -154,7 +154,7 @@ def _fit(tmp_path, strategy, devices: int, ckpt_every: int = 2):
 def test_load_from_checkpoint_reads_a_distmm_folder(tmp_path):
     """CLIPModel.load_from_checkpoint on the folder ModelCheckpoint wrote under distmm gives the
     trained weights (the fork launcher hands the parent the consolidated ones), and exports."""
-    from test_datasets import in_subprocess
+    from distmm_testing import in_subprocess
 
     import lightning_distmm as ldm
 
@@ -173,7 +173,7 @@ def test_load_from_checkpoint_reads_a_distmm_folder(tmp_path):
 
 
 def test_load_from_checkpoint_still_reads_files_and_names_bad_folders(tmp_path):
-    from test_datasets import in_subprocess
+    from distmm_testing import in_subprocess
 
     from lightning_distmm.models.checkpoints import load_checkpoint
 

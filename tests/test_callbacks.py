@@ -8,7 +8,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from test_datasets import in_subprocess
+from distmm_testing import in_subprocess
 
 import lightning_distmm as ldm
 from lightning_distmm.data.digits import ZERO_SHOT_TEMPLATES, DigitsDataModule

@@ -7,17 +7,21 @@ until the strategy calls ``check_dataloader`` and stops swapping the sampler) tr
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
-import os
-import signal
-import traceback
-from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
-from distmm_testing import PairData, TinyCLIP, loader, max_param_diff, read_losses, run_distmm, run_reference
+from distmm_testing import (
+    PairData,
+    TinyCLIP,
+    in_subprocess,
+    loader,
+    max_param_diff,
+    read_losses,
+    run_distmm,
+    run_reference,
+)
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
@@ -122,30 +126,6 @@ def test_no_batch_at_all():
 
 
 # ---------------------------------------------------------------------- end to end (needs the strategy)
-def _in_subprocess(fn: Callable[[], None], timeout: float = 300) -> None:
-    """Run ``fn`` in a forked process group; a hang past ``timeout`` fails the test (and is killed)."""
-    ctx = mp.get_context("fork")
-    errors = ctx.Queue()
-
-    def main() -> None:
-        os.setsid()
-        try:
-            fn()
-            errors.put(None)
-        except BaseException:
-            errors.put(traceback.format_exc())
-
-    p = ctx.Process(target=main)
-    p.start()
-    p.join(timeout)
-    if p.is_alive():
-        os.killpg(p.pid, signal.SIGKILL)
-        p.join()
-        pytest.fail(f"the run did not finish in {timeout}s: a hang")
-    error = errors.get(timeout=5)
-    assert error is None, error
-
-
 PLAN = ldm.Plan(3, {"image": {"ranks": [0, 1]}, "text": {"ranks": [2]}})
 
 
@@ -164,7 +144,7 @@ def test_shuffle_draws_the_order_one_process_draws(tmp_path):
         assert read_losses(tmp_path / "dist.json") == pytest.approx(read_losses(tmp_path / "ref.json"), abs=1e-5)
         assert max_param_diff(reference, module) <= 1e-5
 
-    _in_subprocess(run)
+    in_subprocess(run)
 
 
 BAD_DATA = {
@@ -189,7 +169,7 @@ def test_bad_data_fails_at_setup_before_any_step(case, tmp_path):
             run_distmm(TinyCLIP(), PLAN, 3, data, 5, str(tmp_path / "l.json"))
         assert not Path(tmp_path / "l.json").exists()  # no step trained
 
-    _in_subprocess(run)
+    in_subprocess(run)
 
 
 # ---------------------------------------------------------------------- resume (runs with today's strategy)
@@ -227,7 +207,7 @@ def test_resume_after_a_max_steps_stop_continues_the_epoch_sequence(tmp_path):
         assert read_losses(tmp_path / "resumed.json") == pytest.approx(losses[5:], abs=1e-6)
         assert max_param_diff(straight, resumed) <= 1e-6
 
-    _in_subprocess(run)
+    in_subprocess(run)
 
 
 @pytest.mark.slow
@@ -270,7 +250,7 @@ def test_resume_with_a_smaller_batch_trains_the_unseen_samples(tmp_path):
         )
         assert _image_rank_loads(log)[:12] == order[16:28]  # steps 3-5: three batches of 4
 
-    _in_subprocess(run)
+    in_subprocess(run)
 
 
 def _image_rank_loads(log: Path) -> list[int]:

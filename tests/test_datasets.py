@@ -5,18 +5,13 @@ from __future__ import annotations
 
 import copy
 import json
-import multiprocessing as mp
-import os
-import signal
-import traceback
-from collections.abc import Callable
 from pathlib import Path
 
 import lightning as L
 import numpy as np
 import pytest
 import torch
-from distmm_testing import SEQ, VOCAB, TinyCLIP, max_param_diff, read_losses, run_distmm, run_reference
+from distmm_testing import SEQ, VOCAB, TinyCLIP, in_subprocess, max_param_diff, read_losses, run_distmm, run_reference
 from PIL import Image
 from torch.utils.data import DataLoader
 
@@ -152,30 +147,6 @@ def test_local_tokenizer_directory(tmp_path):
 
 
 # ---------------------------------------------------------------------- under distmm
-def in_subprocess(fn: Callable[[], None], timeout: float = 300) -> None:
-    """Run ``fn`` in a forked process group; a hang past ``timeout`` fails the test (and is killed)."""
-    ctx = mp.get_context("fork")
-    errors = ctx.Queue()
-
-    def main() -> None:
-        os.setsid()
-        try:
-            fn()
-            errors.put(None)
-        except BaseException:
-            errors.put(traceback.format_exc())
-
-    p = ctx.Process(target=main)
-    p.start()
-    p.join(timeout)
-    if p.is_alive():
-        os.killpg(p.pid, signal.SIGKILL)
-        p.join()
-        pytest.fail(f"the run did not finish in {timeout}s: a hang")
-    error = errors.get(timeout=5)
-    assert error is None, error
-
-
 def _records(log: Path) -> dict[int, list[tuple[int, tuple[str, ...]]]]:
     by_rank: dict[int, list] = {}
     for line in log.read_text().splitlines():

@@ -9,10 +9,9 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from distmm_testing import EMBED, SEQ, VOCAB, compare_with_reference
+from distmm_testing import EMBED, SEQ, VOCAB, compare_with_reference, in_subprocess
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
-from test_datasets import in_subprocess
 
 import lightning_distmm as ldm
 from lightning_distmm.models.clip import CLIP_TINY, CLIPModel

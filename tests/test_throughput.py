@@ -10,11 +10,10 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from distmm_testing import TinyCLIP, loader, trainer_kwargs
+from distmm_testing import TinyCLIP, in_subprocess, loader, trainer_kwargs
 from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.loggers.logger import Logger
 from lightning.pytorch.utilities import rank_zero_only
-from test_datasets import in_subprocess
 
 import lightning_distmm as ldm
 from lightning_distmm.core.layout import GLOBAL_BATCH_KEY
