@@ -30,17 +30,28 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _finish(procs: list[subprocess.Popen], timeout: float = 300) -> None:
+def _start(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """One "node" (or task), its output to a file: a pipe nobody reads fills and stalls the writer."""
+    with open(log, "wb") as out:
+        return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+def _finish(procs: list[subprocess.Popen], logs: list[Path], timeout: float = 420) -> None:
+    """Wait for every process; on a timeout or a failure, kill the rest and fail with each one's log tail."""
+    timed_out = False
     try:
         for p in procs:
             p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    logs = "\n".join(p.stdout.read().decode()[-3000:] for p in procs if p.stdout)  # type: ignore[union-attr]
-    assert all(p.returncode == 0 for p in procs), logs
+    tails = "\n".join(f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}" for log in logs)
+    assert not timed_out, f"not finished within {timeout} s\n{tails}"
+    assert all(p.returncode == 0 for p in procs), tails
 
 
 def _check_against_one_process(out: Path, tmp_path: Path) -> dict:
@@ -62,12 +73,11 @@ def test_torchrun_two_nodes_equals_one_process(tmp_path):
     endpoint = f"127.0.0.1:{_port()}"
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2"]
     command += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "distmm-test"]
+    command += ["--rdzv-conf", "join_timeout=300"]
     command += [str(SCRIPT), str(tmp_path)]
-    procs = [
-        subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT)
-        for _ in range(2)
-    ]
-    _finish(procs)
+    logs = [tmp_path / f"node{n}.log" for n in range(2)]
+    procs = [_start(command, _env(), log) for log in logs]
+    _finish(procs, logs)
     placed = _check_against_one_process(tmp_path, tmp_path)
     nodes = placed["nodes"]
     assert sorted(nodes) == [0, 0, 1, 1]  # the launcher's node ranks (GROUP_RANK), two ranks each
@@ -79,7 +89,7 @@ def test_torchrun_two_nodes_equals_one_process(tmp_path):
 def test_slurm_environment_two_nodes_equals_one_process(tmp_path):
     """The variables SLURM's srun sets per task (Lightning's SLURMEnvironment), two "nodes" of two tasks."""
     port = str(_port())
-    procs = []
+    procs, logs = [], []
     for rank in range(4):
         env = _env(
             SLURM_NTASKS="4",
@@ -95,8 +105,9 @@ def test_slurm_environment_two_nodes_equals_one_process(tmp_path):
             MASTER_PORT=port,
         )
         command = [sys.executable, str(SCRIPT), str(tmp_path)]
-        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT))
-    _finish(procs)
+        logs.append(tmp_path / f"task{rank}.log")
+        procs.append(_start(command, env, logs[-1]))
+    _finish(procs, logs)
     placed = _check_against_one_process(tmp_path, tmp_path)
     assert placed["nodes"] == [0, 0, 1, 1]
     assert placed["image_mesh"] == [[0, 1], [2, 3]]

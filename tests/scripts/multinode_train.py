@@ -6,6 +6,7 @@ Usage (each "node"): python multinode_train.py OUT  (under torchrun, or with SLU
 
 import json
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -45,7 +46,7 @@ def main() -> None:
         num_nodes=2,
         devices=2,
         max_steps=3,
-        strategy=ldm.DistMMStrategy(plan=PLAN),
+        strategy=ldm.DistMMStrategy(plan=PLAN, timeout=timedelta(seconds=180)),
         callbacks=[Consolidate(out)],
         **trainer_kwargs(),
     )
