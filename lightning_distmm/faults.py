@@ -267,7 +267,7 @@ class ErrorRelay:
 
 def remove_stale_runs(root: str | os.PathLike) -> None:
     """Remove run folders under ``root`` whose every rank process on this host is gone (a failed run
-    whose ranks could not all finish, e.g. one was killed)."""
+    whose ranks could not all finish, e.g. one was killed), and ``root`` itself once it is empty."""
     root = Path(root)
     if not root.is_dir():
         return
@@ -280,6 +280,10 @@ def remove_stale_runs(root: str | os.PathLike) -> None:
             continue
         if infos and all(i.get("host") == host and not _pid_alive(int(i["pid"])) for i in infos):
             _remove_tree(run)
+    try:
+        root.rmdir()  # when no run is left
+    except OSError:
+        pass
 
 
 def _remove_tree(folder: Path) -> None:

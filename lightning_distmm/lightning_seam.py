@@ -50,7 +50,10 @@ def init_process_groups(strategy: ParallelStrategy) -> None:
 
 
 def configure_launcher(
-    strategy: ParallelStrategy, start_method: str, consolidate: Callable[[], dict[str, torch.Tensor] | None]
+    strategy: ParallelStrategy,
+    start_method: str,
+    consolidate: Callable[[], dict[str, torch.Tensor] | None],
+    after_ranks_ended: Callable[[], None] | None = None,
 ) -> None:
     """Set ``strategy._launcher``: Lightning's ``_SubprocessScriptLauncher`` for ``"popen"``, else a
     multiprocessing launcher that returns the whole model.
@@ -70,7 +73,10 @@ def configure_launcher(
         strategy._launcher = launcher  # type: ignore[attr-defined]
     else:
         method: Literal["spawn", "fork", "forkserver"] = start_method  # type: ignore[assignment]
-        strategy._launcher = ConsolidatingLauncher(strategy, consolidate, start_method=method)  # type: ignore[attr-defined]
+        launcher = ConsolidatingLauncher(
+            strategy, consolidate, start_method=method, after_ranks_ended=after_ranks_ended
+        )
+        strategy._launcher = launcher  # type: ignore[attr-defined]
 
 
 class ConsolidatingLauncher(_MultiProcessingLauncher):
@@ -87,9 +93,42 @@ class ConsolidatingLauncher(_MultiProcessingLauncher):
         strategy: ParallelStrategy,
         consolidate: Callable[[], dict[str, torch.Tensor] | None],
         start_method: Literal["spawn", "fork", "forkserver"] = "spawn",
+        after_ranks_ended: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(strategy, start_method=start_method)
         self._consolidate = consolidate
+        self._after_ranks_ended = after_ranks_ended
+        self._temp_dir: str | None = None
+
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        """Lightning's launch, with torch's per-rank error files kept out of the temp directory.
+
+        ``torch.multiprocessing.start_processes`` names one ``pytorch-errorfile-*.pickle`` per rank
+        in the temp directory; a rank that raises writes its traceback there, and
+        ``ProcessContext.join`` reads it but never removes it, so every failed run would leave one
+        behind. While the ranks run, the parent's temp directory (``tempfile.tempdir``) is a folder
+        of its own, removed afterwards whatever happened; the ranks themselves keep the real one.
+        ``after_ranks_ended`` runs last, when no rank is left.
+        """
+        self._temp_dir = tempfile.gettempdir()
+        scratch = tempfile.mkdtemp(prefix="distmm-launch-")
+        previous, tempfile.tempdir = tempfile.tempdir, scratch
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        finally:
+            tempfile.tempdir = previous
+            import shutil
+
+            shutil.rmtree(scratch, ignore_errors=True)
+            if self._after_ranks_ended is not None:
+                self._after_ranks_ended()
+
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> Any:
+        """A rank's body (Lightning's private entry point in each started process), in the real temp
+        directory: a forked rank inherits the parent's scratch one."""
+        if self._temp_dir is not None:
+            tempfile.tempdir = self._temp_dir
+        return super()._wrapping_function(*args, **kwargs)
 
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
         state_dict = self._consolidate()  # on every rank: a collective

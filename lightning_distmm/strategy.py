@@ -107,7 +107,12 @@ class DistMMStrategy(ModelParallelStrategy):
             # and its pid, set before any rank starts, so that every rank inherits them
             faults.note_launcher()
         faults.ensure_run_id()
-        seam.configure_launcher(self, self._start_method, self._consolidated_state_dict)
+        seam.configure_launcher(self, self._start_method, self._consolidated_state_dict, self._after_ranks_ended)
+
+    def _after_ranks_ended(self) -> None:
+        """In a spawn/fork parent once every rank has ended: remove the failure records that ranks
+        which were stopped from outside could not remove themselves."""
+        faults.remove_stale_runs(Path(tempfile.gettempdir()) / "distmm-runs")
 
     def _consolidated_state_dict(self) -> dict[str, Tensor] | None:
         return ckpt.consolidated_state_dict(self) if self.runtime is not None else None

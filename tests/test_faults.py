@@ -256,6 +256,20 @@ def test_master_port_in_use_ends_every_rank(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_failed_spawn_run_leaves_no_files_in_the_temp_dir(tmp_path):
+    """torch's spawn names a ``pytorch-errorfile-*.pickle`` per rank that a failed rank fills and
+    nobody removes; distmm's launcher keeps them out of the temp directory, and the ranks' failure
+    records go when the run is over."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    job = _start("spawn-rank1-raises", tmp_path, TMPDIR=str(temp))
+    code, out, _ = _finish(job, tmp_path, within=180)
+    assert code != 0 and "boom on rank 1" in out, out[-3000:]
+    left = [str(p.relative_to(temp)) for p in temp.rglob("*")]
+    assert not left, left
+
+
+@pytest.mark.slow
 def test_a_stalled_rank_ends_the_job_at_the_collective_timeout(tmp_path):
     job = _start("rank1-stalls", tmp_path)
     code, out, took = _finish(job, tmp_path, within=150)

@@ -56,6 +56,26 @@ def test_rank_zero_results_hook_and_worker_output():
     assert "_collect_rank_zero_results" in source, "the launcher no longer collects results through this hook"
 
 
+def test_launch_starts_ranks_through_torch_and_wraps_them():
+    """ConsolidatingLauncher.launch keeps torch's per-rank error files out of the temp directory by
+    pointing ``tempfile.tempdir`` elsewhere around Lightning's launch, and gives the ranks the real
+    one back in ``_wrapping_function``: both hold only while Lightning's launch starts the ranks
+    with ``mp.start_processes`` (which names those files) running ``_wrapping_function``."""
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+
+    source = inspect.getsource(_MultiProcessingLauncher.launch)
+    assert "mp.start_processes(" in source and "self._wrapping_function" in source, (
+        "Lightning's _MultiProcessingLauncher.launch no longer starts ranks with mp.start_processes"
+        " running _wrapping_function: check where torch's error files go now"
+    )
+    import importlib
+
+    spawn = importlib.import_module("torch.multiprocessing.spawn")  # the attribute is the function
+    assert 'prefix="pytorch-errorfile-"' in inspect.getsource(spawn.start_processes), (
+        "torch's start_processes names its error files differently now: check whether they are still left behind"
+    )
+
+
 def test_default_store(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:

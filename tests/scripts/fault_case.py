@@ -31,18 +31,22 @@ class Inject(L.Callback):
             (folder / f"step{trainer.global_rank}").write_text(str(batch_idx))
         if case == "rank0-raises" and batch_idx == 3 and trainer.global_rank == 0:
             raise RuntimeError("boom on rank 0")
+        if case == "spawn-rank1-raises" and batch_idx == 3 and trainer.global_rank == 1:
+            raise RuntimeError("boom on rank 1")
         if case == "rank1-stalls" and batch_idx == 3 and trainer.global_rank == 1:
             time.sleep(3600)  # a hung rank: the others wait in a collective until the timeout
         time.sleep(0.05)
 
 
-plan = ldm.Plan(3, {"image": {"ranks": [0, 1]}, "text": {"ranks": [2]}})
-timeout = timedelta(seconds=20) if case == "rank1-stalls" else timedelta(minutes=10)
-trainer = L.Trainer(
-    devices=3,
-    max_steps=100_000,
-    strategy=ldm.DistMMStrategy(plan, timeout=timeout),
-    callbacks=[Inject()],
-    **trainer_kwargs(),
-)
-trainer.fit(TinyCLIP(), loader(8, size=4096))
+if __name__ == "__main__":  # spawned ranks import this file too
+    plan = ldm.Plan(3, {"image": {"ranks": [0, 1]}, "text": {"ranks": [2]}})
+    timeout = timedelta(seconds=20) if case == "rank1-stalls" else timedelta(minutes=10)
+    start_method = "spawn" if case.startswith("spawn-") else "popen"
+    trainer = L.Trainer(
+        devices=3,
+        max_steps=100_000,
+        strategy=ldm.DistMMStrategy(plan, timeout=timeout, start_method=start_method),
+        callbacks=[Inject()],
+        **trainer_kwargs(),
+    )
+    trainer.fit(TinyCLIP(), loader(8, size=4096))
