@@ -1,0 +1,715 @@
+"""Placement measured, not only predicted: two emulated nodes joined by a slow link.
+
+Two "nodes" are two network namespaces on this machine joined by a veth pair whose egress is
+shaped with ``tc`` on both ends (``tbf`` at ``--rate-mbit``; ``--delay-ms`` puts a ``netem`` delay
+in front where the kernel has netem). Inside a namespace, ranks talk over loopback (fast, as
+NVLink is inside a node); between the namespaces every byte crosses the shaped link (the network).
+With ``--pin`` (the default) each namespace's processes run on their own half of the cores, so a
+node's ranks share that node's cores, as the cost model assumes, and not the other node's.
+
+The same plan, 4 CPU ranks (gloo) on 2 nodes of 2, an image tower on 2 ranks (data parallel: its
+gradient all-reduce is the heavy traffic) and a small text tower on the other 2, runs under two
+placements:
+
+* **planner**: :func:`lightning_distmm.planner.place` (``hetero``), every candidate priced by the
+  cost model on the emulated cluster: each tower's data-parallel group inside one node;
+* **naive**: ranks dealt round-robin over the towers, as a node-unaware scheduler would: each
+  tower's group spans both nodes and its gradient all-reduce crosses the link.
+
+Each run is a real multi-node launch: one ``torchrun --nnodes 2 --nproc-per-node 2`` per
+namespace (``ip netns exec``), c10d rendezvous on the first namespace's veth address, gloo on the
+veth (``GLOO_SOCKET_IFNAME``). The placements alternate over ``--rounds`` rounds (the host is
+shared: noise hits both alike); the step time is rank 0's (``on_train_batch_start`` ->
+``on_train_batch_end``), warm-up steps skipped, the median over all rounds.
+
+The prediction is :func:`lightning_distmm.planner.price_plan` of both plans on a cluster spec whose
+inter-node link is the tc settings (:func:`emulated_cluster`: bandwidth = the tbf rate, TCP/IP
+framing as its efficiency, latency = the measured gloo latency plus the netem delay), on this host
+calibrated as ``benchmarks/cost_model_fidelity.py`` does: ``measure_local_cpu`` (matmul table,
+gloo over loopback), ``Device.concurrency`` of a node's two ranks on its cores
+(``ConcurrencyProbe``), each tower's forward/backward fit and AdamW step (``measure_tower``).
+
+Needs root, ``ip netns`` (iproute2) and ``tc`` with ``tbf``. The namespaces, the veth pair and its
+qdiscs are removed in ``finally`` (Ctrl-C and SIGTERM included); leftovers of a crashed run
+(namespaces ``ldmpe<pid>a`` / ``ldmpe<pid>b`` whose pid is gone) are removed at start. Two to
+three minutes with the defaults on a 2-core machine.
+
+    python benchmarks/placement_emulated.py [--rate-mbit 200] [--rounds 3] [--steps 10] [--model small|tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's package, whatever is installed
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # benchmarks/: cost_model_fidelity, synthetic
+
+from lightning_distmm.planner import Cluster, Link, Plan, place, price_plan  # noqa: E402
+
+PREFIX = "ldmpe"  # namespaces ldmpe<pid>a and ldmpe<pid>b; each veth end is named like its namespace
+ADDRS = ("10.213.0.1", "10.213.0.2")  # exist only inside the two namespaces
+PORT = 29400  # rendezvous port inside the first namespace, + the run's index (never reused)
+NODES, DEVICES_PER_NODE = 2, 2
+OPTIM = {"scheduler": "constant", "warmup_steps": 0, "lr": 1e-4}
+# what the runtime executes (the options DistMMStrategy(plan="auto") prices with)
+PLANNER_OPTIONS = {"max_tp": 1, "max_pp": 1, "schedules": ["gpipe"], "recompute": False}
+PLACEMENTS = ("planner", "naive")
+
+# "small": a ViT image tower of 1.8M parameters (7.1 MB of fp32 gradients to all-reduce every step)
+# beside a 0.1M-parameter text tower: the image tower's data-parallel group is the heavy traffic.
+SMALL: dict[str, Any] = {
+    "name": "clip_small_heavy_image",
+    "embed_dim": 64,
+    "init_logit_scale": 2.659,
+    "towers": {
+        "image": {
+            "arch": "vit",
+            "input": "image",
+            "img_size": 32,
+            "patch_size": 4,
+            "width": 192,
+            "layers": 4,
+            "heads": 3,
+            "mlp_ratio": 4.0,
+        },
+        "text": {
+            "arch": "clip_text",
+            "input": ["input_ids", "attention_mask"],
+            "vocab_size": 64,
+            "context_length": 16,
+            "width": 64,
+            "layers": 2,
+            "heads": 2,
+            "mlp_ratio": 4.0,
+        },
+    },
+}
+
+
+def model_config(name: str) -> dict[str, Any]:
+    if name == "tiny":
+        from lightning_distmm.models.clip import CLIP_TINY
+
+        return CLIP_TINY
+    return SMALL
+
+
+# ---------------------------------------------------------------------- the link and its spec
+@dataclasses.dataclass(frozen=True)
+class LinkSettings:
+    """The emulated network between the two nodes: each veth end's egress (one node's NIC, one
+    direction) limited to ``rate_mbit`` by ``tbf``, after a ``netem`` delay of ``delay_ms``."""
+
+    rate_mbit: float = 200.0
+    delay_ms: float = 0.0
+    queue_ms: float = 200.0  # tbf's queue bound: room for a gradient bucket's burst without drops
+    mtu: int = 1500
+
+    @property
+    def rate_bytes(self) -> float:
+        return self.rate_mbit * 1e6 / 8
+
+    @property
+    def burst_bytes(self) -> int:
+        """tbf's bucket: at least one jiffy of the rate at HZ 250 and a 64 KiB segment (veth GSO)."""
+        return int(max(64 * 1024, self.rate_bytes / 250))
+
+    @property
+    def tcp_efficiency(self) -> float:
+        """Payload share of a full frame, which tbf counts whole: TCP payload (MTU - 20 IP - 32 TCP
+        with timestamps) over the frame (MTU + 14 Ethernet)."""
+        return round((self.mtu - 52) / (self.mtu + 14), 4)
+
+    def tc_commands(self, dev: str) -> list[list[str]]:
+        """The ``tc`` invocations (run inside the device's namespace) that shape ``dev``'s egress."""
+        tbf = ["tbf", "rate", f"{self.rate_mbit:g}mbit", "burst", str(self.burst_bytes), "latency"]
+        tbf.append(f"{self.queue_ms:g}ms")
+        if self.delay_ms <= 0:
+            return [["tc", "qdisc", "replace", "dev", dev, "root", "handle", "1:", *tbf]]
+        return [
+            ["tc", "qdisc", "replace", "dev", dev, "root", "handle", "1:", "netem", "delay", f"{self.delay_ms:g}ms"],
+            ["tc", "qdisc", "replace", "dev", dev, "parent", "1:1", "handle", "10:", *tbf],
+        ]
+
+
+def emulated_cluster(host: Cluster, link: LinkSettings, concurrency: float | None = None) -> Cluster:
+    """The cluster the two namespaces emulate: ``NODES`` nodes of ``DEVICES_PER_NODE`` devices of
+    ``host`` (this machine measured by ``measure_local_cpu``: its devices, and loopback gloo as the
+    link inside a node), joined by the shaped veth: bandwidth the tbf rate (per node and direction,
+    as ``Cluster.inter`` is), efficiency the TCP/IP framing tbf also counts, latency the measured
+    gloo step latency plus the netem delay."""
+    device = host.device if concurrency is None else dataclasses.replace(host.device, concurrency=concurrency)
+    inter = Link(
+        bandwidth=link.rate_bytes,
+        latency=host.intra.latency + link.delay_ms * 1e-3,
+        efficiency=link.tcp_efficiency,
+    )
+    return dataclasses.replace(
+        host,
+        name=f"emulated_{link.rate_mbit:g}mbit",
+        nodes=NODES,
+        devices_per_node=DEVICES_PER_NODE,
+        device=device,
+        inter=inter,
+        notes=f"{host.name} as {NODES} network namespaces of {DEVICES_PER_NODE}, veth shaped to {link.rate_mbit:g}"
+        f" Mbit/s (tbf) + {link.delay_ms:g} ms (netem)",
+    )
+
+
+# ---------------------------------------------------------------------- the two placements
+Layout = dict[str, list[int]]
+
+
+def planner_layout(
+    sizes: Mapping[str, int], cluster: Cluster, score: Callable[[Layout], float] | None = None
+) -> Layout:
+    """The planner's node-aware placement (``hetero``) of towers of ``sizes`` devices (tp 1)."""
+    layout, _ = place(sizes, {n: 1 for n in sizes}, cluster, "hetero", score)
+    return {n: list(r) for n, r in layout.items()}
+
+
+def naive_layout(sizes: Mapping[str, int]) -> Layout:
+    """Ranks dealt round-robin over the towers (rank r to the next tower that still needs one), as
+    a scheduler that ignores nodes would: each tower's ranks alternate, so its group spans nodes."""
+    out: Layout = {n: [] for n in sizes}
+    names = list(sizes)
+    rank, i = 0, 0
+    while rank < sum(sizes.values()):
+        name = names[i % len(names)]
+        if len(out[name]) < sizes[name]:
+            out[name].append(rank)
+            rank += 1
+        i += 1
+    return out
+
+
+def nodes_of(ranks: Sequence[int], devices_per_node: int = DEVICES_PER_NODE) -> list[int]:
+    return sorted({r // devices_per_node for r in ranks})
+
+
+def to_plan(layout: Layout, batch: int) -> Plan:
+    return Plan(NODES * DEVICES_PER_NODE, {n: {"ranks": list(r)} for n, r in layout.items()}, global_batch=batch)
+
+
+def describe(layout: Layout) -> str:
+    return " | ".join(
+        f"{n}@{','.join(map(str, r))} (node{'s' if len(nodes_of(r)) > 1 else ''} {','.join(map(str, nodes_of(r)))})"
+        for n, r in layout.items()
+    )
+
+
+# ---------------------------------------------------------------------- the namespaces
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def leftover_namespaces(listing: str, alive: Callable[[int], bool] = _pid_alive) -> list[str]:
+    """Namespaces of ``ip netns list`` output left by runs of this benchmark that are gone."""
+    out = []
+    for line in listing.splitlines():
+        name = line.split()[0] if line.split() else ""
+        m = re.fullmatch(rf"{PREFIX}(\d+)[ab]", name)
+        if m and not alive(int(m.group(1))):
+            out.append(name)
+    return out
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
+
+
+class Emulation:
+    """Two namespaces joined by a shaped veth pair; a context manager that always tears down."""
+
+    def __init__(self, link: LinkSettings, tag: str | None = None) -> None:
+        self.link = link
+        tag = tag or str(os.getpid())
+        self.ns = (f"{PREFIX}{tag}a", f"{PREFIX}{tag}b")
+        self.dev = self.ns  # the veth end inside each namespace is named like it (<= 15 characters)
+
+    def __enter__(self) -> Emulation:
+        self.clean_leftovers()
+        try:
+            self.setup()
+        except BaseException:
+            self.teardown()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.teardown()
+
+    @staticmethod
+    def clean_leftovers() -> list[str]:
+        listing = _ip("netns", "list", check=False).stdout
+        gone = leftover_namespaces(listing)
+        for ns in gone:
+            _remove_namespace(ns)
+        return gone
+
+    def setup(self) -> None:
+        a, b = self.ns
+        for ns in self.ns:
+            _ip("netns", "add", ns)
+        # both ends created inside their namespaces: nothing lands in the host's namespace
+        _ip("link", "add", self.dev[0], "netns", a, "type", "veth", "peer", "name", self.dev[1], "netns", b)
+        for ns, dev, addr in zip(self.ns, self.dev, ADDRS, strict=True):
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "mtu", str(self.link.mtu), "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            for cmd in self.link.tc_commands(dev):
+                done = subprocess.run(["ip", "netns", "exec", ns, *cmd], capture_output=True, text=True)
+                if done.returncode:
+                    kind = "netem (--delay-ms)" if "netem" in cmd else "tbf"
+                    raise RuntimeError(
+                        f"tc refused {' '.join(cmd)!r}: {done.stderr.strip()} (this kernel lacks the {kind} qdisc?)"
+                    )
+
+    def teardown(self) -> None:
+        for ns in self.ns:
+            _remove_namespace(ns)
+
+    def exec(self, node: int) -> list[str]:
+        return ["ip", "netns", "exec", self.ns[node]]
+
+    def qdisc_stats(self) -> str:
+        return "\n".join(
+            subprocess.run(
+                ["ip", "netns", "exec", ns, "tc", "-s", "qdisc", "show", "dev", dev], capture_output=True, text=True
+            ).stdout.strip()
+            for ns, dev in zip(self.ns, self.dev, strict=True)
+        )
+
+
+def _remove_namespace(ns: str) -> None:
+    """Kill what still runs inside ``ns`` (processes this benchmark started there) and delete it
+    (its veth end, the peer and their qdiscs go with it)."""
+    pids = _ip("netns", "pids", ns, check=False).stdout.split()
+    for pid in pids:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+    for _ in range(50):
+        if not _ip("netns", "pids", ns, check=False).stdout.split():
+            break
+        time.sleep(0.1)
+    _ip("netns", "del", ns, check=False)
+
+
+PROBE = r"""
+import socket, sys, time
+role, addr, nbytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
+if role == "server":
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind((addr, 5201)); s.listen(1)
+    print("ready", flush=True)
+    c, _ = s.accept(); got, t0 = 0, None
+    while True:
+        d = c.recv(1 << 20)
+        if not d: break
+        t0 = t0 or time.perf_counter(); got += len(d)
+    print(got * 8 / (time.perf_counter() - t0) / 1e6, flush=True)
+else:
+    c = socket.create_connection((addr, 5201)); buf = b"x" * nbytes
+    c.sendall(b"x" * 65536); c.sendall(buf); c.close()
+"""
+
+
+def probe_link(emu: Emulation, seconds: float = 0.5) -> float:
+    """Mbit/s of one TCP stream from the first namespace to the second (the shaped link)."""
+    nbytes = int(max(2**20, emu.link.rate_bytes * seconds))
+    server = subprocess.Popen(
+        [*emu.exec(1), sys.executable, "-c", PROBE, "server", ADDRS[1], "0"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert server.stdout is not None
+        if server.stdout.readline().strip() != "ready":
+            raise RuntimeError("link probe server did not start")
+        subprocess.run(
+            [*emu.exec(0), sys.executable, "-c", PROBE, "client", ADDRS[1], str(nbytes)], check=True, timeout=60
+        )
+        return float(server.stdout.readline())
+    finally:
+        if server.poll() is None:
+            server.kill()
+        server.wait()
+
+
+# ---------------------------------------------------------------------- one launch
+def node_cores(pin: bool) -> list[set[int]]:
+    """The cores each node's processes may use: halves of this process's cores (all of them for
+    each node when not pinning or with a single core)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if not pin or len(cores) < NODES:
+        return [set(cores)] * NODES
+    k = len(cores) // NODES
+    return [set(cores[i * k : (i + 1) * k]) for i in range(NODES)]
+
+
+def threads_per_rank(cores: set[int]) -> int:
+    return max(1, len(cores) // DEVICES_PER_NODE)
+
+
+def run_round(
+    emu: Emulation, plans: Mapping[str, Plan], args: argparse.Namespace, tmp: Path, run: int, cores: list[set[int]]
+) -> dict[str, Any]:
+    """One multi-node launch (a torchrun per namespace) whose ranks fit each of ``plans`` in turn;
+    rank 0's timed steps per plan and every rank's namespace."""
+    out = tmp / f"run{run}"
+    out.mkdir()
+    procs: list[subprocess.Popen] = []
+    logs = []
+    try:
+        for node in range(NODES):
+            cmd = [*emu.exec(node), sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES)]
+            cmd += ["--nproc-per-node", str(DEVICES_PER_NODE), "--rdzv-backend", "c10d"]
+            cmd += ["--rdzv-endpoint", f"{ADDRS[0]}:{PORT + run}", "--rdzv-id", f"{emu.ns[0]}-{run}"]
+            cmd += ["--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", ADDRS[node], "--max-restarts", "0"]
+            cmd += [str(Path(__file__).resolve()), "--worker", "--out", str(out), "--model", args.model]
+            cmd += [
+                "--batch",
+                str(args.batch),
+                "--steps",
+                str(args.steps),
+                "--threads",
+                str(threads_per_rank(cores[node])),
+            ]
+            for label, plan in plans.items():
+                plan_path = out / f"{label}.yaml"
+                plan.to_yaml(plan_path)
+                cmd += ["--plan", f"{label}={plan_path}"]
+            env = {
+                k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "PL_", "MASTER_"))
+            }
+            env.update(
+                PYTHONPATH=f"{ROOT}:{env.get('PYTHONPATH', '')}",
+                GLOO_SOCKET_IFNAME=emu.dev[node],
+                OMP_NUM_THREADS=str(threads_per_rank(cores[node])),
+                PYTHONWARNINGS="ignore",
+                LDM_EMULATED_NODE=str(node),
+            )
+            log = open(out / f"node{node}.log", "w")  # noqa: SIM115 - closed in finally
+            logs.append(log)
+            affinity = cores[node]
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    env=env,
+                    cwd=ROOT,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    preexec_fn=lambda a=affinity: os.sched_setaffinity(0, a),  # noqa: PLW1509
+                )
+            )
+        deadline = time.monotonic() + args.run_timeout
+        while any(p.poll() is None for p in procs):
+            failed = [p for p in procs if p.poll() not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                time.sleep(5 if failed else 0)  # let the other node report its side
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            _stop(p)
+        for log in logs:
+            log.close()
+    if any(p.returncode for p in procs):
+        tails = "\n".join(
+            f"--- node {i} (exit {p.returncode}):\n{(out / f'node{i}.log').read_text()[-3000:]}"
+            for i, p in enumerate(procs)
+        )
+        raise RuntimeError(f"launch {run} failed:\n{tails}")
+    ranks = {}
+    for f in out.glob("rank*.json"):
+        d = json.loads(f.read_text())
+        ranks[int(d["rank"])] = d
+    return {
+        "steps": {label: ranks[0]["runs"][label][args.warmup :] for label in plans},
+        "nodes": [ranks[r]["node"] for r in sorted(ranks)],
+    }
+
+
+def _stop(p: subprocess.Popen) -> None:
+    if p.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            p.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+# ---------------------------------------------------------------------- a rank (under torchrun)
+def worker(args: argparse.Namespace) -> None:
+    """A rank under torchrun: fits the model under each ``--plan`` in turn (one process group)."""
+    import lightning as L
+    import torch
+    from cost_model_fidelity import Pairs
+    from torch.utils.data import DataLoader
+
+    import lightning_distmm as ldm
+    from lightning_distmm.models.clip import CLIPModel
+
+    torch.set_num_threads(args.threads)
+    rank = int(os.environ["RANK"])
+    out = Path(args.out) / f"rank{rank}.json"
+    record: dict[str, Any] = {"rank": rank, "node": int(os.environ.get("LDM_EMULATED_NODE", -1)), "runs": {}}
+
+    class StepTimer(L.Callback):
+        def __init__(self, times: list[float]) -> None:
+            self.times, self.t0 = times, 0.0
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.times.append(time.perf_counter() - self.t0)
+
+    model = model_config(args.model)
+    img, ctx = model["towers"]["image"]["img_size"], model["towers"]["text"]["context_length"]
+    for item in args.plan:
+        label, path = item.split("=", 1)
+        L.seed_everything(0, verbose=False)
+        module = CLIPModel(model, OPTIM)
+        data = DataLoader(
+            Pairs(args.batch * args.steps, img, ctx), batch_size=args.batch, shuffle=False, drop_last=True
+        )
+        times = record["runs"][label] = []
+        trainer = L.Trainer(
+            accelerator="cpu",
+            num_nodes=NODES,
+            devices=DEVICES_PER_NODE,
+            strategy=ldm.DistMMStrategy(plan=path),
+            max_steps=args.steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+            callbacks=[StepTimer(times)],
+        )
+        trainer.fit(module, data)
+        out.write_text(json.dumps(record))
+
+
+# ---------------------------------------------------------------------- the prediction
+def calibrate(model: dict[str, Any], args: argparse.Namespace, cores: set[int]) -> tuple[Cluster, float, dict]:
+    """This host as one node sees it (``cores``): measured devices and loopback gloo, the two ranks'
+    concurrency on the node's cores, each tower's measured profile."""
+    import torch
+    from cost_model_fidelity import example_inputs
+
+    from lightning_distmm.models.clip import CLIPModel
+    from lightning_distmm.planner import ConcurrencyProbe, measure_local_cpu, measure_tower, measured_profile
+
+    before, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    os.sched_setaffinity(0, cores)  # the probes' processes inherit it
+    torch.set_num_threads(threads_per_rank(cores))
+    try:
+        host = measure_local_cpu(devices=DEVICES_PER_NODE, cache=args.cached_host, measure_concurrency=False)
+        with ConcurrencyProbe(DEVICES_PER_NODE, threads_per_rank(cores)) as probe:
+            concurrency = probe.measure()
+        torch.manual_seed(0)
+        towers = CLIPModel(model, OPTIM).towers()
+        inputs = example_inputs(model)
+        profiles = {
+            name: measured_profile(
+                name,
+                measure_tower(t.module, inputs[name], args.profile_batches, "cpu", repeats=args.profile_repeats),
+                False,
+                int(model["embed_dim"]),
+            )
+            for name, t in towers.items()
+        }
+    finally:
+        os.sched_setaffinity(0, before)
+        torch.set_num_threads(threads)
+    return host, concurrency, profiles
+
+
+def planner_options(step_overhead: float) -> dict[str, Any]:
+    from lightning_distmm.planner import runtime_cost_defaults
+
+    return {**runtime_cost_defaults(PLANNER_OPTIONS, "cpu"), "step_overhead": step_overhead}
+
+
+# ---------------------------------------------------------------------- the benchmark
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds through every finally: processes stopped, namespaces removed
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rate-mbit", type=float, default=200.0, help="the link's rate per node and direction")
+    parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay added by netem (needs netem)")
+    parser.add_argument("--model", choices=["small", "tiny"], default="small")
+    parser.add_argument("--batch", type=int, default=32, help="global batch")
+    parser.add_argument("--steps", type=int, default=10, help="steps per run, warm-up included")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, each runs both placements (order alternates)")
+    parser.add_argument("--step-overhead-ms", type=float, default=0.0, help="CostOptions.step_overhead to predict with")
+    parser.add_argument("--no-pin", dest="pin", action="store_false", help="let both nodes use every core")
+    parser.add_argument("--run-timeout", type=float, default=300.0, help="seconds one launch may take")
+    parser.add_argument("--profile-batches", type=lambda s: tuple(int(x) for x in s.split(",")), default=(4, 8, 16, 32))
+    parser.add_argument("--profile-repeats", type=int, default=3)
+    parser.add_argument(
+        "--cached-host",
+        action="store_true",
+        help="take the host's matmul and gloo numbers from measure_local_cpu's per-host cache (plan='auto''s)",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="print each run's steps and the qdisc counters")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a rank under torchrun
+    parser.add_argument("--plan", action="append", default=[], help=argparse.SUPPRESS)  # label=plan.yaml
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if not args.worker and args.warmup >= args.steps:
+        parser.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
+    return args
+
+
+def preflight() -> str | None:
+    """Why this machine cannot run the emulation, or None."""
+    if os.geteuid() != 0:
+        return "needs root (ip netns, tc)"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "needs iproute2's ip and tc"
+    if _ip("netns", "list", check=False).returncode:
+        return "ip netns is unavailable"
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return
+    why = preflight()
+    if why:
+        sys.exit(f"placement_emulated: {why}")
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit_on_signal)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    link = LinkSettings(args.rate_mbit, args.delay_ms)
+    model = model_config(args.model)
+    cores = node_cores(args.pin)
+    t0 = time.perf_counter()
+    host, concurrency, profiles = calibrate(model, args, cores[0])
+    cluster = emulated_cluster(host, link, concurrency)
+    options = planner_options(args.step_overhead_ms * 1e-3)
+    sizes = {"image": 2, "text": 2}
+
+    def score(layout: Layout) -> float:
+        return price_plan(to_plan(layout, args.batch), profiles, cluster, options).step_time
+
+    layouts = {"planner": planner_layout(sizes, cluster, score), "naive": naive_layout(sizes)}
+    plans = {k: to_plan(v, args.batch) for k, v in layouts.items()}
+    predicted = {k: price_plan(p, profiles, cluster, options) for k, p in plans.items()}
+    print(
+        f"calibrated in {time.perf_counter() - t0:.0f} s: node cores {[sorted(c) for c in cores]}, concurrency"
+        f" {concurrency:.2f}, gloo over loopback {host.intra.bandwidth / 1e9:.2f} GB/s, {host.intra.latency * 1e6:.0f} us"
+        " per ring step",
+        flush=True,
+    )
+    steps: dict[str, list[float]] = {k: [] for k in PLACEMENTS}
+    per_round: dict[str, list[float]] = {k: [] for k in PLACEMENTS}
+    with tempfile.TemporaryDirectory(prefix="placement_emulated_") as tmp, Emulation(link) as emu:
+        mbit = probe_link(emu)
+        print(
+            f"link: {emu.ns[0]} <-> {emu.ns[1]}, tbf {link.rate_mbit:g} Mbit/s, one TCP stream measured {mbit:.0f} Mbit/s",
+            flush=True,
+        )
+        for r in range(args.rounds):
+            order = PLACEMENTS if r % 2 == 0 else PLACEMENTS[::-1]
+            got = run_round(emu, {k: plans[k] for k in order}, args, Path(tmp), r, cores)
+            pairs = {n: sorted(i for i, x in enumerate(got["nodes"]) if x == n) for n in set(got["nodes"])}
+            if sorted(pairs.values()) != [[0, 1], [2, 3]]:
+                raise RuntimeError(f"ranks landed on the namespaces as {got['nodes']}, not two per node in order")
+            for k in order:
+                steps[k] += got["steps"][k]
+                per_round[k].append(statistics.median(got["steps"][k]))
+                if args.verbose:
+                    print(f"  round {r + 1} {k}: " + " ".join(f"{t * 1e3:.0f}" for t in got["steps"][k]), flush=True)
+            print(
+                f"round {r + 1} ({' then '.join(order)}, ranks on namespaces {got['nodes']}): "
+                + ", ".join(f"{k} {per_round[k][-1] * 1e3:.0f} ms" for k in PLACEMENTS)
+                + f" ({time.perf_counter() - t0:.0f} s)",
+                flush=True,
+            )
+        if args.verbose:
+            print(emu.qdisc_stats())
+    report(args, link, cluster, layouts, predicted, steps, per_round, mbit)
+
+
+def report(args, link, cluster, layouts, predicted, steps, per_round, mbit) -> None:
+    from lightning_distmm.models.clip import CLIPModel
+
+    params = {
+        n: sum(p.numel() for p in t.module.parameters())
+        for n, t in CLIPModel(model_config(args.model), OPTIM).towers().items()
+    }
+    measured = {k: statistics.median(v) for k, v in steps.items()}
+    print(
+        f"\nplacement on emulated nodes: {NODES} network namespaces x {DEVICES_PER_NODE} CPU ranks (gloo), veth shaped"
+        f" to {link.rate_mbit:g} Mbit/s per direction (tbf; {mbit:.0f} Mbit/s measured), delay {link.delay_ms:g} ms;"
+        f" {model_config(args.model)['name']} (image {params['image'] / 1e6:.2f}M, text {params['text'] / 1e6:.2f}M"
+        f" parameters), global batch {args.batch}; {args.rounds} rounds x {args.steps - args.warmup} timed steps"
+    )
+    print(
+        f"cluster spec of the prediction: inter-node {cluster.inter.bandwidth / 1e6:.1f} MB/s x efficiency"
+        f" {cluster.inter.efficiency:.3f}, {cluster.inter.latency * 1e6:.0f} us; intra-node (loopback gloo, measured)"
+        f" {cluster.intra.bandwidth / 1e9:.2f} GB/s, {cluster.intra.latency * 1e6:.0f} us; concurrency"
+        f" {cluster.device.concurrency:.2f}; step overhead {args.step_overhead_ms:g} ms"
+    )
+    head = f"{'placement':<9} {'towers':<48} {'predicted ms':>12} {'measured ms':>11} {'per round ms':>18}  predicted all-reduce ms"
+    print(head)
+    print("-" * len(head))
+    for k in PLACEMENTS:
+        ar = ", ".join(f"{n} {tc.dp_allreduce * 1e3:.0f}" for n, tc in predicted[k].towers.items())
+        rounds = "/".join(f"{t * 1e3:.0f}" for t in per_round[k])
+        print(
+            f"{k:<9} {describe(layouts[k]):<48} {predicted[k].step_time * 1e3:>12.1f} {measured[k] * 1e3:>11.1f}"
+            f" {rounds:>18}  {ar}"
+        )
+    m_ratio = measured["naive"] / measured["planner"]
+    p_ratio = predicted["naive"].step_time / predicted["planner"].step_time
+    m_gap = (measured["naive"] - measured["planner"]) * 1e3
+    p_gap = (predicted["naive"].step_time - predicted["planner"].step_time) * 1e3
+    print(
+        f"naive / planner: measured {m_ratio:.2f}x, predicted {p_ratio:.2f}x;"
+        f" naive's extra time per step measured {m_gap:.0f} ms, predicted {p_gap:.0f} ms"
+    )
+
+
+if __name__ == "__main__":
+    main()
