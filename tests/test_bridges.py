@@ -104,6 +104,17 @@ def test_open_clip_features_without_a_counterpart_are_named():
         from_open_clip_config({"embed_dim": 8, "vision_cfg": {"timm_model_name": "vit_tiny"}, "text_cfg": {}})
 
 
+def test_a_siglip_model_keeps_its_bias_in_open_clip_and_is_refused_by_hugging_face(tmp_path):
+    from lightning_distmm.models.bridges import to_hf
+
+    model = _tiny()
+    model = CLIPModel({**model.model_cfg, "loss": "siglip", "init_logit_bias": -7.5}).eval()
+    with pytest.raises(ValueError, match="logit bias.*save_open_clip"):
+        to_hf(model)
+    oc = open_clip.create_model(f"local-dir:{save_open_clip(model, tmp_path / 'oc')}")
+    assert torch.equal(oc.logit_bias.detach(), model.logit_bias.detach())
+
+
 def test_hugging_face_round_trip(tmp_path):
     from transformers import CLIPModel as HFCLIPModel
 

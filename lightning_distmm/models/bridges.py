@@ -465,10 +465,19 @@ def save_open_clip(model: CLIPModel, folder: str | Path) -> Path:
 
 # ---------------------------------------------------------------------- public: Hugging Face
 def to_hf(model: CLIPModel) -> Any:
-    """A ``transformers.CLIPModel`` with ``model``'s weights."""
+    """A ``transformers.CLIPModel`` with ``model``'s weights.
+
+    A SigLIP model (``loss: siglip``) is refused: Hugging Face's ``CLIPModel`` has no logit bias, so
+    its logits would silently lose the learned bias; :func:`save_open_clip` keeps it.
+    """
     from transformers import CLIPConfig
     from transformers import CLIPModel as HFCLIPModel
 
+    if "logit_bias" in dict(model.named_parameters()):
+        raise ValueError(
+            f"this model has a logit bias ({model.loss_name} loss), which Hugging Face's CLIPModel has no place for:"
+            " export it with save_open_clip (open_clip's CLIP keeps logit_bias), or drop the bias knowingly"
+        )
     image, text, act = _check_ours(model)
     vision_config = {
         "hidden_size": int(image["width"]),
