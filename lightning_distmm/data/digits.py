@@ -13,7 +13,6 @@ the captions' and prompts' words, built in process), ``label`` (the digit).
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -21,9 +20,10 @@ import lightning as L
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 from lightning_distmm.data.fields import FieldDataset
+from lightning_distmm.data.shuffle import seeded_shuffle
 from lightning_distmm.data.tokenizer import build_tokenizer, encode
 
 CLASSNAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
@@ -131,17 +131,10 @@ class DigitsDataModule(L.LightningDataModule):
         return encode(list(texts), self.context_length, digits_tokenizer())
 
     def train_dataloader(self) -> DataLoader:
-        sampler = None
-        if self.shuffle:  # seeded like ShapesDataModule: the same order under every strategy
-            kwargs: dict[str, Any] = {"num_replicas": 1, "rank": 0}
-            if self.trainer is not None:
-                kwargs.update(getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {})
-            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-            sampler = DistributedSampler(self.train_dataset, shuffle=True, seed=seed, **kwargs)
         return DataLoader(
             self.train_dataset,
             batch_size=self.batch_size,
-            sampler=sampler,
+            sampler=seeded_shuffle(self.train_dataset, self.trainer) if self.shuffle else None,
             drop_last=True,
             num_workers=self.num_workers,
         )

@@ -13,11 +13,12 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 from lightning_distmm.data.fields import FieldDataset
 from lightning_distmm.data.pairs import CsvPairs, ImageFolderPairs
 from lightning_distmm.data.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, CaptionTokenizer, image_transform
+from lightning_distmm.data.shuffle import seeded_shuffle
 
 
 class FieldSubset(FieldDataset):
@@ -106,17 +107,10 @@ class PairsDataModule(L.LightningDataModule):
         return self.text.batch(list(texts))
 
     def train_dataloader(self) -> DataLoader:
-        sampler = None
-        if self.shuffle:  # seeded: the same order under every strategy (and resumable)
-            kwargs: dict[str, Any] = {"num_replicas": 1, "rank": 0}
-            if self.trainer is not None:
-                kwargs.update(getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {})
-            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-            sampler = DistributedSampler(self.train_dataset, shuffle=True, seed=seed, **kwargs)
         return DataLoader(
             self.train_dataset,
             batch_size=self.batch_size,
-            sampler=sampler,
+            sampler=seeded_shuffle(self.train_dataset, self.trainer) if self.shuffle else None,
             drop_last=True,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,

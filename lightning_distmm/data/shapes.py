@@ -24,17 +24,17 @@ only the work of the fields asked for: no rendering without ``image``, no tokeni
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Sampler
 
 from lightning_distmm.data.captions import COLORS, POSITIONS, SHAPES, TEMPLATES, vocabulary
 from lightning_distmm.data.fields import FieldDataset
+from lightning_distmm.data.shuffle import seeded_shuffle
 from lightning_distmm.data.tokenizer import build_caption_tokenizer, encode
 
 NUM_COMBOS = len(COLORS) * len(SHAPES) * len(POSITIONS)
@@ -232,7 +232,7 @@ class ShapesDataModule(L.LightningDataModule):
     ``batch_size`` is the **global** batch: the samples that one contrastive loss sees (under distmm
     the strategy splits it across each tower's replicas). Training batches drop the last partial
     batch; validation keeps it. ``shuffle`` is a seeded permutation per epoch (see
-    :meth:`_shuffle_sampler`), identical under single-process and distmm training.
+    :func:`~lightning_distmm.data.shuffle.seeded_shuffle`), identical under single-process and distmm training.
     """
 
     def __init__(
@@ -272,23 +272,8 @@ class ShapesDataModule(L.LightningDataModule):
             pin_memory=self.pin_memory,
         )
 
-    def _shuffle_sampler(self) -> DistributedSampler:
-        """A seeded shuffle, the same permutation under every strategy (and resumable by epoch).
-
-        Seeded from ``shuffle_seed`` or else ``PL_GLOBAL_SEED`` (``seed_everything``), the seed
-        distmm uses for an unseeded shuffle, so single-process and distmm runs see the same batches.
-        It shards like the strategy asks (``distributed_sampler_kwargs``: DDP gives each rank its
-        share; single-process and distmm iterate the whole dataset, every rank the same).
-        """
-        seed = self.shuffle_seed if self.shuffle_seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
-        kwargs: dict[str, Any] = {"num_replicas": 1, "rank": 0}
-        trainer = self.trainer
-        if trainer is not None:
-            kwargs.update(getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {})
-        return DistributedSampler(self.train_dataset, shuffle=True, seed=seed, drop_last=False, **kwargs)
-
     def train_dataloader(self) -> DataLoader:
-        sampler = self._shuffle_sampler() if self.shuffle else None
+        sampler = seeded_shuffle(self.train_dataset, self.trainer, self.shuffle_seed) if self.shuffle else None
         return self._loader(self.train_dataset, self.batch_size, drop_last=True, sampler=sampler)
 
     def val_dataloader(self) -> DataLoader:
