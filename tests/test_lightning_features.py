@@ -172,3 +172,35 @@ def test_bf16_mixed_runs_and_stays_near_the_reference(tmp_path):
     run_distmm(module, plan, 3, loader(8), 3, str(tmp_path / "d.json"), precision="bf16-mixed")
     assert max_param_diff(reference, module) < 0.1 < 10 * max_param_diff(initial, module)
     assert read_losses(tmp_path / "d.json") == pytest.approx(read_losses(tmp_path / "r.json"), abs=0.05)
+
+
+def _tensorboard_scalars(folder) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = {p.parent for p in folder.rglob("events.out.tfevents.*")}
+    acc = EventAccumulator(str(events))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+@pytest.mark.slow
+def test_tensorboard_logger_records_what_one_process_records(tmp_path):
+    """Lightning's TensorBoardLogger (``logger=tensorboard`` in the recipe) under distmm: one event
+    file, written by rank 0, with the same per-step losses as a single process's."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    def kwargs(name: str) -> dict:
+        from distmm_testing import trainer_kwargs
+
+        return trainer_kwargs(logger=TensorBoardLogger(str(tmp_path), name=name), log_every_n_steps=1)
+
+    L.seed_everything(0)
+    module = TinyCLIP("sgd", lr=0.05)
+    reference = copy.deepcopy(module)
+    L.Trainer(devices=1, max_steps=3, **kwargs("ref")).fit(reference, loader(8))
+    L.Trainer(devices=3, max_steps=3, strategy=ldm.DistMMStrategy(PLAN, start_method="fork"), **kwargs("distmm")).fit(
+        module, loader(8)
+    )
+    ref, got = _tensorboard_scalars(tmp_path / "ref"), _tensorboard_scalars(tmp_path / "distmm")
+    assert [s for s, _ in got["train/loss"]] == [0, 1, 2]
+    assert [v for _, v in got["train/loss"]] == pytest.approx([v for _, v in ref["train/loss"]], abs=1e-5)
