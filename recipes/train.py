@@ -239,10 +239,22 @@ def main(cfg: DictConfig) -> dict[str, float] | None:
     if "val/zeroshot/top1" in logged:
         chance = logged.get("val/zeroshot/chance_top1")
         rank_zero_info(f"zero-shot top1 = {logged['val/zeroshot/top1']:.3f} (chance {chance:.3f})")
+    if logged.get("val/retrieval/n"):
+        rank_zero_info(retrieval_line(logged, "val/retrieval/"))
     if cfg.eval.enabled:
         evaluate(trainer, model, datamodule, cfg, out_dir, fit_seconds)
     release_process_group(launched_here)
     return optimized_metric(trainer, cfg.get("optimized_metric"))
+
+
+def retrieval_line(logged: dict[str, float], prefix: str) -> str:
+    """The Retrieval callback's last recall@1 both ways next to chance (1 / held-out pairs)."""
+    n = logged[prefix + "n"]
+    recalls = {k[len(prefix) :]: v for k, v in logged.items() if k.startswith(prefix) and k.endswith("_R@1")}
+    shown = ", ".join(
+        f"{name.removesuffix('_R@1').replace('_to_', '->')} R@1 = {v:.3f}" for name, v in sorted(recalls.items())
+    )
+    return f"retrieval (callback, {int(n)} held-out pairs): {shown} (chance {1 / n:.3f})"
 
 
 def optimized_metric(trainer: L.Trainer, name: str | None) -> float | None:

@@ -57,3 +57,13 @@ def test_make_csv_writes_open_clip_format(tmp_path):
     pairs = CsvPairs(train_csv)
     assert len(pairs) == 6 and len(CsvPairs(val_csv)) == 3
     assert pairs[0]["image"].shape == (3, 32, 32) and " " in pairs[0]["caption"]
+
+
+def test_retrieval_line_shows_the_callbacks_recall_next_to_chance():
+    logged = {"val/retrieval/n": 256.0, "val/retrieval/image_to_text_R@1": 0.7, "val/retrieval/text_to_image_R@1": 0.75}
+    logged["val/retrieval/image_to_text_R@5"] = 0.9
+    line = train.retrieval_line(logged, "val/retrieval/")
+    assert (
+        line
+        == "retrieval (callback, 256 held-out pairs): image->text R@1 = 0.700, text->image R@1 = 0.750 (chance 0.004)"
+    )
