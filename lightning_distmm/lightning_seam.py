@@ -31,7 +31,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -238,9 +238,14 @@ def train_batch_size(trainer: pl.Trainer) -> int | None:
 def example_batch(trainer: pl.Trainer) -> Mapping[str, Any] | None:
     """One collated sample of the training data, to count or time the towers (None if unavailable)."""
     loader = _train_dataloader(trainer)
-    if loader is None or len(loader.dataset) == 0:  # type: ignore[arg-type]
+    if loader is None:
         return None
-    batch = loader.collate_fn([loader.dataset[0]])
+    if isinstance(loader.dataset, IterableDataset):  # a stream: its example() if it has one (data.FieldStream)
+        example = getattr(loader.dataset, "example", None)
+        sample = example() if callable(example) else None
+    else:
+        sample = loader.dataset[0] if len(loader.dataset) else None  # type: ignore[arg-type]
+    batch = loader.collate_fn([sample]) if sample is not None else None
     return batch if isinstance(batch, Mapping) else None
 
 

@@ -1,7 +1,18 @@
-"""Per-rank data loading, field-selective datasets, the embedded demo data and pair datasets."""
+"""Per-rank data loading, field-selective datasets and streams, the embedded demo data and pair datasets."""
 
 from lightning_distmm.data.fields import FieldDataset
 from lightning_distmm.data.pairs import CsvPairs, ImageFolderPairs, PairDataset
 from lightning_distmm.data.preprocess import CaptionTokenizer, image_transform
+from lightning_distmm.data.streaming import FieldStream
+from lightning_distmm.data.webdataset import WebDatasetPairs
 
-__all__ = ["CaptionTokenizer", "CsvPairs", "FieldDataset", "ImageFolderPairs", "PairDataset", "image_transform"]
+__all__ = [
+    "CaptionTokenizer",
+    "CsvPairs",
+    "FieldDataset",
+    "FieldStream",
+    "ImageFolderPairs",
+    "PairDataset",
+    "WebDatasetPairs",
+    "image_transform",
+]

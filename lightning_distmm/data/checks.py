@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_distmm.core.plan import split_batch
 from lightning_distmm.data.fields import FieldDataset
+from lightning_distmm.data.streaming import FieldStream, as_stream
 
 
 def check_dataloader(
@@ -62,24 +63,62 @@ def check_dataset(
         num_samples: samples of an epoch, if the sampler draws other than ``len(dataset)``.
 
     Raises:
-        TypeError: an ``IterableDataset``, or samples that are not dicts keyed by field.
-        ValueError: an empty dataset, an epoch with no batch, or a (last) batch smaller than a
-            tower's replicas.
+        TypeError: a ``webdataset`` pipeline (it reads other shards on every rank; use
+            :class:`~lightning_distmm.data.webdataset.WebDatasetPairs`), or samples that are not
+            dicts keyed by field.
+        ValueError: an empty dataset, an epoch with no batch, a (last) batch smaller than a
+            tower's replicas, or a stream of unknown length without ``drop_last`` where the plan
+            needs several samples in every batch.
         KeyError: a field a tower reads that the samples do not have.
     """
     name = type(dataset).__name__
     if isinstance(dataset, IterableDataset):
-        raise TypeError(
-            f"distmm needs a map-style Dataset (__len__ and __getitem__), so that each rank can load its rows of a"
-            f" global batch by index; {name} is an IterableDataset, which is not supported yet: use a map-style"
-            f" Dataset"
-        )
+        _check_stream(dataset, fields_by_tower, batch_size, drop_last, replicas_by_tower, sync_groups)
+        return
     if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
         raise TypeError(f"distmm needs a map-style Dataset with __len__ and __getitem__; {name} lacks one of them")
     size = len(dataset)
     if size == 0:
         raise ValueError(f"the training dataset {name} is empty (len 0): there is no sample to train on")
-    have = _fields_of(dataset)
+    _check_fields(name, _fields_of(dataset), fields_by_tower)
+    if batch_size is not None:
+        _check_batches(
+            num_samples if num_samples is not None else size, batch_size, drop_last, replicas_by_tower, sync_groups
+        )
+
+
+def _check_stream(
+    dataset: IterableDataset,
+    fields_by_tower: Mapping[str, Sequence[str]],
+    batch_size: int | None,
+    drop_last: bool,
+    replicas_by_tower: Mapping[str, int],
+    sync_groups: int,
+) -> None:
+    """An ``IterableDataset``: every rank reads it whole (data/streaming.py). A :class:`FieldStream`
+    declares its fields and maybe its length; another one is checked sample by sample as it is read."""
+    name = type(dataset).__name__
+    stream = as_stream(dataset)  # refuses what cannot be read the same on every rank
+    if isinstance(dataset, FieldStream):
+        _check_fields(name, set(dataset.fields), fields_by_tower)
+    if batch_size is None:
+        return
+    size = stream.epoch_length()
+    if size == 0:
+        raise ValueError(f"the training dataset {name} is empty (len 0): there is no sample to train on")
+    if size is not None:
+        _check_batches(size, batch_size, drop_last, replicas_by_tower, sync_groups)
+        return
+    _check_batches(batch_size, batch_size, True, replicas_by_tower, sync_groups)  # every batch
+    if not drop_last and (sync_groups > 1 or any(r > 1 for r in replicas_by_tower.values())):
+        raise ValueError(
+            f"{name} does not know its length, so the last batch of an epoch may be short, and this plan needs"
+            f" several samples in every batch (towers' replicas {dict(replicas_by_tower)}, {sync_groups} sync"
+            f" group(s)); set drop_last=True on the DataLoader, or give the dataset a length"
+        )
+
+
+def _check_fields(name: str, have: set[str], fields_by_tower: Mapping[str, Sequence[str]]) -> None:
     for tower, fields in fields_by_tower.items():
         missing = [f for f in fields if f not in have]
         if missing:
@@ -87,10 +126,6 @@ def check_dataset(
                 f"tower {tower!r} reads batch field(s) {missing} that the samples of {name} do not have"
                 f" (they have {sorted(have)})"
             )
-    if batch_size is not None:
-        _check_batches(
-            num_samples if num_samples is not None else size, batch_size, drop_last, replicas_by_tower, sync_groups
-        )
 
 
 def _fields_of(dataset: Any) -> set[str]:

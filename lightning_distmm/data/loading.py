@@ -6,7 +6,9 @@ order it would give one process: rank 0 iterates it and broadcasts the index lis
 (in chunks, over the default process group), so a sampler drawing from the global RNG, a seeded
 generator, a ``DistributedSampler`` or a custom batch sampler all give every rank, and a
 single-process run with the same seed, the same batches. This module then keeps, per global batch,
-only the rows this rank's towers compute on, and asks the dataset for only their fields.
+only the rows this rank's towers compute on, and asks the dataset for only their fields. An
+``IterableDataset`` has no index to draw: every rank reads the stream itself and cuts the same
+global batches, and decodes only its rows' fields (:mod:`lightning_distmm.data.streaming`).
 
 The loader is stateful. Its position is ``(epoch, samples of that epoch already trained)``, a count
 of samples rather than of batches, so a run resumed with another batch size continues at the next
@@ -24,11 +26,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lightning_distmm.core.layout import GLOBAL_BATCH_KEY, RankLayout
 from lightning_distmm.data.fields import load_fields
 from lightning_distmm.data.sampling import RankBatchSampler
+from lightning_distmm.data.streaming import StreamBatchSampler, StreamFieldSubset, as_stream
 
 
 class FieldSubsetDataset(Dataset):
@@ -64,7 +67,8 @@ class DistMMDataLoader(DataLoader):
     """A DataLoader over this rank's rows and fields of the user's global batches.
 
     Args:
-        source: the user's DataLoader; its batch sampler (sampler, shuffling, generator) is used as is.
+        source: the user's DataLoader; its batch sampler (sampler, shuffling, generator) is used as is; over an
+            ``IterableDataset`` its batch size and ``drop_last`` cut the stream every rank reads.
         layout: which rows and fields this rank loads.
         progress: how many batches of the current epoch the trainer has trained on (Lightning's
             ``fit_loop.epoch_loop.batch_progress.current.processed``); the saved position counts
@@ -79,12 +83,6 @@ class DistMMDataLoader(DataLoader):
         progress: Callable[[], int] | None = None,
         group: Any = None,
     ):
-        if isinstance(source.dataset, torch.utils.data.IterableDataset):
-            raise TypeError(
-                f"distmm needs a map-style Dataset (__len__ and __getitem__), so that each rank can load its rows"
-                f" of a global batch by index; {type(source.dataset).__name__} is an IterableDataset, which is not"
-                f" supported yet"
-            )
         if source.batch_sampler is None:
             raise ValueError(
                 "distmm needs a DataLoader with a batch_size (the global batch); batch_size=None is not supported"
@@ -92,8 +90,20 @@ class DistMMDataLoader(DataLoader):
         self.source = source
         self.layout = layout
         generators = [source.generator] if source.generator is not None else []
+        dataset: Dataset
+        if isinstance(source.dataset, IterableDataset):
+            # a stream: every rank reads it and cuts the same global batches (data/streaming.py)
+            stream = as_stream(source.dataset)
+            bs = source.batch_sampler
+            sampler: RankBatchSampler = StreamBatchSampler(
+                stream, bs.batch_size, bs.drop_last, layout, progress, generators, group
+            )
+            dataset = StreamFieldSubset(stream, layout.fields)
+        else:
+            sampler = RankBatchSampler(source.batch_sampler, layout, progress, generators, group)
+            dataset = FieldSubsetDataset(source.dataset, layout.fields)
         kwargs: dict[str, Any] = dict(
-            batch_sampler=RankBatchSampler(source.batch_sampler, layout, progress, generators, group),
+            batch_sampler=sampler,
             num_workers=source.num_workers,
             collate_fn=_CollateWithGlobalBatch(source.collate_fn),
             pin_memory=source.pin_memory,
@@ -105,7 +115,7 @@ class DistMMDataLoader(DataLoader):
         )
         if source.num_workers > 0:
             kwargs["prefetch_factor"] = source.prefetch_factor
-        super().__init__(FieldSubsetDataset(source.dataset, layout.fields), **kwargs)
+        super().__init__(dataset, **kwargs)
 
     @property
     def rank_sampler(self) -> RankBatchSampler:

@@ -1,0 +1,386 @@
+"""Image-caption pairs in WebDataset tar shards, read as a stream and decoded per tower.
+
+A shard is a tar file whose members are grouped into samples by their name up to the first dot
+(``000123.jpg`` + ``000123.txt``), as the ``webdataset`` package (and open_clip's ``--dataset-type
+webdataset``, img2dataset) writes them. :class:`WebDatasetPairs` reads local shards, ``file:``
+and ``pipe:`` URLs (``pipe:cat shard.tar``, ``pipe:curl -s ...``, ``pipe:aws s3 cp ... -``) through
+``webdataset``'s ``gopen`` and tar iterators.
+
+It is a :class:`~lightning_distmm.data.streaming.FieldStream`: the epoch's order (shards permuted,
+then samples through a shuffle buffer) follows from ``(seed, epoch)`` alone, so every distmm rank
+reads the same stream and cuts the same global batches, and decodes only its rows' fields: an
+image rank decodes the image and runs the transform, a text rank tokenizes the caption, and the
+other samples of the batch are read and dropped as bytes. ``decoded`` counts, per field, the
+samples decoded in this process, ``read`` the raw samples read; ``decode_log`` (a file path)
+appends one JSON line ``[rank, key, fields]`` per decode, for checks across processes.
+
+Fields: ``image`` (the transform's tensor), ``caption`` (str), ``input_ids`` / ``attention_mask``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tarfile
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from io import BytesIO
+from pathlib import Path
+from typing import Any, NamedTuple
+from urllib.parse import urlparse
+
+import lightning as L
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from lightning_distmm.data.fields import FieldDataset
+from lightning_distmm.data.pairs import TOKEN_FIELDS, _rank
+from lightning_distmm.data.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, CaptionTokenizer, image_transform
+from lightning_distmm.data.streaming import FieldStream, skip_samples
+
+IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
+
+
+class RawPair(NamedTuple):
+    """A sample as read from a shard: its key, its shard, the image member's bytes and the caption's."""
+
+    key: str
+    url: str
+    image: bytes
+    caption: bytes
+
+
+def shard_urls(urls: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
+    """The shards of ``urls``: a brace pattern (``train-{000000..000009}.tar``), ``::``-separated
+    URLs, a folder (its ``*.tar``, sorted), or a list of any of these; ``pipe:`` URLs as they are."""
+    from webdataset.shardlists import expand_urls
+
+    items = [urls] if isinstance(urls, str | os.PathLike) else list(urls)
+    out: list[str] = []
+    for item in items:
+        item = os.fspath(item)
+        if os.path.isdir(item):
+            out.extend(str(p) for p in sorted(Path(item).glob("*.tar")))
+        else:
+            out.extend(expand_urls(item))
+    if not out:
+        raise ValueError(f"WebDatasetPairs: no shards in {urls!r}")
+    missing = [u for u in out if _local_path(u) is not None and not os.path.isfile(_local_path(u))]
+    if missing:
+        raise FileNotFoundError(f"WebDatasetPairs: {len(missing)} shard(s) not found, e.g. {missing[:3]}")
+    return out
+
+
+def _local_path(url: str) -> str | None:
+    """The file of a local shard (a path or ``file:``); None for ``pipe:`` and remote URLs."""
+    parsed = urlparse(url)
+    if parsed.scheme == "":
+        return url
+    if parsed.scheme == "file":
+        return parsed.path
+    return None
+
+
+def _extension(name: str) -> str | None:
+    """What ``webdataset`` groups a member by: the suffix after the first dot of its base name."""
+    base = name.rsplit("/", 1)[-1]
+    return base.split(".", 1)[1].lower() if "." in base else None
+
+
+class WebDatasetPairs(FieldStream):
+    """Image-caption pairs from WebDataset shards.
+
+    Args:
+        urls: the shards (see :func:`shard_urls`): local paths, a folder, a brace pattern, ``pipe:`` URLs.
+        image_key: the image member's extension(s), the first present wins (``"jpg;png"`` or a list;
+            open_clip reads ``jpg;png;jpeg;webp``).
+        caption_key: the caption member's extension (open_clip: ``txt``).
+        shuffle: permute the shards every epoch and pass the samples through a shuffle buffer, both
+            seeded by ``(seed, epoch)`` (the same on every rank and in one process).
+        shuffle_buffer: samples in the buffer (1 or 0: shards permuted only; a resumed epoch then skips
+            whole local shards without opening them).
+        seed: the order's seed.
+        length: samples of an epoch; None counts the members of local shards (headers only) and
+            leaves ``pipe:`` streams without a length.
+        transform, tokenizer, context_length, decode_log: as for
+            :class:`~lightning_distmm.data.pairs.PairDataset`.
+    """
+
+    fields = ("image", "caption", *TOKEN_FIELDS)
+
+    def __init__(
+        self,
+        urls: str | os.PathLike | Sequence[str | os.PathLike],
+        image_key: str | Sequence[str] = IMAGE_KEYS,
+        caption_key: str = "txt",
+        shuffle: bool = False,
+        shuffle_buffer: int = 1000,
+        seed: int = 0,
+        length: int | None = None,
+        transform: Callable[[Any], Tensor] | None = None,
+        tokenizer: Any = None,
+        context_length: int = 77,
+        decode_log: str | os.PathLike | None = None,
+    ):
+        self.urls = shard_urls(urls)
+        keys = image_key.split(";") if isinstance(image_key, str) else list(image_key)
+        self.image_keys = tuple(k.lower().lstrip(".") for k in keys)
+        self.caption_key = caption_key.lower().lstrip(".")
+        self.shuffle, self.shuffle_buffer, self.seed = bool(shuffle), int(shuffle_buffer), int(seed)
+        self.length = None if length is None else int(length)
+        if transform is None:
+            from torchvision.transforms import ToTensor
+
+            transform = ToTensor()
+        self.transform = transform
+        self._tokenizer_arg = tokenizer
+        self._context_length = int(context_length)
+        self._tokenizer: CaptionTokenizer | None = tokenizer if isinstance(tokenizer, CaptionTokenizer) else None
+        self.decode_log = str(decode_log) if decode_log is not None else None
+        self.decoded: Counter[str] = Counter()
+        self.read = 0
+        self._sizes: list[int] | None = None
+
+    # ------------------------------------------------------------------ the order
+    def samples(self, epoch: int, skip: int = 0) -> Iterator[RawPair]:
+        shards = list(self.urls)
+        if self.shuffle:
+            random.Random(f"{self.seed}/{epoch}/shards").shuffle(shards)
+        if self.shuffle and self.shuffle_buffer > 1:
+            rng = random.Random(f"{self.seed}/{epoch}/samples")
+            return skip_samples(_buffer_shuffle(self._read(shards), self.shuffle_buffer, rng), skip, epoch, repr(self))
+        sizes = self.shard_sizes() if skip else None
+        before = 0
+        if sizes is not None:  # whole shards before the position are not opened
+            size = dict(zip(self.urls, sizes))
+            while shards and before + size[shards[0]] <= skip:
+                before += size[shards.pop(0)]
+        return skip_samples(self._read(shards), skip - before, epoch, repr(self), before)
+
+    def _read(self, shards: Iterable[str]) -> Iterator[RawPair]:
+        from webdataset.gopen import gopen
+        from webdataset.tariterators import group_by_keys, tar_file_expander
+
+        wanted = {*self.image_keys, self.caption_key}
+        for url in shards:
+            stream = gopen(url, "rb")
+            try:
+                files = tar_file_expander(
+                    [{"url": url, "stream": stream}], select_files=lambda n: _extension(n) in wanted
+                )
+                for sample in group_by_keys(files):
+                    self.read += 1
+                    yield self._raw(sample, url)
+            finally:
+                stream.close()
+
+    def _raw(self, sample: dict[str, Any], url: str) -> RawPair:
+        image = next((sample[k] for k in self.image_keys if k in sample), None)
+        caption = sample.get(self.caption_key)
+        if image is None or caption is None:
+            has = sorted(k for k in sample if not k.startswith("__"))
+            raise ValueError(
+                f"{url}: sample {sample['__key__']!r} has members {has}, no image ({'/'.join(self.image_keys)}) or no"
+                f" caption ({self.caption_key}): pass image_key= / caption_key= (open_clip's --wds-image-key ...)"
+            )
+        return RawPair(sample["__key__"], url, image, caption)
+
+    def shard_sizes(self) -> list[int] | None:
+        """Samples per shard when every shard is local (tar headers are read, no data); else None."""
+        if self._sizes is None:
+            paths = [_local_path(u) for u in self.urls]
+            if any(p is None for p in paths):
+                return None
+            wanted = {*self.image_keys, self.caption_key}
+            self._sizes = [_count_samples(p, wanted) for p in paths if p is not None]
+        return self._sizes
+
+    def epoch_length(self) -> int | None:
+        if self.length is not None:
+            return self.length
+        sizes = self.shard_sizes()
+        return None if sizes is None else sum(sizes)
+
+    # ------------------------------------------------------------------ decoding
+    @property
+    def tokenizer(self) -> CaptionTokenizer:
+        """Built on first use, so that a rank that never tokenizes never loads the tokenizer."""
+        if self._tokenizer is None:
+            self._tokenizer = CaptionTokenizer(self._tokenizer_arg, self._context_length)
+        return self._tokenizer
+
+    def decode(self, sample: RawPair, fields: Iterable[str]) -> dict[str, Any]:
+        fields = tuple(fields)
+        out = self._decode(sample, fields)
+        self.decoded.update(fields)
+        if self.decode_log is not None:
+            with open(self.decode_log, "a") as f:
+                f.write(json.dumps([_rank(), sample.key, sorted(fields)]) + "\n")
+        return out
+
+    def example(self) -> dict[str, Any] | None:
+        """The first sample decoded whole, not counted in ``decoded`` or ``decode_log`` (no training sample)."""
+        first = self.first_sample()
+        return None if first is None else self._decode(first, self.fields)
+
+    def _decode(self, sample: RawPair, fields: tuple[str, ...]) -> dict[str, Any]:
+        unknown = [f for f in fields if f not in self.fields]
+        if unknown:
+            raise KeyError(f"{type(self).__name__} has no field(s) {unknown}; fields are {self.fields}")
+        out: dict[str, Any] = {}
+        if "image" in fields:
+            from PIL import Image
+
+            with Image.open(BytesIO(sample.image)) as img:
+                out["image"] = self.transform(img.convert("RGB"))
+        if any(f in fields for f in ("caption", *TOKEN_FIELDS)):
+            text = sample.caption.decode("utf-8").strip()
+            out["caption"] = text
+            if any(f in fields for f in TOKEN_FIELDS):
+                out.update(self.tokenizer(text))
+        return {f: out[f] for f in fields}
+
+    def in_memory(self, limit: int | None = None) -> FieldDataset:
+        """The (first ``limit``) samples of epoch 0 held as bytes, a map-style dataset decoded per
+        field on ``load``: for held-out pairs (validation, retrieval evaluation)."""
+        samples = self.samples(0)
+        return _RawPairs(self, list(samples if limit is None else (s for _, s in zip(range(limit), samples))))
+
+    def __getstate__(self) -> dict[str, Any]:  # workers get fresh counters
+        state = dict(self.__dict__)
+        state["decoded"], state["read"] = Counter(), 0
+        return state
+
+    def __repr__(self) -> str:
+        first = self.urls[0] if len(self.urls) == 1 else f"{self.urls[0]} ... ({len(self.urls)} shards)"
+        return f"WebDatasetPairs({first!r})"
+
+
+class _RawPairs(FieldDataset):
+    def __init__(self, source: WebDatasetPairs, samples: list[RawPair]):
+        self.source, self.samples = source, samples
+        self.fields = source.fields
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def load(self, index: int, fields: Iterable[str]) -> dict[str, Any]:
+        return self.source.decode(self.samples[index], fields)
+
+
+def _count_samples(path: str, wanted: set[str]) -> int:
+    """Samples of a local shard as ``webdataset`` groups them (consecutive members of one key)."""
+    from webdataset.tariterators import base_plus_ext
+
+    count, last = 0, None
+    with tarfile.open(path, "r:") as tar:  # reads the headers, seeks over the data
+        for member in tar:
+            if not member.isreg() or _extension(member.name) not in wanted:
+                continue
+            key, _ = base_plus_ext(member.name)
+            if key is not None and key != last:
+                count, last = count + 1, key
+    return count
+
+
+def _buffer_shuffle(samples: Iterator[Any], size: int, rng: random.Random) -> Iterator[Any]:
+    """A shuffle buffer of ``size`` samples: each incoming sample takes the place of a random one,
+    which leaves. Ours, not ``webdataset``'s, so that the order a checkpoint resumes stays the same
+    across ``webdataset`` versions."""
+    buffer: list[Any] = []
+    for sample in samples:
+        if len(buffer) < size:
+            buffer.append(sample)
+            continue
+        i = rng.randrange(size)
+        yield buffer[i]
+        buffer[i] = sample
+    rng.shuffle(buffer)
+    yield from buffer
+
+
+class WebDatasetDataModule(L.LightningDataModule):
+    """Training pairs from WebDataset shards (a stream), held-out pairs from other shards (in memory).
+
+    Args:
+        train: the training shards (see :func:`shard_urls`).
+        val: the held-out shards, read into memory for validation and retrieval (None: no validation).
+        length: samples of a training epoch (needed for ``pipe:`` URLs to know an epoch's length).
+        image_key, caption_key, shuffle, shuffle_buffer: see :class:`WebDatasetPairs`.
+        seed: the order's seed (None: ``PL_GLOBAL_SEED``, as ``seed_everything`` set it, else 0).
+        image_size, mean, std, interpolation, crop_pct, tokenizer, context_length: the transform and
+            tokenizer (as :class:`~lightning_distmm.data.modules.PairsDataModule`).
+        batch_size: the global batch; val_batch_size, num_workers: as for any DataModule.
+    """
+
+    def __init__(
+        self,
+        train: str | Sequence[str],
+        val: str | Sequence[str] | None = None,
+        length: int | None = None,
+        image_key: str | Sequence[str] = IMAGE_KEYS,
+        caption_key: str = "txt",
+        shuffle: bool = True,
+        shuffle_buffer: int = 1000,
+        seed: int | None = None,
+        image_size: int = 224,
+        mean: Sequence[float] = OPENAI_CLIP_MEAN,
+        std: Sequence[float] = OPENAI_CLIP_STD,
+        interpolation: str = "bicubic",
+        crop_pct: float = 1.0,
+        tokenizer: str | None = None,
+        context_length: int = 77,
+        batch_size: int = 64,
+        val_batch_size: int | None = None,
+        num_workers: int = 0,
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        self.batch_size, self.val_batch_size = int(batch_size), int(val_batch_size or batch_size)
+        self.num_workers = int(num_workers)
+        transform = image_transform(
+            input_size=(3, int(image_size), int(image_size)),
+            mean=tuple(mean),
+            std=tuple(std),
+            interpolation=interpolation,
+            crop_pct=crop_pct,
+        )
+        self.text = CaptionTokenizer(tokenizer, context_length)
+        common: dict[str, Any] = dict(image_key=image_key, caption_key=caption_key, transform=transform)
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0)) if seed is None else int(seed)
+        self.train_dataset = WebDatasetPairs(
+            train,
+            shuffle=shuffle,
+            shuffle_buffer=shuffle_buffer,
+            seed=seed,
+            length=length,
+            tokenizer=self.text,
+            **common,
+        )
+        self.val_dataset = None if val is None else WebDatasetPairs(val, tokenizer=self.text, **common).in_memory()
+        self.retrieval_dataset = self.val_dataset
+
+    def tokenize(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
+        return self.text.batch(list(texts))
+
+    def train_dataloader(self) -> DataLoader:
+        split = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self.trainer else None
+        if split and int(split.get("num_replicas", 1)) > 1:  # DDP: each replica its rows of the global batch
+            self.train_dataset.split_replicas(int(split["rank"]), int(split["num_replicas"]), self.batch_size)
+        return DataLoader(
+            self.train_dataset,
+            batch_size=self.batch_size,
+            drop_last=True,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def val_dataloader(self) -> DataLoader | list:
+        if self.val_dataset is None:
+            return []
+        return DataLoader(self.val_dataset, batch_size=self.val_batch_size, num_workers=self.num_workers)
+
+
+__all__ = ["RawPair", "WebDatasetDataModule", "WebDatasetPairs", "shard_urls"]
