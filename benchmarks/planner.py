@@ -2,16 +2,18 @@
 uniform+batchsync ablation), and solve time.
 
     python benchmarks/planner.py --paper                      # the DistMM paper's table: 1.1B-26B presets
+    python benchmarks/planner.py --sharding-table             # distmm_10b / 26b on 64 A100s, with and without sharding
     python benchmarks/planner.py                              # model presets x GPU cluster presets
     python benchmarks/planner.py --global-batch 1024,32768    # several contrastive batch sizes
     python benchmarks/planner.py --models clip_vit_bigg14 --clusters a100_8x8_eth100
 
 Sharding (ZeRO-1, ZeRO-3) is priced for DistMM's towers too (``shards: [none, optimizer, full]``), so
-its space contains every baseline; the runtime does not shard yet (docs/planner.md).
+its space contains every baseline; ``--sharding-table`` compares that with DistMM limited to unsharded
+towers (``shards: [none]``, the planner's default).
 
 All plans are priced by the same cost model (lightning_distmm.planner.cost); the baselines are searched
 for their best configuration. "OOM" means no configuration of that baseline fits device memory for
-the whole-batch contrastive loss. The last lines time the planner at 4,096 devices.
+the whole-batch contrastive loss. The last lines time the planner at 64 and at 4,096 devices.
 """
 
 from __future__ import annotations
@@ -93,16 +95,27 @@ def paper(global_batch: int, clusters: list[str]) -> None:
         " DistMM may shard (ZeRO-1/3) like the baselines"
     )
     speedups = []
+    solve: list[float] = []
+    solve_cpu: list[float] = []
+    summary: dict[str, dict[str, list[float]]] = {}
     for c in clusters:
         for m in PAPER_MODELS:
             cfg = yaml.safe_load((CONF_DIR / "model" / f"{m}.yaml").read_text())
+            cpu = time.process_time()
             try:
                 _, rep = make_plan(cfg, c, global_batch, ALL_SHARDS)
             except InfeasibleError as err:
                 print(f"\n{m} on {c}: infeasible ({str(err)[:100]})")
                 continue
+            cpu = time.process_time() - cpu
+            solve.append(rep.solve_time)
+            solve_cpu.append(cpu)
             params = sum(p.params for p in rep.profiles.values())
-            print(f"\n{m} ({params / 1e9:.2f}B) on {c}: DistMM {fmt_time(rep.step_time)} [{rep.chosen.cost.layout}]")
+            print(
+                f"\n{m} ({params / 1e9:.2f}B) on {c}: DistMM {fmt_time(rep.step_time)} [{rep.chosen.cost.layout}],"
+                f" MFU {rep.mfu:.1%}, {rep.memory_per_rank() / 1e9:.1f} GB per rank,"
+                f" solved in {rep.solve_time:.2f} s ({cpu:.2f} s CPU)"
+            )
             print(f"  DistMM            {describe(rep.chosen)}")
             for k in BASELINES:
                 b = rep.baselines.get(k)
@@ -111,13 +124,73 @@ def paper(global_batch: int, clusters: list[str]) -> None:
                 head = f"  {k:<17} {fmt_time(b.step_time if b else None):>9}  {f'{sp:.2f}x' if sp else '-':>6}"
                 print(head + (f"  {describe(b)}" if b else "  no configuration fits"))
             print(f"  why: {why(rep)}")
+            for k in ("megatron", "fsdp"):
+                if rep.speedup(k) and params >= 1.05e9:
+                    summary.setdefault(c, {}).setdefault(k, []).append(rep.speedup(k))
             if c == "a100_8x8" and rep.speedup("megatron"):
                 speedups.append(rep.speedup("megatron"))
+    print()
+    for c, by in summary.items():
+        print(
+            f"{c}: DistMM vs "
+            + ", ".join(f"{k} {min(v):.2f}x .. {max(v):.2f}x (where it fits, {len(v)} presets)" for k, v in by.items())
+        )
+    if solve:
+        print(
+            f"solve time at 64 devices: at most {max(solve):.2f} s per preset, {max(solve_cpu):.2f} s of CPU"
+            f" (median {sorted(solve)[len(solve) // 2]:.2f} s; wall above CPU means other processes shared the cores)"
+        )
     if speedups:
         lo, hi = PAPER_RANGE
         print(
             f"\nvs Megatron-LM on a100_8x8 (where it fits): {min(speedups):.2f}x .. {max(speedups):.2f}x"
             f" (paper: {lo}x .. {hi}x; docs/planner.md says which modelling differences explain the gap)"
+        )
+
+
+def sharding_table(clusters: list[str], global_batch: int, models: list[str]) -> None:
+    """Issue 11's question: what sharding buys DistMM on the largest presets. For each model, DistMM
+    with unsharded towers only (``shards: [none]``, the planner's default) and with ZeRO-1/ZeRO-3
+    allowed: the plan, its memory on the fullest rank, its step and the speedup over every baseline
+    (the baselines are the same in both rows: each shards by its own rules)."""
+    print(f"DistMM with and without sharding, global batch {global_batch} (bf16-mixed, 18 B per parameter unsharded)")
+    for c in clusters:
+        for m in models:
+            cfg = yaml.safe_load((CONF_DIR / "model" / f"{m}.yaml").read_text())
+            params = sum(p.params for p in make_plan(cfg, c, global_batch, ALL_SHARDS)[1].profiles.values())
+            print(f"\n{m} ({params / 1e9:.2f}B) on {c}:")
+            for label, opts in (("unsharded towers", {"shards": ["none"]}), ("sharding allowed", ALL_SHARDS)):
+                try:
+                    _, rep = make_plan(cfg, c, global_batch, opts)
+                except InfeasibleError as err:
+                    print(f"  {label:<17} infeasible: {str(err)[:160]}")
+                    continue
+                limit = rep.cluster.device.memory * rep.options.cost.memory_margin
+                print(
+                    f"  {label:<17} {fmt_time(rep.step_time):>9}  {rep.memory_per_rank() / 1e9:5.1f} GB per rank"
+                    f" (limit {limit / 1e9:.0f} GB)  {describe(rep.chosen)}"
+                )
+                sp = ", ".join(
+                    f"{k} {rep.speedup(k):.2f}x" if rep.speedup(k) else f"{k} OOM"
+                    for k in BASELINES
+                    if k in rep.baselines
+                )
+                print(f"  {'':<17} vs {sp}")
+
+
+def solve_at_scale(devices: int) -> None:
+    """Time the planner at ``devices`` devices (nodes of a100_8x8), 16 samples per device."""
+    base = load_cluster("a100_8x8")
+    nodes = max(1, devices // base.devices_per_node)
+    big = dataclasses.replace(base, nodes=nodes)
+    for m in ("clip_vit_bigg14", "coca_vit_l14", "distmm_26b"):
+        cfg = yaml.safe_load((CONF_DIR / "model" / f"{m}.yaml").read_text())
+        t0, cpu = time.perf_counter(), time.process_time()
+        _, rep = make_plan(cfg, big, 16 * big.world_size, ALL_SHARDS)
+        print(
+            f"solve at {big.world_size} devices ({m}, batch {16 * big.world_size}): {time.perf_counter() - t0:.2f} s"
+            f" ({time.process_time() - cpu:.2f} s CPU),"
+            f" layout {rep.chosen.cost.layout}, vs Megatron {rep.speedup('megatron') or float('nan'):.2f}x"
         )
 
 
@@ -130,13 +203,26 @@ def main() -> None:
         "--scale-devices", type=int, default=4096, help="also time the planner at this many devices (0: skip)"
     )
     ap.add_argument("--paper", action="store_true", help="the DistMM paper's 1.1B-26B table (a100_8x8, h100, h200)")
+    ap.add_argument(
+        "--sharding-table",
+        action="store_true",
+        help="distmm_10b and distmm_26b with and without sharding (a100_8x8 unless --clusters; --models to change)",
+    )
     args = ap.parse_args()
+    if args.sharding_table:
+        clusters = args.clusters.split(",") if args.clusters != ",".join(DEFAULT_CLUSTERS) else ["a100_8x8"]
+        models = args.models.split(",") if args.models != ",".join(DEFAULT_MODELS) else ["distmm_10b", "distmm_26b"]
+        for G in [int(x) for x in args.global_batch.split(",")]:
+            sharding_table(clusters, G, models)
+        return
     if args.paper:
         t0 = time.perf_counter()
         clusters = args.clusters.split(",") if args.clusters != ",".join(DEFAULT_CLUSTERS) else PAPER_CLUSTERS
         for G in [int(x) for x in args.global_batch.split(",")]:
             paper(G, clusters)
         print(f"table priced in {time.perf_counter() - t0:.1f} s")
+        if args.scale_devices:
+            solve_at_scale(args.scale_devices)
         return
 
     head = (
@@ -203,17 +289,7 @@ def main() -> None:
         )
     print(f"slowest solve at 64 devices: {worst_solve * 1e3:.0f} ms")
     if args.scale_devices:
-        base = load_cluster("a100_8x8")
-        nodes = max(1, args.scale_devices // base.devices_per_node)
-        big = dataclasses.replace(base, nodes=nodes)
-        for m in ("clip_vit_bigg14", "coca_vit_l14", "distmm_26b"):
-            cfg = yaml.safe_load((CONF_DIR / "model" / f"{m}.yaml").read_text())
-            t0 = time.perf_counter()
-            _, rep = make_plan(cfg, big, 16 * big.world_size, ALL_SHARDS)
-            print(
-                f"solve at {big.world_size} devices ({m}, batch {16 * big.world_size}): {time.perf_counter() - t0:.2f} s,"
-                f" layout {rep.chosen.cost.layout}, vs Megatron {rep.speedup('megatron') or float('nan'):.2f}x"
-            )
+        solve_at_scale(args.scale_devices)
 
 
 if __name__ == "__main__":

@@ -304,7 +304,7 @@ def test_the_planner_keeps_distmm_on_every_tower_or_none():
 
 
 @pytest.mark.parametrize(
-    "name, cluster, batch", [("clip_vit_bigg14", "a100_8x8", 4096), ("distmm_26b", "a100_8x8", 2048)]
+    "name, cluster, batch", [("clip_vit_bigg14", "a100_8x8", 4096), ("distmm_4b", "a100_8x8", 4096)]
 )
 def test_distmm_only_when_listed(name, cluster, batch):
     """distmm changes the loss (two sync groups, each with its own negatives): the default options

@@ -1,16 +1,18 @@
 """A measured device profile: the JSON written by ``benchmarks/gpu_calibrate.py``, as a :class:`Cluster`.
 
-Why: the GPU presets price a GEMM with a datasheet peak times one efficiency, Megatron-LM's
-end-to-end MFU (docs/planner.md, section 1). A calibration run on one GPU measures, for a grid of
-transformer-layer GEMM shapes, the fraction of peak really reached; here those measurements become
-an efficiency per GEMM size class (:attr:`Device.gemm_class_efficiency`) that the roofline of
-:meth:`Device.gemm_time` uses in place of the single constant. A class is a decade of GEMM FLOPs;
+Why: the GPU presets price a GEMM with a datasheet peak and published efficiencies (the maximum
+achievable matmul FLOPS of one size class, FlashAttention's fraction of peak, the bandwidth
+memory-bound kernels reach; docs/planner.md, section 1). A calibration run on one GPU measures, for
+a grid of transformer-layer GEMM shapes, the fraction of peak really reached; here those
+measurements become an efficiency per GEMM size class (:attr:`Device.gemm_class_efficiency`) that
+the roofline of :meth:`Device.gemm_time` uses in place of the preset's. A class is a decade of GEMM FLOPs;
 its efficiency is the median over its measured GEMMs of the *kernel* efficiency, the measured
 fraction divided by the wave quantisation the roofline applies for that shape
 (:meth:`Device.wave_efficiency`), so that the roofline reproduces the measured times and still
 quantises shapes that were not measured (a tensor-parallel split's narrower GEMMs). The measured
 copy bandwidth replaces the datasheet's HBM bandwidth. One GPU measures no link: nodes, links and
-the NCCL model come from a base preset (``h200_8x8`` by default).
+the NCCL model come from a base preset (``h200_8x8`` by default), and so does the attention efficiency
+(the run times GEMMs and whole towers, not attention alone).
 
 A preset names the file (``conf/cluster/h200_measured.yaml``)::
 
@@ -100,18 +102,20 @@ def gemm_class_efficiency(calibration: Mapping[str, Any], sm_count: int | None) 
 
 
 def device_from_calibration(source: str | Path | Mapping[str, Any], base: Device | None = None) -> Device:
-    """A :class:`Device` priced from a calibration: datasheet peak, measured copy bandwidth,
-    efficiency per GEMM size class, memory and SM count from the driver. ``base`` supplies what
-    one device's run does not measure (kernel overhead) and what it failed to (bandwidth)."""
+    """A :class:`Device` priced from a calibration: datasheet peak, measured copy bandwidth (the
+    streaming bandwidth itself: ``memory_efficiency`` 1), efficiency per GEMM size class, memory and
+    SM count from the driver. ``base`` supplies what one device's run does not measure (kernel
+    overhead, attention efficiency) and what it failed to (bandwidth)."""
     cal = load_calibration(source)
     dev = cal["device"]
     sm = int(dev["sm_count"]) if dev.get("sm_count") else None
     classes = gemm_class_efficiency(cal, sm)
     bandwidth = dev.get("memory_bandwidth_gbps")
+    memory_efficiency = 1.0
     if bandwidth:
         bandwidth = float(bandwidth) * GB
     elif base is not None:
-        bandwidth = base.memory_bandwidth
+        bandwidth, memory_efficiency = base.memory_bandwidth, base.memory_efficiency
     else:
         raise CalibrationError("the calibration has no copy bandwidth and no base device supplies one")
     return Device(
@@ -123,6 +127,8 @@ def device_from_calibration(source: str | Path | Mapping[str, Any], base: Device
         kernel_overhead=base.kernel_overhead if base is not None else 0.0,
         sm_count=sm,
         gemm_class_efficiency=classes,
+        attention_efficiency=base.attention_efficiency if base is not None else None,
+        memory_efficiency=memory_efficiency,
     )
 
 

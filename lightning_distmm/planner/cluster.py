@@ -8,12 +8,18 @@ measured by :func:`lightning_distmm.planner.measure.measure_local_cpu`, which
 :func:`lightning_distmm.planner.measure.load_cluster` calls for it (this module imports nothing
 that measures).
 
-Compute is a roofline per GEMM: ``max(flops / (peak * gemm_efficiency), bytes / memory_bandwidth)``
-plus a fixed cost per kernel. That *is* the efficiency curve over microbatch work: a small
-microbatch re-reads the whole weight matrix for few tokens and is memory bound, a large one
-reaches ``gemm_efficiency``. A measured table ``efficiency_points`` (GEMM FLOPs -> achieved fraction
-of peak) replaces the roofline when present (``local_cpu`` measures one). Link time (collectives
-over these links) is priced in :mod:`lightning_distmm.planner.cost.comm`.
+Compute is priced from shapes (:mod:`lightning_distmm.planner.cost.compute`): a GEMM is a roofline
+``max(flops / (peak * e(class) * wave(m, n)), bytes / (memory_bandwidth * memory_efficiency))`` where
+``e(class)`` is the efficiency a GEMM kernel reaches on the SMs it occupies, per GEMM size class
+(``gemm_class_efficiency``; one ``gemm_efficiency`` when there are no classes), ``wave`` the fraction of
+the SMs' tile slots the output's tiles fill (wave and tile quantisation, :meth:`Device.wave_efficiency`),
+and the memory term the arithmetic intensity of the shape in the compute dtype. Fused attention runs at
+``attention_efficiency`` (FlashAttention's published fraction of peak) over its own tiles; elementwise
+work (norms, activations, residual adds, softmax outside fused attention) is bytes moved over the
+streaming bandwidth ``memory_bandwidth * memory_efficiency``. A measured table ``efficiency_points``
+(GEMM FLOPs -> achieved fraction of peak) replaces the GEMM roofline when present (``local_cpu``
+measures one). Link time (collectives over these links) is priced in
+:mod:`lightning_distmm.planner.cost.comm`.
 """
 
 from __future__ import annotations
@@ -32,16 +38,25 @@ GB = 1e9
 class Device:
     """One accelerator (or one CPU process's share of a host).
 
-    Units: bytes, FLOP/s, bytes/s, seconds. ``gemm_efficiency`` is the sustained fraction of
-    ``peak_flops`` reached by large GEMMs; ``kernel_overhead`` the fixed cost of one kernel/op.
-    ``efficiency_points`` ([[gemm_flops, fraction_of_peak], ...], increasing) overrides the roofline.
-    ``gemm_class_efficiency`` ([[gemm_flops, efficiency], ...]) replaces the single ``gemm_efficiency``
-    inside the roofline by one per GEMM size class (log-linear in FLOPs, clamped), wave quantisation
-    and the memory term kept: measured on one GPU by ``benchmarks/gpu_calibrate.py`` and loaded by
-    :mod:`lightning_distmm.planner.calibration`.
-    ``concurrency`` is how much longer compute takes while the other devices of the node compute
-    too (time with all busy / time alone): 1 for GPUs, measured for CPU processes, which share the
-    host's cores, caches and memory bandwidth (:func:`measure_local_cpu`).
+    Units: bytes, FLOP/s, bytes/s, seconds.
+
+    * ``gemm_class_efficiency`` ([[gemm_flops, efficiency], ...]): the efficiency a GEMM kernel reaches
+      on the SMs its tiles occupy, per GEMM size class (log-linear in FLOPs between the points,
+      clamped outside); wave quantisation and the memory term come on top, from the shape. Published
+      figures in the GPU presets, measured by ``benchmarks/gpu_calibrate.py`` and loaded by
+      :mod:`lightning_distmm.planner.calibration` for ``cluster=h200_measured``.
+      ``gemm_efficiency`` is the single value used when there are no classes.
+    * ``attention_efficiency``: the fraction of peak a fused attention kernel (FlashAttention) reaches
+      on the tiles it occupies; ``None`` prices attention's FLOPs like a GEMM's (CPUs).
+    * ``memory_efficiency``: the fraction of ``memory_bandwidth`` streaming kernels reach (elementwise,
+      norms, the optimizer step, the memory term of a GEMM's roofline).
+    * ``kernel_overhead``: the fixed cost of one kernel/op (CPU: measured; GPUs: 0, launches are
+      asynchronous and overlap compute).
+    * ``efficiency_points`` ([[gemm_flops, fraction_of_peak], ...], increasing) replaces the GEMM
+      roofline by a measured curve (``local_cpu``).
+    * ``concurrency`` is how much longer compute takes while the other devices of the node compute
+      too (time with all busy / time alone): 1 for GPUs, measured for CPU processes, which share the
+      host's cores, caches and memory bandwidth (:func:`measure_local_cpu`).
     """
 
     name: str
@@ -55,46 +70,85 @@ class Device:
     concurrency: float = 1.0
     gemm_class_efficiency: list[list[float]] | None = None
     gemm_tiles: tuple[tuple[int, int], ...] = ((128, 128), (128, 64), (64, 64))
+    attention_efficiency: float | None = None
+    memory_efficiency: float = 1.0
 
-    def wave_efficiency(self, m: Any, n: Any, batch: Any = 1) -> Any:
+    @property
+    def stream_bandwidth(self) -> float:
+        """Bytes per second streaming kernels move (``memory_bandwidth * memory_efficiency``)."""
+        return self.memory_bandwidth * self.memory_efficiency
+
+    def wave_efficiency(self, m: Any, n: Any, batch: Any = 1, reduce: Any = None) -> Any:
         """Fraction of the SMs' tile slots doing useful work for ``batch`` GEMM outputs of ``m x n``.
 
         A GPU computes an output in tiles, one per SM at a time: a problem of fewer tiles than SMs
-        leaves SMs idle, a partial last wave and padded edge tiles waste the rest. The best of the
-        usual CUTLASS/cuBLAS threadblock tiles is taken. 1 when ``sm_count`` is unknown (CPUs).
+        leaves SMs idle, a partial last wave and padded edge tiles waste the rest (NVIDIA's "Matrix
+        Multiplication Background" guide, "Dimension Quantization Effects"). The best of the usual
+        CUTLASS/cuBLAS threadblock tiles is taken. ``reduce`` (the reduction length) allows split-K:
+        an output of fewer tiles than SMs may split its reduction into up to ``reduce // 256`` parts,
+        as many as fill one wave (a weight gradient reduces over every token of the microbatch).
+        1 when ``sm_count`` is unknown (CPUs).
         """
         import numpy as np
 
         if not self.sm_count:
             return 1.0
-        m, n, batch = (np.asarray(x, dtype=float) for x in (m, n, batch))
-        best = np.zeros(np.broadcast(m, n, batch).shape)
-        for tm, tn in self.gemm_tiles:
-            tiles = batch * np.ceil(m / tm) * np.ceil(n / tn)
-            waves = np.ceil(tiles / self.sm_count)
-            best = np.maximum(best, batch * m * n / np.maximum(waves * self.sm_count * tm * tn, 1.0))
-        return np.minimum(best, 1.0)
+        m, n, batch = (np.asarray(x, dtype=float)[..., None] for x in (m, n, batch))
+        tm, tn = (np.array(t, dtype=float) for t in zip(*self.gemm_tiles))  # one column per tile shape
+        tiles = batch * np.ceil(m / tm) * np.ceil(n / tn)
+        splits = 1.0
+        if reduce is not None:
+            most = np.maximum(np.floor(np.asarray(reduce, dtype=float)[..., None] / 256), 1.0)
+            splits = np.clip(np.floor(self.sm_count / tiles), 1.0, most)
+        waves = np.ceil(tiles * splits / self.sm_count)
+        useful = splits * batch * m * n / np.maximum(waves * self.sm_count * tm * tn, 1.0)
+        return np.minimum(useful.max(axis=-1), 1.0)
 
-    def gemm_time(self, flops: Any, bytes_moved: Any, m: Any = None, n: Any = None, batch: Any = 1) -> Any:
+    def gemm_time(
+        self, flops: Any, bytes_moved: Any, m: Any = None, n: Any = None, batch: Any = 1, reduce: Any = None
+    ) -> Any:
         """Time of GEMM(s) of ``flops`` touching ``bytes_moved`` (numpy arrays or floats); ``m x n``
-        is the output shape (``batch`` of them) when known, for the wave-quantisation term."""
+        is the output shape (``batch`` of them) when known, for the wave-quantisation term, and
+        ``reduce`` the reduction length when the kernel may split it (weight gradients)."""
         import numpy as np
 
         flops = np.asarray(flops, dtype=float)
         if self.efficiency_points:
             return flops / (self.peak_flops * self.efficiency(flops))
         eff = self.compute_efficiency(flops) * (
-            self.wave_efficiency(m, n, batch) if m is not None and n is not None else 1.0
+            self.wave_efficiency(m, n, batch, reduce) if m is not None and n is not None else 1.0
         )
-        return np.maximum(flops / (self.peak_flops * eff), np.asarray(bytes_moved) / self.memory_bandwidth)
+        return np.maximum(flops / (self.peak_flops * eff), np.asarray(bytes_moved) / self.stream_bandwidth)
+
+    def attention_time(self, flops: Any, bytes_moved: Any, q: Any, head_dim: Any, tiles: Any) -> Any:
+        """Time of fused attention of ``flops`` moving ``bytes_moved``: one (query block x head dim)
+        output tile per ``tiles`` (sample, head) pairs, FlashAttention's work split, at
+        ``attention_efficiency`` of peak on the SMs the tiles occupy. Without an attention efficiency
+        (CPUs) its FLOPs are priced like a GEMM's."""
+        import numpy as np
+
+        if self.attention_efficiency is None or self.efficiency_points:
+            return self.gemm_time(flops, bytes_moved, q, head_dim, tiles)
+        eff = self.attention_efficiency * self.wave_efficiency(q, head_dim, tiles)
+        return np.maximum(
+            np.asarray(flops, dtype=float) / (self.peak_flops * eff), np.asarray(bytes_moved) / self.stream_bandwidth
+        )
+
+    def stream_time(self, bytes_moved: Any) -> Any:
+        """Time of memory-bound work moving ``bytes_moved`` (elementwise, norms, optimizer)."""
+        import numpy as np
+
+        return np.asarray(bytes_moved, dtype=float) / self.stream_bandwidth
 
     def compute_efficiency(self, flops: Any) -> Any:
-        """The roofline's efficiency for GEMMs of ``flops``: per size class when calibrated, else
-        the single ``gemm_efficiency``."""
+        """The roofline's efficiency for GEMMs of ``flops``: per size class when given, else the
+        single ``gemm_efficiency``."""
         import numpy as np
 
         if not self.gemm_class_efficiency:
             return self.gemm_efficiency
+        if len(self.gemm_class_efficiency) == 1:
+            return self.gemm_class_efficiency[0][1]
         return _interp_log(self.gemm_class_efficiency, np.asarray(flops, dtype=float))
 
     def efficiency(self, flops: Any) -> Any:
@@ -181,6 +235,16 @@ class Cluster:
                     if self.device.gemm_class_efficiency
                     else {}
                 ),
+                **(
+                    {"attention_efficiency": _r(self.device.attention_efficiency)}
+                    if self.device.attention_efficiency is not None
+                    else {}
+                ),
+                **(
+                    {"memory_efficiency": _r(self.device.memory_efficiency)}
+                    if self.device.memory_efficiency != 1.0
+                    else {}
+                ),
             },
             "intra_node": {
                 "bandwidth_gbps": _r(self.intra.bandwidth / GB),
@@ -233,6 +297,10 @@ class Cluster:
             gemm_class_efficiency=[list(map(float, p)) for p in dev["gemm_class_efficiency"]]
             if dev.get("gemm_class_efficiency")
             else None,
+            attention_efficiency=float(dev["attention_efficiency"])
+            if dev.get("attention_efficiency") is not None
+            else None,
+            memory_efficiency=float(dev.get("memory_efficiency", 1.0)),
         )
 
         def link(d: Mapping[str, Any]) -> Link:

@@ -28,17 +28,23 @@ from typing import Any
 from lightning_distmm.planner.config import to_plain
 
 ARCHS = ("vit", "clip_text", "bert", "text_decoder")
+BWD_ELEM_RATIO = 1.5
+"""Backward elementwise traffic per forward traffic where a block does not count it: an elementwise
+op's forward reads its input and writes its output (2 accesses), its backward reads the input (or the
+output) and the output gradient and writes the input gradient (3)."""
 
 
 @dataclass(frozen=True)
 class Gemm:
     """``tokens`` per sample times a ``[k, n]`` weight; ``split`` under tensor parallelism:
-    ``col`` divides ``n``, ``row`` divides ``k``, ``rep`` is replicated."""
+    ``col`` divides ``n``, ``row`` divides ``k``, ``rep`` is replicated. ``input_grad``: the backward
+    computes the input's gradient (not for a tower's input, e.g. a ViT's pixels)."""
 
     tokens: int
     k: int
     n: int
     split: str = "rep"
+    input_grad: bool = True
 
 
 @dataclass(frozen=True)
@@ -59,14 +65,23 @@ class Block:
     params: int = 0
     gemms: tuple[Gemm, ...] = ()
     attn: tuple[Attn, ...] = ()
-    elem_rep: float = 0.0  # elementwise elements read+written, replicated under tp
-    elem_split: float = 0.0  # elementwise elements divided by tp
+    elem_rep: float = 0.0  # elementwise elements read+written in forward, replicated under tp
+    elem_split: float = 0.0  # elementwise elements read+written in forward, divided by tp
+    elem_rep_bwd: float | None = None  # the same in backward; None: BWD_ELEM_RATIO x forward
+    elem_split_bwd: float | None = None
     act_rep: float = 0.0  # activation elements kept for backward, replicated under tp
     act_split: float = 0.0  # activation elements kept for backward, divided by tp
     act_scores: float = 0.0  # attention probabilities kept without flash attention (divided by tp)
     tp_allreduce: float = 0.0  # elements all-reduced per sample in forward when tp > 1
     kernels: int = 0
     boundary: float = 0.0  # elements per sample handed to the next pipeline stage
+
+    def backward_elems(self) -> tuple[float, float]:
+        """Elementwise elements read and written in backward (replicated, split by tp): as counted
+        for the block, else :data:`BWD_ELEM_RATIO` times the forward's."""
+        rep = self.elem_rep * BWD_ELEM_RATIO if self.elem_rep_bwd is None else self.elem_rep_bwd
+        split = self.elem_split * BWD_ELEM_RATIO if self.elem_split_bwd is None else self.elem_split_bwd
+        return rep, split
 
     def flops(self) -> float:
         """Forward FLOPs of one sample."""
@@ -179,6 +194,11 @@ def _layer(s: int, h: int, heads: int, m: int) -> Block:
         attn=(Attn(s, s, h, heads),),
         elem_rep=10.0 * s * h,  # 2 LayerNorms (read+write), 2 residual adds (2 reads + write)
         elem_split=2.0 * s * m,  # GELU read+write
+        # backward: 2 LayerNorms (read input and output gradient, write input gradient), the residual
+        # stream's gradient summed with each branch's (2 reads + write); GELU (read input and output
+        # gradient, write input gradient)
+        elem_rep_bwd=12.0 * s * h,
+        elem_split_bwd=3.0 * s * m,
         act_rep=4.0 * s * h,  # LN inputs, attention input, MLP input
         act_split=4.0 * s * h + 2.0 * s * m,  # q, k, v, proj input; fc1 out, GELU out
         act_scores=float(heads * s * s),
@@ -203,6 +223,8 @@ def _cross_block(s: int, h: int, heads: int, m: int, n_ctx: int, h_ctx: int) -> 
         attn=(Attn(s, n_ctx, h, heads),),
         elem_rep=10.0 * s * h + 2.0 * n_ctx * h_ctx,
         elem_split=2.0 * s * m,
+        elem_rep_bwd=12.0 * s * h + 3.0 * n_ctx * h_ctx,
+        elem_split_bwd=3.0 * s * m,
         act_rep=4.0 * s * h + n_ctx * h_ctx,
         act_split=2.0 * s * h + 2.0 * n_ctx * h + 2.0 * s * m,
         act_scores=float(heads * s * n_ctx),
@@ -229,12 +251,15 @@ def _attn_pool(s: int, h: int, E: int, queries: int, heads: int) -> Block:
 
 
 def _merge(a: Block, b: Block) -> Block:
+    (arep, asplit), (brep, bsplit) = a.backward_elems(), b.backward_elems()
     return Block(
         params=a.params + b.params,
         gemms=a.gemms + b.gemms,
         attn=a.attn + b.attn,
         elem_rep=a.elem_rep + b.elem_rep,
         elem_split=a.elem_split + b.elem_split,
+        elem_rep_bwd=arep + brep,
+        elem_split_bwd=asplit + bsplit,
         act_rep=a.act_rep + b.act_rep,
         act_split=a.act_split + b.act_split,
         act_scores=a.act_scores + b.act_scores,
@@ -277,8 +302,9 @@ def tower_profile(
         s = n + (1 if cfg.get("class_token", True) else 0)
         pre = Block(
             params=chans * p * p * h + h + h + s * h,  # patch conv (+bias), class token, position embedding
-            gemms=(Gemm(n, chans * p * p, h, "rep"),),
+            gemms=(Gemm(n, chans * p * p, h, "rep", input_grad=False),),
             elem_rep=2.0 * chans * img * img + 3.0 * s * h,
+            elem_rep_bwd=3.0 * s * h,  # the image needs no gradient: position and class-token gradients only
             act_rep=float(chans * img * img),
             kernels=4,
             boundary=float(s * h),
@@ -367,6 +393,7 @@ def measured_profile(
 
 __all__ = [
     "ARCHS",
+    "BWD_ELEM_RATIO",
     "Gemm",
     "Attn",
     "Block",

@@ -51,6 +51,27 @@ class Report:
         )
         return simulate(schedules(self.plan, self.global_batch), seconds, transfer)
 
+    def model_flops(self) -> float:
+        """Model FLOPs of one step: every tower's forward GEMM and attention FLOPs per sample, times
+        three when it trains (forward, input and weight gradients; recomputation not counted), times
+        the global batch (the MFU convention of Korthikanti et al. 2022 and MosaicML's benchmarks)."""
+        return sum(p.train_flops_per_sample() for p in self.profiles.values()) * self.global_batch
+
+    @property
+    def mfu(self) -> float:
+        """Predicted model FLOPs utilisation of the chosen plan: model FLOPs of a step over the
+        step time, the device count and the device's datasheet peak."""
+        cl = self.cluster
+        return self.model_flops() / (self.step_time * cl.world_size * cl.device.peak_flops)
+
+    def memory_per_rank(self, ev: Evaluated | None = None) -> float:
+        """Bytes on the fullest device of ``ev`` (the chosen plan by default): every tower's busiest
+        stage, summed where towers share devices."""
+        ev = ev or self.chosen
+        if "peak_memory" in ev.cost.extra:
+            return float(ev.cost.extra["peak_memory"])
+        return max(t.memory.get("total_device", t.memory["total"]) for t in ev.cost.towers.values())
+
     def speedup(self, baseline: str) -> float | None:
         b = self.baselines.get(baseline)
         return None if b is None else b.step_time / self.step_time
@@ -105,7 +126,8 @@ class Report:
             fmt.format(*head),
             *(fmt.format(*r) for r in rows),
             f"batch sync (feature all-gather, loss, gradient scatter): {_ms(c.cost.sync['total'])}",
-            f"predicted step time: {_ms(self.step_time)}  ({self.global_batch / self.step_time:,.0f} samples/s)",
+            f"predicted step time: {_ms(self.step_time)}  ({self.global_batch / self.step_time:,.0f} samples/s,"
+            f" MFU {self.mfu:.1%})",
         ]
         for name in BASELINES:
             if name not in self.baselines:

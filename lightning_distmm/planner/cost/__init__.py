@@ -35,7 +35,14 @@ from lightning_distmm.planner.cost.comm import (
     sync_time,
     tp_comm,
 )
-from lightning_distmm.planner.cost.compute import block_time, optimizer_time, shared_host_phases, stage_compute
+from lightning_distmm.planner.cost.compute import (
+    ATTN_BWD_FLOPS,
+    block_time,
+    block_times,
+    optimizer_time,
+    shared_host_phases,
+    stage_compute,
+)
 from lightning_distmm.planner.cost.instructions import instruction_seconds
 from lightning_distmm.planner.cost.memory import (
     act_per_sample,
@@ -72,7 +79,9 @@ __all__ = [
     "cost_schedule",
     "runtime_schedule",
     "recomputes",
+    "ATTN_BWD_FLOPS",
     "block_time",
+    "block_times",
     "stage_compute",
     "optimizer_time",
     "shared_host_phases",

@@ -1,11 +1,25 @@
 """Device time: a tower's forward and backward on one pipeline stage, the optimizer step, and how
 devices that share a host stretch each other's compute.
 
-Every GEMM is priced by :meth:`Device.gemm_time` (roofline or measured efficiency curve, with the
-GPU's wave quantisation), attention as FlashAttention's work split, elementwise work by memory
-bandwidth, plus a fixed cost per kernel. A measured profile (:class:`MeasuredFit`) replaces the
-analytic time at ``tp = pp = 1`` and rescales it for other splits. All functions take numpy arrays
-of microbatch sizes as well as plain numbers.
+Everything is priced from shapes (:class:`lightning_distmm.planner.cluster.Device`):
+
+* every GEMM by :meth:`Device.gemm_time`, a roofline of its FLOPs at the kernel efficiency of its
+  size class times its wave quantisation (output tiles over SMs) against its bytes (operands and
+  output in the compute dtype) over the streaming bandwidth. The backward is the two GEMMs autograd
+  runs, each with its own shape: the input gradient (output ``T x k``, reduce over ``n``; skipped for
+  a tower's input) and the weight gradient (output ``k x n``, reduce over the ``T`` tokens, which
+  cuBLAS may split when the weight has fewer tiles than there are SMs), plus the weight gradient's
+  accumulation into the fp32 gradient buffer;
+* attention by :meth:`Device.attention_time`: FlashAttention's FLOPs (backward 2.5x the forward:
+  it recomputes the scores) at the device's ``attention_efficiency`` over its (query block x head)
+  tiles, or its bytes if more;
+* elementwise work (norms, activations, residual adds) as bytes moved over the streaming bandwidth,
+  forward and backward counted per block (:meth:`lightning_distmm.planner.profile.Block.backward_elems`);
+* plus a fixed cost per kernel (measured on CPUs, 0 on GPUs).
+
+A measured profile (:class:`MeasuredFit`) replaces the analytic time at ``tp = pp = 1`` and
+rescales it for other splits. All functions take numpy arrays of microbatch sizes as well as plain
+numbers.
 """
 
 from __future__ import annotations
@@ -20,27 +34,57 @@ from lightning_distmm.planner.cost.memory import stage_params
 from lightning_distmm.planner.cost.options import CostOptions
 from lightning_distmm.planner.profile import Block, TowerProfile
 
+ATTN_BWD_FLOPS = 2.5
+"""FlashAttention's backward FLOPs per forward FLOP: five matrix products (the scores recomputed,
+the value, probability, query and key gradients) against the forward's two (Dao, FlashAttention-2,
+2023, section 4.1)."""
 
-def block_time(block: Block, cluster: Cluster, opts: CostOptions, mb: Any, tp: int) -> np.ndarray:
-    """Forward seconds of ``block`` for ``mb`` samples on one device of a ``tp``-way split."""
+
+def block_times(block: Block, cluster: Cluster, opts: CostOptions, mb: Any, tp: int) -> tuple[np.ndarray, np.ndarray]:
+    """Forward and backward seconds of ``block`` for ``mb`` samples on one device of a ``tp``-way split."""
     dev = cluster.device
     bel = opts.bytes_el
     mb = np.asarray(mb, dtype=float)
-    t = np.zeros_like(mb)
-    for g in block.gemms:
-        k, n = (g.k, g.n / tp) if g.split == "col" else (g.k / tp, g.n) if g.split == "row" else (g.k, g.n)
-        T = mb * g.tokens
-        t = t + dev.gemm_time(2.0 * T * k * n, bel * (T * k + k * n + T * n), T, n)
+    f = np.zeros_like(mb)
+    b = np.zeros_like(mb)
+    weights = 0.0
+    if block.gemms:  # every GEMM of the block at once: rows are GEMMs, columns microbatch sizes
+        kn = np.array(
+            [
+                (g.k, g.n / tp) if g.split == "col" else (g.k / tp, g.n) if g.split == "row" else (g.k, g.n)
+                for g in block.gemms
+            ]
+        )
+        k, n = kn[:, :1], kn[:, 1:]
+        T = np.array([[g.tokens] for g in block.gemms], dtype=float) * mb.reshape(1, -1)
+        flops = 2.0 * T * k * n
+        f = f + dev.gemm_time(flops, bel * (T * k + k * n + T * n), T, n).sum(axis=0).reshape(mb.shape)
+        dgrad = dev.gemm_time(flops, bel * (T * n + n * k + T * k), T, k)  # dX = dY W^T: output T x k
+        wgrad = dev.gemm_time(flops, bel * (T * k + T * n + k * n), k, n, reduce=T)  # dW = X^T dY: output k x n
+        needs = np.array([[g.input_grad] for g in block.gemms], dtype=float)
+        b = b + (needs * dgrad + wgrad).sum(axis=0).reshape(mb.shape)
+        weights = float((k * n).sum())
     for a in block.attn:
         width = a.width / tp
+        heads = max(a.heads // tp, 1)
         flops = 4.0 * mb * a.q * a.kv * width
         io = bel * mb * (2 * a.q + 2 * a.kv) * width
         if not opts.flash_attention:
             io = io + 2 * bel * mb * a.q * a.kv * a.heads / tp
         # one (query block x head dim) output tile per (sample, head): FlashAttention's work split
-        t = t + dev.gemm_time(flops, io, a.q, a.width / a.heads, mb * max(a.heads // tp, 1))
-    t = t + bel * mb * (block.elem_rep + block.elem_split / tp) / dev.memory_bandwidth
-    return t + block.kernels * dev.kernel_overhead
+        f = f + dev.attention_time(flops, io, a.q, a.width / a.heads, mb * heads)
+        b = b + dev.attention_time(ATTN_BWD_FLOPS * flops, 2.0 * io, a.q, a.width / a.heads, mb * heads)
+    rep_bwd, split_bwd = block.backward_elems()
+    f = f + dev.stream_time(bel * mb * (block.elem_rep + block.elem_split / tp))
+    b = b + dev.stream_time(bel * mb * (rep_bwd + split_bwd / tp))
+    # each microbatch's weight gradients (compute dtype) are added into the gradient buffer
+    b = b + dev.stream_time(weights * (bel + 2.0 * opts.grad_bytes)) + 0 * mb
+    return f + block.kernels * dev.kernel_overhead, b + 2 * block.kernels * dev.kernel_overhead
+
+
+def block_time(block: Block, cluster: Cluster, opts: CostOptions, mb: Any, tp: int) -> np.ndarray:
+    """Forward seconds of ``block`` for ``mb`` samples on one device of a ``tp``-way split."""
+    return block_times(block, cluster, opts, mb, tp)[0]
 
 
 def stage_compute(
@@ -48,18 +92,22 @@ def stage_compute(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Forward and backward compute seconds of the slowest pipeline stage for one microbatch."""
     mb = np.asarray(mb, dtype=float)
+    if mb.size > 32:  # the partitioner's grids repeat few microbatch sizes: price each once
+        sizes, where = np.unique(mb, return_inverse=True)
+        if sizes.size < mb.size:
+            f, b = stage_compute(profile, cluster, opts, sizes, tp, pp)
+            return f[where].reshape(mb.shape), b[where].reshape(mb.shape)
     fit = profile.measured
     if not profile.analytic:
         if fit is None or tp != 1 or pp != 1:
             raise ValueError(f"tower {profile.name!r} has only a measured profile: it can only run with tp = pp = 1")
         f, b = fit.fwd_time(mb), fit.bwd_time(mb)
     else:
-        f = _analytic_stage(profile, cluster, opts, mb, tp, pp)
-        b = 2.0 * f
+        f, b = _analytic_stage(profile, cluster, opts, mb, tp, pp)
         if fit is not None:
-            ref = _analytic_stage(profile, cluster, opts, mb, 1, 1)
-            scale = f / np.maximum(ref, 1e-30)
-            f, b = fit.fwd_time(mb) * scale, fit.bwd_time(mb) * scale
+            rf, rb = _analytic_stage(profile, cluster, opts, mb, 1, 1)
+            f = fit.fwd_time(mb) * f / np.maximum(rf, 1e-30)
+            b = fit.bwd_time(mb) * b / np.maximum(rb, 1e-30)
     if profile.frozen:
         b = np.zeros_like(f)
     return np.asarray(f, dtype=float), np.asarray(b, dtype=float)
@@ -67,10 +115,13 @@ def stage_compute(
 
 def _analytic_stage(
     profile: TowerProfile, cluster: Cluster, opts: CostOptions, mb: Any, tp: int, pp: int
-) -> np.ndarray:
-    layer = block_time(profile.layer, cluster, opts, mb, tp) * (profile.layers // pp)
-    pre, post = block_time(profile.pre, cluster, opts, mb, tp), block_time(profile.post, cluster, opts, mb, tp)
-    return layer + (pre + post if pp == 1 else np.maximum(pre, post))
+) -> tuple[np.ndarray, np.ndarray]:
+    n = profile.layers // pp
+    lf, lb = block_times(profile.layer, cluster, opts, mb, tp)
+    (pf, pb), (qf, qb) = (block_times(x, cluster, opts, mb, tp) for x in (profile.pre, profile.post))
+    if pp == 1:
+        return lf * n + pf + qf, lb * n + pb + qb
+    return lf * n + np.maximum(pf, qf), lb * n + np.maximum(pb, qb)  # the first or the last stage
 
 
 def optimizer_time(
@@ -86,7 +137,7 @@ def optimizer_time(
     if fit is not None and fit.opt_time is not None:
         return fit.opt_time * stage_params(profile, tp, pp) / max(profile.params, 1) * share
     frac = profile.trainable_params / max(profile.params, 1)
-    return stage_params(profile, tp, pp) * frac * opts.optimizer_traffic / cluster.device.memory_bandwidth * share
+    return stage_params(profile, tp, pp) * frac * opts.optimizer_traffic / cluster.device.stream_bandwidth * share
 
 
 def shared_host_phases(
@@ -124,4 +175,4 @@ def shared_host_phases(
     return out
 
 
-__all__ = ["block_time", "stage_compute", "optimizer_time", "shared_host_phases"]
+__all__ = ["ATTN_BWD_FLOPS", "block_time", "block_times", "stage_compute", "optimizer_time", "shared_host_phases"]
