@@ -1,4 +1,4 @@
-"""Contrastive losses, exact in one process and row-local under distmm.
+"""Contrastive and captioning losses, exact in one process and row-local under distmm.
 
 Each loss is written once as a sum of per-row terms over the rows that :func:`local_rows` hands
 this process, divided by the whole-batch normaliser. In one process every row is local and the
@@ -53,4 +53,31 @@ def siglip_loss(image: Tensor, text: Tensor, logit_scale: Tensor, logit_bias: Te
     return -F.logsigmoid(labels * logits).sum() / n
 
 
-__all__ = ["clip_loss", "siglip_loss"]
+def caption_loss(logits: Tensor, labels: Tensor, pad_id: int = 0) -> Tensor:
+    """Next-token cross-entropy (CoCa's captioning loss): the mean over the whole batch's non-pad labels.
+
+    Args:
+        logits: ``[r, T, V]`` of this process's rows only, ``local_rows(B)`` (the decoder that gives
+            them is the expensive part, so the caller runs it on those rows alone).
+        labels: ``[B, T]`` token ids of the whole batch; ``pad_id`` positions are ignored.
+
+    Each row's term is the sum over its tokens, divided by the number of non-pad labels in the whole
+    batch, so the rows' shares add up to open_clip's ``CoCaLoss`` caption term on the whole batch
+    (``CrossEntropyLoss(ignore_index=pad_id)``).
+    """
+    n = labels.shape[0]
+    rows = local_rows(n)
+    mine = labels[rows]
+    if logits.shape[:2] != mine.shape:
+        raise ValueError(
+            f"caption_loss needs the logits of rows {rows.start}:{rows.stop} of the batch ({list(mine.shape)} labels),"
+            f" got logits of shape {list(logits.shape)}: decode the rows local_rows(B) gives"
+        )
+    count = (labels != pad_id).sum().clamp(min=1)
+    total = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), mine.reshape(-1), ignore_index=pad_id, reduction="sum"
+    )
+    return total / count
+
+
+__all__ = ["caption_loss", "clip_loss", "siglip_loss"]

@@ -67,6 +67,12 @@ class DistMMMixin:
         """
         raise NotImplementedError(f"{type(self).__name__} must define interaction_loss(features) -> Tensor")
 
+    def embedding(self, tower: str, features: Tensor) -> Tensor:
+        """The per-sample embedding that retrieval and zero-shot evaluation compare, from ``tower``'s
+        features: the features themselves, unless a tower's row carries more than its embedding
+        (CoCa's towers also hand the interaction their token sequences)."""
+        return features
+
     # ------------------------------------------------------------------ machinery
     def tower_specs(self) -> dict[str, Tower]:
         """``towers()``, checked and cached; frozen towers have ``requires_grad`` turned off here."""

@@ -5,7 +5,7 @@ so the keys are a contract)::
 
     name: clip_tiny
     embed_dim: 64
-    loss: clip                         # clip (softmax InfoNCE) | siglip (sigmoid, learnable bias)
+    loss: clip                         # clip (softmax InfoNCE) | siglip (sigmoid, learnable bias) | coca
     init_logit_scale: 2.659            # log(1 / 0.07); siglip's default is log(10)
     towers:
       image: {arch: vit, input: image, img_size: 32, patch_size: 8, width: 64, layers: 2,
@@ -21,16 +21,20 @@ Tower archs:
   absent: ``pre_norm`` (a LayerNorm before the blocks, no patch-embedding bias), ``norm_eps``
   (1e-6), ``act`` (``gelu`` | ``quick_gelu``), ``head_bias`` (true), ``qkv_bias`` (true). With
   ``pre_norm: true, norm_eps: 1e-5, head_bias: false`` the tower is the CLIP ViT of open_clip and
-  Hugging Face, tensor for tensor (:mod:`lightning_distmm.models.bridges`).
+  Hugging Face, tensor for tensor (:mod:`lightning_distmm.models.bridges`). ``attn_pool:
+  {queries, heads}`` (CoCa): open_clip's attentional pooler replaces the final norm and the head,
+  and the tower returns ``[B, queries, embed_dim]`` (:class:`~lightning_distmm.models.coca.CoCaImageHead`).
 - ``clip_text``: :class:`TextTower`, ``transformers.CLIPTextModel`` + a linear projection, pooled at
   the last attended token (the ``[EOS]`` of :mod:`lightning_distmm.data.tokenizer`), computed from
   ``attention_mask``, so it does not depend on ``eos_token_id`` conventions. Optional keys:
   ``act`` (``quick_gelu``, Hugging Face's default, | ``gelu``), ``norm_eps`` (1e-5),
-  ``pad_token_id`` / ``bos_token_id`` / ``eos_token_id`` (those of the embedded tokenizer).
+  ``pad_token_id`` / ``bos_token_id`` / ``eos_token_id`` (those of the embedded tokenizer),
+  ``output_tokens`` (CoCa, set by ``loss: coca``: the row also carries the token states and ids,
+  :func:`~lightning_distmm.models.coca.pack_text`).
 - ``bert``: :class:`BertTower`, ``transformers.BertModel`` (no pooler), first-token ([BOS]/[CLS])
   pooling + a linear projection.
 
-Every tower maps its inputs to ``[B, embed_dim]`` features.
+Every tower maps its inputs to ``[B, embed_dim]`` features (CoCa's to the packed rows above).
 
 Losses (``loss``; ``clip`` when absent):
 
@@ -42,7 +46,13 @@ Losses (``loss``; ``clip`` when absent):
   ``init_logit_bias``): the bias starts the many negative pairs near their target, so early
   training is not dominated by them. ``conf/model/siglip_tiny.yaml`` is the tiny SigLIP.
 
-Both are sums of per-row terms, so under distmm each rank computes only its rows and any plan
+- ``coca``: CoCa (:mod:`lightning_distmm.models.coca`, docs/coca.md): ``contrastive_loss_weight``
+  (1) times the CLIP loss plus ``caption_loss_weight`` (2) times the captioning loss of a
+  multimodal text decoder, the model config's top-level ``decoder: {width, layers, heads,
+  mlp_ratio, vocab_size}``, which reads the text tower's token states and cross-attends to the image
+  tower's tokens. The decoder is an interaction module, not a tower. ``conf/model/coca_tiny.yaml``.
+
+All are sums of per-row terms, so under distmm each rank computes only its rows and any plan
 (uneven replica batches included) equals one process.
 """
 
@@ -61,6 +71,7 @@ from torch import Tensor, nn
 
 from lightning_distmm.losses import clip_loss, siglip_loss
 from lightning_distmm.mixin import DistMMMixin
+from lightning_distmm.models import coca
 from lightning_distmm.tower import Tower
 
 #: the default tiny model (mirrors conf/model/clip_tiny.yaml)
@@ -111,7 +122,7 @@ DEFAULT_OPTIM: dict[str, Any] = {
 MAX_LOGIT_SCALE = math.log(100.0)
 
 #: the losses a model config's ``loss`` key selects
-LOSSES = ("clip", "siglip")
+LOSSES = ("clip", "siglip", "coca")
 #: CLIP's initial logit scale: a temperature of 0.07
 CLIP_INIT_LOGIT_SCALE = math.log(1 / 0.07)
 #: SigLIP's initial logit scale and bias (the paper's t' = log 10, b = -10; open_clip's ``init_logit_bias``)
@@ -162,6 +173,7 @@ class TextTower(nn.Module):
         eos_token_id: int = _EOS_ID,
         act: str = "quick_gelu",
         norm_eps: float = 1e-5,
+        output_tokens: bool = False,
     ):
         super().__init__()
         from transformers import CLIPTextConfig, CLIPTextModel
@@ -181,6 +193,8 @@ class TextTower(nn.Module):
             layer_norm_eps=norm_eps,
         )
         self.context_length = context_length
+        #: CoCa: return the embedding, the token states and the ids in one row (coca.pack_text)
+        self.output_tokens, self.id_digits = bool(output_tokens), coca.id_digits(vocab_size)
         self.transformer = CLIPTextModel(config)
         self.proj = nn.Linear(width, embed_dim, bias=False)
         nn.init.normal_(self.proj.weight, std=width**-0.5)
@@ -189,20 +203,25 @@ class TextTower(nn.Module):
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         hidden = self.transformer(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return self._pool(hidden, attention_mask)
+        return self._head(hidden, {"input_ids": input_ids, "attention_mask": attention_mask})
 
     def _pool(self, hidden: Tensor, attention_mask: Tensor) -> Tensor:
         last = (attention_mask.long().sum(dim=-1) - 1).clamp(min=0)  # right padding: last real token
         pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
         return self.proj(pooled)
 
+    def _head(self, hidden: Tensor, rows: Mapping[str, Tensor]) -> Tensor:
+        mask = rows.get("attention_mask")
+        embedding = self._pool(hidden, mask if mask is not None else torch.ones_like(rows["input_ids"]))
+        if not self.output_tokens:
+            return embedding
+        return coca.pack_text(embedding, hidden, rows["input_ids"], self.id_digits)
+
     def pipeline_stages(self, pp: int) -> list:
         """The cut used by distmm's pipeline parallelism (``pp`` stages of the encoder layers)."""
         from lightning_distmm.parallel.pipeline import clip_text_stages
 
-        return clip_text_stages(
-            self.transformer, pp, lambda hidden, rows: self._pool(hidden, rows["attention_mask"]), [self.proj]
-        )
+        return clip_text_stages(self.transformer, pp, self._head, [self.proj])
 
 
 class BertTower(nn.Module):
@@ -270,6 +289,12 @@ def build_vit(cfg: Mapping[str, Any], embed_dim: int) -> nn.Module:
     path = cfg.get("pretrained_path")
     if path:
         _load_local_weights(model, path, skip_prefixes=("head.",))
+    pool = cfg.get("attn_pool")
+    if pool:  # CoCa: every token (no pooling by timm) to the attentional pooler, which has its own norms
+        model.global_pool = ""
+        model.norm = nn.Identity()
+        queries, heads = int(pool.get("queries", 256)), int(pool.get("heads", 8))
+        model.head = coca.CoCaImageHead(model.embed_dim, embed_dim, queries, heads, norm_eps=norm_eps)
     return model
 
 
@@ -316,12 +341,14 @@ def build_tower(cfg: Mapping[str, Any], embed_dim: int) -> nn.Module:
             embed_dim=embed_dim,
         )
         if arch == "clip_text":
-            optional = ("act", "norm_eps", "pad_token_id", "bos_token_id", "eos_token_id")
+            optional = ("act", "norm_eps", "pad_token_id", "bos_token_id", "eos_token_id", "output_tokens")
             kwargs.update({k: cfg[k] for k in optional if cfg.get(k) is not None})
         tower: nn.Module = TextTower(**kwargs) if arch == "clip_text" else BertTower(**kwargs)
         if cfg.get("pretrained_path"):
             _load_local_weights(tower, cfg["pretrained_path"], skip_prefixes=("proj.",))
         return tower
+    if arch == "text_decoder":
+        raise ValueError(coca.NOT_A_TOWER)
     raise ValueError(f"unknown tower arch {arch!r}; archs are 'vit', 'clip_text', 'bert'")
 
 
@@ -352,15 +379,24 @@ class CLIPModel(DistMMMixin, L.LightningModule):
         towers = _require(model_cfg, "towers", "the model config")
         if not towers:
             raise ValueError("the model config lists no towers")
-        self._tower_attrs: dict[str, str] = {}
-        for name, tower_cfg in towers.items():
-            _require(tower_cfg, "input", f"tower {name!r}")
-            attr = self.TOWER_ATTRS.get(name, f"tower_{name}")
-            setattr(self, attr, build_tower(tower_cfg, embed_dim))
-            self._tower_attrs[name] = attr
         self.loss_name = str(model_cfg.get("loss") or "clip")
         if self.loss_name not in LOSSES:
             raise ValueError(f"model.loss {self.loss_name!r} is not one of {LOSSES}")
+        coca.check_towers(towers)
+        #: CoCa's settings (None for clip / siglip); its decoder is an interaction module, not a tower
+        self.coca = coca.coca_spec(model_cfg) if self.loss_name == "coca" else None
+        self._tower_attrs: dict[str, str] = {}
+        for name, tower_cfg in towers.items():
+            _require(tower_cfg, "input", f"tower {name!r}")
+            if tower_cfg.get("attn_pool") and self.coca is None:
+                raise ValueError(f"tower {name!r}: attn_pool gives CoCa's token rows, which only loss: coca reads")
+            if self.coca is not None and name == "text":
+                tower_cfg = {**tower_cfg, "output_tokens": True}
+            attr = self.TOWER_ATTRS.get(name, f"tower_{name}")
+            setattr(self, attr, build_tower(tower_cfg, embed_dim))
+            self._tower_attrs[name] = attr
+        if self.coca is not None:
+            self.decoder = coca.build_decoder(model_cfg)
         siglip = self.loss_name == "siglip"
         default_scale = SIGLIP_INIT_LOGIT_SCALE if siglip else CLIP_INIT_LOGIT_SCALE
         self.logit_scale = nn.Parameter(torch.tensor(float(model_cfg.get("init_logit_scale", default_scale))))
@@ -382,11 +418,17 @@ class CLIPModel(DistMMMixin, L.LightningModule):
         return out
 
     def interaction_loss(self, features: dict[str, Tensor]) -> Tensor:
-        """The configured loss (``loss``: clip | siglip) over the whole batch's image and text features."""
+        """The configured loss (``loss``: clip | siglip | coca) over the whole batch's image and text features."""
         logit_scale = self.logit_scale.clamp(0.0, MAX_LOGIT_SCALE)
+        if self.coca is not None:
+            return coca.coca_loss(self.coca, self.decoder, features, logit_scale)
         if self.loss_name == "siglip":
             return siglip_loss(features["image"], features["text"], logit_scale, self.logit_bias)
         return clip_loss(features["image"], features["text"], logit_scale)
+
+    def embedding(self, tower: str, features: Tensor) -> Tensor:
+        """The embedding retrieval and zero-shot compare: the features, or the embedding in CoCa's packed rows."""
+        return features if self.coca is None else coca.embedding(self.coca, tower, features)
 
     # ------------------------------------------------------------------ optimisation
     def _param_groups(self) -> list[dict[str, Any]]:

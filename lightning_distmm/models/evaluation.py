@@ -76,7 +76,8 @@ class TowerEvaluation(L.Callback):
 
     @torch.no_grad()
     def encode(self, pl_module: Any, tower: str, batches: Batches) -> Tensor:
-        """``[N, D]`` features of ``tower`` over ``batches`` (collective under distmm: every rank calls it)."""
+        """``[N, D]`` embeddings of ``tower`` over ``batches`` (``pl_module.embedding`` of its features when the
+        module has it); collective under distmm: every rank calls it."""
         spec = pl_module.tower_specs()[tower]
         source = 0
         if _distributed():
@@ -94,8 +95,11 @@ class TowerEvaluation(L.Callback):
             was_training = spec.module.training
             spec.module.eval()
             try:
+                embed = getattr(pl_module, "embedding", None) or (lambda _, f: f)
                 chunks = [
-                    spec.encode({k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()})
+                    embed(
+                        tower, spec.encode({k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()})
+                    )
                     .float()
                     .cpu()
                     for batch in batches()

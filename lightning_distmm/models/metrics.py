@@ -24,7 +24,8 @@ def _to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]
 def encode_dataset(
     module: Any, dataloader: Iterable[Mapping[str, Any]], max_samples: int | None = None
 ) -> dict[str, Tensor]:
-    """``module.encode(batch)`` over the loader, concatenated per tower (on the CPU)."""
+    """``module.encode(batch)`` over the loader, concatenated per tower (on the CPU); each tower's
+    ``module.embedding(tower, features)`` when the module has it (a CoCa tower's row holds more)."""
     was_training = module.training
     module.eval()
     try:
@@ -33,8 +34,9 @@ def encode_dataset(
         seen = 0
         for batch in dataloader:
             features = module.encode(_to_device(batch, device))
+            embed = getattr(module, "embedding", None) or (lambda _, f: f)
             for name, f in features.items():
-                chunks.setdefault(name, []).append(f.float().cpu())
+                chunks.setdefault(name, []).append(embed(name, f).float().cpu())
             seen += len(next(iter(features.values())))
             if max_samples is not None and seen >= max_samples:
                 break
