@@ -85,9 +85,9 @@ class Device:
         leaves SMs idle, a partial last wave and padded edge tiles waste the rest (NVIDIA's "Matrix
         Multiplication Background" guide, "Dimension Quantization Effects"). The best of the usual
         CUTLASS/cuBLAS threadblock tiles is taken. ``reduce`` (the reduction length) allows split-K:
-        an output of fewer tiles than SMs may split its reduction into up to ``reduce // 256`` parts,
-        as many as fill one wave (a weight gradient reduces over every token of the microbatch).
-        1 when ``sm_count`` is unknown (CPUs).
+        an output of fewer tiles than SMs may split its reduction into up to ``reduce // 256`` parts
+        (our choice of the least work per split), as many as fill one wave; a weight gradient
+        reduces over every token of the microbatch. 1 when ``sm_count`` is unknown (CPUs).
         """
         import numpy as np
 

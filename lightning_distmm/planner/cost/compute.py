@@ -7,9 +7,9 @@ Everything is priced from shapes (:class:`lightning_distmm.planner.cluster.Devic
   size class times its wave quantisation (output tiles over SMs) against its bytes (operands and
   output in the compute dtype) over the streaming bandwidth. The backward is the two GEMMs autograd
   runs, each with its own shape: the input gradient (output ``T x k``, reduce over ``n``; skipped for
-  a tower's input) and the weight gradient (output ``k x n``, reduce over the ``T`` tokens, which
-  cuBLAS may split when the weight has fewer tiles than there are SMs), plus the weight gradient's
-  accumulation into the fp32 gradient buffer;
+  a tower's input) and the weight gradient (output ``k x n``, reduce over the ``T`` tokens), plus the
+  weight gradient's accumulation into the fp32 gradient buffer. An output of fewer tiles than there
+  are SMs may split its reduction (split-K), as cuBLAS does;
 * attention by :meth:`Device.attention_time`: FlashAttention's FLOPs (backward 2.5x the forward:
   it recomputes the scores) at the device's ``attention_efficiency`` over its (query block x head)
   tiles, or its bytes if more;
@@ -58,8 +58,8 @@ def block_times(block: Block, cluster: Cluster, opts: CostOptions, mb: Any, tp: 
         k, n = kn[:, :1], kn[:, 1:]
         T = np.array([[g.tokens] for g in block.gemms], dtype=float) * mb.reshape(1, -1)
         flops = 2.0 * T * k * n
-        f = f + dev.gemm_time(flops, bel * (T * k + k * n + T * n), T, n).sum(axis=0).reshape(mb.shape)
-        dgrad = dev.gemm_time(flops, bel * (T * n + n * k + T * k), T, k)  # dX = dY W^T: output T x k
+        f = f + dev.gemm_time(flops, bel * (T * k + k * n + T * n), T, n, reduce=k).sum(axis=0).reshape(mb.shape)
+        dgrad = dev.gemm_time(flops, bel * (T * n + n * k + T * k), T, k, reduce=n)  # dX = dY W^T: output T x k
         wgrad = dev.gemm_time(flops, bel * (T * k + T * n + k * n), k, n, reduce=T)  # dW = X^T dY: output k x n
         needs = np.array([[g.input_grad] for g in block.gemms], dtype=float)
         b = b + (needs * dgrad + wgrad).sum(axis=0).reshape(mb.shape)
