@@ -6,6 +6,9 @@ from __future__ import annotations
 import copy
 import io
 import json
+import shutil
+import subprocess
+import tarfile
 from pathlib import Path
 
 import lightning as L
@@ -24,6 +27,7 @@ from lightning_distmm.data import CaptionTokenizer, WebDatasetPairs, image_trans
 from lightning_distmm.data.checks import check_dataloader
 from lightning_distmm.data.loading import DistMMDataLoader
 from lightning_distmm.data.sampling import DataPositionError
+from lightning_distmm.data.tarstream import tar_members
 from lightning_distmm.data.tokenizer import build_tokenizer
 from lightning_distmm.data.webdataset import shard_urls
 
@@ -86,6 +90,61 @@ def test_shard_urls_folder_braces_lists_and_pipes(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no shards"):
         shard_urls(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("fmt", ["ustar", "gnu", "pax", "tar-cli"])
+def test_tar_members_reads_what_tarfile_reads(tmp_path, fmt):
+    """Long names (ustar prefix, GNU long-name header, pax path), a directory, a symlink, a
+    non-ASCII name, an empty file and one of exactly a block: the regular members, as tarfile reads them."""
+    src = tmp_path / "src"
+    deep = src / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    files = {
+        "a.txt": b"alpha",
+        f"{'d' * 60}/{'e' * 60}/k.png": bytes(range(256)) * 3,
+        f"{'d' * 60}/{'e' * 60}/{'n' * 120}.txt": b"long name",
+        "caf\u00e9.txt": "caf\u00e9".encode(),
+        "empty.txt": b"",
+        "block.bin": b"x" * 512,
+    }
+    for name, data in files.items():
+        (src / name).write_bytes(data)
+    (src / "link").symlink_to("a.txt")
+    path = tmp_path / "t.tar"
+    if fmt == "tar-cli":
+        if shutil.which("tar") is None:
+            pytest.skip("no tar command")
+        subprocess.run(["tar", "-cf", str(path), "-C", str(src), "."], check=True)
+    else:
+        if fmt == "ustar":  # a ustar name is at most 100 characters (155 more in the prefix)
+            del files[f"{'d' * 60}/{'e' * 60}/{'n' * 120}.txt"]
+            (src / f"{'d' * 60}/{'e' * 60}/{'n' * 120}.txt").unlink()
+        formats = {"ustar": tarfile.USTAR_FORMAT, "gnu": tarfile.GNU_FORMAT, "pax": tarfile.PAX_FORMAT}
+        with tarfile.open(path, "w", format=formats[fmt]) as tar:
+            tar.add(src, arcname=".")
+    with tarfile.open(path) as tar:
+        expected = [(m.name, tar.extractfile(m).read()) for m in tar if m.isreg()]
+    with open(path, "rb") as f:
+        got = list(tar_members(f, str(path)))
+    assert got == expected and len(got) == len(files)
+    with open(path, "rb") as f:
+        assert [(n, d) for n, d in tar_members(f, str(path), data=False)] == [(n, None) for n, _ in expected]
+
+
+def test_a_damaged_or_truncated_shard_is_named(tmp_path):
+    (path,) = _write_shards(tmp_path / "s", [3])
+    data = path.read_bytes()
+    damaged = tmp_path / "damaged.tar"
+    damaged.write_bytes(data[:2050] + b"garbage!" + data[2058:])  # inside the header at byte 2048
+    with pytest.raises(ValueError, match=r"damaged.tar: bad tar header checksum at byte 2048"):
+        list(WebDatasetPairs(damaged).samples(0))
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(data[:2000])
+    with pytest.raises(ValueError, match="cut.tar: the tar stream ends inside a member.*truncated shard"):
+        list(WebDatasetPairs(f"pipe:cat {cut}").samples(0))
+    (tmp_path / "text.tar").write_text("not a tar file at all\n" * 40)
+    with pytest.raises(ValueError, match="text.tar: bad"):
+        len(WebDatasetPairs(tmp_path / "text.tar"))
 
 
 def test_reads_pairs_and_decodes_only_the_fields_asked_for(tmp_path, monkeypatch):

@@ -4,7 +4,8 @@ A shard is a tar file whose members are grouped into samples by their name up to
 (``000123.jpg`` + ``000123.txt``), as the ``webdataset`` package (and open_clip's ``--dataset-type
 webdataset``, img2dataset) writes them. :class:`WebDatasetPairs` reads local shards, ``file:``
 and ``pipe:`` URLs (``pipe:cat shard.tar``, ``pipe:curl -s ...``, ``pipe:aws s3 cp ... -``) through
-``webdataset``'s ``gopen`` and tar iterators.
+``webdataset``'s ``gopen``, its members grouped into samples by ``webdataset``'s ``group_by_keys``
+(read by :func:`~lightning_distmm.data.tarstream.tar_members`, which every rank runs on every sample).
 
 It is a :class:`~lightning_distmm.data.streaming.FieldStream`: the epoch's order (shards permuted,
 then samples through a shuffle buffer) follows from ``(seed, epoch)`` alone, so every distmm rank
@@ -22,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import tarfile
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from io import BytesIO
@@ -39,6 +39,7 @@ from lightning_distmm.data.fields import FieldDataset
 from lightning_distmm.data.pairs import TOKEN_FIELDS, _rank
 from lightning_distmm.data.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, CaptionTokenizer, image_transform
 from lightning_distmm.data.streaming import FieldStream, skip_samples
+from lightning_distmm.data.tarstream import tar_members
 
 IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
 
@@ -161,15 +162,14 @@ class WebDatasetPairs(FieldStream):
 
     def _read(self, shards: Iterable[str]) -> Iterator[RawPair]:
         from webdataset.gopen import gopen
-        from webdataset.tariterators import group_by_keys, tar_file_expander
+        from webdataset.tariterators import group_by_keys
 
         wanted = {*self.image_keys, self.caption_key}
         for url in shards:
             stream = gopen(url, "rb")
             try:
-                files = tar_file_expander(
-                    [{"url": url, "stream": stream}], select_files=lambda n: _extension(n) in wanted
-                )
+                members = tar_members(stream, url)
+                files = ({"fname": n, "data": d, "__url__": url} for n, d in members if _extension(n) in wanted)
                 for sample in group_by_keys(files):
                     self.read += 1
                     yield self._raw(sample, url)
@@ -275,11 +275,11 @@ def _count_samples(path: str, wanted: set[str]) -> int:
     from webdataset.tariterators import base_plus_ext
 
     count, last = 0, None
-    with tarfile.open(path, "r:") as tar:  # reads the headers, seeks over the data
-        for member in tar:
-            if not member.isreg() or _extension(member.name) not in wanted:
+    with open(path, "rb") as f:
+        for name, _ in tar_members(f, path, data=False):  # the headers only: seeks over the contents
+            if _extension(name) not in wanted:
                 continue
-            key, _ = base_plus_ext(member.name)
+            key, _ = base_plus_ext(name)
             if key is not None and key != last:
                 count, last = count + 1, key
     return count
