@@ -8,8 +8,8 @@ With ``--pin`` (the default) each namespace's processes run on their own half of
 node's ranks share that node's cores, as the cost model assumes, and not the other node's.
 
 The same plan, 4 CPU ranks (gloo) on 2 nodes of 2, an image tower on 2 ranks (data parallel: its
-gradient all-reduce is the heavy traffic) and a small text tower on the other 2, runs under two
-placements:
+gradient all-reduce is the heavy traffic) and a text tower with a fifth of its parameters but as
+much compute on the other 2, runs under two placements:
 
 * **planner**: :func:`lightning_distmm.planner.place` (``hetero``), every candidate priced by the
   cost model on the emulated cluster: each tower's data-parallel group inside one node;
@@ -19,8 +19,11 @@ placements:
 Each run is a real multi-node launch: one ``torchrun --nnodes 2 --nproc-per-node 2`` per
 namespace (``ip netns exec``), c10d rendezvous on the first namespace's veth address, gloo on the
 veth (``GLOO_SOCKET_IFNAME``). The placements alternate over ``--rounds`` rounds (the host is
-shared: noise hits both alike); the step time is rank 0's (``on_train_batch_start`` ->
-``on_train_batch_end``), warm-up steps skipped, the median over all rounds.
+shared: noise hits both alike, and the cores other processes kept busy meanwhile are printed); the
+step time is rank 0's (``on_train_batch_start`` -> ``on_train_batch_end``), warm-up steps skipped,
+the median over all rounds. Rank 0 is an image replica in both placements; its step is also split
+into forward + backward and batch-sync (the runtime's instruction trace) and the rest (gradient
+sum, optimizer, framework), next to the cost model's parts.
 
 The prediction is :func:`lightning_distmm.planner.price_plan` of both plans on a cluster spec whose
 inter-node link is the tc settings (:func:`emulated_cluster`: bandwidth = the tbf rate, TCP/IP
@@ -70,8 +73,11 @@ OPTIM = {"scheduler": "constant", "warmup_steps": 0, "lr": 1e-4}
 PLANNER_OPTIONS = {"max_tp": 1, "max_pp": 1, "schedules": ["gpipe"], "recompute": False}
 PLACEMENTS = ("planner", "naive")
 
-# "small": a ViT image tower of 1.8M parameters (7.1 MB of fp32 gradients to all-reduce every step)
-# beside a 0.1M-parameter text tower: the image tower's data-parallel group is the heavy traffic.
+# "small": a ViT image tower of 1.8M parameters (7.3 MB of fp32 gradients to all-reduce every step)
+# beside a text tower of 0.37M whose long captions (192 tokens) make its forward and backward about
+# as long as the image tower's: the image tower's data-parallel group is the heavy traffic, and both
+# placements load each node's cores alike (two image replicas on one node and two text replicas on
+# the other, or one of each on both), so the step times differ by what crosses the link.
 SMALL: dict[str, Any] = {
     "name": "clip_small_heavy_image",
     "embed_dim": 64,
@@ -91,9 +97,9 @@ SMALL: dict[str, Any] = {
             "arch": "clip_text",
             "input": ["input_ids", "attention_mask"],
             "vocab_size": 64,
-            "context_length": 16,
-            "width": 64,
-            "layers": 2,
+            "context_length": 192,
+            "width": 96,
+            "layers": 3,
             "heads": 2,
             "mlp_ratio": 4.0,
         },
@@ -446,8 +452,13 @@ def run_round(
         d = json.loads(f.read_text())
         ranks[int(d["rank"])] = d
     return {
-        "steps": {label: ranks[0]["runs"][label][args.warmup :] for label in plans},
+        "rank0": {label: ranks[0]["runs"][label][args.warmup :] for label in plans},
         "nodes": [ranks[r]["node"] for r in sorted(ranks)],
+        # per rank, medians over the timed steps: wall, CPU, forward, backward, batch-sync seconds
+        "parts": {
+            label: [[statistics.median(c) for c in zip(*ranks[r]["runs"][label][args.warmup :])] for r in sorted(ranks)]
+            for label in plans
+        },
     }
 
 
@@ -480,17 +491,30 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     rank = int(os.environ["RANK"])
     out = Path(args.out) / f"rank{rank}.json"
-    record: dict[str, Any] = {"rank": rank, "node": int(os.environ.get("LDM_EMULATED_NODE", -1)), "runs": {}}
+    node = int(os.environ.get("LDM_EMULATED_NODE", -1))
+    record: dict[str, Any] = {"rank": rank, "node": node, "runs": {}}
 
     class StepTimer(L.Callback):
-        def __init__(self, times: list[float]) -> None:
-            self.times, self.t0 = times, 0.0
+        """Per step: wall seconds, the CPU seconds of this rank's process, and the seconds its
+        instructions took (forward, backward, batch-sync: the runtime's trace)."""
+
+        def __init__(self, rows: list[list[float]]) -> None:
+            self.rows, self.t0, self.c0 = rows, 0.0, 0.0
+
+        def on_train_start(self, trainer, pl_module):
+            trainer.strategy.runtime.trace = []
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self.t0 = time.perf_counter()
+            trainer.strategy.runtime.trace.clear()
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.times.append(time.perf_counter() - self.t0)
+            wall, cpu = time.perf_counter() - self.t0, time.process_time() - self.c0
+            parts = dict.fromkeys(("Forward", "Backward", "BatchSync"), 0.0)
+            for ins, start, end in trainer.strategy.runtime.trace:
+                if type(ins).__name__ in parts:
+                    parts[type(ins).__name__] += end - start
+            self.rows.append([wall, cpu, *parts.values()])
 
     model = model_config(args.model)
     img, ctx = model["towers"]["image"]["img_size"], model["towers"]["text"]["context_length"]
@@ -501,7 +525,7 @@ def worker(args: argparse.Namespace) -> None:
         data = DataLoader(
             Pairs(args.batch * args.steps, img, ctx), batch_size=args.batch, shuffle=False, drop_last=True
         )
-        times = record["runs"][label] = []
+        rows = record["runs"][label] = []
         trainer = L.Trainer(
             accelerator="cpu",
             num_nodes=NODES,
@@ -514,7 +538,7 @@ def worker(args: argparse.Namespace) -> None:
             enable_model_summary=False,
             num_sanity_val_steps=0,
             limit_val_batches=0,
-            callbacks=[StepTimer(times)],
+            callbacks=[StepTimer(rows)],
         )
         trainer.fit(module, data)
         out.write_text(json.dumps(record))
@@ -572,8 +596,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay added by netem (needs netem)")
     parser.add_argument("--model", choices=["small", "tiny"], default="small")
     parser.add_argument("--batch", type=int, default=32, help="global batch")
-    parser.add_argument("--steps", type=int, default=10, help="steps per run, warm-up included")
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8, help="steps per run, warm-up included")
+    parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3, help="rounds, each runs both placements (order alternates)")
     parser.add_argument("--step-overhead-ms", type=float, default=0.0, help="CostOptions.step_overhead to predict with")
     parser.add_argument("--no-pin", dest="pin", action="store_false", help="let both nodes use every core")
@@ -619,6 +643,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         signal.signal(sig, _exit_on_signal)
     import warnings
 
+    from cost_model_fidelity import ForeignLoad
+
     warnings.filterwarnings("ignore")
     link = LinkSettings(args.rate_mbit, args.delay_ms)
     model = model_config(args.model)
@@ -641,8 +667,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         " per ring step",
         flush=True,
     )
-    steps: dict[str, list[float]] = {k: [] for k in PLACEMENTS}
+    rows: dict[str, list[list[float]]] = {k: [] for k in PLACEMENTS}  # rank 0's timed steps, all rounds
     per_round: dict[str, list[float]] = {k: [] for k in PLACEMENTS}
+    foreign: list[float] = []
     with tempfile.TemporaryDirectory(prefix="placement_emulated_") as tmp, Emulation(link) as emu:
         mbit = probe_link(emu)
         print(
@@ -651,39 +678,51 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
         for r in range(args.rounds):
             order = PLACEMENTS if r % 2 == 0 else PLACEMENTS[::-1]
+            load = ForeignLoad()
+            load.start()
             got = run_round(emu, {k: plans[k] for k in order}, args, Path(tmp), r, cores)
+            foreign.append(load.stop())
             pairs = {n: sorted(i for i, x in enumerate(got["nodes"]) if x == n) for n in set(got["nodes"])}
             if sorted(pairs.values()) != [[0, 1], [2, 3]]:
                 raise RuntimeError(f"ranks landed on the namespaces as {got['nodes']}, not two per node in order")
             for k in order:
-                steps[k] += got["steps"][k]
-                per_round[k].append(statistics.median(got["steps"][k]))
+                rows[k] += got["rank0"][k]
+                per_round[k].append(statistics.median(row[0] for row in got["rank0"][k]))
                 if args.verbose:
-                    print(f"  round {r + 1} {k}: " + " ".join(f"{t * 1e3:.0f}" for t in got["steps"][k]), flush=True)
+                    print(
+                        f"  round {r + 1} {k}: steps ms "
+                        + " ".join(f"{row[0] * 1e3:.0f}" for row in got["rank0"][k])
+                        + "; ranks' medians ms (wall/CPU/forward/backward/batch-sync): "
+                        + ", ".join("/".join(f"{x * 1e3:.0f}" for x in rank) for rank in got["parts"][k]),
+                        flush=True,
+                    )
             print(
                 f"round {r + 1} ({' then '.join(order)}, ranks on namespaces {got['nodes']}): "
                 + ", ".join(f"{k} {per_round[k][-1] * 1e3:.0f} ms" for k in PLACEMENTS)
-                + f" ({time.perf_counter() - t0:.0f} s)",
+                + f"; other processes kept {foreign[-1]:.1f} cores busy ({time.perf_counter() - t0:.0f} s)",
                 flush=True,
             )
         if args.verbose:
             print(emu.qdisc_stats())
-    report(args, link, cluster, layouts, predicted, steps, per_round, mbit)
+    report(args, link, cluster, layouts, predicted, rows, per_round, mbit, foreign)
 
 
-def report(args, link, cluster, layouts, predicted, steps, per_round, mbit) -> None:
+def report(args, link, cluster, layouts, predicted, rows, per_round, mbit, foreign) -> None:
     from lightning_distmm.models.clip import CLIPModel
 
     params = {
         n: sum(p.numel() for p in t.module.parameters())
         for n, t in CLIPModel(model_config(args.model), OPTIM).towers().items()
     }
-    measured = {k: statistics.median(v) for k, v in steps.items()}
+    # rank 0 (an image replica in both layouts), medians over all timed steps: wall, CPU, forward, backward, batch-sync
+    med = {k: [statistics.median(c) for c in zip(*v)] for k, v in rows.items()}
+    measured = {k: med[k][0] for k in PLACEMENTS}
     print(
         f"\nplacement on emulated nodes: {NODES} network namespaces x {DEVICES_PER_NODE} CPU ranks (gloo), veth shaped"
         f" to {link.rate_mbit:g} Mbit/s per direction (tbf; {mbit:.0f} Mbit/s measured), delay {link.delay_ms:g} ms;"
         f" {model_config(args.model)['name']} (image {params['image'] / 1e6:.2f}M, text {params['text'] / 1e6:.2f}M"
-        f" parameters), global batch {args.batch}; {args.rounds} rounds x {args.steps - args.warmup} timed steps"
+        f" parameters), global batch {args.batch}; {args.rounds} rounds x {args.steps - args.warmup} timed steps;"
+        f" other processes kept {statistics.median(foreign):.1f} cores busy (median over rounds)"
     )
     print(
         f"cluster spec of the prediction: inter-node {cluster.inter.bandwidth / 1e6:.1f} MB/s x efficiency"
@@ -691,22 +730,35 @@ def report(args, link, cluster, layouts, predicted, steps, per_round, mbit) -> N
         f" {cluster.intra.bandwidth / 1e9:.2f} GB/s, {cluster.intra.latency * 1e6:.0f} us; concurrency"
         f" {cluster.device.concurrency:.2f}; step overhead {args.step_overhead_ms:g} ms"
     )
-    head = f"{'placement':<9} {'towers':<48} {'predicted ms':>12} {'measured ms':>11} {'per round ms':>18}  predicted all-reduce ms"
+    head = f"{'placement':<9} {'towers':<48} {'predicted ms':>12} {'measured ms':>11} {'per round ms':>18}"
     print(head)
     print("-" * len(head))
     for k in PLACEMENTS:
-        ar = ", ".join(f"{n} {tc.dp_allreduce * 1e3:.0f}" for n, tc in predicted[k].towers.items())
         rounds = "/".join(f"{t * 1e3:.0f}" for t in per_round[k])
         print(
             f"{k:<9} {describe(layouts[k]):<48} {predicted[k].step_time * 1e3:>12.1f} {measured[k] * 1e3:>11.1f}"
-            f" {rounds:>18}  {ar}"
+            f" {rounds:>18}"
+        )
+    print(
+        "\nrank 0's step (an image replica), ms: predicted compute (forward, backward and optimizer, stretched by the"
+        " node's other rank) | exposed gradient sum | batch-sync; measured forward + backward | batch-sync | the rest"
+        " (gradient sum, optimizer, framework)"
+    )
+    for k in PLACEMENTS:
+        tc = predicted[k].towers["image"]
+        compute = sum(tc.segments) + tc.optimizer + tc.contention
+        sync = predicted[k].sync.get("total", 0.0)
+        wall, _, fwd, bwd, bsync = med[k]
+        print(
+            f"{k:<9} predicted {compute * 1e3:6.0f} | {tc.dp_exposed * 1e3:4.0f} | {sync * 1e3:3.0f}"
+            f"    measured {(fwd + bwd) * 1e3:6.0f} | {bsync * 1e3:4.0f} | {(wall - fwd - bwd - bsync) * 1e3:4.0f}"
         )
     m_ratio = measured["naive"] / measured["planner"]
     p_ratio = predicted["naive"].step_time / predicted["planner"].step_time
     m_gap = (measured["naive"] - measured["planner"]) * 1e3
     p_gap = (predicted["naive"].step_time - predicted["planner"].step_time) * 1e3
     print(
-        f"naive / planner: measured {m_ratio:.2f}x, predicted {p_ratio:.2f}x;"
+        f"\nnaive / planner: measured {m_ratio:.2f}x, predicted {p_ratio:.2f}x;"
         f" naive's extra time per step measured {m_gap:.0f} ms, predicted {p_gap:.0f} ms"
     )
 
