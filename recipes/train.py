@@ -233,9 +233,16 @@ def main(cfg: DictConfig) -> dict[str, float] | None:
     trainer.fit(model, datamodule=datamodule, ckpt_path=hydra.utils.to_absolute_path(ckpt_path) if ckpt_path else None)
     fit_seconds = time.time() - start
 
+    if trainer.limit_val_batches:
+        # the last validation (if any) ran at an epoch end or a val_check_interval, not necessarily at
+        # the last step: validate the trained weights, so the callbacks' figures are theirs
+        trainer.validate(model, datamodule=datamodule, verbose=False)
     logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/") and v.numel() == 1}
     if logged:
-        rank_zero_info("last validation: " + ", ".join(f"{k} = {v:.4f}" for k, v in sorted(logged.items())))
+        rank_zero_info(
+            f"validation after step {trainer.global_step}: "
+            + ", ".join(f"{k} = {v:.4f}" for k, v in sorted(logged.items()))
+        )
     if "val/zeroshot/top1" in logged:
         chance = logged.get("val/zeroshot/chance_top1")
         rank_zero_info(f"zero-shot top1 = {logged['val/zeroshot/top1']:.3f} (chance {chance:.3f})")
