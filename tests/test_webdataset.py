@@ -415,3 +415,47 @@ def test_the_default_plan_counts_on_an_example_not_recorded(tmp_path):
     example = ds.example()
     assert set(example) == set(ds.fields) and example["caption"] == _caption(0)
     assert ds.decoded == {} and not (tmp_path / "log").exists()
+
+
+# ---------------------------------------------------------------------- the recipe
+def test_make_shards_and_the_clip_wds_experiment(tmp_path):
+    """make_shards.py writes the make_csv samples as shards; experiment=clip_wds builds a
+    DataModule over them whose epoch length the recipe reads."""
+    import sys
+
+    from hydra import compose, initialize_config_dir
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "recipes"))
+    import make_csv
+    import make_shards
+    import train
+
+    train_shards, val_shards = make_shards.main(
+        ["--out", str(tmp_path), "--train", "10", "--val", "4", "--per-shard", "4"]
+    )
+    assert [p.name for p in train_shards] == ["shard-000000.tar", "shard-000001.tar", "shard-000002.tar"]
+    assert len(val_shards) == 1
+    csv_path, _ = make_csv.main(["--out", str(tmp_path / "csv"), "--train", "10", "--val", "4"])
+    csv_captions = [line.split(",", 1)[1] for line in csv_path.read_text().splitlines()[1:]]
+    assert [s["caption"] for s in WebDatasetPairs(tmp_path / "train")] == csv_captions
+
+    with initialize_config_dir(config_dir=str(root / "conf"), version_base="1.3"):
+        cfg = compose(
+            config_name="train",
+            overrides=[
+                "out_dir=/tmp/unused",
+                "experiment=clip_wds",
+                f"data.train={tmp_path / 'train'}",
+                f"data.val={tmp_path / 'val'}",
+                "data.batch_size=4",
+            ],
+        )
+    dm = train.build_data(cfg, 4)
+    assert len(dm.train_dataset) == 10 and len(dm.val_dataset) == 4 and dm.retrieval_dataset is dm.val_dataset
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["image"].shape == (4, 3, 32, 32) and batch["input_ids"].shape == (4, 16)
+    kwargs = {"max_steps": 5, "max_epochs": None}
+    train.settle_max_epochs(kwargs, dm)
+    assert kwargs["max_epochs"] == 3  # 2 batches of 4 an epoch
+    assert {type(c).__name__ for c in train.instantiate_group(cfg.callbacks)} == {"Retrieval"}
