@@ -239,21 +239,16 @@ def consolidated_state_dict(trainer_or_strategy: Any) -> dict[str, torch.Tensor]
     for name in runtime.towers:
         tower = runtime.plan.towers[name]
         keys_of_tower = [k for k in full if k.startswith(prefixes[name])]
-        if tower.sharded:
-            # FSDP shards span every rank of the tower: all of them assemble each tensor (a
-            # collective over the tower's mesh), its first rank sends them on
-            by_source = {tower.ranks[0]: keys_of_tower} if keys_of_tower else {}
-        else:
-            replica = tower.replica_ranks(0)
-            by_source = {}
-            for k in keys_of_tower:
-                # the first rank of the first replica that holds it (pipeline stages hold different keys)
-                by_source.setdefault(next(r for r in replica if k in everyone[r]), []).append(k)
+        replica = tower.replica_ranks(0)
+        by_source: dict[int, list[str]] = {}
+        for k in keys_of_tower:
+            # the first rank of the first replica that holds it (pipeline stages hold different keys)
+            by_source.setdefault(next(r for r in replica if k in everyone[r]), []).append(k)
         for src, keys in by_source.items():
-            if tower.sharded:
-                peers = list(tower.ranks)
-            else:  # the source's tensor-parallel group
-                peers = [r for r in tower.replica_ranks(0) if set(keys) <= everyone[r]]
+            # the ranks that assemble the keys (a collective over their mesh): a sharded tower's
+            # FSDP shards span the stage's ranks in every replica, a replicated tower's TP shards
+            # the source's tensor-parallel group
+            peers = [r for r in (tower.ranks if tower.sharded else replica) if set(keys) <= everyone[r]]
             if rank in peers:
                 # sharded tensors are assembled among the peers (a collective there)
                 tensors = {

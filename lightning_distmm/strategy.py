@@ -318,14 +318,11 @@ class DistMMStrategy(ModelParallelStrategy):
         if step is None:
             yield None
             return
-        before, step.sync = step.sync, False
-        assert self.runtime is not None
-        self.runtime.gradients.set_sharded_sync(False)  # FSDP's no_sync for sharded towers
+        before, step.sync = step.sync, False  # sharded towers: the executor turns FSDP's sync off from it
         try:
             yield None
         finally:
             step.sync = before
-            self.runtime.gradients.set_sharded_sync(True)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

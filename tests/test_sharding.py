@@ -1,7 +1,12 @@
 """Sharded towers (FSDP2 over a tower's own data-parallel ranks) train exactly like one process."""
 
+import copy
+
+import lightning as L
 import pytest
-from distmm_testing import DeepCLIP, TinyCLIP, compare_with_reference
+from distmm_testing import DeepCLIP, TinyCLIP, compare_with_reference, loader, max_param_diff, read_losses, run_distmm
+from lightning.pytorch.callbacks import ModelCheckpoint
+from timm.models.vision_transformer import VisionTransformer
 
 import lightning_distmm as ldm
 
@@ -91,8 +96,6 @@ def test_shard_in_plan_yaml_round_trip_and_validation():
         ldm.Plan(1, {"image": {"ranks": [0], "shard": "zero3"}})
     with pytest.raises(ldm.PlanError, match="towers.image.shard: expected one of none, full, hybrid"):
         ldm.Plan.from_dict({"world_size": 1, "towers": {"image": {"ranks": [0], "shard": True}}})
-    with pytest.raises(ldm.PlanError, match="pp=2 is not supported"):
-        ldm.Plan(2, {"image": {"ranks": [0, 1], "pp": 2, "shard": "full"}})
 
 
 def test_hybrid_rows_follow_the_launchers_nodes():
@@ -106,16 +109,50 @@ def test_hybrid_rows_follow_the_launchers_nodes():
         hybrid_rows("image", ldm.TowerPlan(ranks=[0, 1, 2], shard="hybrid"), [0, 0, 1])
 
 
-def test_tp_with_fsdp_refuses_a_fused_qkv_bias():
-    from timm.models.vision_transformer import VisionTransformer
+class QKVBiasCLIP(DeepCLIP):
+    """DeepCLIP whose ViT's fused qkv has a bias (timm's default): a 1-D head-aligned strided TP shard
+    that FSDP shards again on dim 0."""
 
-    from lightning_distmm.parallel.fsdp import check_fsdp, transformer_blocks
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.visual = VisionTransformer(
+            img_size=8, patch_size=4, embed_dim=16, depth=2, num_heads=4, mlp_ratio=2.0, num_classes=8, qkv_bias=True
+        )
 
-    vit = VisionTransformer(img_size=8, patch_size=4, embed_dim=16, depth=2, num_heads=2, qkv_bias=True)
-    assert len(transformer_blocks(vit)) == 2
-    check_fsdp(vit, 1, "image")
-    with pytest.raises(ValueError, match="tower 'image': blocks.0.attn.qkv has a bias"):
-        check_fsdp(vit, 2, "image")
+
+TP_FSDP = ldm.Plan(4, {"image": {"ranks": [0, 1, 2, 3], "tp": 2, "shard": "full"}, "text": {"ranks": [0, 2]}})
+PP_FSDP = ldm.Plan(
+    4, {"image": {"ranks": [0, 1, 2, 3], "pp": 2, "shard": "full"}, "text": {"ranks": [1, 3], "shard": "full"}}
+)
+
+
+@pytest.mark.slow
+def test_tp_with_fsdp_trains_a_fused_qkv_bias(tmp_path):
+    """tp2 x fsdp2 with a qkv bias equals one process (SGD: the key bias's true gradient is exactly
+    zero, and Adam would turn its float noise into +-lr steps)."""
+    compare_with_reference(lambda: QKVBiasCLIP("sgd", lr=0.05), TP_FSDP, 4, 8, 3, tmp_path).assert_exact()
+
+
+@pytest.mark.slow
+def test_resume_from_tp_x_fsdp_onto_sharded_pipeline_stages(tmp_path):
+    """4 steps under tp2 x fsdp2 (qkv bias) equal 2 steps there, a checkpoint, and 2 steps with the
+    image tower in 2 sharded pipeline stages: the checkpoint holds the nested strided qkv bias and
+    weight in the right order, and each stage loads its shards (momentum state included)."""
+    L.seed_everything(0)
+    straight = QKVBiasCLIP("sgd", lr=0.05)
+    first_half, resumed = copy.deepcopy(straight), copy.deepcopy(straight)
+    run_distmm(straight, TP_FSDP, 4, loader(8), 4, str(tmp_path / "straight.json"))
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    run_distmm(
+        first_half, TP_FSDP, 4, loader(8), 2, str(tmp_path / "half.json"), callbacks=[saver], enable_checkpointing=True
+    )
+    folder = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
+    run_distmm(resumed, PP_FSDP, 4, loader(8), 4, str(tmp_path / "resumed.json"), ckpt_path=str(folder))
+    assert read_losses(tmp_path / "resumed.json") == pytest.approx(
+        read_losses(tmp_path / "straight.json")[2:], abs=1e-5
+    )
+    assert max_param_diff(straight, resumed) <= 1e-5
+    assert max_param_diff(straight, first_half) > 1e-4
 
 
 def test_auto_plan_maps_the_planners_shard_choice():

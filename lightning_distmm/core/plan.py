@@ -146,11 +146,6 @@ class Plan:
                 raise PlanError(f"{where}: recompute must be true or false, got {t.recompute!r}")
             if t.shard not in SHARDS:
                 raise PlanError(f"{where}: unknown shard {t.shard!r}; choose one of {', '.join(SHARDS)}")
-            if t.sharded and t.pp > 1:
-                raise PlanError(
-                    f"{where}: shard={t.shard!r} with pp={t.pp} is not supported by the runtime yet;"
-                    f" shard a pipelined tower's replicas with shard: none, or use pp: 1"
-                )
             if t.microbatch is not None and (not is_int(t.microbatch) or t.microbatch < 1):
                 raise PlanError(f"{where}: microbatch must be a positive integer or null, got {t.microbatch!r}")
             if t.replica_batch is not None:
@@ -199,6 +194,28 @@ class Plan:
             raise PlanError(f"the plan has no entry for tower(s) {missing} of the module")
 
     def check_global_batch(self, n: int) -> None:
+        self._check_batch_rows(n)
+        self.check_sharded_microbatches(n)
+
+    def check_sharded_microbatches(self, n: int) -> None:
+        """A sharded tower's replicas meet in FSDP's collectives once per microbatch (an all-gather
+        in each forward and backward), so in every sync group each replica must run the same number
+        of microbatches; uneven replica batches with a microbatch size can break that: refused."""
+        for name, t in self.towers.items():
+            if not t.sharded or t.microbatch is None or t.dp == 1:
+                continue
+            for g, rows in enumerate(self.group_split(n)):
+                counts = [-(-r // t.microbatch) for r in t.split(rows)]
+                if len(set(counts)) > 1:
+                    where = f" in sync group {g} ({rows} rows)" if self.sync_groups > 1 else ""
+                    raise PlanError(
+                        f"tower {name!r}, shard={t.shard!r}: its replicas get {t.split(rows)} rows of a global batch of"
+                        f" {n}{where}, which microbatch={t.microbatch} cuts into {counts} microbatches; the replicas of"
+                        " a sharded tower meet in FSDP's collectives once per microbatch and must run the same number:"
+                        " choose a microbatch size that gives every replica as many, or even replica batches"
+                    )
+
+    def _check_batch_rows(self, n: int) -> None:
         if self.sync_groups > 1 and n < self.sync_groups:
             raise PlanError(
                 f"schedule 'distmm' needs a global batch of at least {self.sync_groups} (one row per sync group), got {n}"

@@ -11,7 +11,8 @@ instruction in list order:
    (:mod:`lightning_distmm.interaction`) and backward; the per-rank partial feature gradients are
    summed over the last stages; each microbatch takes its rows of that sum;
 3. ``Backward``: the microbatch's backward through the stage, from its feature gradient (last
-   stage) or the gradient received from the next stage, posting the input gradient back;
+   stage) or the gradient received from the next stage, posting the input gradient back (a
+   sharded tower reduce-scatters in its last backward of the step only);
 4. ``GradSync``: the gradient sums (:mod:`lightning_distmm.parallel.gradients`). When the step's
    gradients are the optimizer step's final ones (:attr:`StepState.final`), they are posted now:
    each tower's in buckets during its last backward on the rank, the interaction parameters' here;
@@ -47,6 +48,7 @@ from lightning_distmm.core.schedule import (
 )
 from lightning_distmm.interaction import row_share
 from lightning_distmm.parallel.exchange import FeatureSpec, GatherSlot, allreduce_sum, exchange_specs, gather_features
+from lightning_distmm.parallel.fsdp import set_gradient_sync
 from lightning_distmm.parallel.gradients import DeferredGradients, RankGradients
 from lightning_distmm.parallel.groups import TowerGroups
 from lightning_distmm.parallel.pipeline import PendingSend, Stage, recv_tensor, send_tensor
@@ -182,7 +184,7 @@ class RankRuntime:
                     self._batch_sync(module, ins, run, training)
                 elif isinstance(ins, Backward):
                     if training and self.trainable(ins.tower):
-                        self._backward(ins, run, last=last_backward[ins.tower] == i)
+                        self._backward(ins, run, last=last_backward[ins.tower] == i, sync=step.sync)
                 elif isinstance(ins, GradSync):
                     self._grad_sync(run)
             for pending in self._sends:
@@ -291,13 +293,18 @@ class RankRuntime:
         if self.trace is not None:
             self.trace.append((ins, start, time.perf_counter()))
 
-    def _backward(self, ins: Backward, run: ScheduleRun, last: bool) -> None:
+    def _backward(self, ins: Backward, run: ScheduleRun, last: bool, sync: bool) -> None:
         """One microbatch backward through this rank's stage; the input gradient goes to the previous stage.
 
         On the tower's ``last`` backward of a run whose sums are posted during the step, its
         gradients become final during this backward, bucket by bucket, and each bucket's sum is
-        posted as soon as it is.
+        posted as soon as it is. A sharded tower reduce-scatters (FSDP) in its ``last`` backward of
+        a step whose backward ends with the sums (``sync``: :attr:`StepState.sync`) and in no other:
+        the earlier microbatches' gradients accumulate unsharded inside FSDP and are reduced with it,
+        once per step (and not at all while Lightning accumulates).
         """
+        if self.gradients.sharded(ins.tower):
+            set_gradient_sync(self.towers[ins.tower].module, sync and last)
         micro = run.records.pop((ins.tower, ins.mb))
         feature_grad = run.feature_grads.pop((ins.tower, ins.mb), None)
         buckets = self.gradients.buckets(ins.tower) if last and run.sums is not None else None

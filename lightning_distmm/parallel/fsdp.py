@@ -21,20 +21,31 @@ What distmm changes of FSDP's defaults:
   optimizer state stay fp32.
 * **Tensor parallelism.** A tower already sharded over its ``tp`` mesh dimension (DTensors from
   :mod:`.tensor_parallel`) is sharded again over ``dp``: FSDP2 composes the two into a 2-D
-  ``(dp, tp)`` layout from the meshes' common root.
+  ``(dp, tp)`` layout from the meshes' common root (a fused qkv's weight and bias included).
+* **Pipeline stages.** A rank of a pipelined tower holds one stage (the other stages' tensors are
+  on the meta device), and the stage does not run through the tower's ``forward``. So the stage
+  becomes a module of its own (:class:`StageModule`, whose forward is the stage's ``run``): each of
+  the stage's blocks gets its own ``fully_shard``, then the stage module for what is left of the
+  stage (embeddings on the first, norm and head on the last), with the other stages' tensors
+  ignored. The mesh is the stage's data-parallel group (the same stage of every replica).
+* **Gradient sync per backward.** Whether a backward reduce-scatters is set right before it, by
+  the executor (:func:`set_gradient_sync`): a tower's microbatches reduce once per step, in the
+  last backward, and not at all while Lightning accumulates.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from functools import partial
+from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
+from lightning_distmm.parallel.pipeline import Stage
 from lightning_distmm.parallel.tensor_parallel import is_strided
 
 
@@ -60,53 +71,77 @@ def mixed_precision_policy(precision: str | None) -> MixedPrecisionPolicy | None
     return MixedPrecisionPolicy(param_dtype=dtypes[precision], reduce_dtype=torch.float32)
 
 
-def apply_fsdp(module: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
+class StageModule(nn.Module):
+    """A pipeline stage of a tower as one module, so that FSDP's hooks run around it.
+
+    ``forward(x, rows)`` is the stage's ``run``. The tower is a submodule (its parameters keep their
+    names and places: FSDP swaps them in place), but only the stage's own tensors are sharded; the
+    other stages' (on the meta device) are ignored."""
+
+    def __init__(self, tower: nn.Module, run: Callable[[Tensor | None, Mapping[str, Any]], Tensor]) -> None:
+        super().__init__()
+        self.tower = tower
+        self._run = run
+
+    def forward(self, x: Tensor | None, rows: Mapping[str, Any]) -> Tensor:
+        return self._run(x, rows)
+
+
+def apply_fsdp(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    stage: Stage | None = None,
+) -> nn.Module:
     """Shard ``module`` over ``mesh`` (1-D: FSDP; 2-D ``(replicate, shard)``: HSDP), block by block
-    and then the root, with gradients summed over the mesh (in place; returns ``module``).
+    and then the root, with gradients summed over the mesh (in place).
+
+    Returns the FSDP root: ``module`` itself, or with ``stage`` (a pipeline stage of ``module``,
+    :class:`~lightning_distmm.parallel.pipeline.Stage`) the :class:`StageModule` to call instead of
+    the stage's ``run``: the stage's blocks each, then the stage module over the stage's other
+    tensors (the other stages' meta tensors ignored).
 
     Idempotent over the same mesh: a second ``Trainer`` call in the same process (fit, then
-    validate) finds the tower already sharded.
+    validate) finds the tower (or its stage) already sharded.
     """
-    if isinstance(module, FSDPModule):
+    done = fsdp_root(module)
+    if done is not None:
         if getattr(module, "_distmm_fsdp_mesh", None) != mesh:
             raise ValueError("this tower is already sharded over another data-parallel mesh")
-        return module
-    kwargs = {
+        return done
+    kwargs: dict[str, Any] = {
         "mesh": mesh,
         "mp_policy": mp_policy or MixedPrecisionPolicy(),
         "shard_placement_fn": partial(_placement, dp=mesh.size()),
     }
+    if stage is None:
+        blocks, root, ignored = transformer_blocks(module), module, set()
+    else:
+        owned = {id(m) for m in stage.modules}
+        blocks = [b for b in transformer_blocks(module) if id(b) in owned]
+        root = StageModule(module, stage.run)
+        ignored = {p for p in module.parameters() if p.is_meta}  # the other stages' parameters
     units: list[FSDPModule] = []
-    for block in transformer_blocks(module):
-        if any(p.is_meta for p in block.parameters()):
+    for block in blocks:
+        if any(p.is_meta for p in block.parameters()) and stage is None:
             raise ValueError(f"{type(block).__name__}: a tower sharded with FSDP must hold all its blocks")
         units.append(fully_shard(block, **kwargs))
-    root = fully_shard(module, **kwargs)
-    units.append(root)
+    units.append(fully_shard(root, ignored_params=ignored or None, **kwargs))
     for unit in units:
         unit.set_gradient_divide_factor(1.0)  # sums over the replicas: each rank's loss is its share
         unit.set_force_sum_reduction_for_comms(True)  # ReduceOp.SUM, no PREMUL_SUM (NCCL-only; gloo refuses)
     module._distmm_fsdp_mesh = mesh  # type: ignore[assignment]
-    return module
+    if root is not module:
+        module.__dict__["_distmm_fsdp_root"] = root  # a plain attribute: not a submodule (no cycle)
+    return root
 
 
-def check_fsdp(module: nn.Module, tp: int, tower: str) -> None:
-    """Raise if ``module`` cannot be sharded with FSDP on top of ``tp``-way tensor parallelism; needs
-    only the module's structure (meta is fine), so every rank checks every tower and fails together.
-
-    A fused qkv's bias is a 1-D head-aligned strided TP shard that FSDP can only shard again on dim 0;
-    torch 2.14 trains that layout correctly but assembles it in the wrong row order (``full_tensor``,
-    DCP), so checkpoints would be wrong: refused."""
-    if tp == 1:
-        return
-    for i, block in enumerate(getattr(module, "blocks", None) or []):
-        qkv = getattr(getattr(block, "attn", None), "qkv", None)
-        if getattr(qkv, "bias", None) is not None:
-            raise ValueError(
-                f"tower {tower!r}: blocks.{i}.attn.qkv has a bias; sharding it with FSDP on top of tp={tp} is not"
-                " supported (its nested strided layout is not assembled correctly by torch's DTensor); use shard:"
-                " none with tp, or tp: 1 with shard"
-            )
+def fsdp_root(module: nn.Module) -> nn.Module | None:
+    """The FSDP root of a sharded tower: the tower itself, or the :class:`StageModule` of this rank's
+    pipeline stage (None: not sharded)."""
+    if isinstance(module, FSDPModule):
+        return module
+    return getattr(module, "_distmm_fsdp_root", None)
 
 
 def _placement(param: nn.Parameter, dp: int) -> Shard | None:
@@ -120,24 +155,29 @@ def _placement(param: nn.Parameter, dp: int) -> Shard | None:
 
 
 def fsdp_modules(module: nn.Module) -> Iterable[FSDPModule]:
-    return (m for m in module.modules() if isinstance(m, FSDPModule))
+    """Every FSDP unit of a sharded tower (its blocks and its root or stage module)."""
+    root = fsdp_root(module)
+    return (m for m in (root.modules() if root is not None else ()) if isinstance(m, FSDPModule))
 
 
 def set_gradient_sync(module: nn.Module, sync: bool) -> None:
-    """FSDP's ``no_sync``: with ``sync`` off a backward keeps the unsharded gradients on the rank
-    (accumulating) and reduce-scatters nothing; the next backward with ``sync`` on reduces the total."""
-    if isinstance(module, FSDPModule):
-        module.set_requires_gradient_sync(sync, recurse=True)
+    """FSDP's ``no_sync`` for the next backward through a sharded tower (or its stage): with ``sync``
+    off the backward keeps the unsharded gradients on the rank (accumulating inside FSDP) and
+    reduce-scatters nothing; the next backward with ``sync`` on reduces the total once."""
+    root = fsdp_root(module)
+    if isinstance(root, FSDPModule):
+        root.set_requires_gradient_sync(sync, recurse=True)
 
 
 def is_fsdp(module: nn.Module) -> bool:
-    return isinstance(module, FSDPModule)
+    return fsdp_root(module) is not None
 
 
 __all__ = [
+    "StageModule",
     "apply_fsdp",
-    "check_fsdp",
     "fsdp_modules",
+    "fsdp_root",
     "is_fsdp",
     "mixed_precision_policy",
     "set_gradient_sync",

@@ -11,10 +11,10 @@ gradient, whatever the replicas' batch sizes. When a step's gradients are the wh
 step's, the sums are posted during the backward in DDP-style buckets (:class:`GradientBuckets`).
 
 A sharded tower (``shard: full | hybrid``) is summed by FSDP itself: its reduce-scatter runs in the
-tower's backward (``set_gradient_divide_factor(1.0)``: a sum), so its ``.grad`` holds this rank's
-shard of the summed gradient; while Lightning accumulates, FSDP's gradient sync is off
-(:meth:`RankGradients.set_sharded_sync`) and the unsharded gradients accumulate inside FSDP until
-the optimizer step's backward reduces their total.
+tower's last backward of the step (``set_gradient_divide_factor(1.0)``: a sum; the executor turns
+FSDP's gradient sync on for that backward only), so its ``.grad`` holds this rank's shard of the
+summed gradient; the earlier microbatches' gradients, and while Lightning accumulates every
+backward's, accumulate unsharded inside FSDP until that backward reduces their total.
 """
 
 from __future__ import annotations
@@ -81,14 +81,6 @@ class RankGradients:
     def sharded(self, name: str) -> bool:
         """Tower ``name`` is sharded by FSDP on this rank (its gradient sums are FSDP's)."""
         return self.plan.towers[name].sharded and name in self.layout.local_towers
-
-    def set_sharded_sync(self, sync: bool) -> None:
-        """FSDP's gradient sync for this rank's sharded towers (off while Lightning accumulates)."""
-        from lightning_distmm.parallel.fsdp import set_gradient_sync
-
-        for name in self.layout.local_towers:
-            if self.sharded(name):
-                set_gradient_sync(self.towers[name].module, sync)
 
     def trainable(self, name: str) -> bool:
         return not self.towers[name].frozen and any(p.requires_grad for p in self.tower_params[name].values())

@@ -4,7 +4,7 @@ Applied to the user's plain module from outside (torchtitan's ``parallelize`` st
 the optimizer sees the parameters: towers this rank does not run go to the meta device, a
 pipelined tower keeps only this rank's stage, a tower with ``tp > 1`` is sharded over its
 tensor-parallel mesh, and a tower with ``shard: full | hybrid`` is wrapped with FSDP2 over its
-data-parallel mesh. Every rank checks every tower's cut and sharding, so a plan that cannot be
+data-parallel mesh (a pipelined one stage by stage, over the stage's replicas). Every rank checks every tower's cut and sharding, so a plan that cannot be
 applied fails on all ranks at once.
 """
 
@@ -20,7 +20,7 @@ from torch import nn
 from lightning_distmm.core.layout import RankLayout
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.core.schedule import stage_neighbours
-from lightning_distmm.parallel.fsdp import apply_fsdp, check_fsdp
+from lightning_distmm.parallel.fsdp import apply_fsdp
 from lightning_distmm.parallel.groups import TowerGroups
 from lightning_distmm.parallel.pipeline import Stage, release_unowned, tower_stages
 from lightning_distmm.parallel.tensor_parallel import apply_tp, check_tp
@@ -40,8 +40,7 @@ def prepare_rank(
     release_remote_towers(towers, layout)
     stages = cut_pipelines(plan, towers, layout, rank)
     parallelize_local_towers(plan, towers, layout, groups)
-    shard_local_towers(plan, towers, layout, groups)
-    return stages
+    return shard_local_towers(plan, towers, layout, groups, stages)
 
 
 def release_remote_towers(towers: Mapping[str, Tower], layout: RankLayout) -> None:
@@ -83,17 +82,24 @@ def parallelize_local_towers(
 
 
 def shard_local_towers(
-    plan: Plan, towers: Mapping[str, Tower], layout: RankLayout, groups: Mapping[str, TowerGroups]
-) -> None:
+    plan: Plan,
+    towers: Mapping[str, Tower],
+    layout: RankLayout,
+    groups: Mapping[str, TowerGroups],
+    stages: Mapping[str, Stage] | None = None,
+) -> dict[str, Stage]:
     """Shard the local towers whose plan says ``shard: full | hybrid`` over their data-parallel mesh
-    (FSDP2, after tensor parallelism so that the two compose as 2-D)."""
-    for name, tower in plan.towers.items():  # every rank checks every tower: fail together
-        if tower.sharded:
-            check_fsdp(towers[name].module, tower.tp, name)
+    (FSDP2, after tensor parallelism so that the two compose as 2-D); return ``stages`` with each
+    sharded pipeline stage run through its FSDP stage module."""
+    out = dict(stages or {})
     for name in layout.local_towers:
         mesh = groups[name].shard_mesh
         if plan.towers[name].sharded and mesh is not None:
-            apply_fsdp(towers[name].module, mesh, groups[name].mp_policy)
+            stage = out.get(name)
+            root = apply_fsdp(towers[name].module, mesh, groups[name].mp_policy, stage)
+            if stage is not None:
+                out[name] = Stage(stage.modules, root, stage.extra)
+    return out
 
 
 def tower_prefixes(module: nn.Module, towers: Mapping[str, Tower]) -> dict[str, str]:

@@ -4,7 +4,8 @@ One function per tower family; the towers stay plain timm / transformers modules
 
 * :func:`apply_tp_vit` - timm ``VisionTransformer`` blocks: the fused ``attn.qkv`` is sharded so
   that each rank holds the q, k and v rows of its own heads (``_StridedShard(0, split_factor=3)``:
-  a plain column shard would hand rank 0 all of q and half of k), ``attn.proj`` row-wise,
+  a plain column shard would hand rank 0 all of q and half of k; its bias is replicated, each rank
+  using its heads' rows), ``attn.proj`` row-wise,
   ``mlp.fc1`` column-wise, ``mlp.fc2`` row-wise; ``num_heads`` and ``attn_dim`` become local.
 * :func:`apply_tp_clip_text` - transformers CLIP text (and BERT-like) layers: ``q/k/v_proj`` and
   ``fc1`` column-wise, ``out_proj`` and ``fc2`` row-wise (DTensor ``parallelize_module``).
@@ -26,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import Placement
 
@@ -64,24 +65,54 @@ class _CopyToTensorParallel(torch.autograd.Function):
         return grad, None
 
 
+class _HeadRows(torch.autograd.Function):
+    """This rank's q, k and v rows of a whole fused qkv bias (``[q_r, k_r, v_r]``, the rows of its
+    heads); backward puts their gradient back in place and sums it over the tensor-parallel ranks,
+    each of which computed only its own rows."""
+
+    @staticmethod
+    def forward(ctx: Any, bias: torch.Tensor, rank: int, tp: int, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.rank, ctx.tp, ctx.group = rank, tp, group
+        return bias.view(3, tp, -1)[:, rank].reshape(-1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        full = grad.new_zeros(3, ctx.tp, grad.numel() // 3)
+        full[:, ctx.rank] = grad.view(3, -1)
+        full = full.reshape(-1)
+        dist.all_reduce(full, op=dist.ReduceOp.SUM, group=ctx.group)
+        return full, None, None, None
+
+
 class _FusedQKVColwise(nn.Module):
-    """Runs a fused qkv Linear on this rank's heads; the parameters stay DTensors of the full layer."""
+    """Runs a fused qkv Linear on this rank's heads; the parameters stay DTensors of the full layer.
+
+    The weight is a head-aligned strided shard. The bias (``3 * dim`` numbers) is replicated over
+    the tensor-parallel ranks, each using its heads' rows (:class:`_HeadRows`): a 1-D strided shard
+    could only be sharded again by FSDP on the same dimension, and torch 2.14 reduce-scatters the
+    gradient of that nested layout into the wrong rows (checked: a tp2 x fsdp2 bias gradient came
+    back permuted, with rows lost). Replicated, FSDP shards it plainly on dim 0."""
 
     def __init__(self, linear: nn.Linear, mesh: DeviceMesh):
         super().__init__()
         placement = [strided_shard(0, split_factor=3)]
         self.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), mesh, placement))
         self.bias = (
-            nn.Parameter(distribute_tensor(linear.bias.detach(), mesh, placement)) if linear.bias is not None else None
+            nn.Parameter(distribute_tensor(linear.bias.detach(), mesh, [Replicate()]))
+            if linear.bias is not None
+            else None
         )
         self.group = mesh.get_group()
+        self.tp, self.tp_rank = mesh.size(), mesh.get_local_rank()
         self.weight.requires_grad_(linear.weight.requires_grad)
         if self.bias is not None:
             self.bias.requires_grad_(linear.bias.requires_grad)  # type: ignore[union-attr]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _CopyToTensorParallel.apply(x, self.group)
-        bias = self.bias.to_local() if self.bias is not None else None
+        bias = None
+        if self.bias is not None:
+            bias = _HeadRows.apply(self.bias.to_local(), self.tp_rank, self.tp, self.group)
         return F.linear(x, self.weight.to_local(), bias)
 
 
