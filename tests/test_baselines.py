@@ -135,7 +135,8 @@ def test_baselines_priced_like_any_plan():
 
 
 def test_default_options_never_shard():
-    """plan='auto' and the default options keep every tower's state replicated (the runtime does not shard)."""
+    """The default options keep every tower's state replicated (planner.shards = [none]); plan='auto'
+    refuses ZeRO-1, which the runtime has no counterpart for."""
     from lightning_distmm.planner.auto import auto_plan
 
     plan, rep = make_plan(model("distmm_10b"), "h200_8x8", 1024)

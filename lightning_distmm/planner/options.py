@@ -36,9 +36,10 @@ class PlannerOptions:
     ``layouts`` whether towers may get their own devices (``separate``) and/or share all devices
     (``colocated``); ``recompute`` whether ``gpipe`` may checkpoint activations (TowerPlan.recompute);
     ``max_points`` the resolution of the balancer's parametric search; ``shards`` how a tower's
-    replicas may hold the training state (:data:`SHARDS`; default ``none``: the runtime does not
-    shard yet, so ``plan="auto"`` never chooses it; ``[none, optimizer, full]`` prices ZeRO-1 and
-    ZeRO-3 per tower, as ``benchmarks/planner.py --paper`` does); ``baselines`` which baselines to
+    replicas may hold the training state (:data:`SHARDS`; default ``none``; the runtime runs ``full``
+    (ZeRO-3, FSDP2), which ``plan="auto"`` may be allowed, while ``optimizer`` (ZeRO-1) is priced
+    only; ``[none, optimizer, full]`` prices both per tower, as ``benchmarks/planner.py --paper``
+    does); ``baselines`` which baselines to
     price (default all of ``baselines.BASELINES``); the rest are :class:`CostOptions`.
     ``world_size`` plans for that many devices of the cluster's kind.
     """

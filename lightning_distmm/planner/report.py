@@ -142,8 +142,10 @@ class Report:
                     f"  vs {LABELS[name]}: {_ms(b.step_time)} ({describe(b)}) -> speedup"
                     f" {b.step_time / self.step_time:.2f}x{why}"
                 )
-        if any(ch.shard != "none" for ch in c.choices.values()):
-            lines.append("  note: the chosen plan shards a tower's state, which the runtime does not run yet")
+        if any(ch.shard == "optimizer" for ch in c.choices.values()):
+            lines.append(
+                "  note: the chosen plan shards a tower's optimizer state only (ZeRO-1), which the runtime does not run"
+            )
         for name, ev in self.candidates.items():
             if ev is not None and ev is not c:
                 lines.append(f"  best {name} plan considered: {_ms(ev.step_time)}")
