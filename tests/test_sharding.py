@@ -166,3 +166,40 @@ def test_auto_plan_maps_the_planners_shard_choice():
         with_shards(plan, {"image": "optimizer"})
     with pytest.raises(ValueError, match="cannot shard a tower as \\['optimizer'\\]"):
         auto_plan({}, 2, 8, options={"shards": ["none", "optimizer"]})
+
+
+def _hybrid_mesh_worker(rank, init, errors):
+    import torch.distributed as dist
+
+    from lightning_distmm.parallel.groups import build_tower_groups
+
+    try:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=4)
+        plan = ldm.Plan(4, {"image": {"ranks": [0, 1, 2, 3], "pp": 2, "shard": "hybrid"}, "text": {"ranks": [1, 3]}})
+        groups = build_tower_groups(plan, "cpu", nodes=[0, 0, 1, 1])
+        # replica 0 = ranks 0, 1 (node 0), replica 1 = ranks 2, 3 (node 1): each stage shards inside a
+        # node (one rank there) and replicates across the two nodes
+        expected = [[0], [2]] if rank in (0, 2) else [[1], [3]]
+        mesh = groups["image"].shard_mesh
+        assert mesh.mesh.tolist() == expected and mesh.mesh_dim_names == ("replicate", "shard"), mesh
+        dist.destroy_process_group()
+    except BaseException as err:  # noqa: BLE001 - reported to the parent
+        errors.put(f"rank {rank}: {err!r}")
+        raise
+
+
+@pytest.mark.slow
+def test_hybrid_shards_each_pipeline_stage_over_its_own_ranks(tmp_path):
+    import os
+
+    import torch.multiprocessing as mp
+
+    from lightning_distmm.parallel.groups import hybrid_rows
+
+    tower = ldm.TowerPlan(ranks=[0, 1, 2, 3], pp=2, shard="hybrid")
+    assert [hybrid_rows("image", tower, [0, 0, 1, 1], s) for s in (0, 1)] == [[[0], [2]], [[1], [3]]]
+    ctx = mp.get_context("fork")
+    errors = ctx.SimpleQueue()
+    init = f"file://{os.path.join(tmp_path, 'store')}"
+    mp.start_processes(_hybrid_mesh_worker, args=(init, errors), nprocs=4, start_method="fork", join=True)
+    assert errors.empty()

@@ -9,8 +9,9 @@ mesh in the same order, as torch.distributed requires of group creation; a rank 
 simply has no coordinate in its mesh.
 
 A sharded tower (``shard: full | hybrid``) also gets the mesh FSDP shards over
-(:attr:`TowerGroups.shard_mesh`): the ``dp`` dimension of its mesh for ``full``; for ``hybrid``
-across several nodes a 2-D ``("replicate", "shard")`` mesh of its replicas, one row per node (shard
+(:attr:`TowerGroups.shard_mesh`): the ``dp`` dimension of its mesh for ``full`` (for a pipelined
+tower, the rank's stage in every replica); for ``hybrid`` across several nodes a 2-D
+``("replicate", "shard")`` mesh of its replicas (of the rank's stage), one row per node (shard
 inside a node, replicate across nodes), built from the node of every rank that the launcher reports.
 """
 
@@ -60,23 +61,34 @@ def build_tower_groups(
         mesh = DeviceMesh(device_type, layout, mesh_dim_names=("dp", "pp", "tp"))
         shard_mesh = None
         if tower.sharded:
-            rows = hybrid_rows(name, tower, nodes) if tower.shard == "hybrid" else None
-            if rows is None or len(rows) == 1:
+            rows = [hybrid_rows(name, tower, nodes, s) for s in range(tower.pp)] if tower.shard == "hybrid" else None
+            if rows is None or len(rows[0]) == 1:
                 shard_mesh = mesh["dp"]
-            else:
+            elif tower.pp == 1:
                 shard_mesh = DeviceMesh(
-                    device_type, torch.tensor(rows, dtype=torch.int), mesh_dim_names=("replicate", "shard")
+                    device_type, torch.tensor(rows[0], dtype=torch.int), mesh_dim_names=("replicate", "shard")
                 )
+            else:  # one (replicate, shard) mesh per pipeline stage, over that stage's ranks
+                if len({(len(r), len(r[0])) for r in rows}) > 1:
+                    raise ValueError(
+                        f"tower {name!r}, shard='hybrid': its pipeline stages are spread over nodes differently"
+                        f" ({[[len(row) for row in r] for r in rows]} ranks per node, stage by stage); HSDP needs the"
+                        " same layout for every stage: change the tower's ranks or use shard: full"
+                    )
+                stages = DeviceMesh(
+                    device_type, torch.tensor(rows, dtype=torch.int), mesh_dim_names=("pp", "replicate", "shard")
+                )
+                shard_mesh = stages["replicate", "shard"] if stages.get_coordinate() is not None else None
         groups[name] = TowerGroups(name, tower, mesh, shard_mesh, mp_policy if tower.sharded else None)
     return groups
 
 
-def hybrid_rows(name: str, tower: TowerPlan, nodes: Sequence[int] | None) -> list[list[int]]:
-    """The tower's replicas by node, one row per node (HSDP shards along a row, replicates down a
-    column); every node must hold the same number of them."""
+def hybrid_rows(name: str, tower: TowerPlan, nodes: Sequence[int] | None, stage: int = 0) -> list[list[int]]:
+    """The tower's replicas by node, one row per node, as ranks of pipeline stage ``stage`` (HSDP
+    shards along a row, replicates down a column); every node must hold the same number of them."""
     by_node: dict[int, list[int]] = {}
     for replica in range(tower.dp):
-        rank = tower.replica_ranks(replica)[0]
+        rank = tower.replica_ranks(replica)[stage * tower.tp]
         by_node.setdefault(nodes[rank] if nodes is not None else 0, []).append(rank)
     sizes = {n: len(r) for n, r in by_node.items()}
     if len(set(sizes.values())) > 1:
