@@ -178,6 +178,9 @@ def test_coca_tiny_config_experiment_and_retrieval():
     assert metrics["n"] == 16 and 0.0 <= metrics["image->text/top1"] <= 1.0
 
 
+#: the same CoCa with two text layers, so that the text tower can be cut into two stages
+TWO_TEXT_LAYERS = {**TINY_COCA, "towers": {**TINY_COCA["towers"], "text": {**TINY_COCA["towers"]["text"], "layers": 2}}}
+
 PLANS = {
     # image on one rank, text on another: both are last stages, each decodes half of the rows
     "image1+text1": (2, lambda: SGDCoCa(TINY_COCA), ldm.Plan(2, {"image": {"ranks": [0]}, "text": {"ranks": [1]}})),
@@ -198,6 +201,22 @@ PLANS = {
                 "image": {"ranks": [0, 1], "replica_batch": [6, 4], "schedule": "distmm"},
                 "text": {"ranks": [2], "schedule": "distmm"},
             },
+            10,
+        ),
+    ),
+    # the image tower sharded by tensor parallelism (the pooler replicated)
+    "image-tp2+text1": (
+        3,
+        lambda: SGDCoCa(TINY_COCA),
+        ldm.Plan(3, {"image": {"ranks": [0, 1], "tp": 2}, "text": {"ranks": [2]}}),
+    ),
+    # the text tower pipelined with the cached schedule: its last stage packs the token states and ids
+    "text-pp2-cached+image1": (
+        3,
+        lambda: SGDCoCa(TWO_TEXT_LAYERS),
+        ldm.Plan(
+            3,
+            {"image": {"ranks": [0]}, "text": {"ranks": [1, 2], "pp": 2, "microbatch": 5, "schedule": "cached"}},
             10,
         ),
     ),
