@@ -183,6 +183,8 @@ class Report:
             "global_batch": self.global_batch,
             "step_time": self.step_time,
             "samples_per_second": self.global_batch / self.step_time,
+            "mfu": self.mfu,
+            "memory_per_rank": self.memory_per_rank(),
             "solve_time": self.solve_time,
             "chosen": ev(self.chosen),
             "baselines": {k: ev(v) for k, v in self.baselines.items()},
