@@ -547,18 +547,23 @@ def worker(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------- the prediction
 def calibrate(model: dict[str, Any], args: argparse.Namespace, cores: set[int]) -> tuple[Cluster, float, dict]:
     """This host as one node sees it (``cores``): measured devices and loopback gloo, the two ranks'
-    concurrency on the node's cores, each tower's measured profile."""
+    concurrency on the node's cores, each tower's measured profile. With ``--cached-host`` the
+    devices and gloo come from ``measure_local_cpu``'s per-host cache (measured unpinned, as
+    ``plan="auto"`` measures them, so that the cache holds what it always holds)."""
     import torch
     from cost_model_fidelity import example_inputs
 
     from lightning_distmm.models.clip import CLIPModel
     from lightning_distmm.planner import ConcurrencyProbe, measure_local_cpu, measure_tower, measured_profile
 
+    if args.cached_host:
+        host = measure_local_cpu(devices=DEVICES_PER_NODE, measure_concurrency=False)
     before, threads = os.sched_getaffinity(0), torch.get_num_threads()
     os.sched_setaffinity(0, cores)  # the probes' processes inherit it
     torch.set_num_threads(threads_per_rank(cores))
     try:
-        host = measure_local_cpu(devices=DEVICES_PER_NODE, cache=args.cached_host, measure_concurrency=False)
+        if not args.cached_host:
+            host = measure_local_cpu(devices=DEVICES_PER_NODE, cache=False, measure_concurrency=False)
         with ConcurrencyProbe(DEVICES_PER_NODE, threads_per_rank(cores)) as probe:
             concurrency = probe.measure()
         torch.manual_seed(0)
@@ -757,8 +762,9 @@ def report(args, link, cluster, layouts, predicted, rows, per_round, mbit, forei
     p_ratio = predicted["naive"].step_time / predicted["planner"].step_time
     m_gap = (measured["naive"] - measured["planner"]) * 1e3
     p_gap = (predicted["naive"].step_time - predicted["planner"].step_time) * 1e3
+    each = "/".join(f"{n / p:.2f}" for n, p in zip(per_round["naive"], per_round["planner"], strict=True))
     print(
-        f"\nnaive / planner: measured {m_ratio:.2f}x, predicted {p_ratio:.2f}x;"
+        f"\nnaive / planner: measured {m_ratio:.2f}x (per round {each}), predicted {p_ratio:.2f}x;"
         f" naive's extra time per step measured {m_gap:.0f} ms, predicted {p_gap:.0f} ms"
     )
 
