@@ -3,12 +3,15 @@
     python recipes/plan.py model=clip_vit_bigg14 cluster=a100_8x8 global_batch=32768
     python recipes/plan.py -m planner.balancer=dp,proportional,even placement=hetero,naive
     python recipes/plan.py planner=data_parallel cluster=local_cpu model=clip_tiny global_batch=64
-    python recipes/plan.py model=clip_vit_l14 cluster=a100_8x8 global_batch=1024 draw=timeline.svg
+    python recipes/plan.py model=clip_vit_l14 global_batch=1024 draw=timeline.svg draw_placement=placement.svg
 
 The plan file is what ``DistMMStrategy(plan="plan.yaml")`` loads; ``plan_report.yaml`` beside it
-holds the predicted costs, the baselines and the options; ``draw=`` writes a picture of one
-predicted step (every rank's instructions, plans of up to 64 ranks). In a multirun every job
-writes into its own output folder.
+holds the predicted costs, the baselines and the options. Two pictures (SVG), each optional:
+``draw=`` one predicted step (every rank's instructions on a time axis in ms, with a legend of the
+instruction kinds; plans of up to 64 ranks), ``draw_placement=`` the placement map (nodes and their
+devices, which tower, replica, pipeline stage and tensor-parallel shard each device runs, the
+tensor-parallel, stage-to-stage and gradient links, inside a node or across nodes, with the bytes
+each moves per step). In a multirun every job writes into its own output folder.
 """
 
 from __future__ import annotations
@@ -52,10 +55,21 @@ def main(cfg: DictConfig) -> float:
         picture = Path(cfg.draw) if Path(cfg.draw).is_absolute() else base / cfg.draw
         try:
             title = f"{cfg.model.name} on {report.cluster.name}, batch {cfg.global_batch}: predicted step {report.step_time * 1e3:.1f} ms"
-            picture.write_text(timeline_svg(report.timeline(), title))
+            note = (
+                "not drawn: the gradient sums' exposed part, the optimizer step and the per-step overhead"
+                f" (priced in the predicted {report.step_time * 1e3:.1f} ms)"
+            )
+            picture.write_text(timeline_svg(report.timeline(), title, note=note), encoding="utf-8")
             print(f"timeline drawn to {picture}")
         except ValueError as err:
             print(f"no timeline: {err}", file=sys.stderr)
+    if cfg.get("draw_placement"):
+        from lightning_distmm.planner.pictures import placement_map
+
+        picture = Path(cfg.draw_placement)
+        picture = picture if picture.is_absolute() else base / picture
+        picture.write_text(placement_map(report), encoding="utf-8")
+        print(f"placement map drawn to {picture}")
     if hc.mode == RunMode.MULTIRUN:
         sep = report.candidates.get("separate")
         print(
