@@ -4,7 +4,7 @@ Two "nodes" are two network namespaces on this machine joined by a veth pair who
 shaped with ``tc`` on both ends (``tbf`` at ``--rate-mbit``; ``--delay-ms`` puts a ``netem`` delay
 in front where the kernel has netem). Inside a namespace, ranks talk over loopback (fast, as
 NVLink is inside a node); between the namespaces every byte crosses the shaped link (the network).
-With ``--pin`` (the default) each namespace's processes run on their own half of the cores, so a
+Each namespace's processes run on their own half of the cores (``--no-pin`` lifts that), so a
 node's ranks share that node's cores, as the cost model assumes, and not the other node's.
 
 The same plan, 4 CPU ranks (gloo) on 2 nodes of 2, an image tower on 2 ranks (data parallel: its
@@ -16,9 +16,10 @@ much compute on the other 2, runs under two placements:
 * **naive**: ranks dealt round-robin over the towers, as a node-unaware scheduler would: each
   tower's group spans both nodes and its gradient all-reduce crosses the link.
 
-Each run is a real multi-node launch: one ``torchrun --nnodes 2 --nproc-per-node 2`` per
-namespace (``ip netns exec``), c10d rendezvous on the first namespace's veth address, gloo on the
-veth (``GLOO_SOCKET_IFNAME``). The placements alternate over ``--rounds`` rounds (the host is
+Each round is one multi-node launch, one ``torchrun --nnodes 2 --nproc-per-node 2`` per namespace
+(``ip netns exec``, c10d rendezvous on the first namespace's veth address, gloo on the veth:
+``GLOO_SOCKET_IFNAME``), whose ranks train the plan under both placements in turn, the order
+alternating over ``--rounds`` rounds (the host is
 shared: noise hits both alike, and the cores other processes kept busy meanwhile are printed); the
 step time is rank 0's (``on_train_batch_start`` -> ``on_train_batch_end``), warm-up steps skipped,
 the median over all rounds. Rank 0 is an image replica in both placements; its step is also split
@@ -34,10 +35,10 @@ gloo over loopback), ``Device.concurrency`` of a node's two ranks on its cores
 
 Needs root, ``ip netns`` (iproute2) and ``tc`` with ``tbf``. The namespaces, the veth pair and its
 qdiscs are removed in ``finally`` (Ctrl-C and SIGTERM included); leftovers of a crashed run
-(namespaces ``ldmpe<pid>a`` / ``ldmpe<pid>b`` whose pid is gone) are removed at start. Two to
-three minutes with the defaults on a 2-core machine.
+(namespaces ``ldmpe<pid>a`` / ``ldmpe<pid>b`` whose pid is gone) are removed at start. About 3.5
+minutes with the defaults on the (shared) 2-core development VM.
 
-    python benchmarks/placement_emulated.py [--rate-mbit 200] [--rounds 3] [--steps 10] [--model small|tiny]
+    python benchmarks/placement_emulated.py [--rate-mbit 200] [--rounds 3] [--steps 8] [--model small|tiny] [-v]
 """
 
 from __future__ import annotations
