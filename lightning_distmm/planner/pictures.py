@@ -167,7 +167,7 @@ def placement_map(report: Report, title: str | None = None) -> str:
 
 
 # ---------------------------------------------------------------------- drawing
-_DEV_W, _GAP, _PAD, _HEAD, _LINE = 108, 8, 10, 20, 12
+_GAP, _PAD, _HEAD, _LINE = 8, 10, 20, 12
 _RAILS = 18  # room under a row of devices for the TP bar and the gradient rails
 
 
@@ -191,7 +191,9 @@ def placement_svg(
     links = heavy_links(plan, dpn)
     most_roles = max((len(v) for v in roles.values()), default=1) or 1
     dev_h = 16 + 2 * _LINE * most_roles + 4
-    node_w = 2 * _PAD + cols * _DEV_W + (cols - 1) * _GAP
+    longest = max((len(r.label(plan.towers[r.tower])) for v in roles.values() for r in v), default=0)
+    dev_w = max(108, round(6 * max(longest, *(len(n) for n in plan.towers)) + 12))
+    node_w = 2 * _PAD + cols * dev_w + (cols - 1) * _GAP
     node_h = _HEAD + rows * (dev_h + _RAILS) + _PAD
     left, top = 10, 34
     # the gradient lines that leave a node: (node, tower) -> bytes through its NIC (None: unknown)
@@ -209,13 +211,18 @@ def placement_svg(
         nd, k = divmod(rank, dpn)
         row, col = divmod(k, cols)
         return (
-            left + _PAD + col * (_DEV_W + _GAP),
+            left + _PAD + col * (dev_w + _GAP),
             top + nd * (node_h + 12) + _HEAD + row * (dev_h + _RAILS),
         )
 
     parts = [
-        '<defs><marker id="arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="6" markerHeight="6"'
-        ' orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" fill="context-stroke"/></marker></defs>',
+        "<defs>"
+        + "".join(
+            f'<marker id="{key}" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="6" markerHeight="6"'
+            f' orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="{fill}"/></marker>'
+            for key, fill in (("arrow", "#222"), ("arrow-inter", _INTER))
+        )
+        + "</defs>",
         f'<text class="title" x="{left}" y="20" font-size="13">{escape(title)}</text>',
     ]
     for nd in range(n_nodes):
@@ -225,9 +232,11 @@ def placement_svg(
             f' fill="#FAFAFA" stroke="#555"/><text x="{left + 8}" y="{y + 14}" font-weight="bold">node {nd}</text>'
         )
     for rank in range(n_nodes * dpn):
-        parts.append(_device(rank, rank // dpn, box(rank), dev_h, roles.get(rank, []), plan, colour, rank in syncing))
+        parts.append(
+            _device(rank, rank // dpn, box(rank), (dev_w, dev_h), roles.get(rank, []), plan, colour, rank in syncing)
+        )
     for g in links:
-        parts.extend(_link(g, box, dev_h, colour, dpn))
+        parts.extend(_link(g, box, (dev_w, dev_h), colour, dpn))
     # the gradient sums that leave a node, to the network bus
     if leaving:
         parts.append(
@@ -237,14 +246,15 @@ def placement_svg(
         most = max((b or 0.0 for b in leaving.values()), default=0.0) or 1.0
         for nd in range(n_nodes):
             mine = [(name, b) for (n, name), b in leaving.items() if n == nd]
+            step = min(22.0, (node_h - _HEAD - 10) / max(len(mine), 1))
             for k, (name, b) in enumerate(mine):
-                y = top + nd * (node_h + 12) + _HEAD + 10 + k * 22
+                y = top + nd * (node_h + 12) + _HEAD + 10 + k * step
                 w = 3.0 if b is None else 1.5 + 6.5 * b / most
                 text = f"{name} gradients" + ("" if b is None else f" {_bytes(b)}")
                 parts.append(
-                    f'<line class="link dp inter" data-tower="{name}" data-node="{nd}" x1="{left + node_w}" y1="{y}"'
-                    f' x2="{bus_x}" y2="{y}" stroke="{colour[name]}" stroke-width="{w:.1f}"/>'
-                    f'<text x="{left + node_w + 6}" y="{y - 4}">{escape(text)}</text>'
+                    f'<line class="link dp inter" data-tower="{escape(name)}" data-node="{nd}" x1="{left + node_w}" y1="{y:.1f}"'
+                    f' x2="{bus_x}" y2="{y:.1f}" stroke="{colour[name]}" stroke-width="{w:.1f}"/>'
+                    f'<text x="{left + node_w + 6}" y="{y - 4:.1f}">{escape(text)}</text>'
                 )
     body_y = map_bottom + 6
     table, body_y = _table(plan, links, traffic, left, body_y, syncing, dpn)
@@ -261,29 +271,29 @@ def _device(
     rank: int,
     node: int,
     at: tuple[float, float],
-    h: float,
+    size: tuple[float, float],
     roles: list[Role],
     plan: Plan,
     colour: Mapping[str, str],
     syncs: bool,
 ) -> str:
-    x, y = at
+    (x, y), (dw, h) = at, size
     out = [f'<g class="device" data-rank="{rank}" data-node="{node}">']
     if not roles:
         out.append(
-            f'<rect x="{x}" y="{y}" width="{_DEV_W}" height="{h}" fill="white" stroke="#999" stroke-dasharray="3 2"/>'
+            f'<rect x="{x}" y="{y}" width="{dw}" height="{h}" fill="white" stroke="#999" stroke-dasharray="3 2"/>'
             f'<text x="{x + 4}" y="{y + 12}" fill="#999">rank {rank}: unused</text></g>'
         )
         return "".join(out)
     band = (h - 16) / len(roles)
-    out.append(f'<rect x="{x}" y="{y}" width="{_DEV_W}" height="{h}" fill="white" stroke="#444"/>')
+    out.append(f'<rect x="{x}" y="{y}" width="{dw}" height="{h}" fill="white" stroke="#444"/>')
     out.append(f'<text class="rank" x="{x + 4}" y="{y + 12}">rank {rank}</text>')
     if syncs:
-        out.append(f'<circle class="sync" cx="{x + _DEV_W - 8}" cy="{y + 8}" r="4" fill="{_SYNC}"/>')
+        out.append(f'<circle class="sync" cx="{x + dw - 8}" cy="{y + 8}" r="4" fill="{_SYNC}"/>')
     for k, role in enumerate(roles):
         by = y + 16 + k * band
         out.append(
-            f'<rect x="{x + 2}" y="{by:.1f}" width="{_DEV_W - 4}" height="{band - 2:.1f}" fill="{_tint(colour[role.tower])}"/>'
+            f'<rect x="{x + 2}" y="{by:.1f}" width="{dw - 4}" height="{band - 2:.1f}" fill="{_tint(colour[role.tower])}"/>'
             f'<text class="role" data-tower="{escape(role.tower)}" data-replica="{role.replica}" data-stage="{role.stage}"'
             f' data-shard="{role.shard}" x="{x + 5}" y="{by + 11:.1f}"><tspan font-weight="bold">{escape(role.tower)}</tspan>'
             f'<tspan x="{x + 5}" dy="{_LINE}">{role.label(plan.towers[role.tower])}</tspan></text>'
@@ -293,15 +303,20 @@ def _device(
 
 
 def _link(
-    g: LinkGroup, box: Callable[[int], tuple[float, float]], dev_h: float, colour: Mapping[str, str], dpn: int
+    g: LinkGroup,
+    box: Callable[[int], tuple[float, float]],
+    size: tuple[float, float],
+    colour: Mapping[str, str],
+    dpn: int,
 ) -> list[str]:
+    dw, dev_h = size
     where = "inter" if g.inter else "intra"
     attrs = f'class="link {g.kind} {where}" data-tower="{escape(g.tower)}" data-ranks="{" ".join(map(str, g.ranks))}"'
-    centre = {r: (box(r)[0] + _DEV_W / 2, box(r)[1] + dev_h / 2) for r in g.ranks}
+    centre = {r: (box(r)[0] + dw / 2, box(r)[1] + dev_h / 2) for r in g.ranks}
     if g.kind == "tp":
         xs = [box(r) for r in g.ranks]
         if not g.inter and len({y for _, y in xs}) == 1:
-            x0, x1, y = min(x for x, _ in xs) + 4, max(x for x, _ in xs) + _DEV_W - 4, xs[0][1] + dev_h + 4
+            x0, x1, y = min(x for x, _ in xs) + 4, max(x for x, _ in xs) + dw - 4, xs[0][1] + dev_h + 4
             return [f'<line {attrs} x1="{x0}" y1="{y}" x2="{x1}" y2="{y}" stroke="#222" stroke-width="4"/>']
         pts = " ".join(f"{centre[r][0]:.1f},{centre[r][1]:.1f}" for r in g.ranks)
         return [
@@ -311,13 +326,14 @@ def _link(
         a, b = g.ranks
         (ax, ay), (bx, by) = box(a), box(b)
         if ay == by:  # same row of one node: an arc over the boxes
-            x0, x1 = ax + _DEV_W / 2, bx + _DEV_W / 2
+            x0, x1 = ax + dw / 2, bx + dw / 2
             lift = 14 + abs(x1 - x0) / 12
             d = f"M{x0:.1f},{ay:.1f} Q{(x0 + x1) / 2:.1f},{ay - lift:.1f} {x1:.1f},{ay:.1f}"
         else:
-            d = f"M{ax + _DEV_W / 2:.1f},{ay + dev_h:.1f} L{bx + _DEV_W / 2:.1f},{by:.1f}"
+            d = f"M{ax + dw / 2:.1f},{ay + dev_h:.1f} L{bx + dw / 2:.1f},{by:.1f}"
         stroke = f'stroke="{_INTER}" stroke-dasharray="6 3"' if g.inter else 'stroke="#222"'
-        return [f'<path {attrs} d="{d}" fill="none" {stroke} stroke-width="2" marker-end="url(#arrow)"/>']
+        marker = "arrow-inter" if g.inter else "arrow"
+        return [f'<path {attrs} d="{d}" fill="none" {stroke} stroke-width="2" marker-end="url(#{marker})"/>']
     # dp: a dotted rail per node and row under the group's devices there (where two or more meet)
     out = []
     for nd in g.nodes:
@@ -326,7 +342,7 @@ def _link(
             row = [x for x, yy in here if yy == y]
             if len(row) < 2:
                 continue
-            x0, x1, yy = min(row) + _DEV_W / 2, max(row) + _DEV_W / 2, y + dev_h + 10 + 3 * (g.lane % 3)
+            x0, x1, yy = min(row) + dw / 2, max(row) + dw / 2, y + dev_h + 10 + 3 * (g.lane % 3)
             out.append(
                 f'<line class="link dp intra" data-tower="{escape(g.tower)}" data-node="{nd}" x1="{x0}" y1="{yy}"'
                 f' x2="{x1}" y2="{yy}" stroke="{colour[g.tower]}" stroke-width="2" stroke-dasharray="2 2"/>'
