@@ -36,11 +36,7 @@ if TYPE_CHECKING:
     from lightning_distmm.planner.report import Report
 
 TOWER_COLOURS = ("#4C9BE8", "#E8894C", "#6BBF59", "#9B59B6", "#D4A017", "#17BECF", "#E377C2", "#8C564B")
-KIND_NAMES = {
-    "tp": "tensor-parallel all-reduce",
-    "pp": "pipeline stage transfers",
-    "dp": "gradient all-reduce",
-}
+KIND_NAMES = {"tp": "tensor-parallel all-reduce", "pp": "pipeline stage transfers", "dp": "gradient all-reduce"}
 _INTER = "#C62828"  # a link that leaves the node
 _SYNC = "#2E7D32"
 
@@ -74,7 +70,7 @@ class LinkGroup:
     kind: str
     ranks: tuple[int, ...]
     nodes: tuple[int, ...]
-    lane: int = 0  # dp: the position in a replica (stage * tp + shard); pp: the tensor-parallel shard
+    lane: int = 0  # tp: the stage; pp: the tensor-parallel shard; dp: the position in a replica
 
     @property
     def inter(self) -> bool:
@@ -106,25 +102,14 @@ def heavy_links(plan: Plan, devices_per_node: int) -> list[LinkGroup]:
     """The groups whose traffic dominates a step: tensor-parallel groups, stage-to-stage pairs and
     gradient all-reduce groups, each with the nodes it spans."""
     out: list[LinkGroup] = []
-
-    def add(name: str, kind: str, ranks: list[int], lane: int = 0) -> None:
-        nodes = tuple(sorted({r // devices_per_node for r in ranks}))
-        out.append(LinkGroup(name, kind, tuple(ranks), nodes, lane))
-
     for name, t in plan.towers.items():
-        replicas = [t.replica_ranks(i) for i in range(t.dp)]
-        if t.tp > 1:
-            for rep in replicas:
-                for s in range(t.pp):
-                    add(name, "tp", rep[s * t.tp : (s + 1) * t.tp])
-        if t.pp > 1:
-            for rep in replicas:
-                for s in range(t.pp - 1):
-                    for j in range(t.tp):
-                        add(name, "pp", [rep[s * t.tp + j], rep[(s + 1) * t.tp + j]], j)
-        if t.dp > 1:
-            for k in range(t.tp * t.pp):
-                add(name, "dp", [rep[k] for rep in replicas], k)
+        width, reps = t.tp * t.pp, [t.replica_ranks(i) for i in range(t.dp)]
+        groups = [("tp", rep[s * t.tp : (s + 1) * t.tp], s) for rep in reps for s in range(t.pp)] if t.tp > 1 else []
+        groups += [("pp", [rep[k], rep[k + t.tp]], k % t.tp) for rep in reps for k in range(width - t.tp)]
+        groups += [("dp", [rep[k] for rep in reps], k) for k in range(width)] if t.dp > 1 else []
+        for kind, ranks, lane in groups:
+            nodes = tuple(sorted({r // devices_per_node for r in ranks}))
+            out.append(LinkGroup(name, kind, tuple(ranks), nodes, lane))
     return out
 
 
@@ -167,8 +152,8 @@ def placement_map(report: Report, title: str | None = None) -> str:
 
 
 # ---------------------------------------------------------------------- drawing
-_GAP, _PAD, _HEAD, _LINE = 8, 10, 20, 12
-_RAILS = 18  # room under a row of devices for the TP bar and the gradient rails
+_GAP, _PAD, _HEAD, _LINE, _RAILS = 8, 10, 20, 12, 18  # _RAILS: room for the TP bar and gradient rails
+XY = tuple[float, float]
 
 
 def placement_svg(
@@ -207,7 +192,7 @@ def placement_svg(
     width = bus_x + 30 if leaving else left + node_w + 20
     map_bottom = top + n_nodes * (node_h + 12)
 
-    def box(rank: int) -> tuple[float, float]:
+    def box(rank: int) -> XY:
         nd, k = divmod(rank, dpn)
         row, col = divmod(k, cols)
         return (
@@ -268,14 +253,7 @@ def placement_svg(
 
 
 def _device(
-    rank: int,
-    node: int,
-    at: tuple[float, float],
-    size: tuple[float, float],
-    roles: list[Role],
-    plan: Plan,
-    colour: Mapping[str, str],
-    syncs: bool,
+    rank: int, node: int, at: XY, size: XY, roles: list[Role], plan: Plan, colour: Mapping[str, str], syncs: bool
 ) -> str:
     (x, y), (dw, h) = at, size
     out = [f'<g class="device" data-rank="{rank}" data-node="{node}">']
@@ -302,13 +280,7 @@ def _device(
     return "".join(out)
 
 
-def _link(
-    g: LinkGroup,
-    box: Callable[[int], tuple[float, float]],
-    size: tuple[float, float],
-    colour: Mapping[str, str],
-    dpn: int,
-) -> list[str]:
+def _link(g: LinkGroup, box: Callable[[int], XY], size: XY, colour: Mapping[str, str], dpn: int) -> list[str]:
     dw, dev_h = size
     where = "inter" if g.inter else "intra"
     attrs = f'class="link {g.kind} {where}" data-tower="{escape(g.tower)}" data-ranks="{" ".join(map(str, g.ranks))}"'
@@ -369,13 +341,8 @@ def _table(
             if not gs:
                 continue
             crossing = sum(g.inter for g in gs)
-            where = (
-                "inside a node"
-                if not crossing
-                else "across nodes"
-                if crossing == len(gs)
-                else f"{crossing} of {len(gs)} across nodes"
-            )
+            where = f"{crossing} of {len(gs)} across nodes" if 0 < crossing < len(gs) else ""
+            where = where or ("across nodes" if crossing else "inside a node")
             row = [name, KIND_NAMES[kind], str(len(gs)), str(len(gs[0].ranks)), where]
             if traffic:
                 t = traffic.get((name, kind), Traffic())
@@ -410,26 +377,24 @@ def _legend(plan: Plan, colour: Mapping[str, str], left: float, y: float, bytes_
     out.append(
         f'<circle cx="{x + 6}" cy="{y + 6}" r="4" fill="{_SYNC}"/><text x="{x + 16}" y="{y + 10}">takes part in the batch-sync</text>'
     )
-    marks = [
-        ('<line x1="0" y1="6" x2="24" y2="6" stroke="#222" stroke-width="4"/>', "tensor-parallel group in one node"),
-        ('<path d="M0,10 Q12,-2 24,10" fill="none" stroke="#222" stroke-width="2"/>', "stage to next stage"),
+    marks = [  # (path, stroke, width, dashes, words)
+        ("M0,6 H24", "#222", 4, "", "tensor-parallel group in one node"),
+        ("M0,10 Q12,-2 24,10", "#222", 2, "", "stage to next stage"),
+        ("M0,6 H24", "#666", 2, "2 2", "gradient all-reduce among replicas in the node"),
+        ("M0,6 H24", _INTER, 3, "6 3", "a tp group or stage transfer across nodes"),
         (
-            '<line x1="0" y1="6" x2="24" y2="6" stroke="#666" stroke-width="2" stroke-dasharray="2 2"/>',
-            "gradient all-reduce among replicas in the node",
-        ),
-        (
-            f'<line x1="0" y1="6" x2="24" y2="6" stroke="{_INTER}" stroke-width="3" stroke-dasharray="6 3"/>',
-            "a tp group or stage transfer across nodes",
-        ),
-        (
-            '<line x1="0" y1="6" x2="24" y2="6" stroke="#666" stroke-width="5"/>',
+            "M0,6 H24",
+            "#666",
+            5,
+            "",
             "gradients leaving the node" + (" (width and label: bytes per step through its NIC)" if bytes_ else ""),
         ),
     ]
-    for k, (mark, text) in enumerate(marks):
+    for k, (d, stroke, w, dash, text) in enumerate(marks):
         yy = y + 20 + 16 * k
         out.append(
-            f'<g transform="translate({left},{yy})">{mark}</g><text x="{left + 32}" y="{yy + 10}">{escape(text)}</text>'
+            f'<path transform="translate({left},{yy})" d="{d}" fill="none" stroke="{stroke}" stroke-width="{w}"'
+            f' stroke-dasharray="{dash or "none"}"/><text x="{left + 32}" y="{yy + 10}">{escape(text)}</text>'
         )
     out.append("</g>")
     return out, y + 20 + 16 * len(marks)
@@ -447,14 +412,5 @@ def _bytes(b: float) -> str:
     return f"{b / 1e9:.2f} GB" if b >= 1e8 else f"{b / 1e6:.1f} MB"
 
 
-__all__ = [
-    "Role",
-    "LinkGroup",
-    "Traffic",
-    "device_roles",
-    "heavy_links",
-    "link_traffic",
-    "placement_map",
-    "placement_svg",
-    "timeline_svg",
-]
+__all__ = ["Role", "LinkGroup", "Traffic", "device_roles", "heavy_links", "link_traffic", "placement_map"]
+__all__ += ["placement_svg", "timeline_svg"]
