@@ -3,20 +3,28 @@
 Each configuration runs in fresh processes (4 gloo ranks, spawned) so that peak RSS is its own.
 A timm ViT tower (~50M parameters) trains a few AdamW steps, as the runtime runs it:
 
-* ``none``: every rank holds the whole tower; gradients are summed over the ranks
+* ``none``: every rank builds and holds the whole tower; gradients are summed over the ranks
   (:func:`lightning_distmm.parallel.exchange.allreduce_sum`, the runtime's sums);
-* ``full``: :func:`lightning_distmm.parallel.fsdp.apply_fsdp` over a 1-D mesh of the 4 ranks (what
-  the runtime applies to a tower with ``shard: full``).
+* ``full``: every rank builds the whole tower, then
+  :func:`lightning_distmm.parallel.fsdp.apply_fsdp` shards it over a 1-D mesh of the 4 ranks (what
+  the runtime applies to a tower with ``shard: full``);
+* ``full+meta``: the tower is built on the meta device
+  (:func:`lightning_distmm.parallel.deferred.deferred_init`, what ``trainer.init_module(empty_init=True)``
+  does under distmm), sharded there, and each rank materialises only its shards, with the values
+  of the seeded construction (checked against ``none``'s weights, bit for bit).
 
-Measured on every rank after the last step, from the tensors the rank holds (a DTensor counts its
-local shard): bytes of parameters, of gradients and of optimizer state; and the process's peak
-RSS. Prints a table per configuration (the largest rank), the full/none ratios and the step-time
-ratio. Usage: ``python benchmarks/sharding_memory.py [--steps 3] [--depth 16] [--width 512]``.
+Measured on every rank: bytes of the tensors it holds after the last step (a DTensor counts its
+local shard: parameters, gradients, optimizer state); the process's RSS once its imports and
+process group are up (the floor every configuration shares), after building and sharding the
+tower, after the steps, and its peak. Prints a table per configuration (the largest rank), the
+ratios against ``none`` and the step-time ratio. Usage:
+``python benchmarks/sharding_memory.py [--steps 3] [--depth 16] [--width 512]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import resource
 import socket
@@ -50,17 +58,42 @@ def _tower(depth: int, width: int) -> VisionTransformer:
     )
 
 
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest()
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def _worker(rank: int, shard: str, args: argparse.Namespace, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    from lightning_distmm.parallel.deferred import deferred_init, materialize, tensor_refs
     from lightning_distmm.parallel.exchange import allreduce_sum
     from lightning_distmm.parallel.fsdp import apply_fsdp
+    from lightning_distmm.parallel.prepare import return_freed_memory
 
-    model = _tower(args.depth, args.width)
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+    return_freed_memory()
+    rss_floor = _rss()
+    if shard == "full+meta":
+        with deferred_init():
+            model = _tower(args.depth, args.width)
+        refs = tensor_refs(model)
+        apply_fsdp(model, mesh)
+        materialize(model, refs, torch.device("cpu"))
+    else:
+        model = _tower(args.depth, args.width)
+        if shard == "full":
+            apply_fsdp(model, mesh)
     n_params = sum(p.numel() for p in model.parameters())
-    if shard == "full":
-        apply_fsdp(model, init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",)))
+    # the weights as built, for the check that every configuration starts from the same ones
+    first = {k: _digest(v.full_tensor() if isinstance(v, DTensor) else v) for k, v in model.state_dict().items()}
+    return_freed_memory()
+    rss_built = _rss()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(rank)
     times = []
@@ -76,13 +109,12 @@ def _worker(rank: int, shard: str, args: argparse.Namespace, port: int, out: str
             optimizer.zero_grad(set_to_none=True)
     params = list(model.parameters())
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    from lightning_distmm.parallel.prepare import return_freed_memory
-
     return_freed_memory()  # malloc_trim: what the rank holds now, not what glibc kept
-    with open("/proc/self/statm") as f:
-        rss_now = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     row = {
-        "rss_now": rss_now,
+        "rss_floor": rss_floor,
+        "rss_built": rss_built,
+        "rss_now": _rss(),
+        "first": first,
         "params": _bytes(params),
         "grads": _bytes([p.grad for p in params if p.grad is not None]),
         "optimizer": _bytes(state),
@@ -110,6 +142,9 @@ def measure(shard: str, args: argparse.Namespace) -> list[dict]:
         return eval(Path(out).read_text())  # noqa: S307 - our own repr of plain dicts
 
 
+CONFIGS = ("none", "full", "full+meta")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
@@ -117,36 +152,47 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--batch", type=int, default=8)
     args = parser.parse_args()
-    results = {shard: measure(shard, args) for shard in ("none", "full")}
+    results = {shard: measure(shard, args) for shard in CONFIGS}
     mib = 2**20
     print(
         f"tower: timm ViT depth {args.depth} width {args.width}, {results['none'][0]['n_params'] / 1e6:.1f}M"
         f" parameters, {WORLD} CPU ranks (gloo), AdamW, batch {args.batch} per rank"
     )
     print(
-        f"{'shard':<6} {'params MiB':>11} {'grads MiB':>10} {'optim MiB':>10} {'sum MiB':>9} {'peak RSS MiB':>13}"
-        f" {'RSS after MiB':>14} {'step s':>8}"
+        "MiB per rank (the largest rank of each); RSS columns are above the floor every configuration shares"
+        f" (imports, process group: {max(r['rss_floor'] for r in results['none']) / mib:.0f} MiB)"
+    )
+    print(
+        f"{'shard':<10} {'params':>7} {'grads':>7} {'optim':>7} {'tensors':>8} {'built RSS':>10} {'peak RSS':>9}"
+        f" {'RSS after':>10} {'step s':>7}"
     )
     worst = {}
     for shard, rows in results.items():
         top = max(rows, key=lambda r: r["params"] + r["grads"] + r["optimizer"])
         total = top["params"] + top["grads"] + top["optimizer"]
-        rss = max(r["rss"] for r in rows)
-        rss_now = max(r["rss_now"] for r in rows)
+        built = max(r["rss_built"] - r["rss_floor"] for r in rows)
+        peak = max(r["rss"] - r["rss_floor"] for r in rows)
+        after = max(r["rss_now"] - r["rss_floor"] for r in rows)
         step = max(r["step_s"] for r in rows)
-        worst[shard] = (total, rss, step, rss_now)
+        worst[shard] = {"tensors": total, "built": built, "peak": peak, "after": after, "step": step}
         print(
-            f"{shard:<6} {top['params'] / mib:>11.1f} {top['grads'] / mib:>10.1f} {top['optimizer'] / mib:>10.1f}"
-            f" {total / mib:>9.1f} {rss / mib:>13.1f} {rss_now / mib:>14.1f} {step:>8.3f}"
+            f"{shard:<10} {top['params'] / mib:>7.1f} {top['grads'] / mib:>7.1f} {top['optimizer'] / mib:>7.1f}"
+            f" {total / mib:>8.1f} {built / mib:>10.1f} {peak / mib:>9.1f} {after / mib:>10.1f} {step:>7.3f}"
         )
-    ratio = worst["full"][0] / worst["none"][0]
+    none = worst["none"]
+    for shard in CONFIGS[1:]:
+        w = worst[shard]
+        ratio = w["tensors"] / none["tensors"]
+        print(
+            f"{shard} / none: tensors {ratio:.3f} (1/{1 / ratio:.2f}), RSS once built {w['built'] / none['built']:.3f},"
+            f" peak RSS {w['peak'] / none['peak']:.3f}, RSS after the steps {w['after'] / none['after']:.3f},"
+            f" step time {w['step'] / none['step']:.2f}x"
+        )
+    same = all(rows[0]["first"] == results["none"][0]["first"] for rows in results.values())
+    print(f"every configuration starts from the seeded construction's weights: {same}")
     print(
-        f"full / none: tensors {ratio:.3f} (1/{1 / ratio:.2f}), peak RSS {worst['full'][1] / worst['none'][1]:.3f},"
-        f" RSS after the steps {worst['full'][3] / worst['none'][3]:.3f}, step time {worst['full'][2] / worst['none'][2]:.2f}x"
-    )
-    print(
-        "peak RSS includes building the whole tower on every rank before it is sharded (the runtime is handed"
-        " the user's materialized module); RSS after the steps is what the rank holds once sharded"
+        "full builds the whole tower on every rank before sharding it, so its peak RSS is none's at build time;"
+        " full+meta never holds more than one tensor of the tower whole"
     )
 
 

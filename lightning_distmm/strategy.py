@@ -43,6 +43,7 @@ from lightning_distmm.core.plan import Plan, PlanError, colocated_plan, proporti
 from lightning_distmm.data.checks import check_dataloader
 from lightning_distmm.data.loading import DistMMDataLoader
 from lightning_distmm.mixin import DistMMMixin
+from lightning_distmm.parallel.deferred import deferred_init
 from lightning_distmm.parallel.executor import RankRuntime
 from lightning_distmm.parallel.flops import tower_flops
 from lightning_distmm.parallel.fsdp import mixed_precision_policy
@@ -233,6 +234,15 @@ class DistMMStrategy(ModelParallelStrategy):
             plan = auto_plan(infos, self.world_size, global_batch, self.root_device, options, per_node)
             data = plan.to_dict()
         return Plan.from_dict(self.broadcast(data, src=0))
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``trainer.init_module(empty_init=True)``: build on the meta device, recording how every tensor
+        is initialised; in ``setup`` each rank materialises only what it holds (a sharded tower's
+        shards) with the values an ordinary construction gives (``parallel.deferred``)."""
+        with deferred_init() if empty_init else contextlib.nullcontext(), self.precision_plugin.tensor_init_context():
+            yield
 
     @override
     def model_to_device(self) -> None:

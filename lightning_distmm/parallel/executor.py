@@ -47,12 +47,19 @@ from lightning_distmm.core.schedule import (
     sync_ranks,
 )
 from lightning_distmm.interaction import row_share
+from lightning_distmm.parallel import deferred
 from lightning_distmm.parallel.exchange import FeatureSpec, GatherSlot, allreduce_sum, exchange_specs, gather_features
 from lightning_distmm.parallel.fsdp import set_gradient_sync
 from lightning_distmm.parallel.gradients import DeferredGradients, RankGradients
 from lightning_distmm.parallel.groups import TowerGroups
 from lightning_distmm.parallel.pipeline import PendingSend, Stage, recv_tensor, send_tensor
-from lightning_distmm.parallel.prepare import prepare_rank, return_freed_memory, tower_parameters
+from lightning_distmm.parallel.prepare import (
+    check_held_tensors,
+    held_names,
+    prepare_rank,
+    return_freed_memory,
+    tower_parameters,
+)
 from lightning_distmm.parallel.step import Microbatch, ScheduleRun, StepState
 from lightning_distmm.tower import TowerModule
 
@@ -116,8 +123,18 @@ class RankRuntime:
 
     def prepare_local_towers(self) -> None:
         """Keep only what this rank runs (:func:`~lightning_distmm.parallel.prepare.prepare_rank`), rebuild
-        the parameter table (dropping references to replaced parameters) and hand the freed memory back."""
+        the parameter table (dropping references to replaced parameters) and hand the freed memory back.
+
+        A module built on the meta device under :func:`~lightning_distmm.parallel.deferred.deferred_init`
+        is prepared on meta, then each rank materialises what it holds (a sharded tower's shards only)
+        with the values the construction would have given them."""
+        refs = deferred.tensor_refs(self.module)  # type: ignore[arg-type]  # by name: sharding replaces tensors
         self.stages = prepare_rank(self.plan, self.towers, self.layout, self.groups, self.rank)
+        held = held_names(self.module, self.towers, self.layout, self.stages)  # type: ignore[arg-type]
+        if refs:
+            deferred.materialize(self.module, refs, self.device, held)  # type: ignore[arg-type]
+            deferred.release(refs)
+        check_held_tensors(self.module, held)  # type: ignore[arg-type]
         self.gradients = self._gradients()
         return_freed_memory()
 

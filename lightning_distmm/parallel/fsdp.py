@@ -45,7 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-from lightning_distmm.parallel.pipeline import Stage
+from lightning_distmm.parallel.pipeline import Stage, owned_names
 from lightning_distmm.parallel.tensor_parallel import is_strided
 
 
@@ -120,11 +120,10 @@ def apply_fsdp(
         owned = {id(m) for m in stage.modules}
         blocks = [b for b in transformer_blocks(module) if id(b) in owned]
         root = StageModule(module, stage.run)
-        ignored = {p for p in module.parameters() if p.is_meta}  # the other stages' parameters
+        mine = owned_names(module, stage)
+        ignored = {p for n, p in module.named_parameters() if n not in mine}  # the other stages' parameters
     units: list[FSDPModule] = []
     for block in blocks:
-        if any(p.is_meta for p in block.parameters()) and stage is None:
-            raise ValueError(f"{type(block).__name__}: a tower sharded with FSDP must hold all its blocks")
         units.append(fully_shard(block, **kwargs))
     units.append(fully_shard(root, ignored_params=ignored or None, **kwargs))
     for unit in units:

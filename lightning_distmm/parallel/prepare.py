@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -22,7 +22,7 @@ from lightning_distmm.core.plan import Plan
 from lightning_distmm.core.schedule import stage_neighbours
 from lightning_distmm.parallel.fsdp import apply_fsdp
 from lightning_distmm.parallel.groups import TowerGroups
-from lightning_distmm.parallel.pipeline import Stage, release_unowned, tower_stages
+from lightning_distmm.parallel.pipeline import Stage, owned_names, release_unowned, tower_stages
 from lightning_distmm.parallel.tensor_parallel import apply_tp, check_tp
 from lightning_distmm.tower import Tower
 
@@ -39,7 +39,7 @@ def prepare_rank(
     """
     release_remote_towers(towers, layout)
     stages = cut_pipelines(plan, towers, layout, rank)
-    parallelize_local_towers(plan, towers, layout, groups)
+    parallelize_local_towers(plan, towers, layout, groups, stages)
     return shard_local_towers(plan, towers, layout, groups, stages)
 
 
@@ -70,15 +70,25 @@ def cut_pipelines(plan: Plan, towers: Mapping[str, Tower], layout: RankLayout, r
 
 
 def parallelize_local_towers(
-    plan: Plan, towers: Mapping[str, Tower], layout: RankLayout, groups: Mapping[str, TowerGroups]
+    plan: Plan,
+    towers: Mapping[str, Tower],
+    layout: RankLayout,
+    groups: Mapping[str, TowerGroups],
+    stages: Mapping[str, Stage] | None = None,
 ) -> None:
-    """Shard the local towers that the plan gives tensor parallelism (tp > 1) over their tp mesh."""
+    """Shard the local towers that the plan gives tensor parallelism (tp > 1) over their tp mesh (a
+    pipelined tower: its stage's blocks)."""
     for name, tower in plan.towers.items():  # every rank checks every tower: fail together
         if tower.tp > 1:
             check_tp(towers[name].module, tower.tp, name)
     for name in layout.local_towers:
         if plan.towers[name].tp > 1:
-            apply_tp(towers[name].module, groups[name].mesh["tp"])
+            stage = (stages or {}).get(name)
+            if stage is None:
+                apply_tp(towers[name].module, groups[name].mesh["tp"], lambda block: True)
+            else:
+                mine = {id(m) for top in stage.modules for m in top.modules()}
+                apply_tp(towers[name].module, groups[name].mesh["tp"], lambda block: id(block) in mine)
 
 
 def shard_local_towers(
@@ -100,6 +110,39 @@ def shard_local_towers(
             if stage is not None:
                 out[name] = Stage(stage.modules, root, stage.extra)
     return out
+
+
+def held_names(
+    module: nn.Module, towers: Mapping[str, Tower], layout: RankLayout, stages: Mapping[str, Stage]
+) -> Callable[[str], bool]:
+    """Whether this rank holds the parameter or buffer of ``module`` with a given name: those of its
+    local towers (of a pipelined tower, its stage's) and every tensor outside the towers."""
+    prefixes = tower_prefixes(module, towers)
+    owned = {
+        name: {f"{prefixes[name]}.{n}" if prefixes[name] else n for n in owned_names(towers[name].module, stage)}
+        for name, stage in stages.items()
+    }
+
+    def held(fqn: str) -> bool:
+        for name, prefix in prefixes.items():
+            if not prefix or fqn.startswith(prefix + "."):
+                return name in layout.local_towers and (name not in owned or fqn in owned[name])
+        return True
+
+    return held
+
+
+def check_held_tensors(module: nn.Module, held: Callable[[str], bool]) -> None:
+    """Raise if a tensor this rank runs is still on the meta device (built on meta without a recording
+    of its initialisation to materialise it from)."""
+    missing = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta and held(n)]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(
+            f"{shown}: on the meta device with nothing to materialise it from; build the module as usual, or"
+            " under trainer.init_module(empty_init=True) (distmm records the initialisation and each rank"
+            " materialises its share)"
+        )
 
 
 def tower_prefixes(module: nn.Module, towers: Mapping[str, Tower]) -> dict[str, str]:

@@ -20,6 +20,7 @@ and in training (tests/test_equivalence.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -121,13 +122,18 @@ def _check_heads(heads: int, tp: int, where: str) -> None:
         raise ValueError(f"{where}: {heads} attention heads do not divide by tp={tp}")
 
 
-def apply_tp_vit(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """Shard a timm VisionTransformer's blocks over the 1-D tensor-parallel ``mesh`` (in place)."""
+def _holds_all(block: nn.Module) -> bool:
+    return not any(p.is_meta for p in block.parameters())
+
+
+def apply_tp_vit(model: nn.Module, mesh: DeviceMesh, held: Callable[[nn.Module], bool] = _holds_all) -> nn.Module:
+    """Shard a timm VisionTransformer's blocks over the 1-D tensor-parallel ``mesh`` (in place); only the
+    blocks ``held`` says this rank runs (another pipeline stage's blocks are left alone)."""
     tp = mesh.size()
     for i, block in enumerate(model.blocks):  # type: ignore[union-attr]
         attn = block.attn
         _check_heads(attn.num_heads, tp, f"blocks.{i}.attn")
-        if attn.qkv.weight.is_meta:
+        if not held(block):
             continue  # another pipeline stage's block
         if not isinstance(attn.norm, nn.Identity) or getattr(attn, "gate", None) is not None:
             raise ValueError(f"blocks.{i}.attn: scale-norm / gated attention mixes heads and cannot be sharded by head")
@@ -140,8 +146,9 @@ def apply_tp_vit(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-def apply_tp_clip_text(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """Shard the layers of a transformers CLIP text encoder (any module with ``encoder.layers``) in place."""
+def apply_tp_clip_text(model: nn.Module, mesh: DeviceMesh, held: Callable[[nn.Module], bool] = _holds_all) -> nn.Module:
+    """Shard the layers of a transformers CLIP text encoder (any module with ``encoder.layers``) in place;
+    only the layers ``held`` says this rank runs."""
     tp = mesh.size()
     layers = [m for name, m in model.named_modules() if name.endswith("encoder.layers")]
     if not layers:
@@ -149,7 +156,7 @@ def apply_tp_clip_text(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     for i, layer in enumerate(layers[0]):
         attn = layer.self_attn
         _check_heads(attn.num_heads, tp, f"encoder.layers.{i}.self_attn")
-        if attn.q_proj.weight.is_meta:
+        if not held(layer):
             continue  # another pipeline stage's layer
         plan = {
             "self_attn.q_proj": ColwiseParallel(),
@@ -194,8 +201,10 @@ def check_tp(module: nn.Module, tp: int, tower: str) -> None:
         raise ValueError(f"tower {tower!r}, tp={tp}: {err}") from None
 
 
-def apply_tp(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """Shard a tower by its family: a timm ViT (``blocks[*].attn.qkv``) or a text encoder with ``encoder.layers``.
+def apply_tp(module: nn.Module, mesh: DeviceMesh, held: Callable[[nn.Module], bool] = _holds_all) -> nn.Module:
+    """Shard a tower by its family: a timm ViT (``blocks[*].attn.qkv``) or a text encoder with ``encoder.layers``;
+    only the blocks ``held`` says this rank runs (by default those not released to the meta device;
+    a tower built on meta to be materialised later says which by its pipeline stage).
 
     Idempotent: a second ``Trainer`` call in the same process (fit, then validate) finds the tower
     already sharded over this mesh.
@@ -204,7 +213,7 @@ def apply_tp(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         if module._distmm_tp_mesh != mesh:  # type: ignore[comparison-overlap]
             raise ValueError("this tower is already sharded over another tensor-parallel mesh")
         return module
-    apply_tp_vit(module, mesh) if _family(module) == "vit" else apply_tp_clip_text(module, mesh)
+    apply_tp_vit(module, mesh, held) if _family(module) == "vit" else apply_tp_clip_text(module, mesh, held)
     module._distmm_tp_mesh = mesh  # type: ignore[assignment]
     return module
 
