@@ -233,6 +233,7 @@ def main(cfg: DictConfig) -> dict[str, float] | None:
     trainer.fit(model, datamodule=datamodule, ckpt_path=hydra.utils.to_absolute_path(ckpt_path) if ckpt_path else None)
     fit_seconds = time.time() - start
 
+    train_loss = trainer.callback_metrics.get("train/loss")  # validate() below starts callback_metrics anew
     if trainer.limit_val_batches:
         # the last validation (if any) ran at an epoch end or a val_check_interval, not necessarily at
         # the last step: validate the trained weights, so the callbacks' figures are theirs
@@ -249,7 +250,7 @@ def main(cfg: DictConfig) -> dict[str, float] | None:
     if logged.get("val/retrieval/n"):
         rank_zero_info(retrieval_line(logged, "val/retrieval/"))
     if cfg.eval.enabled:
-        evaluate(trainer, model, datamodule, cfg, out_dir, fit_seconds)
+        evaluate(trainer, model, datamodule, cfg, out_dir, fit_seconds, train_loss)
     release_process_group(launched_here)
     return optimized_metric(trainer, cfg.get("optimized_metric"))
 
@@ -282,6 +283,7 @@ def evaluate(
     cfg: DictConfig,
     out_dir: Path,
     fit_seconds: float,
+    train_loss: Any = None,
 ) -> dict[str, float] | None:
     """Held-out retrieval on global rank 0; prints it and writes ``metrics.json`` (collective: all ranks call)."""
     eval_model = evaluation_module(trainer, model, cfg)
@@ -290,7 +292,6 @@ def evaluate(
     held_out = getattr(datamodule, "retrieval_dataset", None) or datamodule.val_dataset
     metrics = retrieval_metrics(eval_model, DataLoader(held_out, batch_size=int(cfg.eval.batch_size)))
     print(format_metrics(metrics), flush=True)
-    train_loss = trainer.callback_metrics.get("train/loss")
     record = {
         **metrics,
         "train/loss": float(train_loss) if train_loss is not None else None,

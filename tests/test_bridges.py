@@ -57,6 +57,25 @@ def test_the_default_tiny_vit_is_refused_with_the_fix():
         to_open_clip(CLIPModel())
 
 
+def test_every_mismatch_is_named_at_once_and_the_shipped_config_exports(tmp_path):
+    import yaml
+
+    from lightning_distmm.models.bridges import to_hf
+
+    with pytest.raises(ValueError, match="not CLIP's ViT.*different activations.*model=clip_tiny_openclip"):
+        to_open_clip(CLIPModel())
+    save_open_clip(CLIPModel(open_clip_compatible(CLIP_TINY)), tmp_path / "oc")  # the helper's config exports
+    from pathlib import Path
+
+    shipped = yaml.safe_load((Path(__file__).parents[1] / "conf/model/clip_tiny_openclip.yaml").read_text())
+    to_hf(CLIPModel(shipped))
+    coca = {**open_clip_compatible(CLIP_TINY), "loss": "coca"}
+    with pytest.raises(ValueError, match="CoCa"):
+        from lightning_distmm.models.bridges.layout import _check_ours
+
+        _check_ours(type("M", (), {"model_cfg": coca})())
+
+
 @pytest.mark.parametrize("act", ["gelu", "quick_gelu"])
 def test_open_clip_create_model_gives_our_features(tmp_path, act):
     model, batch = _tiny(act), _inputs()

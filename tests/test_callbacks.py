@@ -109,6 +109,25 @@ def test_callbacks_under_distmm_equal_one_process(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_plan_the_callbacks_cannot_evaluate_is_refused_before_training(tmp_path):
+    """A pipelined image tower: no rank can encode images alone, so the callbacks fail at fit start
+    (naming the way out), not at the first validation after hours of training."""
+
+    class Steps(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            (tmp_path / "trained").write_text(str(batch_idx))
+
+    def run() -> None:
+        plan = ldm.Plan(3, {"image": {"ranks": [0, 1], "pp": 2}, "text": {"ranks": [2]}})
+        strategy = ldm.DistMMStrategy(plan=plan, start_method="fork")
+        with pytest.raises(Exception, match="Retrieval: no rank holds the whole 'image' tower.*callbacks=none"):
+            _fit(strategy, 3, tmp_path / "dist.json", [Retrieval(ks=(1,)), Steps()], _shapes(), 2)
+
+    in_subprocess(run)
+    assert not (tmp_path / "trained").exists()
+
+
+@pytest.mark.slow
 def test_clip_digits_zero_shot_far_above_chance(tmp_path, capsys):
     """Real scans (scikit-learn's digits): 300 steps of the tiny CLIP (AdamW 3e-3, 50 warmup steps,
     cosine), then zero-shot with a prompt template the training captions never use."""

@@ -71,24 +71,42 @@ class TowerEvaluation(L.Callback):
         self.prefix = prefix
         self.metrics: dict[str, float] = {}
 
+    #: the towers whose features the evaluation compares (set by the subclasses)
+    towers: tuple[str, ...] = ()
+
     def _due(self, trainer: L.Trainer) -> bool:
         return not trainer.sanity_checking and (trainer.current_epoch + 1) % self.every_n_epochs == 0
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        """Refuse a plan this callback cannot evaluate before the first step, not at the first validation."""
+        for tower in self.towers:
+            self._source(type(self).__name__, tower, pl_module.tower_specs()[tower].module)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        if trainer.state.fn != "fit":  # a standalone validate: fit's check did not run
+            self.on_fit_start(trainer, pl_module)
+
+    @staticmethod
+    def _source(who: str, tower: str, module: torch.nn.Module) -> int:
+        """The first rank holding ``tower`` whole (collective under distmm: every rank calls it)."""
+        if not _distributed():
+            return 0
+        holders: list[bool] = [False] * dist.get_world_size()
+        dist.all_gather_object(holders, _holds(module))
+        if not any(holders):
+            raise NotImplementedError(
+                f"{who}: no rank holds the whole {tower!r} tower (pipeline stages, tensor-parallel or FSDP shards), so"
+                " its features cannot be computed in one place: drop the callback for this plan (recipes: callbacks=none)"
+                " and evaluate a consolidated model (lightning_distmm.consolidated_state_dict) after training"
+            )
+        return holders.index(True)
 
     @torch.no_grad()
     def encode(self, pl_module: Any, tower: str, batches: Batches) -> Tensor:
         """``[N, D]`` embeddings of ``tower`` over ``batches`` (``pl_module.embedding`` of its features when the
         module has it); collective under distmm: every rank calls it."""
         spec = pl_module.tower_specs()[tower]
-        source = 0
-        if _distributed():
-            holders: list[bool] = [False] * dist.get_world_size()
-            dist.all_gather_object(holders, _holds(spec.module))
-            if not any(holders):
-                raise NotImplementedError(
-                    f"no rank holds the whole {tower!r} tower (pipeline stages or tensor-parallel shards): evaluate a"
-                    " consolidated model (lightning_distmm.consolidated_state_dict) instead of using this callback"
-                )
-            source = holders.index(True)
+        source = self._source(type(self).__name__, tower, spec.module)
         features = None
         if not _distributed() or dist.get_rank() == source:
             device = pl_module.device

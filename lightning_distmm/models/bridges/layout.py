@@ -31,29 +31,44 @@ State = dict[str, Tensor]
 
 
 def open_clip_compatible(model_cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """``model_cfg`` with its ViT configured as CLIP's (the layout open_clip and HF use)."""
+    """``model_cfg`` with its ViT configured as CLIP's (the layout open_clip and HF use) and the text
+    tower on the image tower's activation (CLIP has one for both). ``conf/model/clip_tiny_openclip.yaml``
+    is ``clip_tiny`` so configured."""
     cfg = json.loads(json.dumps(dict(model_cfg)))
-    cfg["towers"]["image"].update(CLIP_VIT_KEYS)
+    image = cfg["towers"]["image"]
+    image.update(CLIP_VIT_KEYS)
+    image["act"] = image.get("act") or "gelu"
+    if "text" in cfg["towers"]:
+        cfg["towers"]["text"]["act"] = image["act"]
     return cfg
 
 
 def _check_ours(model: CLIPModel) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """The image and text tower configs and the activation, or one error naming everything that has
+    no place in open_clip's CLIP / Hugging Face's CLIPModel."""
     towers = model.model_cfg["towers"]
     if set(towers) != {"image", "text"}:
         raise ValueError(f"a CLIP checkpoint has an image and a text tower; this model has {sorted(towers)}")
+    if model.model_cfg.get("loss") == "coca":
+        raise ValueError("a CoCa model (loss: coca) has no open_clip / Hugging Face export here: only CLIP and SigLIP")
     image, text = towers["image"], towers["text"]
     if image.get("arch") != "vit" or text.get("arch") != "clip_text":
         raise ValueError(f"exports need a 'vit' image and a 'clip_text' text tower, got {image['arch']}/{text['arch']}")
+    problems = []
     have = {**_VIT_DEFAULTS, **{k: image[k] for k in _VIT_DEFAULTS if k in image}}
     wrong = {k: v for k, v in have.items() if k != "norm_eps" and v != CLIP_VIT_KEYS[k]}
     if wrong or image.get("global_pool", "token") != "token":
-        raise ValueError(
-            f"the image tower is not CLIP's ViT ({wrong}): build it with {CLIP_VIT_KEYS} (see"
-            " bridges.open_clip_compatible) so that every weight has a place in open_clip / Hugging Face"
-        )
+        problems.append(f"the image tower is not CLIP's ViT ({wrong}; it needs {CLIP_VIT_KEYS})")
     act_image, act_text = image.get("act") or "gelu", text.get("act") or "quick_gelu"
     if act_image != act_text:
-        raise ValueError(f"the towers use different activations ({act_image} / {act_text}); CLIP uses one for both")
+        problems.append(f"the towers use different activations ({act_image} / {act_text}; CLIP uses one for both)")
+    if problems:
+        raise ValueError(
+            "this model does not map onto open_clip / Hugging Face CLIP: " + "; ".join(problems) + "."
+            " Train with a config built by bridges.open_clip_compatible (recipes: model=clip_tiny_openclip, or"
+            f" +model.towers.image.pre_norm=true +model.towers.image.norm_eps=1e-5 +model.towers.image.head_bias=false"
+            f" +model.towers.text.act={act_image})"
+        )
     return image, text, act_image
 
 

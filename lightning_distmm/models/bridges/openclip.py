@@ -280,9 +280,9 @@ def save_open_clip(model: CLIPModel, folder: str | Path) -> Path:
     """Write ``open_clip_config.json`` + ``open_clip_model.safetensors``: ``create_model("local-dir:<folder>")``."""
     from safetensors.torch import save_file
 
+    cfg, state = to_open_clip(model)  # refused before a folder is made
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    cfg, state = to_open_clip(model)
     (folder / "open_clip_config.json").write_text(json.dumps({"model_cfg": cfg, "preprocess_cfg": {}}, indent=2))
     save_file(state, str(folder / "open_clip_model.safetensors"))
     return folder
