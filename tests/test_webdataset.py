@@ -459,3 +459,21 @@ def test_make_shards_and_the_clip_wds_experiment(tmp_path):
     train.settle_max_epochs(kwargs, dm)
     assert kwargs["max_epochs"] == 3  # 2 batches of 4 an epoch
     assert {type(c).__name__ for c in train.instantiate_group(cfg.callbacks)} == {"Retrieval"}
+
+
+def test_a_failing_pipe_and_a_missing_caption_are_named(tmp_path):
+    import io
+    import tarfile
+
+    from lightning_distmm.data.webdataset import WebDatasetPairs
+
+    url = f"pipe:cat {tmp_path / 'missing-000000.tar'}"
+    with pytest.raises(OSError, match=r"WebDatasetPairs: reading shard 'pipe:cat .*missing-000000.tar' failed"):
+        list(WebDatasetPairs([url])._read([url]))
+    with tarfile.open(tmp_path / "nocap.tar", "w") as tar:
+        info = tarfile.TarInfo("x000.png")
+        info.size = 3
+        tar.addfile(info, io.BytesIO(b"png"))
+    shard = str(tmp_path / "nocap.tar")
+    with pytest.raises(ValueError, match=r"sample 'x000' has members \['png'\]: no caption \(txt\);"):
+        list(WebDatasetPairs([shard])._read([shard]))

@@ -166,24 +166,41 @@ class WebDatasetPairs(FieldStream):
 
         wanted = {*self.image_keys, self.caption_key}
         for url in shards:
-            stream = gopen(url, "rb")
+            try:
+                stream = gopen(url, "rb")
+            except OSError as e:
+                raise OSError(f"WebDatasetPairs: shard {url!r} cannot be opened: {e}") from e
+            closed = False
             try:
                 members = tar_members(stream, url)
                 files = ({"fname": n, "data": d, "__url__": url} for n, d in members if _extension(n) in wanted)
                 for sample in group_by_keys(files):
                     self.read += 1
                     yield self._raw(sample, url)
+                closed = True
+                stream.close()  # a pipe: command's exit status is checked here
+            except OSError as e:
+                closed = True
+                if url in str(e):
+                    raise
+                # a failed pipe: command surfaces as webdataset's raw "(args, kwargs): exit N (read)"
+                raise OSError(f"WebDatasetPairs: reading shard {url!r} failed: {e}") from e
             finally:
-                stream.close()
+                if not closed:  # the consumer stopped early, or another error
+                    stream.close()
 
     def _raw(self, sample: dict[str, Any], url: str) -> RawPair:
         image = next((sample[k] for k in self.image_keys if k in sample), None)
         caption = sample.get(self.caption_key)
         if image is None or caption is None:
             has = sorted(k for k in sample if not k.startswith("__"))
+            missing = [
+                f"no image ({'/'.join(self.image_keys)})" if image is None else "",
+                f"no caption ({self.caption_key})" if caption is None else "",
+            ]
             raise ValueError(
-                f"{url}: sample {sample['__key__']!r} has members {has}, no image ({'/'.join(self.image_keys)}) or no"
-                f" caption ({self.caption_key}): pass image_key= / caption_key= (open_clip's --wds-image-key ...)"
+                f"{url}: sample {sample['__key__']!r} has members {has}: {' and '.join(m for m in missing if m)};"
+                " pass image_key= / caption_key= if the shards name them otherwise (open_clip's --wds-image-key ...)"
             )
         return RawPair(sample["__key__"], url, image, caption)
 
