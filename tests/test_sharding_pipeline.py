@@ -82,3 +82,21 @@ def test_sharded_pipeline_plans_are_accepted():
     plan = ldm.Plan(2, {"image": {"ranks": [0, 1], "pp": 2, "shard": "full"}, "text": {"ranks": [1]}})
     again = ldm.Plan.from_yaml(plan.to_yaml())
     assert again.towers["image"].pp == 2 and again.towers["image"].sharded
+
+
+@pytest.mark.slow
+def test_sharded_stages_accumulate_and_clip(tmp_path):
+    """Each stage's shards count once in the global norm; accumulated batches reduce once, in the
+    optimizer step's last backward of each stage."""
+    plan = PLANS["image-pp2-gpipe"]
+    result = compare_with_reference(
+        lambda: DeepCLIP("adamw", lr=0.01),
+        plan,
+        plan.world_size,
+        8,
+        3,
+        tmp_path,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.05,
+    )
+    result.assert_exact()
