@@ -10,6 +10,8 @@ from lightning_distmm.core.schedule import (
     BatchSync,
     Forward,
     GradSync,
+    SyncPost,
+    SyncWait,
     bubble_fraction,
     rank_schedule,
     schedules,
@@ -116,6 +118,85 @@ def test_distmm_holds_half_the_activations(stages):
     assert max(i.end for i in distmm) == max(i.end for i in gpipe) + 0.5  # the second batch-sync
 
 
+DISTMM = Plan(
+    3,
+    {
+        "image": {"ranks": [0, 1], "pp": 2, "microbatch": 2, "schedule": "distmm"},
+        "text": {"ranks": [2], "microbatch": 2, "schedule": "distmm"},
+    },
+)
+
+
+def test_async_batch_sync_posts_then_runs_the_next_wave():
+    """``overlap``: wave 0's batch-sync becomes a post (where the batch-sync was) and a wait (before
+    the first backward), with one of wave 1's forwards between them on the last stages; every
+    stage runs one forward more ahead; the last batch-sync stays blocking."""
+    first, last, text = (rank_schedule(DISTMM, r, 8, overlap=True) for r in range(3))
+    kinds = lambda ins: [f"{type(i).__name__}{getattr(i, 'sync_group', '')}" for i in ins]  # noqa: E731
+    assert kinds(first) == ["Forward0"] * 2 + ["Forward1"] * 2 + ["Backward0"] * 2 + ["Backward1"] * 2 + ["GradSync"]
+    for ins, tower in ((last, "image"), (text, "text")):
+        assert kinds(ins) == [
+            "Forward0", "Forward0", "SyncPost0", "Forward1", "SyncWait0", "Backward0", "Forward1", "Backward0",
+            "BatchSync1", "Backward1", "Backward1", "GradSync",
+        ]  # fmt: skip
+        assert ins[2] == SyncPost(0, (1, 2)) and ins[4] == SyncWait(0, (1, 2)) and ins[3].tower == tower
+    # other schedules and one-wave plans are unchanged
+    assert rank_schedule(PLAN, 1, 8, overlap=True) == rank_schedule(PLAN, 1, 8)
+
+
+def _sync_durations(f: float, b: float, gather: float, loss: float):
+    """Durations where a blocking batch-sync costs its gather plus its loss: the same work either way."""
+
+    def duration(rank, ins):
+        parts = {"Forward": f, "Backward": b, "SyncPost": gather, "SyncWait": loss, "BatchSync": gather + loss}
+        return parts.get(type(ins).__name__, 0.0)
+
+    return duration
+
+
+@pytest.mark.parametrize("gather", [0.0, 0.25, 0.5, 1.0, 2.0, 4.0])
+def test_async_batch_sync_hides_the_gather_behind_a_forward(gather):
+    """The simulator prices the gather in flight between post and wait: the step shortens by the part of
+    wave 0's gather one forward of wave 1 covers (here min(gather, f)), and the gather is no longer busy time."""
+    duration = _sync_durations(1.0, 2.0, gather, 0.5)
+    blocking = simulate(schedules(DISTMM, 16), duration)
+    overlapped = simulate(schedules(DISTMM, 16, overlap=True), duration)
+    end = lambda iv: max(i.end for i in iv)  # noqa: E731
+    assert end(overlapped) == pytest.approx(end(blocking) - min(gather, 1.0))
+    post = [i for i in overlapped if isinstance(i.instruction, SyncPost)]
+    assert len(post) == 2 and all(i.end - i.start == pytest.approx(gather) for i in post)
+    assert "SyncPost" in timeline_svg(overlapped) and "SyncWait" in timeline_svg(overlapped)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+def test_async_batch_sync_is_never_slower(stages):
+    """Over a grid of microbatch counts, compute times, gather lengths and transfer times, the
+    overlapped lists never take longer than the blocking ones (one pipelined tower, alone and with
+    a second one-stage tower), and hold one microbatch more per stage."""
+    for towers in (1, 2):
+        plan = Plan(
+            stages + towers - 1,
+            {
+                "image": {"ranks": list(range(stages)), "pp": stages, "microbatch": 1, "schedule": "distmm"},
+                **({"text": {"ranks": [stages], "microbatch": 1, "schedule": "distmm"}} if towers == 2 else {}),
+            },
+        )
+        for rows in (4, 9, 16):
+            for f, b in ((1.0, 2.0), (2.0, 1.0)):
+                for gather in (0.0, 0.3, 1.0, 6.0):
+                    for link in (0.0, 0.5):
+                        duration = _sync_durations(f, b, gather, 0.5)
+                        blocking = max(i.end for i in simulate(schedules(plan, rows), duration, link))
+                        overlapped = max(i.end for i in simulate(schedules(plan, rows, True), duration, link))
+                        assert overlapped <= blocking + 1e-9
+    for rank in range(stages):
+        live = peak = 0
+        for i in rank_schedule(plan, rank, 16, overlap=True):
+            live += isinstance(i, Forward) - isinstance(i, Backward)
+            peak = max(peak, live)
+        assert peak == 8 + stages - rank
+
+
 def _random_plan(rng: random.Random, schedule: str) -> Plan:
     world = rng.randint(1, 6)
     towers = {}
@@ -139,13 +220,16 @@ def _random_plan(rng: random.Random, schedule: str) -> Plan:
     return Plan(world, towers)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "cached", "distmm"])
-def test_no_plan_deadlocks(schedule):
-    """Every rank's list, sends posted without blocking, receives and syncs blocking: the step always
-    completes, for random plans (towers sharing ranks in any order, pipelines, tp, replicas)."""
+@pytest.mark.parametrize(
+    ("schedule", "overlap"), [("gpipe", False), ("cached", False), ("distmm", False), ("distmm", True)]
+)
+def test_no_plan_deadlocks(schedule, overlap):
+    """Every rank's list, sends posted without blocking, receives and syncs blocking (an asynchronous
+    batch-sync's wait blocking on every post): the step always completes, for random plans (towers
+    sharing ranks in any order, pipelines, tp, replicas)."""
     rng = random.Random(schedule)
     for _ in range(300):
         plan = _random_plan(rng, schedule)
-        lists = schedules(plan, rng.randint(2 * 6, 20))
+        lists = schedules(plan, rng.randint(2 * 6, 20), overlap)
         intervals = simulate(lists, lambda r, i: rng.random())
         assert len(intervals) == sum(len(v) for v in lists.values())

@@ -47,6 +47,24 @@ class BatchSync:
 
 
 @dataclass(frozen=True)
+class SyncPost:
+    """The first half of an asynchronous batch-sync: post the all-gather of sync group ``sync_group``'s
+    features over ``ranks`` and go on; the gather is in flight until the matching :class:`SyncWait`."""
+
+    sync_group: int = 0
+    ranks: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class SyncWait:
+    """The second half: wait for the gather posted by :class:`SyncPost`, then the interaction loss
+    forward and backward on that sync group and the feature gradient split (as in :class:`BatchSync`)."""
+
+    sync_group: int = 0
+    ranks: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class Backward:
     """Microbatch ``mb`` of ``tower`` backward through this stage (``recompute``: rerun its forward first)."""
 
@@ -64,7 +82,7 @@ class GradSync:
     """Gradient sums over data-parallel peers (and of the interaction parameters over all ranks)."""
 
 
-Instruction = Forward | BatchSync | Backward | GradSync
+Instruction = Forward | BatchSync | SyncPost | SyncWait | Backward | GradSync
 
 
 def microbatch_sizes(rows: int, microbatch: int | None) -> list[int]:
@@ -95,7 +113,7 @@ def sync_ranks(plan: Plan) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
-def rank_schedule(plan: Plan, rank: int, n: int) -> list[Instruction]:
+def rank_schedule(plan: Plan, rank: int, n: int, overlap: bool = False) -> list[Instruction]:
     """What ``rank`` does in one step on a global batch of ``n``.
 
     ``gpipe`` and ``cached`` have one wave: every forward (towers in the plan's order, microbatches
@@ -109,6 +127,13 @@ def rank_schedule(plan: Plan, rank: int, n: int) -> list[Instruction]:
     run wave 1's forwards. Sends do not block (the runtime posts them and waits at the end of the
     step); receives and syncs do; ``tests/test_schedule.py`` simulates random plans to check that
     these lists never deadlock.
+
+    ``overlap`` (``distmm`` only; the runtime's lists): every batch-sync but the last is split into
+    :class:`SyncPost` (the features' all-gather posted where the batch-sync was) and
+    :class:`SyncWait` (before the first backward that needs its feature gradients), and every stage
+    runs one more of the next wave's forwards ahead (``p - s``: the last stage one, during the
+    gather), as if the gather were one more stage after the last. The last batch-sync stays
+    blocking: nothing of the step is left to run beside it.
     """
     waves = plan.group_split(n)
     participants = sync_ranks(plan)
@@ -120,6 +145,8 @@ def rank_schedule(plan: Plan, rank: int, n: int) -> list[Instruction]:
             continue
         replica, stage, prev, nxt = stage_neighbours(plan, name, rank)
         ahead[name] = t.pp - 1 - stage  # 1F1B warm-up: one per later stage (none on the last)
+        if overlap and len(waves) > 1:
+            ahead[name] += 1  # the in-flight gather counts as one more stage
         cached = t.schedule == "cached"
         mb = 0
         for w, wave_rows in enumerate(waves):
@@ -128,20 +155,32 @@ def rank_schedule(plan: Plan, rank: int, n: int) -> list[Instruction]:
                 fw.append(Forward(name, mb, rows, prev, nxt, keep=not cached, sync_group=w))
                 bw.append(Backward(name, mb, rows, nxt, prev, recompute=cached, sync_group=w))
                 mb += 1
+    split = overlap and len(waves) > 1
+    last_stage = {name for name in ahead if ahead[name] == int(split)}  # towers whose backward starts at the sync
     out: list[Instruction] = [i for ins in forwards[0].values() for i in ins]
     for w in range(len(waves)):
-        if rank in participants:
-            out.append(BatchSync(w, participants))
+        sync = rank in participants
         if w + 1 == len(waves):
+            if sync:
+                out.append(BatchSync(w, participants))
             # last stages first: their backwards need nothing but the batch-sync
-            out.extend(i for name in ahead if ahead[name] == 0 for i in backwards[w][name])
-            out.extend(i for name in ahead if ahead[name] > 0 for i in backwards[w][name])
+            out.extend(i for name in ahead if name in last_stage for i in backwards[w][name])
+            out.extend(i for name in ahead if name not in last_stage for i in backwards[w][name])
             break
+        waiting = sync and split
+        if sync:
+            out.append(SyncPost(w, participants) if split else BatchSync(w, participants))
         # per tower: the next wave's first forwards, then backward / forward pairs (1F1B)
         slots = {name: _one_f_one_b(forwards[w + 1][name], backwards[w][name], ahead[name]) for name in ahead}
         for k in range(max(len(v) for v in slots.values())):
             for name in ahead:
-                out.extend(slots[name][k] if k < len(slots[name]) else [])
+                for i in slots[name][k] if k < len(slots[name]) else []:
+                    if waiting and isinstance(i, Backward) and name in last_stage:
+                        out.append(SyncWait(w, participants))  # the first backward that needs the gather
+                        waiting = False
+                    out.append(i)
+        if waiting:
+            out.append(SyncWait(w, participants))
     out.append(GradSync())
     return out
 
@@ -157,8 +196,8 @@ def _one_f_one_b(forwards: list[Instruction], backwards: list[Instruction], ahea
     return slots
 
 
-def schedules(plan: Plan, n: int) -> dict[int, list[Instruction]]:
-    return {rank: rank_schedule(plan, rank, n) for rank in range(plan.world_size)}
+def schedules(plan: Plan, n: int, overlap: bool = False) -> dict[int, list[Instruction]]:
+    return {rank: rank_schedule(plan, rank, n, overlap) for rank in range(plan.world_size)}
 
 
 # ---------------------------------------------------------------------- simulation
@@ -178,6 +217,13 @@ def simulate(
     """Play every rank's list: a receive waits for its send (plus ``link`` seconds), a batch-sync
     waits for its ranks, the gradient sync for every rank. Returns each instruction's interval.
 
+    An asynchronous batch-sync costs its rank nothing at :class:`SyncPost`: the gather is in flight
+    from the last of its ranks' posts for ``duration(rank, post)`` seconds (its interval, which
+    :func:`bubble_fraction` does not count as busy), while the rank runs on; :class:`SyncWait`
+    starts when both the rank and the gather are done and takes ``duration(rank, wait)`` (the loss,
+    its backward, the feature gradient sum). Pricing a :class:`BatchSync` as the post's seconds
+    plus the wait's gives the blocking equivalent.
+
     ``link``: seconds from a send to its receive, a number or a function of the receiving
     instruction (a ``Forward`` receives the microbatch's activations, a ``Backward`` its gradient).
     """
@@ -186,12 +232,29 @@ def simulate(
     sent: dict[tuple, float] = {}
     out: list[Interval] = []
     barrier_arrivals: dict[tuple[str, int], dict[int, float]] = {}
+    posted: dict[tuple[int, int], SyncPost] = {}  # (rank, sync group) -> its post, priced at the wait
     while any(pc[r] < len(plan_schedules[r]) for r in plan_schedules):
         progressed = False
         for r, instrs in plan_schedules.items():
             while pc[r] < len(instrs):
                 ins = instrs[pc[r]]
-                if isinstance(ins, (BatchSync, GradSync)):
+                if isinstance(ins, SyncPost):
+                    barrier_arrivals.setdefault(("SyncPost", ins.sync_group), {}).setdefault(r, clock[r])
+                    posted[r, ins.sync_group] = ins
+                    pc[r] += 1
+                    progressed = True
+                    continue
+                if isinstance(ins, SyncWait):
+                    arrivals = barrier_arrivals.get(("SyncPost", ins.sync_group), {})
+                    if len(arrivals) < len(ins.ranks or plan_schedules):
+                        break
+                    post = posted.pop((r, ins.sync_group))
+                    gathered = max(arrivals.values())
+                    done = gathered + duration(r, post)
+                    out.append(Interval(r, post, gathered, done))
+                    start = max(clock[r], done)
+                    end = start + duration(r, ins)
+                elif isinstance(ins, (BatchSync, GradSync)):
                     key = (type(ins).__name__, getattr(ins, "sync_group", 0))
                     arrivals = barrier_arrivals.setdefault(key, {})
                     arrivals.setdefault(r, clock[r])
@@ -221,12 +284,13 @@ def simulate(
 
 
 def bubble_fraction(intervals: Sequence[Interval]) -> float:
-    """Idle share of the ranks' time over the step (compute and sync intervals count as busy)."""
+    """Idle share of the ranks' time over the step (compute and sync intervals count as busy; an
+    asynchronous gather in flight does not: the rank computes beside it)."""
     if not intervals:
         return 0.0
     span = max(i.end for i in intervals) - min(i.start for i in intervals)
     ranks = {i.rank for i in intervals}
-    busy = sum(i.end - i.start for i in intervals)
+    busy = sum(i.end - i.start for i in intervals if not isinstance(i.instruction, SyncPost))
     return max(0.0, 1.0 - busy / (span * len(ranks))) if span > 0 else 0.0
 
 
@@ -237,6 +301,8 @@ KINDS: dict[str, tuple[str, str]] = {
     "Backward+recompute": ("#C0504D", "backward, recomputing the forward first"),
     "BatchSync": ("#6BBF59", "batch-sync: features meet, loss, feature gradients"),
     "GradSync": ("#9B59B6", "gradient sync: sums over the replicas"),
+    "SyncPost": ("#B5DFAA", "batch-sync gather in flight (posted, not waited for)"),
+    "SyncWait": ("#3E8E2F", "batch-sync wait: loss, feature gradients"),
 }
 _IDLE = ("#ECECEC", "idle: waiting for a stage, a peer or a sync")
 
@@ -296,14 +362,21 @@ def timeline_svg(
         ins = i.instruction
         kind = instruction_kind(ins)
         x, w = left + i.start * scale, max((i.end - i.start) * scale, 1.0)
+        box_y, box_h = y + 3, row - 6
+        if isinstance(ins, SyncPost):  # in flight beside the rank's compute: a thin bar under it
+            box_y, box_h = y + row - 7, 4
         label, what = "", kind
         if isinstance(ins, (Forward, Backward)):
             label = f"{ins.tower[0]}{ins.mb}" + ("r" if isinstance(ins, Backward) and ins.recompute else "")
             what = f"{ins.tower} {kind.lower()} microbatch {ins.mb} ({ins.rows} rows)"
         elif isinstance(ins, BatchSync):
             label, what = f"S{ins.sync_group}", f"batch-sync of sync group {ins.sync_group}"
+        elif isinstance(ins, SyncWait):
+            label, what = f"W{ins.sync_group}", f"batch-sync wait of sync group {ins.sync_group}"
+        elif isinstance(ins, SyncPost):
+            what = f"gather of sync group {ins.sync_group} in flight"
         parts.append(
-            f'<rect class="box" data-kind="{kind}" x="{x:.1f}" y="{y + 3}" width="{w:.1f}" height="{row - 6}"'
+            f'<rect class="box" data-kind="{kind}" x="{x:.1f}" y="{box_y}" width="{w:.1f}" height="{box_h}"'
             f' fill="{KINDS[kind][0]}" stroke="white"><title>{escape(what)}: {i.start * 1e3:.3g}-{i.end * 1e3:.3g} ms</title></rect>'
         )
         if label and w > 14:
