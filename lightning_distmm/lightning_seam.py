@@ -130,6 +130,21 @@ class ConsolidatingLauncher(_MultiProcessingLauncher):
             tempfile.tempdir = self._temp_dir
         return super()._wrapping_function(*args, **kwargs)
 
+    def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: pl.Trainer) -> None:
+        """Lightning's private parent-side step that loads rank 0's returned weights into the parent's
+        module. A module built on the meta device (``trainer.init_module(empty_init=True)``) has no
+        storage to load into there (``load_state_dict`` on meta tensors does nothing): it is
+        materialised from its construction's recording first, so tensors the returned state dict
+        lacks (non-persistent buffers) get their constructed values."""
+        from lightning_distmm.parallel import deferred
+
+        module = trainer.lightning_module
+        refs = deferred.tensor_refs(module) if worker_output.weights_path is not None else {}
+        if refs:
+            deferred.materialize(module, refs, torch.device("cpu"))
+            deferred.release(refs)
+        super()._recover_results_in_main_process(worker_output, trainer)
+
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
         state_dict = self._consolidate()  # on every rank: a collective
         if self._strategy.local_rank != 0:

@@ -76,6 +76,18 @@ def test_launch_starts_ranks_through_torch_and_wraps_them():
     )
 
 
+def test_recover_results_loads_rank_zeros_weights_into_the_parents_module():
+    """ConsolidatingLauncher materialises a meta-built module before Lightning's parent-side step
+    loads the returned weights into it with ``load_state_dict``."""
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+
+    params = list(inspect.signature(_MultiProcessingLauncher._recover_results_in_main_process).parameters)
+    assert params == ["self", "worker_output", "trainer"], f"_recover_results_in_main_process changed: {params}"
+    source = inspect.getsource(_MultiProcessingLauncher._recover_results_in_main_process)
+    assert "load_state_dict(" in source, "the parent no longer loads the returned weights with load_state_dict"
+    assert "_recover_results_in_main_process" in inspect.getsource(_MultiProcessingLauncher.launch)
+
+
 def test_default_store(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:

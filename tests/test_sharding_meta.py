@@ -52,7 +52,7 @@ def test_deferred_init_refuses_draws_it_cannot_replay():
 
 class Consolidated(L.Callback):
     """Rank 0 writes the whole trained model (assembled from every rank) and each rank the number of
-    image-tower values it holds: the parent's module stays on the meta device under the fork launcher."""
+    image-tower values it holds."""
 
     def __init__(self, folder: str) -> None:
         self.folder = folder
@@ -110,6 +110,9 @@ def test_meta_built_towers_train_like_one_process(name, tmp_path):
     assert all(p.is_meta for n, p in module.named_parameters() if n != "logit_scale")
     trainer.fit(module, loader(8))
 
+    # the fork parent's module, built on meta, gets the trained weights (and its constructed buffers)
+    assert not any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+    assert max_param_diff(reference, module) <= 1e-5
     trained = torch.load(tmp_path / "weights.pt")
     distributed = make("sgd", lr=0.05)
     distributed.load_state_dict(trained)
