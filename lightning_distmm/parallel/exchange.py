@@ -4,7 +4,9 @@
 replicas that computed them (replicas may hold different numbers of rows: each pads to the
 largest, one ``all_gather`` per dtype carries all towers at once). ``allreduce_sum`` adds
 per-rank partial gradients of those features, so each replica can take its own rows of the
-complete gradient and resume its backward.
+complete gradient and resume its backward. ``gather_features_async`` posts the gather and returns
+a :class:`PendingGather` to wait for later (the asynchronous batch-sync: the same collective and
+the same arithmetic, completed after the caller has run other work).
 
 These are explicit steps rather than autograd functions on purpose: the order of collectives is
 then the program order on every rank (no dependence on the autograd engine's scheduling), and the
@@ -16,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -66,6 +69,65 @@ def exchange_specs(
     return specs
 
 
+@dataclass
+class PendingGather:
+    """A posted feature gather (:func:`gather_features_async`): :meth:`wait` completes it and returns
+    the whole-batch features of every tower, exactly what :func:`gather_features` returns."""
+
+    #: per dtype: (work, send buffer kept alive while in flight, receive buffer, tower names, sizes)
+    works: list[tuple[Any, Tensor, Tensor, list[str], list[int]]]
+    slots: Mapping[str, GatherSlot]
+    specs: Mapping[str, FeatureSpec]
+    row_of: dict[int, int]
+
+    def wait(self) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        for work, _send, recv, names, sizes in self.works:
+            work.wait()
+            view = recv.view(len(self.row_of), -1)
+            start = 0
+            for name, size in zip(names, sizes):
+                slot, spec = self.slots[name], self.specs[name]
+                parts = []
+                for owner, a, b in zip(slot.owners, slot.offsets[:-1], slot.offsets[1:]):
+                    parts.append(view[self.row_of[owner], start : start + (b - a) * spec.numel].view(b - a, *spec.tail))
+                out[name] = torch.cat(parts)
+                start += size
+        self.works = []
+        return out
+
+
+def gather_features_async(
+    local: Mapping[str, Tensor],
+    slots: Mapping[str, GatherSlot],
+    specs: Mapping[str, FeatureSpec],
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
+) -> PendingGather:
+    """Post the gather of :func:`gather_features` (one ``all_gather`` per dtype, ``async_op=True``) and
+    return without waiting: the caller computes beside it and calls :meth:`PendingGather.wait`."""
+    rank, world = dist.get_rank(), dist.get_world_size(group)
+    members = dist.get_process_group_ranks(group) if group is not None else range(world)
+    row_of = {r: i for i, r in enumerate(members)}  # a global rank's row in the gathered tensor
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name in slots:
+        by_dtype.setdefault(specs[name].dtype, []).append(name)
+    works = []
+    for dtype, names in by_dtype.items():
+        sizes = [slots[n].max_rows * specs[n].numel for n in names]
+        send = torch.zeros(sum(sizes), dtype=dtype, device=device)
+        start = 0
+        for name, size in zip(names, sizes):
+            if name in local and rank in slots[name].owners:
+                flat = local[name].detach().reshape(-1)
+                send[start : start + flat.numel()] = flat
+            start += size
+        recv = torch.empty(world * send.numel(), dtype=dtype, device=device)
+        work = _all_gather_single(recv, send, group=group, async_op=True)
+        works.append((work, send, recv, names, sizes))
+    return PendingGather(works, slots, specs, row_of)
+
+
 def gather_features(
     local: Mapping[str, Tensor],
     slots: Mapping[str, GatherSlot],
@@ -77,34 +139,7 @@ def gather_features(
 
     ``slots`` name owners by global rank; the gather runs over ``group`` (the last stages).
     """
-    rank, world = dist.get_rank(), dist.get_world_size(group)
-    members = dist.get_process_group_ranks(group) if group is not None else range(world)
-    row_of = {r: i for i, r in enumerate(members)}  # a global rank's row in the gathered tensor
-    out: dict[str, Tensor] = {}
-    by_dtype: dict[torch.dtype, list[str]] = {}
-    for name in slots:
-        by_dtype.setdefault(specs[name].dtype, []).append(name)
-    for dtype, names in by_dtype.items():
-        sizes = [slots[n].max_rows * specs[n].numel for n in names]
-        send = torch.zeros(sum(sizes), dtype=dtype, device=device)
-        start = 0
-        for name, size in zip(names, sizes):
-            if name in local and rank in slots[name].owners:
-                flat = local[name].detach().reshape(-1)
-                send[start : start + flat.numel()] = flat
-            start += size
-        recv = torch.empty(world * send.numel(), dtype=dtype, device=device)
-        _all_gather_single(recv, send, group=group)
-        recv = recv.view(world, -1)
-        start = 0
-        for name, size in zip(names, sizes):
-            slot, spec = slots[name], specs[name]
-            parts = []
-            for owner, a, b in zip(slot.owners, slot.offsets[:-1], slot.offsets[1:]):
-                parts.append(recv[row_of[owner], start : start + (b - a) * spec.numel].view(b - a, *spec.tail))
-            out[name] = torch.cat(parts)
-            start += size
-    return out
+    return gather_features_async(local, slots, specs, device, group).wait()
 
 
 @dataclass

@@ -9,7 +9,11 @@ instruction in list order:
 2. ``BatchSync`` (last stages only): the wave's features of every tower are gathered into
    whole-group tensors, which become leaves; the interaction loss runs forward on this rank's rows
    (:mod:`lightning_distmm.interaction`) and backward; the per-rank partial feature gradients are
-   summed over the last stages; each microbatch takes its rows of that sum;
+   summed over the last stages; each microbatch takes its rows of that sum. Under ``distmm`` every
+   batch-sync but the last is asynchronous: ``SyncPost`` posts the gather (``async_op=True``) and
+   the rank runs the next sync group's first forward while it is in flight; ``SyncWait`` waits for
+   it and does the rest (:attr:`RankRuntime.overlap_batch_sync`; the same collectives and
+   arithmetic, so the result is the blocking one bit for bit);
 3. ``Backward``: the microbatch's backward through the stage, from its feature gradient (last
    stage) or the gradient received from the next stage, posting the input gradient back (a
    sharded tower reduce-scatters in its last backward of the step only);
@@ -43,12 +47,21 @@ from lightning_distmm.core.schedule import (
     Forward,
     GradSync,
     Instruction,
+    SyncPost,
+    SyncWait,
     rank_schedule,
     sync_ranks,
 )
 from lightning_distmm.interaction import row_share
 from lightning_distmm.parallel import deferred
-from lightning_distmm.parallel.exchange import FeatureSpec, GatherSlot, allreduce_sum, exchange_specs, gather_features
+from lightning_distmm.parallel.exchange import (
+    FeatureSpec,
+    GatherSlot,
+    PendingGather,
+    allreduce_sum,
+    exchange_specs,
+    gather_features_async,
+)
 from lightning_distmm.parallel.fsdp import set_gradient_sync
 from lightning_distmm.parallel.gradients import DeferredGradients, RankGradients
 from lightning_distmm.parallel.groups import TowerGroups
@@ -102,6 +115,10 @@ class RankRuntime:
             for kind in ("act", "grad")
         }
         self._schedules: dict[int, list[Instruction]] = {}
+        #: ``distmm``: split every batch-sync but the last into a posted gather and its wait, running the
+        #: next sync group's forwards between them (``rank_schedule(..., overlap=True)``); off: blocking
+        self.overlap_batch_sync = True
+        self._gathers: dict[int, PendingGather] = {}  # sync group -> its gather in flight
         #: when a list, the executor appends ``(instruction, start, end)`` of its compute (perf_counter)
         self.trace: list[tuple[Instruction, float, float]] | None = None
         self.stages: dict[str, Stage] = {}  # this rank's stage of each local tower with pp > 1
@@ -162,7 +179,7 @@ class RankRuntime:
     def schedule(self, n: int) -> list[Instruction]:
         """This rank's instructions for a global batch of ``n`` (the plan's schedule, as data)."""
         if n not in self._schedules:
-            self._schedules[n] = rank_schedule(self.plan, self.rank, n)
+            self._schedules[n] = rank_schedule(self.plan, self.rank, n, overlap=self.overlap_batch_sync)
         return self._schedules[n]
 
     def contrastive_loss(self, step: StepState, module: TowerModule, batch: Mapping[str, Any]) -> Tensor:
@@ -198,6 +215,12 @@ class RankRuntime:
                     rows = {f: _take_rows(batch[f], run.rows[ins.tower, ins.mb]) for f in self.towers[ins.tower].fields}
                     self._forward(ins, rows, training, run)
                 elif isinstance(ins, BatchSync):
+                    posted = time.perf_counter()
+                    self._post_sync(ins, run)
+                    self._batch_sync(module, ins, run, training, posted)
+                elif isinstance(ins, SyncPost):
+                    self._post_sync(ins, run)
+                elif isinstance(ins, SyncWait):
                     self._batch_sync(module, ins, run, training)
                 elif isinstance(ins, Backward):
                     if training and self.trainable(ins.tower):
@@ -208,6 +231,7 @@ class RankRuntime:
                 pending.wait()
         finally:
             self._sends = []
+            self._gathers.clear()
             run.records.clear()
             run.outputs.clear()
             run.feature_grads.clear()
@@ -271,15 +295,29 @@ class RankRuntime:
             _check_features(ins.tower, x, ins.rows, grad and ins.keep)
             run.outputs.setdefault((ins.sync_group, ins.tower), []).append(x)
 
-    def _batch_sync(self, module: TowerModule, ins: BatchSync, run: ScheduleRun, training: bool) -> None:
-        """Wave ``ins.sync_group``'s features meet: gather, the loss forward and backward, the feature gradients split."""
+    def _post_sync(self, ins: BatchSync | SyncPost, run: ScheduleRun) -> None:
+        """Post the gather of wave ``ins.sync_group``'s features (``async_op``); ``_batch_sync`` waits for it."""
         start = time.perf_counter()
-        group_sizes = self.plan.group_split(run.n)
-        rows = group_sizes[ins.sync_group]
+        rows = self.plan.group_split(run.n)[ins.sync_group]
         local = {tower: torch.cat(outs) for (wave, tower), outs in run.outputs.items() if wave == ins.sync_group}
         if self.specs is None:
             self.specs = exchange_specs(local, list(self.towers), self.batch_sync_pg)
-        full = gather_features(local, self.slots(rows), self.specs, self.device, self.batch_sync_pg)
+        self._gathers[ins.sync_group] = gather_features_async(
+            local, self.slots(rows), self.specs, self.device, self.batch_sync_pg
+        )
+        if self.trace is not None and isinstance(ins, SyncPost):
+            self.trace.append((ins, start, time.perf_counter()))
+
+    def _batch_sync(
+        self, module: TowerModule, ins: BatchSync | SyncWait, run: ScheduleRun, training: bool, start: float = 0.0
+    ) -> None:
+        """Wave ``ins.sync_group``'s features meet: wait for their gather (posted by ``_post_sync``), the
+        loss forward and backward, the feature gradients split (traced from ``start``, the post of a
+        blocking ``BatchSync``)."""
+        start = start or time.perf_counter()
+        group_sizes = self.plan.group_split(run.n)
+        rows = group_sizes[ins.sync_group]
+        full = self._gathers.pop(ins.sync_group).wait()
         for name, feats in full.items():
             feats.requires_grad_(training and self.trainable(name))
         index, parts = self.batch_sync_ranks.index(self.rank), len(self.batch_sync_ranks)

@@ -1,0 +1,48 @@
+"""The asynchronous batch-sync of ``distmm`` (a posted gather, the next sync group's forward, the wait)
+trains exactly what one process computing the grouped loss trains."""
+
+import copy
+import json
+from pathlib import Path
+
+import lightning as L
+import pytest
+from distmm_testing import Comparison, GroupedDeepCLIP, loader, read_losses, run_distmm, run_reference
+
+import lightning_distmm as ldm
+
+
+class ScheduleKinds(L.Callback):
+    """Each rank writes the instruction kinds its runtime ran (every list it built) at the end of fit."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        runtime = trainer.strategy.runtime
+        kinds = sorted({type(i).__name__ for ins in runtime._schedules.values() for i in ins})
+        (self.folder / f"kinds{trainer.global_rank}.json").write_text(json.dumps(kinds))
+
+
+@pytest.mark.slow
+def test_async_batch_sync_is_exact(tmp_path):
+    """Image pp2 on ranks 0, 1 and text on rank 2, two sync groups, 3 steps: the last stages post
+    sync group 0's gather, run a forward of sync group 1 and wait; weights and losses equal one process."""
+    plan = ldm.Plan(
+        3,
+        {
+            "image": {"ranks": [0, 1], "pp": 2, "microbatch": 2, "schedule": "distmm"},
+            "text": {"ranks": [2], "microbatch": 2, "schedule": "distmm"},
+        },
+    )
+    L.seed_everything(0)
+    reference = GroupedDeepCLIP("adamw", lr=0.01)
+    module, initial = copy.deepcopy(reference), copy.deepcopy(reference)
+    run_reference(reference, loader(10), 3, str(tmp_path / "ref.json"))
+    run_distmm(module, plan, 3, loader(10), 3, str(tmp_path / "dist.json"), callbacks=[ScheduleKinds(tmp_path)])
+    Comparison(
+        reference, module, initial, read_losses(tmp_path / "ref.json"), read_losses(tmp_path / "dist.json")
+    ).assert_exact(1e-5)
+    kinds = [json.loads((tmp_path / f"kinds{r}.json").read_text()) for r in range(3)]
+    assert "SyncPost" not in kinds[0]  # the first stage takes no part in the batch-sync
+    assert all({"SyncPost", "SyncWait", "BatchSync"} <= set(k) for k in kinds[1:])
