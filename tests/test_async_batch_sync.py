@@ -7,16 +7,20 @@ from pathlib import Path
 
 import lightning as L
 import pytest
-from distmm_testing import Comparison, GroupedDeepCLIP, loader, read_losses, run_distmm, run_reference
+from distmm_testing import Comparison, GroupedDeepCLIP, loader, max_param_diff, read_losses, run_distmm, run_reference
 
 import lightning_distmm as ldm
 
 
 class ScheduleKinds(L.Callback):
-    """Each rank writes the instruction kinds its runtime ran (every list it built) at the end of fit."""
+    """Turns the asynchronous batch-sync on before the first step; each rank writes the instruction
+    kinds its runtime ran (every list it built) at the end of fit."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.strategy.runtime.overlap_batch_sync = True
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         runtime = trainer.strategy.runtime
@@ -27,7 +31,8 @@ class ScheduleKinds(L.Callback):
 @pytest.mark.slow
 def test_async_batch_sync_is_exact(tmp_path):
     """Image pp2 on ranks 0, 1 and text on rank 2, two sync groups, 3 steps: the last stages post
-    sync group 0's gather, run a forward of sync group 1 and wait; weights and losses equal one process."""
+    sync group 0's gather, run a forward of sync group 1 and wait; weights and losses equal one process,
+    and the blocking batch-sync's (the default) bit for bit."""
     plan = ldm.Plan(
         3,
         {
@@ -37,7 +42,7 @@ def test_async_batch_sync_is_exact(tmp_path):
     )
     L.seed_everything(0)
     reference = GroupedDeepCLIP("adamw", lr=0.01)
-    module, initial = copy.deepcopy(reference), copy.deepcopy(reference)
+    module, initial, blocking = (copy.deepcopy(reference) for _ in range(3))
     run_reference(reference, loader(10), 3, str(tmp_path / "ref.json"))
     run_distmm(module, plan, 3, loader(10), 3, str(tmp_path / "dist.json"), callbacks=[ScheduleKinds(tmp_path)])
     Comparison(
@@ -46,3 +51,6 @@ def test_async_batch_sync_is_exact(tmp_path):
     kinds = [json.loads((tmp_path / f"kinds{r}.json").read_text()) for r in range(3)]
     assert "SyncPost" not in kinds[0]  # the first stage takes no part in the batch-sync
     assert all({"SyncPost", "SyncWait", "BatchSync"} <= set(k) for k in kinds[1:])
+    run_distmm(blocking, plan, 3, loader(10), 3, str(tmp_path / "blocking.json"))
+    assert max_param_diff(module, blocking) == 0.0
+    assert read_losses(tmp_path / "blocking.json") == read_losses(tmp_path / "dist.json")

@@ -10,10 +10,10 @@ instruction in list order:
    whole-group tensors, which become leaves; the interaction loss runs forward on this rank's rows
    (:mod:`lightning_distmm.interaction`) and backward; the per-rank partial feature gradients are
    summed over the last stages; each microbatch takes its rows of that sum. Under ``distmm`` every
-   batch-sync but the last is asynchronous: ``SyncPost`` posts the gather (``async_op=True``) and
+   batch-sync but the last may be asynchronous: ``SyncPost`` posts the gather (``async_op=True``) and
    the rank runs the next sync group's first forward while it is in flight; ``SyncWait`` waits for
-   it and does the rest (:attr:`RankRuntime.overlap_batch_sync`; the same collectives and
-   arithmetic, so the result is the blocking one bit for bit);
+   it and does the rest (when :attr:`RankRuntime.overlap_batch_sync` is set; the same collectives
+   and arithmetic, so the result is the blocking one bit for bit);
 3. ``Backward``: the microbatch's backward through the stage, from its feature gradient (last
    stage) or the gradient received from the next stage, posting the input gradient back (a
    sharded tower reduce-scatters in its last backward of the step only);
@@ -116,8 +116,11 @@ class RankRuntime:
         }
         self._schedules: dict[int, list[Instruction]] = {}
         #: ``distmm``: split every batch-sync but the last into a posted gather and its wait, running the
-        #: next sync group's forwards between them (``rank_schedule(..., overlap=True)``); off: blocking
-        self.overlap_batch_sync = True
+        #: next sync group's forwards between them (``rank_schedule(..., overlap=True)``). Off by default:
+        #: it holds one more microbatch's activations on every stage (the planner's memory model does not
+        #: count it) to hide one gather per step (docs/pipeline.md, "Asynchronous batch-sync"); set it
+        #: before the first step
+        self.overlap_batch_sync = False
         self._gathers: dict[int, PendingGather] = {}  # sync group -> its gather in flight
         #: when a list, the executor appends ``(instruction, start, end)`` of its compute (perf_counter)
         self.trace: list[tuple[Instruction, float, float]] | None = None
