@@ -40,8 +40,9 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-class PairDataset(FieldDataset):
-    """Image file + caption pairs; subclasses say where sample ``index``'s image and caption are.
+class PairDecoding:
+    """What every pair dataset shares: the image transform, a tokenizer built on first use (a rank
+    that never tokenizes never loads it), decoding only the fields asked for, and the counters.
 
     Args:
         transform: a PIL image -> tensor callable (see :func:`~lightning_distmm.data.preprocess.image_transform`);
@@ -49,7 +50,7 @@ class PairDataset(FieldDataset):
         tokenizer: a :class:`~lightning_distmm.data.preprocess.CaptionTokenizer`, or what its
             constructor takes (None: the embedded tokenizer; a local directory; a ``tokenizer.json``).
         context_length: token width when ``tokenizer`` is not already a ``CaptionTokenizer``.
-        decode_log: append ``[rank, index, fields]`` per ``load`` to this file (for checks across processes).
+        decode_log: append ``[rank, sample, fields]`` per decoded sample to this file (for checks across processes).
     """
 
     fields: tuple[str, ...] = ("image", "caption", *TOKEN_FIELDS)
@@ -72,6 +73,51 @@ class PairDataset(FieldDataset):
         self.decode_log = str(decode_log) if decode_log is not None else None
         self.decoded: Counter[str] = Counter()
 
+    @property
+    def tokenizer(self) -> CaptionTokenizer:
+        """Built on first use, so that a rank that never tokenizes never loads the tokenizer."""
+        if self._tokenizer is None:
+            self._tokenizer = CaptionTokenizer(self._tokenizer_arg, self._context_length)
+        return self._tokenizer
+
+    def check_fields(self, fields: Iterable[str]) -> tuple[str, ...]:
+        fields = tuple(fields)
+        unknown = [f for f in fields if f not in self.fields]
+        if unknown:
+            raise KeyError(f"{type(self).__name__} has no field(s) {unknown}; fields are {self.fields}")
+        return fields
+
+    def decode_pair(self, fields: tuple[str, ...], image: Any, caption: Callable[[], str]) -> dict[str, Any]:
+        """``fields`` of one pair: ``image`` is what ``PIL.Image.open`` reads (a path, a file object),
+        opened only when the image is asked for; ``caption()`` is called only for text fields."""
+        out: dict[str, Any] = {}
+        if "image" in fields:
+            from PIL import Image
+
+            with Image.open(image) as img:
+                out["image"] = self.transform(img.convert("RGB"))
+        if any(f in fields for f in ("caption", *TOKEN_FIELDS)):
+            text = caption()
+            out["caption"] = text
+            if any(f in fields for f in TOKEN_FIELDS):
+                out.update(self.tokenizer(text))
+        return {f: out[f] for f in fields}
+
+    def record(self, sample: Any, fields: tuple[str, ...]) -> None:
+        """Count a decoded sample's fields (``decoded``) and log them (``decode_log``)."""
+        self.decoded.update(fields)
+        if self.decode_log is not None:
+            with open(self.decode_log, "a") as f:
+                f.write(json.dumps([_rank(), sample, sorted(fields)]) + "\n")
+
+
+class PairDataset(PairDecoding, FieldDataset):
+    """Image file + caption pairs; subclasses say where sample ``index``'s image and caption are.
+
+    Args:
+        transform, tokenizer, context_length, decode_log: see :class:`PairDecoding`.
+    """
+
     # ------------------------------------------------------------------ what subclasses provide
     def image_path(self, index: int) -> Path:
         raise NotImplementedError
@@ -80,40 +126,12 @@ class PairDataset(FieldDataset):
         raise NotImplementedError
 
     # ------------------------------------------------------------------ decoding
-    @property
-    def tokenizer(self) -> CaptionTokenizer:
-        """Built on first use, so that a rank that never tokenizes never loads the tokenizer."""
-        if self._tokenizer is None:
-            self._tokenizer = CaptionTokenizer(self._tokenizer_arg, self._context_length)
-        return self._tokenizer
-
-    def decode_image(self, index: int) -> Tensor:
-        from PIL import Image
-
-        with Image.open(self.image_path(index)) as img:
-            return self.transform(img.convert("RGB"))
-
     def load(self, index: int, fields: Iterable[str]) -> dict[str, Any]:
-        fields = tuple(fields)
-        unknown = [f for f in fields if f not in self.fields]
-        if unknown:
-            raise KeyError(f"{type(self).__name__} has no field(s) {unknown}; fields are {self.fields}")
+        fields = self.check_fields(fields)
         index = self._check_index(index)
-        out: dict[str, Any] = {}
-        if "image" in fields:
-            out["image"] = self.decode_image(index)
-        if any(f in fields for f in ("caption", *TOKEN_FIELDS)):
-            text = self.caption(index)
-            if "caption" in fields:
-                out["caption"] = text
-            if any(f in fields for f in TOKEN_FIELDS):
-                tokens = self.tokenizer(text)
-                out.update({f: tokens[f] for f in TOKEN_FIELDS if f in fields})
-        self.decoded.update(fields)
-        if self.decode_log is not None:
-            with open(self.decode_log, "a") as f:
-                f.write(json.dumps([_rank(), index, sorted(fields)]) + "\n")
-        return {f: out[f] for f in fields}
+        out = self.decode_pair(fields, self.image_path(index), lambda: self.caption(index))
+        self.record(index, fields)
+        return out
 
     def _check_index(self, index: int) -> int:
         n = len(self)

@@ -20,7 +20,6 @@ Fields: ``image`` (the transform's tensor), ``caption`` (str), ``input_ids`` / `
 
 from __future__ import annotations
 
-import json
 import os
 import random
 from collections import Counter
@@ -36,7 +35,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_distmm.data.fields import FieldDataset
-from lightning_distmm.data.pairs import TOKEN_FIELDS, _rank
+from lightning_distmm.data.pairs import PairDecoding
 from lightning_distmm.data.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, CaptionTokenizer, image_transform
 from lightning_distmm.data.streaming import FieldStream, skip_samples
 from lightning_distmm.data.tarstream import tar_members
@@ -90,7 +89,7 @@ def _extension(name: str) -> str | None:
     return base.split(".", 1)[1].lower() if "." in base else None
 
 
-class WebDatasetPairs(FieldStream):
+class WebDatasetPairs(PairDecoding, FieldStream):
     """Image-caption pairs from WebDataset shards.
 
     Args:
@@ -108,8 +107,6 @@ class WebDatasetPairs(FieldStream):
         transform, tokenizer, context_length, decode_log: as for
             :class:`~lightning_distmm.data.pairs.PairDataset`.
     """
-
-    fields = ("image", "caption", *TOKEN_FIELDS)
 
     def __init__(
         self,
@@ -131,16 +128,7 @@ class WebDatasetPairs(FieldStream):
         self.caption_key = caption_key.lower().lstrip(".")
         self.shuffle, self.shuffle_buffer, self.seed = bool(shuffle), int(shuffle_buffer), int(seed)
         self.length = None if length is None else int(length)
-        if transform is None:
-            from torchvision.transforms import ToTensor
-
-            transform = ToTensor()
-        self.transform = transform
-        self._tokenizer_arg = tokenizer
-        self._context_length = int(context_length)
-        self._tokenizer: CaptionTokenizer | None = tokenizer if isinstance(tokenizer, CaptionTokenizer) else None
-        self.decode_log = str(decode_log) if decode_log is not None else None
-        self.decoded: Counter[str] = Counter()
+        PairDecoding.__init__(self, transform, tokenizer, context_length, decode_log)
         self.read = 0
         self._sizes: list[int] | None = None
 
@@ -221,20 +209,10 @@ class WebDatasetPairs(FieldStream):
         return None if sizes is None else sum(sizes)
 
     # ------------------------------------------------------------------ decoding
-    @property
-    def tokenizer(self) -> CaptionTokenizer:
-        """Built on first use, so that a rank that never tokenizes never loads the tokenizer."""
-        if self._tokenizer is None:
-            self._tokenizer = CaptionTokenizer(self._tokenizer_arg, self._context_length)
-        return self._tokenizer
-
     def decode(self, sample: RawPair, fields: Iterable[str]) -> dict[str, Any]:
         fields = tuple(fields)
         out = self._decode(sample, fields)
-        self.decoded.update(fields)
-        if self.decode_log is not None:
-            with open(self.decode_log, "a") as f:
-                f.write(json.dumps([_rank(), sample.key, sorted(fields)]) + "\n")
+        self.record(sample.key, fields)
         return out
 
     def example(self) -> dict[str, Any] | None:
@@ -243,21 +221,8 @@ class WebDatasetPairs(FieldStream):
         return None if first is None else self._decode(first, self.fields)
 
     def _decode(self, sample: RawPair, fields: tuple[str, ...]) -> dict[str, Any]:
-        unknown = [f for f in fields if f not in self.fields]
-        if unknown:
-            raise KeyError(f"{type(self).__name__} has no field(s) {unknown}; fields are {self.fields}")
-        out: dict[str, Any] = {}
-        if "image" in fields:
-            from PIL import Image
-
-            with Image.open(BytesIO(sample.image)) as img:
-                out["image"] = self.transform(img.convert("RGB"))
-        if any(f in fields for f in ("caption", *TOKEN_FIELDS)):
-            text = sample.caption.decode("utf-8").strip()
-            out["caption"] = text
-            if any(f in fields for f in TOKEN_FIELDS):
-                out.update(self.tokenizer(text))
-        return {f: out[f] for f in fields}
+        fields = self.check_fields(fields)
+        return self.decode_pair(fields, BytesIO(sample.image), lambda: sample.caption.decode("utf-8").strip())
 
     def in_memory(self, limit: int | None = None) -> FieldDataset:
         """The (first ``limit``) samples of epoch 0 held as bytes, a map-style dataset decoded per
