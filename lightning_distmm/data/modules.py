@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from lightning_distmm.data.fields import FieldDataset
 from lightning_distmm.data.pairs import CsvPairs, ImageFolderPairs
-from lightning_distmm.data.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, CaptionTokenizer, image_transform
+from lightning_distmm.data.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, pair_preprocessing
 from lightning_distmm.data.shuffle import seeded_shuffle
 
 
@@ -77,14 +77,9 @@ class PairsDataModule(L.LightningDataModule):
         self.save_hyperparameters()
         self.batch_size, self.val_batch_size = int(batch_size), int(val_batch_size or batch_size)
         self.num_workers, self.shuffle = int(num_workers), bool(shuffle)
-        transform = image_transform(
-            input_size=(3, int(image_size), int(image_size)),
-            mean=tuple(mean),
-            std=tuple(std),
-            interpolation=interpolation,
-            crop_pct=crop_pct,
+        transform, self.text = pair_preprocessing(
+            image_size, mean, std, interpolation, crop_pct, tokenizer, context_length
         )
-        self.text = CaptionTokenizer(tokenizer, context_length)
         common: dict[str, Any] = {"transform": transform, "tokenizer": self.text}
 
         def open_pairs(where: str) -> FieldDataset:

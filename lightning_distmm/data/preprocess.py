@@ -14,7 +14,7 @@ Face ``CLIPTextModel`` with its ``eos_token_id``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,27 @@ def image_transform(
         raise ValueError("image_transform needs input_size or a model to read it from")
     cfg.update(kwargs)
     return create_transform(**cfg, is_training=is_training)
+
+
+def pair_preprocessing(
+    image_size: int,
+    mean: Sequence[float] = OPENAI_CLIP_MEAN,
+    std: Sequence[float] = OPENAI_CLIP_STD,
+    interpolation: str = "bicubic",
+    crop_pct: float = 1.0,
+    tokenizer: Any = None,
+    context_length: int = 77,
+) -> tuple[Callable[[Any], Tensor], CaptionTokenizer]:
+    """The eval image transform and the caption tokenizer the pair DataModules build from their
+    arguments (square images of ``image_size``)."""
+    transform = image_transform(
+        input_size=(3, int(image_size), int(image_size)),
+        mean=tuple(mean),
+        std=tuple(std),
+        interpolation=interpolation,
+        crop_pct=crop_pct,
+    )
+    return transform, CaptionTokenizer(tokenizer, context_length)
 
 
 class CaptionTokenizer:

@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader
 
 from lightning_distmm.data.fields import FieldDataset
 from lightning_distmm.data.pairs import PairDecoding
-from lightning_distmm.data.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, CaptionTokenizer, image_transform
+from lightning_distmm.data.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, pair_preprocessing
 from lightning_distmm.data.streaming import FieldStream, skip_samples
 from lightning_distmm.data.tarstream import tar_members
 
@@ -322,14 +322,9 @@ class WebDatasetDataModule(L.LightningDataModule):
         self.save_hyperparameters()
         self.batch_size, self.val_batch_size = int(batch_size), int(val_batch_size or batch_size)
         self.num_workers = int(num_workers)
-        transform = image_transform(
-            input_size=(3, int(image_size), int(image_size)),
-            mean=tuple(mean),
-            std=tuple(std),
-            interpolation=interpolation,
-            crop_pct=crop_pct,
+        transform, self.text = pair_preprocessing(
+            image_size, mean, std, interpolation, crop_pct, tokenizer, context_length
         )
-        self.text = CaptionTokenizer(tokenizer, context_length)
         common: dict[str, Any] = dict(image_key=image_key, caption_key=caption_key, transform=transform)
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0)) if seed is None else int(seed)
         self.train_dataset = WebDatasetPairs(
