@@ -125,10 +125,14 @@ class ConsolidatingLauncher(_MultiProcessingLauncher):
 
     def _wrapping_function(self, *args: Any, **kwargs: Any) -> Any:
         """A rank's body (Lightning's private entry point in each started process), in the real temp
-        directory: a forked rank inherits the parent's scratch one."""
+        directory (a forked rank inherits the parent's scratch one). The process ends right after:
+        its process group is destroyed first, or gloo's worker threads can outlive the interpreter's
+        finalisation and abort the rank (``terminate called without an active exception``, SIGABRT)."""
         if self._temp_dir is not None:
             tempfile.tempdir = self._temp_dir
-        return super()._wrapping_function(*args, **kwargs)
+        result = super()._wrapping_function(*args, **kwargs)
+        _end_process_group()
+        return result
 
     def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: pl.Trainer) -> None:
         """Lightning's private parent-side step that loads rank 0's returned weights into the parent's
@@ -156,6 +160,16 @@ class ConsolidatingLauncher(_MultiProcessingLauncher):
             weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
             self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
         return _WorkerOutput(best, weights_path, trainer.state, results, self.get_extra_results(trainer))
+
+
+def _end_process_group() -> None:
+    """Every rank of the job gets here once its work (results included) is done; then each destroys
+    the default process group."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def default_store() -> Any:
