@@ -19,6 +19,7 @@ launcher; there is no public way to choose one): its body is :func:`configure_la
 
 from __future__ import annotations
 
+import atexit
 import os
 import tempfile
 from collections.abc import Callable, Generator, Iterable, Mapping
@@ -54,6 +55,7 @@ def configure_launcher(
     start_method: str,
     consolidate: Callable[[], dict[str, torch.Tensor] | None],
     after_ranks_ended: Callable[[], None] | None = None,
+    release: Callable[[], None] | None = None,
 ) -> None:
     """Set ``strategy._launcher``: Lightning's ``_SubprocessScriptLauncher`` for ``"popen"``, else a
     multiprocessing launcher that returns the whole model.
@@ -74,7 +76,7 @@ def configure_launcher(
     else:
         method: Literal["spawn", "fork", "forkserver"] = start_method  # type: ignore[assignment]
         launcher = ConsolidatingLauncher(
-            strategy, consolidate, start_method=method, after_ranks_ended=after_ranks_ended
+            strategy, consolidate, start_method=method, after_ranks_ended=after_ranks_ended, release=release
         )
         strategy._launcher = launcher  # type: ignore[attr-defined]
 
@@ -94,10 +96,12 @@ class ConsolidatingLauncher(_MultiProcessingLauncher):
         consolidate: Callable[[], dict[str, torch.Tensor] | None],
         start_method: Literal["spawn", "fork", "forkserver"] = "spawn",
         after_ranks_ended: Callable[[], None] | None = None,
+        release: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(strategy, start_method=start_method)
         self._consolidate = consolidate
         self._after_ranks_ended = after_ranks_ended
+        self._release = release
         self._temp_dir: str | None = None
 
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
@@ -125,13 +129,23 @@ class ConsolidatingLauncher(_MultiProcessingLauncher):
 
     def _wrapping_function(self, *args: Any, **kwargs: Any) -> Any:
         """A rank's body (Lightning's private entry point in each started process), in the real temp
-        directory (a forked rank inherits the parent's scratch one). The process ends right after:
-        its process group is destroyed first, or gloo's worker threads can outlive the interpreter's
-        finalisation and abort the rank (``terminate called without an active exception``, SIGABRT)."""
+        directory (a forked rank inherits the parent's scratch one).
+
+        When the work is done, every rank waits for the others (a barrier), drops what refers to the
+        towers' process groups (``release``: their DeviceMeshes) and destroys the default group, which
+        ends the gloo threads and the store with it. Then the rank ends as a forked rank does, without
+        the interpreter's finalisation: what is left (a tensor-parallel or sharded module's DTensors
+        keep their meshes, so their groups, alive) would otherwise be torn down in whatever order
+        finalisation reaches it, while gloo's threads run, and a rank whose work had succeeded could
+        abort there (``terminate called without an active exception``, SIGABRT). The exit hook is
+        registered first, so it runs after every ``atexit`` handler the run itself registered."""
         if self._temp_dir is not None:
             tempfile.tempdir = self._temp_dir
+        done = _RankEnd()
+        atexit.register(done.exit_if_finished)
         result = super()._wrapping_function(*args, **kwargs)
-        _end_process_group()
+        _end_process_group(self._release)
+        done.finished = True
         return result
 
     def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: pl.Trainer) -> None:
@@ -162,14 +176,43 @@ class ConsolidatingLauncher(_MultiProcessingLauncher):
         return _WorkerOutput(best, weights_path, trainer.state, results, self.get_extra_results(trainer))
 
 
-def _end_process_group() -> None:
-    """Every rank of the job gets here once its work (results included) is done; then each destroys
-    the default process group."""
+def _end_process_group(release: Callable[[], None] | None = None) -> None:
+    """Every rank of the job gets here once its work (results included) is done. After a barrier
+    (no rank still talks on any group), ``release`` drops the references to the other groups and
+    the default group is destroyed."""
+    import gc
+
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+        if release is not None:
+            release()
+            gc.collect()  # the runtime's meshes may sit in reference cycles
         dist.destroy_process_group()
+
+
+class _RankEnd:
+    """A started rank's ``atexit`` hook: once its work has finished, flush the output and end the
+    process with ``os._exit(0)`` (what multiprocessing does after a forked child's work), skipping
+    the rest of the interpreter's finalisation. A rank that failed exits as usual (code 1)."""
+
+    def __init__(self) -> None:
+        self.finished = False
+
+    def exit_if_finished(self) -> None:
+        if not self.finished:
+            return
+        import logging
+        import sys
+
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+        os._exit(0)
 
 
 def default_store() -> Any:

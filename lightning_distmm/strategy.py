@@ -108,12 +108,21 @@ class DistMMStrategy(ModelParallelStrategy):
             # and its pid, set before any rank starts, so that every rank inherits them
             faults.note_launcher()
         faults.ensure_run_id()
-        seam.configure_launcher(self, self._start_method, self._consolidated_state_dict, self._after_ranks_ended)
+        seam.configure_launcher(
+            self, self._start_method, self._consolidated_state_dict, self._after_ranks_ended, self._release_runtime
+        )
 
     def _after_ranks_ended(self) -> None:
         """In a spawn/fork parent once every rank has ended: remove the failure records that ranks
         which were stopped from outside could not remove themselves."""
         faults.remove_stale_runs(Path(tempfile.gettempdir()) / "distmm-runs")
+
+    def _release_runtime(self) -> None:
+        """On a spawn/fork rank whose work is done (the whole model handed to the parent): drop the
+        runtime, whose per-tower meshes hold the towers' process groups, so that they end when the
+        launcher destroys the default group rather than at the interpreter's exit."""
+        self.runner = None
+        self.runtime = None
 
     def _consolidated_state_dict(self) -> dict[str, Tensor] | None:
         return ckpt.consolidated_state_dict(self) if self.runtime is not None else None

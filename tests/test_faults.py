@@ -277,22 +277,7 @@ def test_a_stalled_rank_ends_the_job_at_the_collective_timeout(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "launcher",
-    [
-        "popen",
-        pytest.param(
-            "spawn",
-            marks=pytest.mark.xfail(
-                strict=False,
-                reason="open bug (docs/next-steps.md): inside the full suite a spawned rank that finished can abort"
-                " at exit (SIGABRT, 'terminate called without an active exception'); passes alone",
-            ),
-        ),
-        "fork",
-        "torchrun",
-    ],
-)
+@pytest.mark.parametrize("launcher", ["popen", "spawn", "fork", "torchrun"])
 def test_every_rank_gets_its_share_of_the_cores(launcher, tmp_path):
     """Lightning's launchers give each of n local ranks cpus // n intra-op threads; so must distmm's,
     whoever starts the processes (under torchrun the script itself is the rank)."""
@@ -310,6 +295,26 @@ def test_every_rank_gets_its_share_of_the_cores(launcher, tmp_path):
     expected = max(1, cpus // 2)
     threads = {p.name: int(p.read_text()) for p in tmp_path.glob("rank*")}
     assert threads == {"rank0": expected, "rank1": expected}, threads
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", ["colocated", "tp"])
+def test_a_spawned_rank_ends_without_its_process_groups(plan, tmp_path):
+    """A spawned rank's work done, its process groups are gone before the interpreter exits (with a
+    plan whose module holds no DTensors, no gloo or store thread is left), the handlers the run
+    registered with ``atexit`` still run, and every rank exits with 0. Before, the towers' meshes kept
+    their gloo groups alive into the interpreter's finalisation, where a finished rank could abort."""
+    script = str(SCRIPTS / "rank_exit.py")
+    env = {**_clean_env(), "MASTER_PORT": str(_free_port())}
+    done = subprocess.run(
+        [sys.executable, script, plan, str(tmp_path)], capture_output=True, text=True, env=env, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "parent").exists()
+    threads = {r: (tmp_path / f"rank{r}").read_text().split() for r in (0, 1)}  # the atexit handlers ran
+    if plan == "colocated":
+        left = {r: [t for t in names if "gloo" in t or "tcpstore" in t] for r, names in threads.items()}
+        assert left == {0: [], 1: []}, left
 
 
 def test_a_launcher_pid_noted_for_another_launch_is_ignored():
