@@ -303,6 +303,28 @@ def test_gradient_buckets_are_exact(name, tmp_path):
     ).assert_exact()
 
 
+def test_the_first_gradient_bucket_is_small(tmp_path):
+    """As in DDP, the first bucket (the last layers) holds up to ``first_cap`` bytes and the others up
+    to ``cap``, so the first sum is posted early in the backward; the hooks still post every bucket."""
+    import torch.distributed as dist
+
+    from lightning_distmm.parallel.gradients import GradientBuckets
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 2))
+        params = list(model.parameters())
+        buckets = GradientBuckets(params, None, cap=10_000, first_cap=140)  # last weight (128 B) + bias (8 B)
+        assert [len(b) for b in buckets.buckets] == [2, 4]
+        assert buckets.buckets[0] == [params[-1], params[-2]]
+        model(torch.randn(3, 16)).sum().backward()
+        assert buckets.next == 2
+        for posted in buckets.finish():
+            posted.wait()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_gradient_buckets_post_during_the_backward(tmp_path):
     """The buckets' sums are posted by the gradient hooks as the backward makes them final, in
     bucket order, before finish() (one-rank gloo group)."""

@@ -35,6 +35,9 @@ from lightning_distmm.parallel.groups import TowerGroups
 from lightning_distmm.parallel.step import Gradients, ScheduleRun, StepState
 from lightning_distmm.tower import Tower
 
+#: the first bucket's cap (DDP's ``dist._DEFAULT_FIRST_BUCKET_BYTES``): the last layers' sum starts early
+FIRST_BUCKET_BYTES = 2**20
+
 
 class DeferredGradients(torch.autograd.Function):
     """The returned loss: its value is the whole-batch loss; its backward records the upstream gradient in the run."""
@@ -147,7 +150,9 @@ class RankGradients:
             dist.all_reduce(extra)
             if extra.item() > 0:
                 self.sum_all()
-        for p, g in [*earlier, *((p, scaled(g, run.scale)) for run in used for p, g in run.produced)]:
+        scales = [unless_one(run.scale) for run in used]
+        handed_back = [(p, scaled(g, scale)) for run, scale in zip(used, scales) for p, g in run.produced]
+        for p, g in [*earlier, *handed_back]:
             if p.grad is None:
                 p.grad = g
             else:
@@ -183,7 +188,7 @@ class RankGradients:
             return None
         group = None if tower.dp == self.world else self.groups[name].dp_group
         params = [p for p in self.tower_params[name].values() if p.requires_grad and not p.is_meta]
-        return GradientBuckets(params, group, int(self.bucket_cap_mb * 2**20))
+        return GradientBuckets(params, group, int(self.bucket_cap_mb * 2**20), first_cap=FIRST_BUCKET_BYTES)
 
     def post_interaction_sum(self) -> list[PendingSum]:
         """Post the sum of the interaction parameters' gradients over all ranks (nothing if there are none)."""
@@ -270,29 +275,36 @@ class RankGradients:
 
 class GradientBuckets:
     """DDP's reducer, for one tower during its last backward of the step: the parameters in fixed
-    buckets of up to ``cap`` bytes (reverse order: the last layers' gradients are final first); a
-    bucket's sum over ``group`` is posted once all its gradients are final, buckets in order, so
-    every replica posts the same sequence. :meth:`finish` posts what the backward did not reach."""
+    buckets (reverse order: the last layers' gradients are final first), the first of up to
+    ``first_cap`` bytes and the others of up to ``cap`` (DDP's 1 MiB first bucket, so that a sum
+    starts early in the backward); a bucket's sum over ``group`` is posted once all its gradients
+    are final, buckets in order, so every replica posts the same sequence. :meth:`finish` posts what
+    the backward did not reach."""
 
-    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup | None, cap: int):
+    def __init__(
+        self, params: list[nn.Parameter], group: dist.ProcessGroup | None, cap: int, first_cap: int | None = None
+    ):
         self.group = group
         self.buckets: list[list[nn.Parameter]] = []
         size = 0
         for p in reversed(params):
             nbytes = local(p).numel() * local(p).element_size()
-            if not self.buckets or (size + nbytes > cap and self.buckets[-1]):
+            limit = cap if len(self.buckets) > 1 or first_cap is None else min(cap, first_cap)
+            if not self.buckets or (size + nbytes > limit and self.buckets[-1]):
                 self.buckets.append([])
                 size = 0
             self.buckets[-1].append(p)
             size += nbytes
-        self.ready: set[int] = set()
+        #: per bucket, how many of its gradients are not final yet; each parameter's bucket
+        self.pending = [len(b) for b in self.buckets]
+        self.bucket_of = {id(q): i for i, b in enumerate(self.buckets) for q in b}
         self.next = 0
         self.posted: list[PendingSum] = []
         self.hooks = [p.register_post_accumulate_grad_hook(self._on_ready) for p in params]
 
     def _on_ready(self, p: Tensor) -> None:
-        self.ready.add(id(p))
-        while self.next < len(self.buckets) and all(id(q) in self.ready for q in self.buckets[self.next]):
+        self.pending[self.bucket_of[id(p)]] -= 1
+        while self.next < len(self.buckets) and self.pending[self.next] <= 0:
             self._post()
 
     def _post(self) -> None:
@@ -313,10 +325,15 @@ class GradientBuckets:
 
 
 def scaled(g: Tensor, scale: Tensor | None) -> Tensor:
-    """``g`` multiplied in place by the upstream gradient ``scale`` (skipped when it is exactly 1)."""
-    if scale is not None and not bool(torch.all(scale == 1)):
+    """``g`` multiplied in place by the upstream gradient ``scale`` (``None``: left as it is)."""
+    if scale is not None:
         local(g).mul_(scale.to(g.device, g.dtype))
     return g
+
+
+def unless_one(scale: Tensor | None) -> Tensor | None:
+    """``scale``, or ``None`` when it is exactly 1 (one check per run, not one per gradient)."""
+    return None if scale is None or bool(torch.all(scale == 1)) else scale
 
 
 def local(t: Tensor) -> Tensor:
