@@ -107,24 +107,36 @@ class OpenClipDDP(BenchCLIP):
         return loss
 
 
+def minor_faults() -> int:
+    """This process's minor page faults so far (Linux; 0 elsewhere): pages the kernel had to hand it."""
+    try:
+        return int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[7])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 class StepTimer(L.Callback):
+    """Each step's time and minor page faults on rank 0 (memory the allocator had to take back from the kernel)."""
+
     def __init__(self, path: str) -> None:
-        self.path, self.times, self.t0 = path, [], 0.0
+        self.path, self.times, self.faults, self.t0, self.f0 = path, [], [], 0.0, 0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.f0 = minor_faults()
         self.t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.times.append(time.perf_counter() - self.t0)
+        self.faults.append(minor_faults() - self.f0)
         if trainer.is_global_zero:
-            Path(self.path).write_text(json.dumps(self.times))
+            Path(self.path).write_text(json.dumps({"times": self.times, "faults": self.faults}))
 
 
 DDP_STRATEGY = {"fork": "ddp_notebook", "spawn": "ddp_spawn", "popen": "ddp"}
 
 
-def run(config: str, args: argparse.Namespace, out: str) -> list[float]:
-    """One fit of ``config``; its timed steps. ``popen`` runs it as this script started again."""
+def run(config: str, args: argparse.Namespace, out: str) -> tuple[list[float], list[int]]:
+    """One fit of ``config``; its timed steps' times and page faults. ``popen`` runs it as this script started again."""
     if args.launcher == "popen" and not args.only:
         import subprocess
         import sys
@@ -134,7 +146,7 @@ def run(config: str, args: argparse.Namespace, out: str) -> list[float]:
         cmd += ["--warmup", str(args.warmup)] + (["--threads", str(args.threads)] if args.threads else [])
         env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "LOCAL_RANK", "WORLD_SIZE")}
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        return json.loads(Path(out).read_text())[args.warmup :]
+        return _timed(out, args.warmup)
     L.seed_everything(0, verbose=False)
     world = args.devices
     if config == "ddp":
@@ -168,7 +180,12 @@ def run(config: str, args: argparse.Namespace, out: str) -> list[float]:
         use_distributed_sampler=config == "ddp",
     )
     trainer.fit(module, data)
-    return json.loads(Path(out).read_text())[args.warmup :]
+    return _timed(out, args.warmup)
+
+
+def _timed(out: str, warmup: int) -> tuple[list[float], list[int]]:
+    record = json.loads(Path(out).read_text())
+    return record["times"][warmup:], record["faults"][warmup:]
 
 
 def main() -> None:
@@ -194,20 +211,23 @@ def main() -> None:
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     configs = ["ddp", "distmm-colocated", "distmm-separate"]
     samples: dict[str, list[float]] = {c: [] for c in configs}
+    faults: dict[str, list[int]] = {c: [] for c in configs}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for c in configs:
-                samples[c] += run(c, args, os.path.join(tmp, f"{c}-{r}.json"))
+                times, step_faults = run(c, args, os.path.join(tmp, f"{c}-{r}.json"))
+                samples[c] += times
+                faults[c] += step_faults
     base = statistics.median(samples["ddp"])
     params = sum(p.numel() for p in BenchCLIP().parameters())
     print(
         f"\nstep time, {args.devices} CPU ranks (gloo, {args.launcher} launcher), global batch {args.batch},"
         f" {params / 1e6:.2f}M parameters, {args.rounds} rounds x {args.steps - args.warmup} timed steps"
     )
-    print(f"{'configuration':<20} {'median ms':>10} {'vs ddp':>8}")
+    print(f"{'configuration':<20} {'median ms':>10} {'vs ddp':>8} {'page faults/step':>17}")
     for c in configs:
         med = statistics.median(samples[c])
-        print(f"{c:<20} {med * 1e3:>10.1f} {med / base:>8.3f}")
+        print(f"{c:<20} {med * 1e3:>10.1f} {med / base:>8.3f} {statistics.median(faults[c]):>17.0f}")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from lightning_distmm.parallel.executor import RankRuntime
 from lightning_distmm.parallel.flops import tower_flops
 from lightning_distmm.parallel.fsdp import mixed_precision_policy
 from lightning_distmm.parallel.groups import build_tower_groups
+from lightning_distmm.parallel.host_allocator import keep_freed_host_memory
 from lightning_distmm.parallel.step import StepState
 from lightning_distmm.tower import TowerModule
 
@@ -75,6 +76,10 @@ class DistMMStrategy(ModelParallelStrategy):
         bucket_cap_mb: gradients are summed over a tower's replicas in buckets of this size,
             posted during the backward as they become final (DDP's ``bucket_cap_mb``).
         timeout: how long a collective waits for its peers before failing (default 10 minutes).
+        reuse_host_memory: on the CPU, fix glibc's mmap and trim thresholds in each rank's process so
+            that the memory a step frees serves the next step instead of going back to the kernel
+            and being faulted in again (:mod:`lightning_distmm.parallel.host_allocator`); ``False``
+            leaves the allocator as it is.
     """
 
     strategy_name = "distmm"
@@ -86,9 +91,11 @@ class DistMMStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         bucket_cap_mb: float = 25.0,
+        reuse_host_memory: bool = True,
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self._bucket_cap_mb = float(bucket_cap_mb)
+        self._reuse_host_memory = reuse_host_memory
         self._plan_spec = _parse_plan_spec(plan)
         self._start_method = start_method
         self.plan: Plan | None = self._plan_spec if isinstance(self._plan_spec, Plan) else None
@@ -173,6 +180,8 @@ class DistMMStrategy(ModelParallelStrategy):
                 f" {type(module).__name__} does not"
             )
         self.accelerator.setup(trainer)
+        if self.root_device.type == "cpu" and self._reuse_host_memory:
+            keep_freed_host_memory()
         towers = module.tower_specs()
         nodes = self._nodes_of_ranks()
         if self.plan is None:
