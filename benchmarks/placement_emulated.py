@@ -63,6 +63,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's package, whatever is installed
 sys.path.insert(1, str(Path(__file__).resolve().parent))  # benchmarks/: cost_model_fidelity, synthetic
 
+from lightning_distmm.faults import pid_alive  # noqa: E402
 from lightning_distmm.planner import Cluster, Link, Plan, place, price_plan  # noqa: E402
 
 PREFIX = "ldmpe"  # namespaces ldmpe<pid>a and ldmpe<pid>b; each veth end is named like its namespace
@@ -221,17 +222,7 @@ def describe(layout: Layout) -> str:
 
 
 # ---------------------------------------------------------------------- the namespaces
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def leftover_namespaces(listing: str, alive: Callable[[int], bool] = _pid_alive) -> list[str]:
+def leftover_namespaces(listing: str, alive: Callable[[int], bool] = pid_alive) -> list[str]:
     """Namespaces of ``ip netns list`` output left by runs of this benchmark that are gone."""
     out = []
     for line in listing.splitlines():

@@ -74,7 +74,7 @@ def _noted_launcher() -> int | None:
     if not noted or not noted.isdigit() or int(noted) == os.getpid():
         return None
     pid = int(noted)
-    return pid if pid == os.getppid() or not _pid_alive(pid) else None
+    return pid if pid == os.getppid() or not pid_alive(pid) else None
 
 
 def started_by_our_launcher() -> bool:
@@ -174,7 +174,7 @@ class ErrorRelay:
             if rank in reported or info.get("host") != host:
                 continue
             pid = int(info["pid"])
-            if not _pid_alive(pid):
+            if not pid_alive(pid):
                 message = (
                     f"rank {rank} (pid {pid}) died without reporting an error (killed by a signal, or out of memory)"
                 )
@@ -278,7 +278,7 @@ def remove_stale_runs(root: str | os.PathLike) -> None:
             infos = [json.loads(p.read_text()) for p in procs]
         except (OSError, ValueError):
             continue
-        if infos and all(i.get("host") == host and not _pid_alive(int(i["pid"])) for i in infos):
+        if infos and all(i.get("host") == host and not pid_alive(int(i["pid"])) for i in infos):
             _remove_tree(run)
     try:
         root.rmdir()  # when no run is left
@@ -292,7 +292,7 @@ def _remove_tree(folder: Path) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` runs (a zombie, dead but not yet reaped, does not)."""
     try:
         os.kill(pid, 0)
