@@ -137,15 +137,20 @@ class ConsolidatingLauncher(_MultiProcessingLauncher):
         the interpreter's finalisation: what is left (a tensor-parallel or sharded module's DTensors
         keep their meshes, so their groups, alive) would otherwise be torn down in whatever order
         finalisation reaches it, while gloo's threads run, and a rank whose work had succeeded could
-        abort there (``terminate called without an active exception``, SIGABRT). The exit hook is
-        registered first, so it runs after every ``atexit`` handler the run itself registered."""
+        abort there (``terminate called without an active exception``, SIGABRT). A rank whose work
+        raised ends the same way with code 1 (its collectives may still be running). The exit hook
+        is registered first, so it runs after every ``atexit`` handler the run itself registered."""
         if self._temp_dir is not None:
             tempfile.tempdir = self._temp_dir
         done = _RankEnd()
-        atexit.register(done.exit_if_finished)
-        result = super()._wrapping_function(*args, **kwargs)
+        atexit.register(done.exit_if_ended)
+        try:
+            result = super()._wrapping_function(*args, **kwargs)
+        except Exception:
+            done.code = 1  # torch's spawn wrapper records the error, then exits with 1
+            raise
         _end_process_group(self._release)
-        done.finished = True
+        done.code = 0
         return result
 
     def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: pl.Trainer) -> None:
@@ -193,15 +198,18 @@ def _end_process_group(release: Callable[[], None] | None = None) -> None:
 
 
 class _RankEnd:
-    """A started rank's ``atexit`` hook: once its work has finished, flush the output and end the
-    process with ``os._exit(0)`` (what multiprocessing does after a forked child's work), skipping
-    the rest of the interpreter's finalisation. A rank that failed exits as usual (code 1)."""
+    """A started rank's ``atexit`` hook: once its work has ended, flush the output and end the
+    process with ``os._exit`` (what multiprocessing does after a forked child's work), skipping
+    the rest of the interpreter's finalisation. ``code`` is 0 once the work has succeeded and 1
+    when it raised (the code torch's spawn wrapper exits with); a failed rank's collectives may
+    still be running, and one that completes during finalisation would abort the process.
+    ``None`` (interrupted: torch's wrapper exits quietly) leaves the exit as usual."""
 
     def __init__(self) -> None:
-        self.finished = False
+        self.code: int | None = None
 
-    def exit_if_finished(self) -> None:
-        if not self.finished:
+    def exit_if_ended(self) -> None:
+        if self.code is None:
             return
         import logging
         import sys
@@ -212,7 +220,7 @@ class _RankEnd:
                 stream.flush()
             except (OSError, ValueError, AttributeError):
                 pass
-        os._exit(0)
+        os._exit(self.code)
 
 
 def default_store() -> Any:

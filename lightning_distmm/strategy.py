@@ -45,6 +45,7 @@ from lightning_distmm.data.loading import DistMMDataLoader
 from lightning_distmm.mixin import DistMMMixin
 from lightning_distmm.parallel.deferred import deferred_init
 from lightning_distmm.parallel.executor import RankRuntime
+from lightning_distmm.parallel.exit_settle import settle_collectives_at_exit
 from lightning_distmm.parallel.flops import tower_flops
 from lightning_distmm.parallel.fsdp import mixed_precision_policy
 from lightning_distmm.parallel.groups import build_tower_groups
@@ -156,6 +157,9 @@ class DistMMStrategy(ModelParallelStrategy):
         dies_with_launcher = faults.dies_with_parent() if ours else contextlib.nullcontext()
         with dies_with_launcher, seam.random_state_kept(self.root_device):
             seam.init_process_groups(self)
+        # at this process's exit, gloo's workers finish with the interpreter before it finalises
+        # (a worker freeing a tensor then would abort a rank whose work succeeded: docs/runtime.md)
+        settle_collectives_at_exit()
 
     def _recorded_cause(self) -> str | None:
         """The root cause other ranks recorded, if any (what a rank says when its launcher is gone)."""
