@@ -20,9 +20,11 @@ Three parts, none of which needs Lightning:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import json
+import logging
 import os
 import signal
 import socket
@@ -33,6 +35,8 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+_log = logging.getLogger(__name__)
 
 #: text of errors that a rank gets because a *peer* failed: they are never the root cause
 _CONSEQUENCE_TEXT = (
@@ -98,13 +102,10 @@ def ensure_run_id() -> str:
     torchrun and SLURM name their runs; under this package's launchers the launcher made one
     (:func:`note_launcher`) and its ranks inherit it; otherwise one is made here.
     """
-    if os.environ.get("TORCHELASTIC_RUN_ID"):
-        return f"torchrun-{os.environ['TORCHELASTIC_RUN_ID']}"
-    if os.environ.get("SLURM_JOB_ID"):
-        return f"slurm-{os.environ['SLURM_JOB_ID']}-{os.environ.get('SLURM_STEP_ID', '0')}"
-    if not os.environ.get(RUN_ID_ENV):
-        os.environ[RUN_ID_ENV] = uuid.uuid4().hex[:12]
-    return os.environ[RUN_ID_ENV]
+    found = current_run_id()
+    if found is None:
+        found = os.environ[RUN_ID_ENV] = uuid.uuid4().hex[:12]
+    return found
 
 
 def is_consequence(exception: BaseException) -> bool:
@@ -153,12 +154,19 @@ class ErrorRelay:
         return self.folder / f"rank{rank}.json"
 
     def register(self) -> None:
-        """Note this rank's process (pid, host), so that a rank that dies silently can be named."""
-        self.folder.mkdir(parents=True, exist_ok=True)
+        """Note this rank's process (pid, host), so that a rank that dies silently can be named.
+
+        The note stays for as long as the process lives (every trainer call of the run, ``fit`` then
+        ``validate`` say): a run folder always holds a note of each live rank, so no cleaner takes it
+        from a rank that is still in the run. It is removed at the process's exit
+        (:meth:`leave`), and the last rank out removes the folders.
+        """
         info = {"pid": os.getpid(), "host": socket.gethostname()}
-        tmp = self.folder / f"rank{self.rank}.proc.tmp{os.getpid()}"
-        tmp.write_text(json.dumps(info))
-        os.replace(tmp, self.folder / f"rank{self.rank}.proc")
+        _write_atomically(self.folder, f"rank{self.rank}.proc", json.dumps(info))
+        key = (str(self.folder), self.rank)
+        if key not in _LEAVING_AT_EXIT:
+            _LEAVING_AT_EXIT.add(key)
+            atexit.register(self.leave)
 
     def _silent_ranks(self, reported: set[int], stalled_too: bool) -> list[FailureRecord]:
         """Ranks on this host that recorded nothing: dead ones (killed, out of memory), and, when
@@ -198,10 +206,7 @@ class ErrorRelay:
             existing = self._read(path)
             if existing is not None:
                 return existing
-        self.folder.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(asdict(mine)))
-        os.replace(tmp, path)  # atomic: a reader sees a whole record or none
+        _write_atomically(self.folder, path.name, json.dumps(asdict(mine)))
         return mine
 
     @staticmethod
@@ -252,38 +257,109 @@ class ErrorRelay:
             _remove_tree(self.folder)
 
     def clear(self) -> None:
-        """Remove this rank's files (a run that ended well leaves nothing behind)."""
-        for path in (self._path(self.rank), self.folder / f"rank{self.rank}.proc"):
-            try:
-                path.unlink()
-            except FileNotFoundError:
-                pass
-        for folder in (self.folder, self.folder.parent):  # the last rank out removes the folders
+        """A trainer call that ended well: remove this rank's failure record, if any. The process's
+        note and the run folder stay, since the same ranks may start another call of the run."""
+        try:
+            self._path(self.rank).unlink()
+        except FileNotFoundError:
+            pass
+
+    def leave(self) -> None:
+        """At this process's exit: remove its note unless it recorded a failure (that record and the
+        folder are then :meth:`finish`'s, or the next start's stale-run cleanup), and the run folder
+        and its parent when this rank is the last one out (``rmdir``: only empty folders go)."""
+        if self.recorded():
+            return
+        try:
+            (self.folder / f"rank{self.rank}.proc").unlink()
+        except FileNotFoundError:
+            pass
+        for folder in (self.folder, self.folder.parent):
             try:
                 folder.rmdir()
             except OSError:
                 break
 
 
-def remove_stale_runs(root: str | os.PathLike) -> None:
+#: (folder, rank) pairs whose :meth:`ErrorRelay.leave` this process runs at exit (registered once)
+_LEAVING_AT_EXIT: set[tuple[str, int]] = set()
+
+#: an empty run folder older than this is a leftover (a rank's note is written within milliseconds
+#: of the folder being made, and stays while the rank lives)
+_EMPTY_RUN_GRACE_S = 600.0
+
+
+def _write_atomically(folder: Path, name: str, text: str, attempts: int = 5) -> None:
+    """Write ``folder / name`` whole or not at all (a temporary file renamed over it), making
+    ``folder`` and its parents as needed.
+
+    Folders are only ever removed empty (``rmdir``) while a rank of their run may still enter them,
+    so the one way the folder can vanish between ``mkdir`` and the write is that the last rank of
+    another run, or a stale-run cleaner, removed the shared empty parent or this empty folder in
+    that instant: the folder is made again and the write retried, with a debug line.
+    """
+    tmp = folder / f"{name}.tmp{os.getpid()}"
+    for attempt in range(attempts):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(text)
+            os.replace(tmp, folder / name)  # atomic: a reader sees a whole file or none
+            return
+        except FileNotFoundError:
+            if attempt == attempts - 1:
+                raise
+            _log.debug("distmm: run folder %s vanished while writing %s; made again", folder, name)
+
+
+def current_run_id() -> str | None:
+    """The id of the run this process belongs to, if it has one (unlike :func:`ensure_run_id`, makes
+    none)."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return f"torchrun-{os.environ['TORCHELASTIC_RUN_ID']}"
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"slurm-{os.environ['SLURM_JOB_ID']}-{os.environ.get('SLURM_STEP_ID', '0')}"
+    return os.environ.get(RUN_ID_ENV) or None
+
+
+def remove_stale_runs(root: str | os.PathLike, include_current: bool = False) -> None:
     """Remove run folders under ``root`` whose every rank process on this host is gone (a failed run
-    whose ranks could not all finish, e.g. one was killed), and ``root`` itself once it is empty."""
+    whose ranks could not all finish, e.g. one was killed), empty run folders left for longer than
+    a start takes, and ``root`` itself once it is empty.
+
+    This process's own run (:func:`current_run_id`) is never touched, whatever it holds: a rank of
+    that run may be entering it right now, and a process of the run that ended (its note's pid is
+    dead) does not make the run stale. ``include_current`` is for the spawn/fork parent once every
+    rank it started has ended, when no rank is left to enter.
+    """
     root = Path(root)
     if not root.is_dir():
         return
+    keep = None if include_current else current_run_id()
     host = socket.gethostname()
     for run in root.iterdir():
-        procs = list(run.glob("rank*.proc")) if run.is_dir() else []
+        if run.name == keep or not run.is_dir():
+            continue
+        procs = list(run.glob("rank*.proc"))
         try:
             infos = [json.loads(p.read_text()) for p in procs]
         except (OSError, ValueError):
             continue
         if infos and all(i.get("host") == host and not pid_alive(int(i["pid"])) for i in infos):
             _remove_tree(run)
+        elif not infos and not any(run.iterdir()) and _age(run) > _EMPTY_RUN_GRACE_S:
+            with contextlib.suppress(OSError):
+                run.rmdir()
     try:
         root.rmdir()  # when no run is left
     except OSError:
         pass
+
+
+def _age(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def _remove_tree(folder: Path) -> None:

@@ -103,6 +103,8 @@ class ConsolidatingLauncher(_MultiProcessingLauncher):
         self._after_ranks_ended = after_ranks_ended
         self._release = release
         self._temp_dir: str | None = None
+        #: the parent's scratch folder for this launch (removed when the launch returns)
+        self._scratch: str | None = None
 
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         """Lightning's launch, with torch's per-rank error files kept out of the temp directory.
@@ -115,7 +117,7 @@ class ConsolidatingLauncher(_MultiProcessingLauncher):
         ``after_ranks_ended`` runs last, when no rank is left.
         """
         self._temp_dir = tempfile.gettempdir()
-        scratch = tempfile.mkdtemp(prefix="distmm-launch-")
+        scratch = self._scratch = tempfile.mkdtemp(prefix="distmm-launch-")
         previous, tempfile.tempdir = tempfile.tempdir, scratch
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
@@ -177,7 +179,9 @@ class ConsolidatingLauncher(_MultiProcessingLauncher):
         best = getattr(checkpoint_callback, "best_model_path", None) if checkpoint_callback else None
         weights_path = None
         if trainer.state.fn == TrainerFn.FITTING and state_dict is not None:
-            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            # in the launch's scratch folder, which the parent removes (Lightning's parent removes
+            # the file it loads but not the folder ``mkdtemp`` made for it)
+            weights_path = os.path.join(tempfile.mkdtemp(dir=self._scratch), ".temp.ckpt")
             self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
         return _WorkerOutput(best, weights_path, trainer.state, results, self.get_extra_results(trainer))
 

@@ -122,8 +122,9 @@ class DistMMStrategy(ModelParallelStrategy):
 
     def _after_ranks_ended(self) -> None:
         """In a spawn/fork parent once every rank has ended: remove the failure records that ranks
-        which were stopped from outside could not remove themselves."""
-        faults.remove_stale_runs(Path(tempfile.gettempdir()) / "distmm-runs")
+        which were stopped from outside could not remove themselves (this run's included: no rank
+        of it is left to enter its folder)."""
+        faults.remove_stale_runs(Path(tempfile.gettempdir()) / "distmm-runs", include_current=True)
 
     def _release_runtime(self) -> None:
         """On a spawn/fork rank whose work is done (the whole model handed to the parent): drop the
@@ -167,11 +168,12 @@ class DistMMStrategy(ModelParallelStrategy):
         return found.describe() if found is not None and found.rank != self.global_rank else None
 
     def _failure_folder(self) -> Path:
-        """Where the ranks of this run on this host record their failures (runs whose processes are
-        all gone are removed first)."""
+        """Where the ranks of this run on this host record their failures (other runs whose processes
+        are all gone are removed first; this run's folder is never touched here)."""
         root = Path(tempfile.gettempdir()) / "distmm-runs"
+        run_id = faults.ensure_run_id()
         faults.remove_stale_runs(root)
-        return root / faults.ensure_run_id()
+        return root / run_id
 
     # ------------------------------------------------------------------ setup
     @override
@@ -276,8 +278,6 @@ class DistMMStrategy(ModelParallelStrategy):
         module = self.lightning_module
         if module is not None and self.runner is not None and getattr(module, "_distmm_runner", None) is self.runner:
             module._distmm_runner = None
-        if self._relay is not None and not self._relay.recorded():
-            self._relay.clear()  # a run that ends well leaves no failure folder behind
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None
