@@ -255,6 +255,8 @@ class ErrorRelay:
             return
         if all(f"rank{r}.done" in done for r in range(world_size)):
             _remove_tree(self.folder)
+            with contextlib.suppress(OSError):
+                self.folder.parent.rmdir()  # ``distmm-runs`` too, when no other run is in it
 
     def clear(self) -> None:
         """A trainer call that ended well: remove this rank's failure record, if any. The process's
