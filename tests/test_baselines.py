@@ -23,7 +23,7 @@ from lightning_distmm.planner.cost.nccl import choose_protocol
 from lightning_distmm.planner.measure import load_cluster
 from lightning_distmm.planner.profile import model_profiles
 
-ALL_SHARDS = {"shards": ["none", "optimizer", "full"]}
+ALL_SHARDS = {"shards": ["none", "full"]}  # every sharding the runtime runs and the planner prices
 
 
 def model(name: str) -> dict:
@@ -135,14 +135,15 @@ def test_baselines_priced_like_any_plan():
 
 
 def test_default_options_never_shard():
-    """The default options keep every tower's state replicated (planner.shards = [none]); plan='auto'
-    refuses ZeRO-1, which the runtime has no counterpart for."""
-    from lightning_distmm.planner.auto import auto_plan
-
+    """The default options keep every tower's state replicated (planner.shards = [none]); the planner
+    refuses ZeRO-1, which the runtime has no counterpart for (it prices it for megatron alone)."""
     plan, rep = make_plan(model("distmm_10b"), "h200_8x8", 1024)
     assert all(c.shard == "none" for c in rep.chosen.choices.values())
-    with pytest.raises(ValueError, match="cannot shard"):
-        auto_plan({}, 2, 8, options={"shards": ["none", "optimizer"]})
+    assert all(t.shard == "none" for t in plan.towers.values())
+    with pytest.raises(ValueError, match="runtime has no ZeRO-1"):
+        make_plan(model("distmm_10b"), "h200_8x8", 1024, {"shards": ["none", "optimizer"]})
+    assert rep.baselines["megatron"] is not None
+    assert {c.shard for c in rep.baselines["megatron"].choices.values()} == {"optimizer"}
 
 
 def test_sharding_lets_a_big_tower_fit_without_deep_tp():

@@ -6,10 +6,9 @@ world size. Measured profiles price a tower only at ``tp = pp = 1``, so without 
 config the plan is data parallel per tower; a :class:`TowerInfo` with its ``config`` adds the
 analytic profile and with it tensor and pipeline parallelism, which the runtime runs too.
 
-Sharding: the planner's per-tower shard choice maps onto the runtime's :attr:`TowerPlan.shard`
-(:data:`RUNTIME_SHARD`): ``none`` -> ``none``, ``full`` (ZeRO-3) -> ``full`` (FSDP2). ``optimizer``
-(ZeRO-1: only the optimizer state sharded) has no runtime counterpart and is refused: mapping it
-to ``full`` would run a plan with more communication (per-layer all-gathers) than the one priced.
+Sharding: the plan :func:`make_plan` returns carries each tower's priced shard choice
+(``none``, or ``full``: FSDP2) as :attr:`TowerPlan.shard`; the planner's options accept only what
+the runtime runs and the cost model prices (:data:`lightning_distmm.planner.cost.PLANNABLE_SHARDS`).
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_distmm.core.plan import Plan, TowerPlan
+from lightning_distmm.core.plan import Plan
 from lightning_distmm.planner.cluster import Cluster
 from lightning_distmm.planner.config import to_plain
 from lightning_distmm.planner.measure import local_cluster
@@ -26,9 +25,6 @@ from lightning_distmm.planner.options import PlannerOptions
 from lightning_distmm.planner.profile import TowerProfile, measured_profile, tower_profile
 from lightning_distmm.planner.search import make_plan
 from lightning_distmm.planner.tower_timing import first_tensor, measure_tower
-
-#: the runtime's ``TowerPlan.shard`` for each planner shard choice the runtime runs
-RUNTIME_SHARD = {"none": "none", "full": "full"}
 
 
 @dataclass
@@ -112,7 +108,7 @@ def auto_plan(
         cluster: skip measuring the machine and use this spec.
 
     ``planner.shards`` may list ``none`` and ``full``: a tower the planner shards runs with
-    ``shard: full`` (FSDP2). ``optimizer`` (ZeRO-1) is refused (no runtime counterpart).
+    ``shard: full`` (FSDP2), as priced.
 
     Every rank must call it with the same inputs and get the same plan: call it on rank 0 and
     broadcast the plan's ``to_dict()``, since timings differ from rank to rank.
@@ -124,13 +120,6 @@ def auto_plan(
     if not isinstance(options, PlannerOptions):
         options = runtime_cost_defaults(options, device)
     options = PlannerOptions.from_any(options)
-    unsupported = [s for s in options.shards if s not in RUNTIME_SHARD]
-    if unsupported:
-        raise ValueError(
-            f"plan='auto' cannot shard a tower as {unsupported} (planner.shards={list(options.shards)}): the"
-            f" runtime runs {sorted(RUNTIME_SHARD)} (FSDP2 for full); ZeRO-1 ('optimizer') is priced by the planner"
-            " alone (make_plan, --paper)"
-        )
     cl = cluster or local_cluster(device, world_size, devices_per_node)
     if cl.world_size != world_size:
         cl = cl.with_world(world_size)
@@ -144,19 +133,8 @@ def auto_plan(
             E = int(first_tensor(out).shape[-1])
         analytic = tower_profile(name, info.config, E) if info.config is not None else None
         profiles[name] = measured_profile(name, fit, info.frozen, E, analytic)
-    plan, report = make_plan(None, cl, global_batch, options, profiles=profiles)
-    return with_shards(plan, {n: ch.shard for n, ch in report.chosen.choices.items()})
+    plan, _ = make_plan(None, cl, global_batch, options, profiles=profiles)
+    return plan
 
 
-def with_shards(plan: Plan, shards: Mapping[str, str]) -> Plan:
-    """``plan`` with each tower's planner shard choice as the runtime's ``TowerPlan.shard``."""
-    towers = {}
-    for name, tower in plan.towers.items():
-        choice = shards.get(name, "none")
-        if choice not in RUNTIME_SHARD:
-            raise ValueError(f"tower {name!r}: the planner chose shard {choice!r}, which the runtime does not run")
-        towers[name] = TowerPlan(**{**vars(tower), "shard": RUNTIME_SHARD[choice]})
-    return Plan(plan.world_size, towers, plan.global_batch)
-
-
-__all__ = ["RUNTIME_SHARD", "with_shards", "TowerInfo", "tower_info_from_batch", "runtime_cost_defaults", "auto_plan"]
+__all__ = ["TowerInfo", "tower_info_from_batch", "runtime_cost_defaults", "auto_plan"]

@@ -9,7 +9,7 @@ from typing import Any
 
 from lightning_distmm.core.plan import SCHEDULES
 from lightning_distmm.planner.config import to_plain
-from lightning_distmm.planner.cost import SHARDS, CostOptions
+from lightning_distmm.planner.cost import PLANNABLE_SHARDS, CostOptions
 
 BALANCERS = ("dp", "proportional", "even")
 
@@ -36,10 +36,9 @@ class PlannerOptions:
     ``layouts`` whether towers may get their own devices (``separate``) and/or share all devices
     (``colocated``); ``recompute`` whether ``gpipe`` may checkpoint activations (TowerPlan.recompute);
     ``max_points`` the resolution of the balancer's parametric search; ``shards`` how a tower's
-    replicas may hold the training state (:data:`SHARDS`; default ``none``; the runtime runs ``full``
-    (ZeRO-3, FSDP2), which ``plan="auto"`` may be allowed, while ``optimizer`` (ZeRO-1) is priced
-    only; ``[none, optimizer, full]`` prices both per tower, as ``benchmarks/planner.py --paper``
-    does); ``baselines`` which baselines to
+    replicas may hold the training state (:data:`PLANNABLE_SHARDS`: ``none``, the default, and
+    ``full``, FSDP2; only what the runtime runs and the cost model prices, so the plan written is
+    the plan priced); ``baselines`` which baselines to
     price (default all of ``baselines.BASELINES``); the rest are :class:`CostOptions`.
     ``world_size`` plans for that many devices of the cluster's kind.
     """
@@ -70,8 +69,17 @@ class PlannerOptions:
         if bad or not self.schedules:
             raise ValueError(f"planner.schedules={list(self.schedules)}: choose from {', '.join(SCHEDULES)}")
         self.shards = tuple(self.shards)
-        if not self.shards or any(s not in SHARDS for s in self.shards):
-            raise ValueError(f"planner.shards={list(self.shards)}: choose from {', '.join(SHARDS)}")
+        if not self.shards or any(s not in PLANNABLE_SHARDS for s in self.shards):
+            why = {
+                "optimizer": "the runtime has no ZeRO-1 (optimizer-state-only sharding): the planner prices it for"
+                " the megatron baseline alone",
+                "hybrid": "HSDP runs (write shard: hybrid in a plan) but the planner does not price it yet",
+            }
+            reasons = "; ".join(f"{s!r}: {why[s]}" for s in self.shards if s in why)
+            raise ValueError(
+                f"planner.shards={list(self.shards)}: choose from {', '.join(PLANNABLE_SHARDS)}"
+                + (f" ({reasons})" if reasons else "")
+            )
         if self.baselines is not None:
             self.baselines = tuple(self.baselines)
         self.layouts = tuple(self.layouts)

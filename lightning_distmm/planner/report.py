@@ -72,6 +72,29 @@ class Report:
             return float(ev.cost.extra["peak_memory"])
         return max(t.memory.get("total_device", t.memory["total"]) for t in ev.cost.towers.values())
 
+    def picked_baseline(self) -> str | None:
+        """The baseline whose own plan the planner picked (its speedup over it is 1.00x by
+        construction, no DistMM gain), or None when the pick is one of DistMM's plans. A colocated
+        plan DistMM found itself counts as the baseline's when it is the same plan (same choices and
+        ranks per tower), as FSDP's is whenever every tower takes pure sharded data parallelism."""
+        if self.chosen.name in self.baselines:
+            return self.chosen.name
+        for k, b in self.baselines.items():
+            if b is not None and b.choices == self.chosen.choices and b.ranks == self.chosen.ranks:
+                return k
+        return None
+
+    def pick_label(self) -> str:
+        """What the planner picked, in a few words: ``separate`` or ``colocated`` DistMM plan, or
+        ``= fsdp`` (a baseline's own plan, which DistMM's options include)."""
+        k = self.picked_baseline()
+        return f"= {k} ({describe(self.chosen)})" if k else f"DistMM {self.chosen.name} ({describe(self.chosen)})"
+
+    def best_baseline(self) -> Evaluated | None:
+        """The fastest baseline plan that fits, if any."""
+        fits = [b for b in self.baselines.values() if b is not None]
+        return min(fits, key=lambda b: b.step_time) if fits else None
+
     def speedup(self, baseline: str) -> float | None:
         b = self.baselines.get(baseline)
         return None if b is None else b.step_time / self.step_time
@@ -122,7 +145,8 @@ class Report:
         cl = self.cluster
         lines = [
             f"DistMM plan: model {self.model}, cluster {cl.name} ({cl.nodes} x {cl.devices_per_node} {cl.device.name}),"
-            f" global batch {self.global_batch}, layout {c.cost.layout}",
+            f" global batch {self.global_batch}, layout {c.cost.layout}"
+            + (f" (= {self.picked_baseline()}'s own plan: no gain over it)" if self.picked_baseline() else ""),
             fmt.format(*head),
             *(fmt.format(*r) for r in rows),
             f"batch sync (feature all-gather, loss, gradient scatter): {_ms(c.cost.sync['total'])}",
@@ -142,13 +166,11 @@ class Report:
                     f"  vs {LABELS[name]}: {_ms(b.step_time)} ({describe(b)}) -> speedup"
                     f" {b.step_time / self.step_time:.2f}x{why}"
                 )
-        if any(ch.shard == "optimizer" for ch in c.choices.values()):
-            lines.append(
-                "  note: the chosen plan shards a tower's optimizer state only (ZeRO-1), which the runtime does not run"
-            )
+        best = self.best_baseline()
         for name, ev in self.candidates.items():
             if ev is not None and ev is not c:
-                lines.append(f"  best {name} plan considered: {_ms(ev.step_time)}")
+                vs = f", {best.step_time / ev.step_time:.2f}x vs the best baseline" if best is not None else ""
+                lines.append(f"  best {name} plan considered: {_ms(ev.step_time)}{vs}")
         lines.append(
             f"solve time: {self.solve_time * 1e3:.0f} ms"
             + ("" if self.balance is None or self.balance.exact else " (balancer sampled phi)")

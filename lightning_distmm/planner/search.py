@@ -41,6 +41,7 @@ from lightning_distmm.planner.baselines import BASELINES, Evaluated, baseline_sp
 from lightning_distmm.planner.cluster import GB, Cluster
 from lightning_distmm.planner.config import to_plain
 from lightning_distmm.planner.cost import (
+    PLANNABLE_SHARDS,
     RECOMPUTE,
     CostOptions,
     StepCost,
@@ -225,20 +226,47 @@ def _sync_families(cands: Sequence[Candidates]) -> list[tuple[int, list[Candidat
 
 
 def to_plan(ev: Evaluated, world: int, global_batch: int) -> Plan:
-    """The runtime's :class:`Plan` for a priced plan."""
-    towers = {}
-    for n, ch in ev.choices.items():
-        schedule, recompute = runtime_schedule(ch.schedule)
-        towers[n] = TowerPlan(
-            ranks=list(ev.ranks[n]),
-            replica_batch=list(ch.replica_batch),
-            tp=ch.tp,
-            pp=ch.pp,
-            microbatch=ch.microbatch,
-            schedule=schedule,
-            recompute=recompute,
+    """The runtime's :class:`Plan` for a priced plan: every field the cost model priced (ranks,
+    replica batches, tp, pp, microbatch, schedule and recomputation, sharding), so that
+    :func:`plan_choices` gives the same choices back."""
+    return Plan(
+        world_size=world,
+        towers={n: tower_plan(ch, ev.ranks[n]) for n, ch in ev.choices.items()},
+        global_batch=global_batch,
+    )
+
+
+def tower_plan(choice: TowerChoice, ranks: Sequence[int]) -> TowerPlan:
+    """A priced tower choice as the runtime's :class:`TowerPlan` (the inverse of :func:`tower_choice`)."""
+    if choice.shard not in PLANNABLE_SHARDS:
+        raise ValueError(
+            f"tower {choice.name!r}: shard {choice.shard!r} is priced for a baseline but the runtime does not run"
+            f" it; a plan holds {', '.join(PLANNABLE_SHARDS)}"
         )
-    return Plan(world_size=world, towers=towers, global_batch=global_batch)
+    schedule, recompute = runtime_schedule(choice.schedule)
+    return TowerPlan(
+        ranks=list(ranks),
+        replica_batch=list(choice.replica_batch),
+        tp=choice.tp,
+        pp=choice.pp,
+        microbatch=choice.microbatch,
+        schedule=schedule,
+        recompute=recompute,
+        shard=choice.shard,
+    )
+
+
+def tower_choice(name: str, tower: TowerPlan, global_batch: int) -> TowerChoice:
+    """The cost model's view of one runtime :class:`TowerPlan` (the inverse of :func:`tower_plan`)."""
+    if tower.shard not in PLANNABLE_SHARDS:
+        raise ValueError(
+            f"tower {name!r}: shard {tower.shard!r} runs but the cost model does not price it yet"
+            f" (it prices {', '.join(PLANNABLE_SHARDS)})"
+        )
+    rb = tuple(tower.split(int(global_batch)))
+    mb = min(tower.microbatch, max(rb)) if tower.microbatch else max(rb)
+    schedule = cost_schedule(tower.schedule, tower.recompute)
+    return TowerChoice(name, len(tower.ranks), tower.tp, tower.pp, mb, schedule, rb, tower.shard)
 
 
 def plan_choices(plan: Plan, global_batch: int | None = None) -> tuple[dict[str, TowerChoice], dict[str, list[int]]]:
@@ -246,14 +274,8 @@ def plan_choices(plan: Plan, global_batch: int | None = None) -> tuple[dict[str,
     G = global_batch if global_batch is not None else plan.global_batch
     if G is None:
         raise ValueError("plan_choices needs the global batch (the plan has none)")
-    choices, ranks = {}, {}
-    for name, t in plan.towers.items():
-        rb = tuple(t.split(int(G)))
-        schedule = cost_schedule(t.schedule, t.recompute)
-        mb = min(t.microbatch, max(rb)) if t.microbatch else max(rb)
-        choices[name] = TowerChoice(name, len(t.ranks), t.tp, t.pp, mb, schedule, rb)
-        ranks[name] = list(t.ranks)
-    return choices, ranks
+    choices = {name: tower_choice(name, t, int(G)) for name, t in plan.towers.items()}
+    return choices, {name: list(t.ranks) for name, t in plan.towers.items()}
 
 
 def price_plan(
@@ -323,4 +345,4 @@ def _why_nothing(
     return "; ".join(parts)
 
 
-__all__ = ["make_plan", "to_plan", "plan_choices", "price_plan", "DEFAULT_SCHEDULES"]
+__all__ = ["make_plan", "to_plan", "tower_plan", "tower_choice", "plan_choices", "price_plan", "DEFAULT_SCHEDULES"]

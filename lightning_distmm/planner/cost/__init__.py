@@ -52,7 +52,14 @@ from lightning_distmm.planner.cost.memory import (
     stage_params,
     static_per_param,
 )
-from lightning_distmm.planner.cost.options import PRECISIONS, SHARDS, CostOptions, PrecisionPolicy, precision_policy
+from lightning_distmm.planner.cost.options import (
+    PLANNABLE_SHARDS,
+    PRECISIONS,
+    SHARDS,
+    CostOptions,
+    PrecisionPolicy,
+    precision_policy,
+)
 from lightning_distmm.planner.cost.pipeline import (
     RECOMPUTE,
     SIMULATE_MAX_INSTRUCTIONS,
@@ -74,6 +81,7 @@ __all__ = [
     "PrecisionPolicy",
     "PRECISIONS",
     "SHARDS",
+    "PLANNABLE_SHARDS",
     "precision_policy",
     "RECOMPUTE",
     "cost_schedule",

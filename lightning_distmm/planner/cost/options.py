@@ -6,12 +6,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_distmm.core.plan_schema import SHARDS as RUNTIME_SHARDS
+
 SHARDS = ("none", "optimizer", "full")
-"""How a tower's data-parallel replicas hold their training state: ``none`` (every replica holds all
-of it, gradients all-reduced: DDP), ``optimizer`` (ZeRO-1 / Megatron's distributed optimizer: master
-weights and Adam moments split over the replicas, gradients reduce-scattered, weights all-gathered
-after the step), ``full`` (ZeRO-3 / FSDP2: weights, gradients and optimizer state split, each
-layer's weights all-gathered before its forward and its backward, its gradients reduce-scattered)."""
+"""How a tower's data-parallel replicas hold their training state, as the cost model prices it:
+``none`` (every replica holds all of it, gradients all-reduced: DDP), ``optimizer`` (ZeRO-1 /
+Megatron's distributed optimizer: master weights and Adam moments split over the replicas,
+gradients reduce-scattered, weights all-gathered after the step), ``full`` (ZeRO-3 / FSDP2:
+weights, gradients and optimizer state split, each layer's weights all-gathered before its forward
+and its backward, its gradients reduce-scattered)."""
+
+PLANNABLE_SHARDS = tuple(s for s in RUNTIME_SHARDS if s in SHARDS)
+"""What the planner may write into a plan: ways the runtime runs (``core.plan_schema.SHARDS``) and
+the cost model prices. ``optimizer`` is priced for the baselines alone (Megatron-LM runs its
+distributed optimizer) since the runtime has no ZeRO-1; ``hybrid`` (HSDP) runs but is not priced."""
 
 
 @dataclass(frozen=True)
@@ -128,4 +136,4 @@ class CostOptions:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
-__all__ = ["CostOptions", "PrecisionPolicy", "PRECISIONS", "SHARDS", "precision_policy"]
+__all__ = ["CostOptions", "PrecisionPolicy", "PRECISIONS", "SHARDS", "PLANNABLE_SHARDS", "precision_policy"]
