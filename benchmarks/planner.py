@@ -2,6 +2,7 @@
 uniform+batchsync ablation), and solve time.
 
     python benchmarks/planner.py --paper                      # the DistMM paper's table: 1.1B-26B presets
+    python benchmarks/planner.py --regimes                    # where DistMM wins: network x batch x memory map
     python benchmarks/planner.py --sharding-table             # distmm_10b / 26b on 64 A100s, with and without sharding
     python benchmarks/planner.py                              # model presets x GPU cluster presets
     python benchmarks/planner.py --global-batch 1024,32768    # several contrastive batch sizes
@@ -228,6 +229,111 @@ def solve_at_scale(devices: int) -> None:
         )
 
 
+REGIME_MODELS = {"CLIP": "clip_vit_bigg14", "LiT": "lit_l16_bert_large", "CoCa": "coca_vit_l14"}
+REGIME_NETWORKS_GBIT = (100, 400, 800, 3200)
+REGIME_BATCHES = (1024, 4096, 16384, 32768)
+REGIME_MEMORY_GB = (40, 80, 141)
+
+
+def regimes(base: str = "a100_8x8", svg: Path | None = None) -> list[dict[str, object]]:
+    """Where DistMM's own idea wins: for CLIP, LiT and CoCa presets on 64 GPUs of ``base``'s kind,
+    the best separate-tower plan and the picked plan against the best baseline, across network
+    bandwidth per node, global batch and device memory (the device's compute kept: a 40 or 141 GB
+    row is an A100 with that much memory, a what-if, not a product)."""
+    from dataclasses import replace
+
+    base_cl = load_cluster(base)
+    cells: list[dict[str, object]] = []
+    print(
+        f"Regime map on {base_cl.world_size} x {base_cl.device.name} (compute of {base}); cell: separate / picked vs best baseline"
+    )
+    for family, m in REGIME_MODELS.items():
+        cfg = yaml.safe_load((CONF_DIR / "model" / f"{m}.yaml").read_text())
+        print(f"\n{family} ({m})")
+        print("| memory | network per node | " + " | ".join(f"batch {g}" for g in REGIME_BATCHES) + " |")
+        print("|---|---|" + "---|" * len(REGIME_BATCHES))
+        for mem in REGIME_MEMORY_GB:
+            for gbit in REGIME_NETWORKS_GBIT:
+                cl = replace(
+                    base_cl,
+                    name=f"{base}-{mem}GB-{gbit}Gb",
+                    device=replace(base_cl.device, memory=mem * 1e9),
+                    inter=replace(base_cl.inter, bandwidth=gbit * 1e9 / 8),
+                )
+                row = []
+                for g in REGIME_BATCHES:
+                    cell: dict[str, object] = {
+                        "family": family,
+                        "model": m,
+                        "memory_gb": mem,
+                        "network_gbit": gbit,
+                        "batch": g,
+                    }
+                    try:
+                        _, rep = make_plan(cfg, cl, g, ALL_SHARDS)
+                    except InfeasibleError:
+                        cell.update(separate=None, picked=None, pick="OOM")
+                        row.append("OOM")
+                        cells.append(cell)
+                        continue
+                    best, sep = rep.best_baseline(), rep.candidates.get("separate")
+                    cell["separate"] = best.step_time / sep.step_time if best and sep else None
+                    cell["picked"] = best.step_time / rep.step_time if best else None
+                    cell["pick"] = f"= {rep.picked_baseline()}" if rep.picked_baseline() else rep.chosen.name
+                    cell["best_baseline"] = best.name if best else None
+                    cells.append(cell)
+                    sep_s = f"{cell['separate']:.2f}x" if cell["separate"] else "-"
+                    pick_s = f"{cell['picked']:.2f}x" if cell["picked"] else "only DistMM fits"
+                    row.append(f"{sep_s} / {pick_s} ({cell['pick']})")
+                print(f"| {mem} GB | {gbit} Gb/s | " + " | ".join(row) + " |", flush=True)
+    if svg is not None:
+        svg.write_text(_regime_svg(cells))
+        print(f"\nwrote {svg}")
+    return cells
+
+
+def _regime_svg(cells: list[dict[str, object]]) -> str:
+    """A heat map per family: rows memory x network, columns global batch; colour by the separate-tower
+    plan's speedup over the best baseline (red below 1, white at 1, green above), the figure in each cell."""
+    fams = list(REGIME_MODELS)
+    rows = [(m, n) for m in REGIME_MEMORY_GB for n in REGIME_NETWORKS_GBIT]
+    cw, ch, left, top, gap = 64, 20, 120, 40, 30
+    width = left + len(fams) * (len(REGIME_BATCHES) * cw + gap)
+    height = top + len(rows) * ch + 40
+
+    def colour(x: object) -> str:
+        if not isinstance(x, float):
+            return "#dddddd"
+        t = max(-1.0, min(1.0, (x - 1.0) / 0.3))
+        if t >= 0:
+            return f"rgb({int(255 * (1 - t))},{int(255 - 80 * t)},{int(255 * (1 - t))})"
+        return f"rgb(255,{int(255 * (1 + t))},{int(255 * (1 + t))})"
+
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="10">',
+        '<text x="4" y="14" font-size="12">Separate-tower plan vs best baseline (predicted), 64 GPUs; rows: memory, network per node</text>',
+    ]
+    for r, (mem, gbit) in enumerate(rows):
+        out.append(f'<text x="4" y="{top + r * ch + 14}">{mem} GB, {gbit} Gb/s</text>')
+    for f, fam in enumerate(fams):
+        x0 = left + f * (len(REGIME_BATCHES) * cw + gap)
+        out.append(f'<text x="{x0}" y="{top - 16}" font-weight="bold">{fam} ({REGIME_MODELS[fam]})</text>')
+        for b, g in enumerate(REGIME_BATCHES):
+            out.append(f'<text x="{x0 + b * cw + 4}" y="{top - 4}">B={g}</text>')
+        for cell in cells:
+            if cell["family"] != fam:
+                continue
+            r = rows.index((cell["memory_gb"], cell["network_gbit"]))
+            b = REGIME_BATCHES.index(cell["batch"])
+            x, y = x0 + b * cw, top + r * ch
+            v = cell["separate"]
+            label = f"{v:.2f}" if isinstance(v, float) else ("OOM" if cell["pick"] == "OOM" else "-")
+            out.append(f'<rect x="{x}" y="{y}" width="{cw - 2}" height="{ch - 2}" fill="{colour(v)}"/>')
+            out.append(f'<text x="{x + 14}" y="{y + 13}">{label}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(DEFAULT_MODELS))
@@ -242,7 +348,17 @@ def main() -> None:
         action="store_true",
         help="distmm_10b and distmm_26b with and without sharding (a100_8x8 unless --clusters; --models to change)",
     )
+    ap.add_argument(
+        "--regimes",
+        action="store_true",
+        help="where DistMM wins: CLIP, LiT, CoCa across network, global batch and memory (writes docs/img/regimes.svg)",
+    )
     args = ap.parse_args()
+    if args.regimes:
+        t0 = time.perf_counter()
+        regimes(svg=Path(__file__).resolve().parents[1] / "docs" / "img" / "regimes.svg")
+        print(f"map priced in {time.perf_counter() - t0:.1f} s")
+        return
     if args.sharding_table:
         clusters = args.clusters.split(",") if args.clusters != ",".join(DEFAULT_CLUSTERS) else ["a100_8x8"]
         models = args.models.split(",") if args.models != ",".join(DEFAULT_MODELS) else ["distmm_10b", "distmm_26b"]
