@@ -1,7 +1,7 @@
 """Write the embedded shapes data as files in open_clip's CSV format: PNGs + ``train.csv`` / ``val.csv``.
 
     python recipes/make_csv.py --out data/shapes_csv --train 4000 --val 256
-    python recipes/train.py experiment=clip_csv data.path=data/shapes_csv/train.csv data.val_path=data/shapes_csv/val.csv
+    python recipes/train.py experiment=clip_shapes_csv data.path=data/shapes_csv/train.csv data.val_path=data/shapes_csv/val.csv
 
 Each CSV has the columns ``filepath`` (relative to the CSV) and ``title`` (the caption), comma
 separated: ``open_clip``'s ``--csv-img-key filepath --csv-caption-key title --csv-separator ,``.

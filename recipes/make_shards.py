@@ -1,7 +1,7 @@
 """Write the embedded shapes data as WebDataset tar shards: ``<out>/train/shard-*.tar``, ``<out>/val/shard-*.tar``.
 
     python recipes/make_shards.py --out data/shapes_wds --train 4000 --val 256 --per-shard 1000
-    python recipes/train.py experiment=clip_wds data.train=data/shapes_wds/train data.val=data/shapes_wds/val
+    python recipes/train.py experiment=clip_shapes_wds data.train=data/shapes_wds/train data.val=data/shapes_wds/val
 
 Each sample is two members, ``<key>.png`` (the shapes render in ``[0, 1]`` saved as an 8-bit PNG,
 or ``.jpg`` with ``--format jpg``) and ``<key>.txt`` (the caption), written with ``webdataset``'s

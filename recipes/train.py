@@ -5,7 +5,7 @@
     python recipes/train.py strategy=ddp                     # plain DDP baseline
     python recipes/train.py strategy.plan=plan.yaml trainer.max_steps=200
     python recipes/train.py experiment=clip_digits logger=csv   # zero-shot on real digit scans
-    python recipes/train.py experiment=clip_csv data.path=data/shapes_csv/train.csv   # after recipes/make_csv.py
+    python recipes/train.py experiment=clip_shapes_csv data.path=data/shapes_csv/train.csv   # after recipes/make_csv.py
     python recipes/train.py ckpt_path=path/to/epoch=0-step=100.ckpt                 # resume
 
 The config follows lightning-hydra-template: ``data``, ``logger`` and ``callbacks`` entries with a
@@ -129,15 +129,18 @@ def settle_max_epochs(trainer_kwargs: dict[str, Any], datamodule: L.LightningDat
     trainer_kwargs["max_epochs"] = -(-int(steps) // per_epoch)
 
 
-def check_text_vocab(cfg: DictConfig) -> None:
-    """The tokenizer's ids must fit every text tower's embedding table."""
-    if cfg.data.get("_target_") != "lightning_distmm.data.shapes.ShapesDataModule":
-        return  # other datamodules bring their own tokenizer
-    vocab = build_caption_tokenizer().get_vocab_size()
+def check_text_vocab(cfg: DictConfig, datamodule: L.LightningDataModule) -> None:
+    """The tokenizer's ids must fit every text tower's embedding table (any DataModule: its ``text``
+    tokenizer, or the embedded one); otherwise the first batch fails deep in an embedding lookup."""
+    text = getattr(datamodule, "text", None)
+    vocab = int(text.vocab_size) if text is not None else build_caption_tokenizer().get_vocab_size()
     for name, tower in cfg.model.towers.items():
         if "vocab_size" in tower and int(tower.vocab_size) < vocab:
             raise SystemExit(
                 f"model.towers.{name}.vocab_size={tower.vocab_size} < the caption tokenizer's {vocab} tokens"
+                f" (data.tokenizer={cfg.data.get('tokenizer')}): token ids past the embedding table would fail"
+                f" at the first batch; set model.towers.{name}.vocab_size={vocab} (or more), or use a tokenizer"
+                " of that size"
             )
 
 
@@ -212,8 +215,8 @@ def main(cfg: DictConfig) -> dict[str, float] | None:
 
     trainer_kwargs = trainer_arguments(cfg)
     strategy = build_strategy(cfg.strategy, trainer_kwargs)
-    check_text_vocab(cfg)
     datamodule = build_data(cfg, per_process_batch(cfg, trainer_kwargs))
+    check_text_vocab(cfg, datamodule)
     settle_max_epochs(trainer_kwargs, datamodule)
     model = CLIPModel(cfg.model, cfg.optim)
 

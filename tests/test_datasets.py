@@ -210,3 +210,33 @@ def test_image_folder_pairs_under_distmm_equal_one_process(tmp_path):
     assert {f for _, f in records[0]} == {("image",)}
     assert {f for _, f in records[1]} == {("attention_mask", "input_ids")}
     assert [i for i, _ in records[0]] == [i for i, _ in records[1]]  # the same rows, in the same order
+
+
+# ---------------------------------------------------------------------- tokenizers that cannot read the data
+def _digit_csv(tmp: Path, n: int = 12) -> Path:
+    names = _write_images(tmp / "images", n, sidecar=False)
+    path = tmp / "digits.tsv"
+    rows = [f"images/{name}\ta photo of the digit {i % 10}" for i, name in enumerate(names)]
+    path.write_text("filepath\ttitle\n" + "\n".join(rows) + "\n")
+    return path
+
+
+def test_captions_the_tokenizer_cannot_read_are_refused_before_training(tmp_path):
+    """The embedded tokenizer knows only the shapes captions' words: ``a photo of the digit 7``
+    reads as ``a [UNK] of the [UNK] [UNK]`` and every digit caption reads the same, which trained to
+    exactly chance with no error. The DataModule refuses it and names the fix; a tokenizer that
+    knows the words passes."""
+    from lightning_distmm.data.modules import PairsDataModule
+
+    path = _digit_csv(tmp_path)
+    with pytest.raises(ValueError) as err:
+        PairsDataModule(str(path), val_size=2, image_size=8, tokenizer=None)
+    message = str(err.value)
+    assert "unknown to the embedded tokenizer" in message and "digits.tsv" in message
+    assert "10 different captions read as 1" in message and "data.tokenizer" in message
+
+    words = ["a", "photo", "of", "the", "digit", *map(str, range(10))]
+    tokenizer_file = tmp_path / "tokenizer.json"
+    build_tokenizer(words).save(str(tokenizer_file))
+    dm = PairsDataModule(str(path), val_size=2, image_size=8, tokenizer=str(tokenizer_file))
+    assert dm.text.unknown_share(["a photo of the digit 7"]) == 0.0

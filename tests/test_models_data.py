@@ -258,6 +258,20 @@ def test_retrieval_from_features():
     assert retrieval_from_features(eye, shifted)[1] == 0.0
 
 
+def test_retrieval_counts_any_pair_with_the_same_caption_as_a_match():
+    """32 pairs, 8 unique captions: a perfect model (each image nearest its caption's text) scores
+    R@1 = 1 both ways, not the 0.25 that counting duplicates against the query capped it at."""
+    captions = [i % 8 for i in range(32)]
+    text = torch.eye(8)[captions]  # equal captions encode to the same text feature
+    image = text + 0.01 * torch.randn(32, 8)
+    assert retrieval_from_features(image, text)[1] <= 0.25 + 1e-9  # without keys: ties count against
+    keys = [("caption", c) for c in captions]
+    assert retrieval_from_features(image, text, (1,), keys) == {1: 1.0}
+    assert retrieval_from_features(text, image, (1,), keys) == {1: 1.0}
+    collapsed = torch.ones(32, 8)  # still no credit for a collapsed model
+    assert retrieval_from_features(collapsed, collapsed, (1,), keys) == {1: 0.0}
+
+
 def test_retrieval_metrics_runs_on_a_module():
     model = CLIPModel()
     loader = DataLoader(ShapesDataset("val", size=40), batch_size=16)

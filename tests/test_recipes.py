@@ -19,9 +19,9 @@ def _compose(*overrides: str):
         return compose(config_name="train", overrides=["out_dir=/tmp/unused", *overrides])
 
 
-@pytest.mark.parametrize("experiment", ["clip_shapes", "clip_digits", "clip_csv"])
+@pytest.mark.parametrize("experiment", ["clip_shapes", "clip_digits", "clip_csv", "clip_shapes_csv"])
 def test_experiments_compose_and_instantiate(experiment):
-    cfg = _compose(f"experiment={experiment}", "data.path=x.csv" if experiment == "clip_csv" else "seed=0")
+    cfg = _compose(f"experiment={experiment}", "data.path=x.csv" if "csv" in experiment else "seed=0")
     assert "_target_" in cfg.data
     callbacks = train.instantiate_group(cfg.callbacks)
     names = {type(c).__name__ for c in callbacks}
@@ -67,3 +67,27 @@ def test_retrieval_line_shows_the_callbacks_recall_next_to_chance():
         line
         == "retrieval (callback, 256 held-out pairs): image->text R@1 = 0.700, text->image R@1 = 0.750 (chance 0.004)"
     )
+
+
+def test_a_tokenizer_larger_than_the_text_towers_vocabulary_is_refused_for_any_datamodule():
+    """Token ids past the text tower's embedding table failed only as ``IndexError: index out of range
+    in self`` at the first batch; the recipe checks every DataModule's tokenizer against the towers."""
+    from lightning_distmm.data import CaptionTokenizer
+    from lightning_distmm.data.tokenizer import build_tokenizer
+
+    cfg = _compose("experiment=clip_csv", "data.path=x.csv")
+    big = type("DataModule", (), {"text": CaptionTokenizer(build_tokenizer([f"w{i}" for i in range(100)]))})()
+    with pytest.raises(SystemExit, match=r"model.towers.text.vocab_size=64 < the caption tokenizer's 104 tokens"):
+        train.check_text_vocab(cfg, big)
+    small = type("DataModule", (), {"text": CaptionTokenizer(build_tokenizer(["a", "b"]))})()
+    train.check_text_vocab(cfg, small)
+
+
+def test_user_data_experiments_normalise_as_clip_and_the_demo_ones_as_the_renders():
+    """Your own photos get CLIP's mean and std (they got the shapes renders' 0.15 / 0.16 before)."""
+    for experiment, data in (("clip_csv", "data.path=x.csv"), ("clip_wds", "data.train=x")):
+        cfg = _compose(f"experiment={experiment}", data)
+        assert list(cfg.data.mean) == pytest.approx([0.48145466, 0.4578275, 0.40821073])
+        assert cfg.data.interpolation == "bicubic"
+    for experiment, data in (("clip_shapes_csv", "data.path=x.csv"), ("clip_shapes_wds", "data.train=x")):
+        assert list(_compose(f"experiment={experiment}", data).data.std) == pytest.approx([0.16] * 3)

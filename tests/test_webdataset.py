@@ -445,7 +445,7 @@ def test_make_shards_and_the_clip_wds_experiment(tmp_path):
             config_name="train",
             overrides=[
                 "out_dir=/tmp/unused",
-                "experiment=clip_wds",
+                "experiment=clip_shapes_wds",
                 f"data.train={tmp_path / 'train'}",
                 f"data.val={tmp_path / 'val'}",
                 "data.batch_size=4",

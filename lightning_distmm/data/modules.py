@@ -88,6 +88,8 @@ class PairsDataModule(L.LightningDataModule):
             return CsvPairs(where, img_key=img_key, caption_key=caption_key, sep=sep, **common)
 
         train = open_pairs(path)
+        probe = sorted({i * len(train) // 64 for i in range(64)}) if len(train) else []
+        self.text.check_captions([train.caption(i) for i in probe], f"{path} (data.path)")
         if val_path is not None:
             self.train_dataset, self.val_dataset = train, open_pairs(val_path)
         else:

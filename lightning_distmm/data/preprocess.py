@@ -100,6 +100,8 @@ class CaptionTokenizer:
 
     def __init__(self, tokenizer: Any = None, context_length: int = 77):
         self.context_length = int(context_length)
+        #: whether this is the embedded word-level tokenizer of the shapes captions (``tokenizer=None``)
+        self.embedded = tokenizer is None
         self.tokenizer = _resolve(tokenizer)
 
     @property
@@ -122,6 +124,63 @@ class CaptionTokenizer:
         """Several captions as ``[N, context_length]`` tensors."""
         rows = [self(t) for t in texts]
         return {k: torch.stack([r[k] for r in rows]) for k in ("input_ids", "attention_mask")}
+
+    def _unknown_id(self) -> int | None:
+        tok = self.tokenizer
+        if _is_transformers(tok):
+            return tok.unk_token_id
+        for name in ("[UNK]", "<unk>", "<|unk|>"):
+            found = tok.token_to_id(name) if hasattr(tok, "token_to_id") else None
+            if found is not None:
+                return int(found)
+        return None
+
+    def _pieces(self, text: str) -> list[int]:
+        tok = self.tokenizer
+        if _is_transformers(tok):
+            return list(tok(text, add_special_tokens=False)["input_ids"])
+        return list(tok.encode(text, add_special_tokens=False).ids)
+
+    def unknown_share(self, texts: Sequence[str]) -> float:
+        """The share of the tokens of ``texts`` that the tokenizer maps to its unknown token (0 for a
+        tokenizer without one, such as CLIP's byte-level BPE)."""
+        unk = self._unknown_id()
+        if unk is None:
+            return 0.0
+        ids = [i for t in texts for i in self._pieces(t)]
+        return sum(i == unk for i in ids) / max(1, len(ids))
+
+    def check_captions(self, texts: Sequence[str], where: str, max_unknown: float = 0.2) -> None:
+        """Refuse captions the tokenizer cannot read: a text tower trained on ``[UNK]`` learns
+        nothing (the shapes-vocabulary tokenizer on captions such as ``a photo of the digit 7``,
+        half unknown tokens, trained to exactly chance with no error). ``where`` names the data in
+        the message. A tokenizer for the captions' language leaves well under 1% unknown; the bar is
+        ``max_unknown`` of the probed tokens."""
+        texts = [t for t in texts if t]
+        share = self.unknown_share(texts)
+        if share <= max_unknown:
+            return
+        distinct = len(set(texts))
+        readings = len({tuple(self._pieces(t)) for t in set(texts)})
+        worst = max(texts, key=lambda t: self.unknown_share([t]))
+        shown = self.decode(self._pieces(worst))
+        which = (
+            "the embedded tokenizer (it knows only the words of the bundled shapes captions)"
+            if self.embedded
+            else f"the tokenizer {type(self.tokenizer).__name__}"
+        )
+        raise ValueError(
+            f"{where}: {share:.0%} of the tokens of {len(texts)} probed captions are unknown to {which};"
+            f" for example {worst!r} reads as {shown!r}, and {distinct} different captions read as {readings}."
+            " A text tower trained on unknown tokens learns nothing. Pass a tokenizer that knows the captions' words: a local Hugging Face tokenizer"
+            " folder or tokenizer.json (tokenizer=..., in the recipe data.tokenizer=...)"
+        )
+
+    def decode(self, ids: Sequence[int]) -> str:
+        tok = self.tokenizer
+        if _is_transformers(tok):
+            return str(tok.decode(list(ids)))
+        return str(tok.decode(list(ids), skip_special_tokens=False))
 
 
 def _is_transformers(tok: Any) -> bool:

@@ -337,6 +337,13 @@ class WebDatasetDataModule(L.LightningDataModule):
             **common,
         )
         self.val_dataset = None if val is None else WebDatasetPairs(val, tokenizer=self.text, **common).in_memory()
+        probe = self.val_dataset if self.val_dataset is not None else self.train_dataset.in_memory(limit=64)
+        self.text.check_captions(
+            [probe.load(i, ("caption",))["caption"] for i in range(min(64, len(probe)))],
+            f"{train if isinstance(train, str) else train[0]} (the training shards)"
+            if self.val_dataset is None
+            else f"{val if isinstance(val, str) else val[0]} (the held-out shards)",
+        )
         self.retrieval_dataset = self.val_dataset
 
     def tokenize(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:

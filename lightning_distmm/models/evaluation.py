@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import default_collate
 
-from lightning_distmm.models.metrics import retrieval_from_features
+from lightning_distmm.models.metrics import retrieval_from_features, row_keys
 
 Batches = Callable[[], Iterator[Mapping[str, Any]]]
 
@@ -140,13 +140,16 @@ class TowerEvaluation(L.Callback):
 
 
 class Retrieval(TowerEvaluation):
-    """Recall@k both ways (image->text, text->image) on held-out pairs: row ``i`` matches row ``i``.
+    """Recall@k both ways (image->text, text->image) on held-out pairs: row ``i`` matches row ``i``
+    and every row whose caption (``match_field`` of the second tower's inputs) is the same.
 
     Args:
         dataset: the held-out pairs (default: the datamodule's ``retrieval_dataset`` or ``val_dataset``).
         ks: the recalls.
         towers: the two towers whose features are matched (``(query side, other side)``).
         limit: evaluate the first ``limit`` pairs only.
+        match_field: the field whose equal values make rows interchangeable (the caption's token
+            ids; None: row ``i`` matches row ``i`` only, and a duplicate caption counts as a miss).
         every_n_epochs, batch_size, prefix: when, in what chunks, and under which log prefix.
     """
 
@@ -159,9 +162,11 @@ class Retrieval(TowerEvaluation):
         every_n_epochs: int = 1,
         batch_size: int = 256,
         prefix: str = "val/retrieval",
+        match_field: str | None = "input_ids",
     ):
         super().__init__(every_n_epochs, batch_size, prefix)
         self.dataset, self.ks, self.towers, self.limit = dataset, tuple(int(k) for k in ks), tuple(towers), limit
+        self.match_field = match_field
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: Any) -> None:
         if self._due(trainer):
@@ -177,8 +182,15 @@ class Retrieval(TowerEvaluation):
         a, b = self.towers
         fa = self.encode(pl_module, a, dataset_batches(dataset, specs[a].fields, self.batch_size, self.limit))
         fb = self.encode(pl_module, b, dataset_batches(dataset, specs[b].fields, self.batch_size, self.limit))
-        ab, ba = retrieval_from_features(fa, fb, self.ks), retrieval_from_features(fb, fa, self.ks)
-        out = {"n": float(fa.shape[0])}
+        keys = None
+        if self.match_field is not None and self.match_field in specs[b].fields:
+            keys = [
+                k
+                for batch in dataset_batches(dataset, [self.match_field], self.batch_size, self.limit)()
+                for k in row_keys(batch[self.match_field])
+            ]
+        ab, ba = retrieval_from_features(fa, fb, self.ks, keys), retrieval_from_features(fb, fa, self.ks, keys)
+        out = {"n": float(fa.shape[0]), "unique": float(len(set(keys)) if keys is not None else fa.shape[0])}
         for k in self.ks:
             out[f"{a}_to_{b}_R@{k}"] = ab[k]
             out[f"{b}_to_{a}_R@{k}"] = ba[k]
