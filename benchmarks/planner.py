@@ -297,7 +297,7 @@ def _regime_svg(cells: list[dict[str, object]]) -> str:
     plan's speedup over the best baseline (red below 1, white at 1, green above), the figure in each cell."""
     fams = list(REGIME_MODELS)
     rows = [(m, n) for m in REGIME_MEMORY_GB for n in REGIME_NETWORKS_GBIT]
-    cw, ch, left, top, gap = 64, 20, 120, 40, 30
+    cw, ch, left, top, gap = 64, 20, 120, 52, 30
     width = left + len(fams) * (len(REGIME_BATCHES) * cw + gap)
     height = top + len(rows) * ch + 40
 

@@ -240,3 +240,36 @@ def test_captions_the_tokenizer_cannot_read_are_refused_before_training(tmp_path
     build_tokenizer(words).save(str(tokenizer_file))
     dm = PairsDataModule(str(path), val_size=2, image_size=8, tokenizer=str(tokenizer_file))
     assert dm.text.unknown_share(["a photo of the digit 7"]) == 0.0
+
+
+def test_a_broken_image_names_its_csv_row_and_file(tmp_path):
+    """A PNG cut mid-data failed as ``OSError: image file is truncated`` with no file name."""
+    path = _write_csv(tmp_path, 4)
+    broken = tmp_path / "images" / "img_002.png"
+    broken.write_bytes(broken.read_bytes()[:60])
+    ds = CsvPairs(path, **_tiny_kwargs())
+    from lightning_distmm.data.pairs import SampleDecodeError
+
+    with pytest.raises(SampleDecodeError, match=r"pairs\.tsv row 4 \(image 'images/img_002\.png'"):
+        ds.load(2, ("image",))
+    assert ds.load(2, ("input_ids",))["input_ids"].shape == (SEQ,)  # text ranks never open it
+
+
+def test_csv_separator_and_empty_file_and_small_data_messages(tmp_path):
+    from lightning_distmm.data.modules import PairsDataModule
+
+    path = _write_csv(tmp_path, 6, sep="\t")
+    assert len(CsvPairs(path, sep="\\t", **_tiny_kwargs())) == 6  # a Hydra override's backslash-t
+    assert len(CsvPairs(path, sep="tab", **_tiny_kwargs())) == 6
+    with pytest.raises(ValueError, match="one character"):
+        CsvPairs(path, sep="::", **_tiny_kwargs())
+    empty = tmp_path / "empty.csv"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="is empty"):
+        CsvPairs(empty, **_tiny_kwargs())
+    tok = tmp_path / "tokenizer.json"
+    build_tokenizer(WORDS).save(str(tok))
+    with pytest.raises(ValueError, match="val_size=0.1"):
+        PairsDataModule(str(path), image_size=8, tokenizer=str(tok))  # the default 256 of 6 pairs
+    dm = PairsDataModule(str(path), image_size=8, tokenizer=str(tok), val_size=0.34)
+    assert (len(dm.train_dataset), len(dm.val_dataset)) == (4, 2)

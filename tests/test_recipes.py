@@ -25,7 +25,7 @@ def test_experiments_compose_and_instantiate(experiment):
     assert "_target_" in cfg.data
     callbacks = train.instantiate_group(cfg.callbacks)
     names = {type(c).__name__ for c in callbacks}
-    assert names == ({"ZeroShotClassification"} if experiment == "clip_digits" else {"Retrieval"})
+    assert names == ({"ZeroShotClassification"} if experiment == "clip_digits" else {"Retrieval", "Throughput"})
 
 
 def test_logger_group_and_trainer_logger_target():

@@ -42,7 +42,7 @@ class PairsDataModule(L.LightningDataModule):
     Args:
         path: the training pairs: a CSV/TSV file (:class:`CsvPairs`) or a folder (:class:`ImageFolderPairs`).
         val_path: held-out pairs in the same format; None holds out the last ``val_size`` pairs of ``path``.
-        val_size: pairs held out when ``val_path`` is None.
+        val_size: pairs held out when ``val_path`` is None: a count, or a fraction below 1 (0.1: a tenth).
         img_key, caption_key, sep: the CSV's columns and separator (open_clip's defaults: ``filepath``, ``title``, tab).
         captions: an image folder's captions file (None: sidecar ``.txt`` files).
         image_size: the image tower's input side; mean, std, interpolation, crop_pct: the eval transform
@@ -56,7 +56,7 @@ class PairsDataModule(L.LightningDataModule):
         self,
         path: str,
         val_path: str | None = None,
-        val_size: int = 256,
+        val_size: float = 256,
         img_key: str = "filepath",
         caption_key: str = "title",
         sep: str | None = None,
@@ -94,8 +94,13 @@ class PairsDataModule(L.LightningDataModule):
             self.train_dataset, self.val_dataset = train, open_pairs(val_path)
         else:
             n = len(train)
-            if not 0 < val_size < n:
-                raise ValueError(f"val_size={val_size} must leave training pairs of the {n} in {path}")
+            held = int(round(val_size * n)) if 0 < val_size < 1 else int(val_size)
+            if not 0 < held < n:
+                raise ValueError(
+                    f"val_size={val_size} holds out {held} of the {n} pairs in {path}, leaving none to train on"
+                    f" (or holding out none): pass a smaller count, a fraction such as val_size=0.1, or val_path="
+                )
+            val_size = held
             self.train_dataset = FieldSubset(train, range(n - val_size))
             self.val_dataset = FieldSubset(train, range(n - val_size, n))
         self.retrieval_dataset = self.val_dataset

@@ -40,6 +40,11 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+class SampleDecodeError(OSError):
+    """A sample's image could not be read or decoded; the message names the sample (file and CSV row,
+    or shard and key) and the decoder's own words."""
+
+
 class PairDecoding:
     """What every pair dataset shares: the image transform, a tokenizer built on first use (a rank
     that never tokenizes never loads it), decoding only the fields asked for, and the counters.
@@ -87,15 +92,21 @@ class PairDecoding:
             raise KeyError(f"{type(self).__name__} has no field(s) {unknown}; fields are {self.fields}")
         return fields
 
-    def decode_pair(self, fields: tuple[str, ...], image: Any, caption: Callable[[], str]) -> dict[str, Any]:
+    def decode_pair(
+        self, fields: tuple[str, ...], image: Any, caption: Callable[[], str], where: str = "a sample"
+    ) -> dict[str, Any]:
         """``fields`` of one pair: ``image`` is what ``PIL.Image.open`` reads (a path, a file object),
-        opened only when the image is asked for; ``caption()`` is called only for text fields."""
+        opened only when the image is asked for; ``caption()`` is called only for text fields. An image
+        that cannot be read raises :class:`SampleDecodeError` naming ``where`` (the sample)."""
         out: dict[str, Any] = {}
         if "image" in fields:
             from PIL import Image
 
-            with Image.open(image) as img:
-                out["image"] = self.transform(img.convert("RGB"))
+            try:
+                with Image.open(image) as img:
+                    out["image"] = self.transform(img.convert("RGB"))
+            except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
+                raise SampleDecodeError(f"{where}: cannot read its image: {type(err).__name__}: {err}") from err
         if any(f in fields for f in ("caption", *TOKEN_FIELDS)):
             text = caption()
             out["caption"] = text
@@ -129,9 +140,13 @@ class PairDataset(PairDecoding, FieldDataset):
     def load(self, index: int, fields: Iterable[str]) -> dict[str, Any]:
         fields = self.check_fields(fields)
         index = self._check_index(index)
-        out = self.decode_pair(fields, self.image_path(index), lambda: self.caption(index))
+        out = self.decode_pair(fields, self.image_path(index), lambda: self.caption(index), self.describe(index))
         self.record(index, fields)
         return out
+
+    def describe(self, index: int) -> str:
+        """Sample ``index`` in words, for error messages: where it comes from."""
+        return f"{type(self).__name__} sample {index} ({self.image_path(index)})"
 
     def _check_index(self, index: int) -> int:
         n = len(self)
@@ -179,7 +194,9 @@ class CsvPairs(PairDataset):
         self.path = Path(path).expanduser()
         if not self.path.is_file():
             raise FileNotFoundError(f"CsvPairs: no file {str(self.path)!r}")
-        sep = sep if sep is not None else ("," if self.path.suffix.lower() == ".csv" else "\t")
+        sep = _separator(sep) if sep is not None else ("," if self.path.suffix.lower() == ".csv" else "\t")
+        if self.path.stat().st_size == 0:
+            raise ValueError(f"{self.path} is empty: expected a header line ({img_key}, {caption_key}) and rows")
         self.root = Path(root).expanduser() if root is not None else self.path.parent
         with open(self.path, newline="", encoding="utf-8") as f:
             reader = csv.DictReader(f, delimiter=sep)
@@ -205,6 +222,9 @@ class CsvPairs(PairDataset):
 
     def caption(self, index: int) -> str:
         return self._captions[index]
+
+    def describe(self, index: int) -> str:
+        return f"{self.path} row {index + 2} (image {self._images[index]!r} -> {self.image_path(index)})"
 
     def __repr__(self) -> str:
         return f"CsvPairs({str(self.path)!r}, {len(self)} pairs)"
@@ -271,6 +291,16 @@ class ImageFolderPairs(PairDataset):
         return f"ImageFolderPairs({str(self.root)!r}, {len(self)} pairs)"
 
 
+def _separator(sep: str) -> str:
+    """A CSV separator as a user writes it: one character, or ``\\t`` / ``tab`` (a shell or a Hydra
+    override gives a tab as the two characters backslash and t)."""
+    named = {"\\t": "\t", "tab": "\t", "TAB": "\t", "comma": ","}
+    sep = named.get(sep, sep)
+    if len(sep) != 1:
+        raise ValueError(f"sep={sep!r}: a CSV separator is one character (a tab: sep='\\t' or sep=tab)")
+    return sep
+
+
 def _read_captions(path: Path) -> dict[str, str]:
     if not path.is_file():
         raise FileNotFoundError(f"no captions file {str(path)!r}")
@@ -290,4 +320,4 @@ def _read_captions(path: Path) -> dict[str, str]:
     return table
 
 
-__all__ = ["CsvPairs", "ImageFolderPairs", "PairDataset", "IMAGE_EXTENSIONS"]
+__all__ = ["CsvPairs", "ImageFolderPairs", "PairDataset", "SampleDecodeError", "IMAGE_EXTENSIONS"]

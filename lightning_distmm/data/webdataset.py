@@ -222,7 +222,12 @@ class WebDatasetPairs(PairDecoding, FieldStream):
 
     def _decode(self, sample: RawPair, fields: tuple[str, ...]) -> dict[str, Any]:
         fields = self.check_fields(fields)
-        return self.decode_pair(fields, BytesIO(sample.image), lambda: sample.caption.decode("utf-8").strip())
+        return self.decode_pair(
+            fields,
+            BytesIO(sample.image),
+            lambda: sample.caption.decode("utf-8").strip(),
+            f"shard {sample.url} sample {sample.key!r}",
+        )
 
     def in_memory(self, limit: int | None = None) -> FieldDataset:
         """The (first ``limit``) samples of epoch 0 held as bytes, a map-style dataset decoded per
