@@ -106,6 +106,8 @@ class DistMMStrategy(ModelParallelStrategy):
         #: each rank's first error, readable by every rank after any rank's death (docs/runtime.md)
         self._relay: faults.ErrorRelay | None = None
         self._watchdog: faults.ParentWatchdog | None = None
+        #: DataLoader batch sizes whose split of the plan's replica batches was already stated
+        self._noted_batches: set[int] = set()
 
     # ------------------------------------------------------------------ launch
     @override
@@ -305,6 +307,10 @@ class DistMMStrategy(ModelParallelStrategy):
         batch_size = getattr(dataloader.batch_sampler, "batch_size", None)
         if batch_size is not None:
             self.plan.check_global_batch(batch_size)
+            note = self.plan.batch_note(batch_size)
+            if note is not None and batch_size not in self._noted_batches:
+                self._noted_batches.add(batch_size)
+                rank_zero_info(f"distmm: {note}")
         return DistMMDataLoader(dataloader, self.runtime.layout, progress=self._batches_done)
 
     def _batches_done(self) -> int:

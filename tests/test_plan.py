@@ -169,3 +169,12 @@ def test_bools_are_not_ints_in_code_either():
         Plan(1, {"image": {"ranks": [0]}}, 8.5)
     with pytest.raises(PlanError, match=r"towers.image.ranks: expected a list of ints, got 'abc'"):
         Plan.from_dict({"world_size": 1, "towers": {"image": {"ranks": "abc"}}})
+
+
+def test_a_batch_other_than_the_plans_is_stated_with_its_split():
+    """A plan written for 10 (6 + 4) trained on batches of 8 ran as 5 + 3 without a word."""
+    plan = Plan(3, {"image": {"ranks": [0, 1], "replica_batch": [6, 4]}, "text": {"ranks": [2]}}, global_batch=10)
+    note = plan.batch_note(8)
+    assert note is not None and "global batch of 10 (image: [6, 4])" in note and "image: [5, 3]" in note
+    assert plan.batch_note(10) is None
+    assert Plan(3, {"image": {"ranks": [0, 1]}, "text": {"ranks": [2]}}, global_batch=10).batch_note(8) is None

@@ -193,6 +193,22 @@ class Plan:
         if missing:
             raise PlanError(f"the plan has no entry for tower(s) {missing} of the module")
 
+    def batch_note(self, n: int) -> str | None:
+        """What a batch of ``n`` rows does to a plan written for another global batch with replica
+        batches of its own (they are scaled, not kept), or None when there is nothing to say."""
+        if self.global_batch is None or n == self.global_batch:
+            return None
+        written = {name: t.replica_batch for name, t in self.towers.items() if t.replica_batch is not None}
+        if not written:
+            return None
+        was = ", ".join(f"{name}: {rb}" for name, rb in written.items())
+        now = ", ".join(f"{name}: {self.towers[name].split(n)}" for name in written)
+        return (
+            f"the plan's replica batches were written for a global batch of {self.global_batch} ({was}); batches of"
+            f" {n} rows split as {now}, in the same proportions. Write the plan for {n} (or set the DataLoader's"
+            f" batch_size to {self.global_batch}) to choose the split yourself"
+        )
+
     def check_global_batch(self, n: int) -> None:
         self._check_batch_rows(n)
         self.check_sharded_microbatches(n)
