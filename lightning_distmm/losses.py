@@ -17,6 +17,23 @@ from torch import Tensor
 from lightning_distmm.interaction import local_rows
 
 
+def _check_pair(loss: str, image: Tensor, text: Tensor) -> None:
+    """The two towers' features must pair up row by row in one space: the same number of rows, the
+    same width, the same dtype (a mismatch failed deep in a matmul, naming neither tower)."""
+    if image.shape[0] != text.shape[0]:
+        raise ValueError(f"{loss} needs as many image as text rows, got {image.shape[0]} and {text.shape[0]}")
+    if image.shape[-1] != text.shape[-1]:
+        raise ValueError(
+            f"{loss}: the image features are {image.shape[-1]} wide and the text features {text.shape[-1]}; a"
+            " contrastive loss compares them in one space: project both towers to the same embedding width"
+        )
+    if image.dtype != text.dtype:
+        raise TypeError(
+            f"{loss}: the image features are {image.dtype} and the text features {text.dtype}; return both"
+            " towers' features in one dtype (for example .float() at the end of the tower that differs)"
+        )
+
+
 def clip_loss(image: Tensor, text: Tensor, logit_scale: Tensor, normalize: bool = True) -> Tensor:
     """Symmetric InfoNCE (CLIP): mean of image->text and text->image cross-entropy over the batch.
 
@@ -25,8 +42,7 @@ def clip_loss(image: Tensor, text: Tensor, logit_scale: Tensor, normalize: bool 
         logit_scale: the log of the temperature's inverse (CLIP learns it; ``exp`` is applied here).
         normalize: L2-normalise the features first.
     """
-    if image.shape[0] != text.shape[0]:
-        raise ValueError(f"clip_loss needs as many image as text rows, got {image.shape[0]} and {text.shape[0]}")
+    _check_pair("clip_loss", image, text)
     if normalize:
         image, text = F.normalize(image, dim=-1), F.normalize(text, dim=-1)
     n = image.shape[0]
@@ -43,6 +59,7 @@ def clip_loss(image: Tensor, text: Tensor, logit_scale: Tensor, normalize: bool 
 
 def siglip_loss(image: Tensor, text: Tensor, logit_scale: Tensor, logit_bias: Tensor, normalize: bool = True) -> Tensor:
     """Sigmoid loss (SigLIP): every pair is a binary match / no-match, summed over pairs, divided by ``B``."""
+    _check_pair("siglip_loss", image, text)
     if normalize:
         image, text = F.normalize(image, dim=-1), F.normalize(text, dim=-1)
     n = image.shape[0]

@@ -359,3 +359,15 @@ def test_hydra_configs_compose():
         for strategy in ("distmm", "ddp"):
             assert compose(config_name="train", overrides=[f"strategy={strategy}"]).strategy.name == strategy
         assert compose(config_name="train").strategy.plan is None
+
+
+def test_contrastive_losses_name_a_width_or_dtype_mismatch():
+    """Towers of different widths failed as ``mat1 and mat2 shapes cannot be multiplied (4x8 and
+    16x8)`` and a float64 tower as ``expected m1 and m2 to have the same dtype``."""
+    from lightning_distmm.losses import clip_loss, siglip_loss
+
+    scale = torch.tensor(1.0)
+    with pytest.raises(ValueError, match="image features are 16 wide and the text features 8"):
+        clip_loss(torch.randn(4, 16), torch.randn(4, 8), scale)
+    with pytest.raises(TypeError, match="torch.float64 and the text features torch.float32"):
+        siglip_loss(torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8), scale, torch.tensor(0.0))
