@@ -155,6 +155,7 @@ def load_sharded(
     for i, optimizer in enumerate(optimizers):
         live[f"optimizer_{i}"] = optimizer_state_dict(module, optimizer)
     state = {key: for_dcp(value) for key, value in live.items()}
+    check_keys(path, state)  # this rank's tensors, before the collective load: a different model is named
     dcp.load(state, checkpoint_id=path)
     missing, unexpected = module.load_state_dict(from_dcp(state["state_dict"], model_state), strict=False)
     not_meta_missing = [k for k in missing if k in model_state]
@@ -178,6 +179,44 @@ def read_metadata(path: Path, weights_only: bool = False) -> dict[str, Any]:
             f"checkpoint {path}: {meta.name} cannot be read ({type(err).__name__}: {err}); the file is damaged or"
             f" was not written by a finished save: resume from another checkpoint"
         ) from err
+
+
+def check_keys(path: Path, state: dict[str, dict[str, Any]]) -> None:
+    """Every tensor this rank loads (``state``: ``{"state_dict": ..., "optimizer_0": ...}``) is in the
+    checkpoint; otherwise say which, by tower, and what the checkpoint holds instead (torch's
+    ``CheckpointException`` named an optimizer step counter and no folder)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    have = set(FileSystemReader(Path(path)).read_metadata().state_dict_metadata)
+    wanted = {f"{top}.{key}" for top, flat in state.items() for key, v in flat.items() if isinstance(v, torch.Tensor)}
+    message = describe_missing(wanted, have)
+    if message is not None:
+        raise ValueError(f"checkpoint {path}: {message}")
+
+
+def describe_missing(wanted: set[str], have: set[str]) -> str | None:
+    """What of ``wanted`` (DCP keys such as ``state_dict.visual.blocks.1.norm1.weight``) ``have`` lacks,
+    grouped by the module's first-level names (its towers), or None when nothing is missing."""
+    missing = sorted(wanted - have)
+    if not missing:
+        return None
+
+    def towers(keys: Iterable[str]) -> list[str]:
+        return sorted({k.split(".")[1] for k in keys if k.startswith("state_dict.") and k.count(".") > 1})
+
+    weights = [k for k in missing if k.startswith("state_dict.")]
+    lacking = towers(weights)
+    saved = towers(have)
+    head = f"it lacks {len(missing)} of this rank's {len(wanted)} tensors"
+    if weights:
+        head += f", weights of {lacking} (e.g. {weights[0].removeprefix('state_dict.')})"
+    else:
+        head += f" (optimizer state, e.g. {missing[0]}): the optimizer differs from the one saved"
+    return (
+        f"{head}; it holds weights of {saved}. It was saved from another model or other towers: resume"
+        " from a checkpoint of this model, or load only matching weights (ldm.export_checkpoint, then"
+        " load_state_dict(strict=False))"
+    )
 
 
 def check_shards(path: Path) -> None:

@@ -69,3 +69,20 @@ def test_export_loads_into_plain_module(plan, tmp_path):
     with torch.no_grad():
         for name, feats in plain.encode(batch).items():
             assert torch.equal(feats, module.encode(batch)[name])
+
+
+def test_a_checkpoint_of_another_model_names_the_towers_it_lacks():
+    """Resuming another model's checkpoint failed with ``CheckpointException ... Missing key in
+    checkpoint state_dict: optimizer_0.state.visual.blocks.1.norm1.weight.step``, naming neither the
+    folder nor the difference."""
+    from lightning_distmm.checkpoint import describe_missing
+
+    have = {"state_dict.visual.proj", "state_dict.text.emb", "optimizer_0.state.visual.proj.step"}
+    wanted = {"state_dict.visual.proj", "state_dict.visual.blocks.1.norm1.weight", "state_dict.audio.w"}
+    message = describe_missing(wanted, have)
+    assert message is not None
+    assert "lacks 2 of this rank's 3 tensors, weights of ['audio', 'visual']" in message
+    assert "it holds weights of ['text', 'visual']" in message
+    assert describe_missing({"state_dict.text.emb"}, have) is None
+    only_optimizer = describe_missing({"state_dict.text.emb", "optimizer_0.state.text.emb.exp_avg"}, have)
+    assert only_optimizer is not None and "the optimizer differs" in only_optimizer

@@ -273,3 +273,15 @@ def test_csv_separator_and_empty_file_and_small_data_messages(tmp_path):
         PairsDataModule(str(path), image_size=8, tokenizer=str(tok))  # the default 256 of 6 pairs
     dm = PairsDataModule(str(path), image_size=8, tokenizer=str(tok), val_size=0.34)
     assert (len(dm.train_dataset), len(dm.val_dataset)) == (4, 2)
+
+
+def test_open_clip_tokenizer_gives_open_clips_ids_offline():
+    """open_clip's tokenizer could not be passed (``'list' object has no attribute 'ids'``)."""
+    open_clip = pytest.importorskip("open_clip")
+    texts = ["a photo of the digit 7", "a diagram"]
+    for spec in ("open_clip:ViT-B-32", open_clip.get_tokenizer("ViT-B-32")):
+        tok = CaptionTokenizer(spec, context_length=16)
+        rows = tok.batch(texts)
+        assert torch.equal(rows["input_ids"], open_clip.tokenize(texts, context_length=16))
+        assert rows["attention_mask"].sum(dim=1).tolist() == [8, 4]  # <start> + tokens + <end>
+        assert tok.vocab_size == 49408 and tok.unknown_share(texts) == 0.0

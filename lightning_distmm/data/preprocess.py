@@ -93,8 +93,9 @@ class CaptionTokenizer:
     Args:
         tokenizer: ``None`` (the embedded word-level tokenizer of the shapes captions), a local
             directory holding a Hugging Face tokenizer (``AutoTokenizer.from_pretrained``, local
-            files only), a ``tokenizer.json`` file, a ``tokenizers.Tokenizer``, or a
-            ``transformers`` tokenizer object.
+            files only), a ``tokenizer.json`` file, ``"open_clip:<model>"`` (open_clip's tokenizer
+            for that model, e.g. ``open_clip:ViT-B-32``: CLIP's BPE, bundled with open_clip), or a
+            tokenizer object (``tokenizers.Tokenizer``, ``transformers``, ``open_clip.get_tokenizer``).
         context_length: the token width of every row (longer captions are cut, keeping the end token).
     """
 
@@ -109,10 +110,15 @@ class CaptionTokenizer:
         tok = self.tokenizer
         if hasattr(tok, "get_vocab_size"):
             return int(tok.get_vocab_size())
+        if _is_open_clip(tok):
+            return int(tok.vocab_size)
         return len(tok)
 
     def __call__(self, text: str) -> dict[str, Tensor]:
         tok = self.tokenizer
+        if _is_open_clip(tok):  # ids as open_clip.tokenize gives them: <start> ... <end>, 0-padded
+            ids = tok([text], context_length=self.context_length)[0].long()
+            return {"input_ids": ids, "attention_mask": (ids != 0).long()}
         if _is_transformers(tok):
             enc = tok(text, padding="max_length", truncation=True, max_length=self.context_length, return_tensors="pt")
             return {"input_ids": enc["input_ids"][0].long(), "attention_mask": enc["attention_mask"][0].long()}
@@ -127,6 +133,8 @@ class CaptionTokenizer:
 
     def _unknown_id(self) -> int | None:
         tok = self.tokenizer
+        if _is_open_clip(tok):
+            return None  # byte-level BPE: every string has tokens
         if _is_transformers(tok):
             return tok.unk_token_id
         for name in ("[UNK]", "<unk>", "<|unk|>"):
@@ -137,6 +145,8 @@ class CaptionTokenizer:
 
     def _pieces(self, text: str) -> list[int]:
         tok = self.tokenizer
+        if _is_open_clip(tok):
+            return list(tok.encode(text))
         if _is_transformers(tok):
             return list(tok(text, add_special_tokens=False)["input_ids"])
         return list(tok.encode(text, add_special_tokens=False).ids)
@@ -178,9 +188,17 @@ class CaptionTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         tok = self.tokenizer
+        if _is_open_clip(tok):
+            return str(tok.decode(list(ids)))
         if _is_transformers(tok):
             return str(tok.decode(list(ids)))
         return str(tok.decode(list(ids), skip_special_tokens=False))
+
+
+def _is_open_clip(tok: Any) -> bool:
+    """open_clip's tokenizers (``open_clip.get_tokenizer``): called with a list of texts and a
+    ``context_length``, they return the padded id rows themselves."""
+    return type(tok).__module__.startswith("open_clip") and callable(tok)
 
 
 def _is_transformers(tok: Any) -> bool:
@@ -196,6 +214,13 @@ def _resolve(tokenizer: Any) -> Any:
         from lightning_distmm.data.tokenizer import build_caption_tokenizer
 
         return build_caption_tokenizer()
+    if isinstance(tokenizer, str) and tokenizer.startswith("open_clip:"):
+        try:
+            import open_clip
+        except ImportError as err:  # pragma: no cover - open_clip_torch is a dev dependency
+            raise ImportError(f"tokenizer={tokenizer!r} needs open_clip (pip install open_clip_torch)") from err
+        # CLIP's BPE ships inside open_clip (bpe_simple_vocab_16e6.txt.gz): nothing is downloaded
+        return open_clip.get_tokenizer(tokenizer.split(":", 1)[1])
     if isinstance(tokenizer, str | Path):
         path = Path(tokenizer).expanduser()
         if path.is_file():
