@@ -182,8 +182,9 @@ class CaptionTokenizer:
         raise ValueError(
             f"{where}: {share:.0%} of the tokens of {len(texts)} probed captions are unknown to {which};"
             f" for example {worst!r} reads as {shown!r}, and {distinct} different captions read as {readings}."
-            " A text tower trained on unknown tokens learns nothing. Pass a tokenizer that knows the captions' words: a local Hugging Face tokenizer"
-            " folder or tokenizer.json (tokenizer=..., in the recipe data.tokenizer=...)"
+            " A text tower trained on unknown tokens learns nothing. Pass a tokenizer that knows the captions' words: open_clip's CLIP BPE"
+            " (tokenizer='open_clip:ViT-B-32', offline; in the recipe data.tokenizer=open_clip:ViT-B-32 with"
+            " model.towers.text.vocab_size=49408), a local Hugging Face tokenizer folder or a tokenizer.json"
         )
 
     def decode(self, ids: Sequence[int]) -> str:
