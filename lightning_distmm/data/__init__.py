@@ -1,5 +1,6 @@
 """Per-rank data loading, field-selective datasets and streams, the embedded demo data and pair datasets."""
 
+from lightning_distmm.data.agreement import rank_independent
 from lightning_distmm.data.fields import FieldDataset
 from lightning_distmm.data.pairs import CsvPairs, ImageFolderPairs, PairDataset
 from lightning_distmm.data.preprocess import CaptionTokenizer, image_transform
@@ -15,4 +16,5 @@ __all__ = [
     "PairDataset",
     "WebDatasetPairs",
     "image_transform",
+    "rank_independent",
 ]
