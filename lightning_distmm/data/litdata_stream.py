@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from lightning_distmm.data.streaming import PlainStream, skip_samples
+from lightning_distmm.data.streaming import PlainStream, one_pass, skip_samples
 
 
 class LitDataStream(PlainStream):
@@ -46,7 +46,7 @@ class LitDataStream(PlainStream):
         if callable(reset):
             reset()  # a state loaded by StreamingDataLoader.load_state_dict would override the epoch
         self.dataset.set_epoch(epoch + 1)  # StreamingDataLoader's first epoch is 1
-        return skip_samples(iter(self.dataset), skip, epoch, self.name)
+        return skip_samples(one_pass(self.dataset), skip, epoch, self.name)
 
     def sample_key(self, sample: Any) -> Any:
         return None  # LitData yields items without their index: a fingerprint of the item

@@ -140,7 +140,7 @@ class PlainStream(FieldStream):
         set_epoch = getattr(self.dataset, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(epoch)
-        return skip_samples(iter(self.dataset), skip, epoch, type(self.dataset).__name__)
+        return skip_samples(one_pass(self.dataset), skip, epoch, type(self.dataset).__name__)
 
     def decode(self, sample: Any, fields: Iterable[str]) -> dict[str, Any]:
         fields = tuple(fields)
@@ -221,6 +221,19 @@ class _StreamBatches:
                 close()  # a generator over open shards: closed now, not when it is collected
 
 
+def one_pass(dataset: Any) -> Iterator[Any]:
+    """One iteration of ``dataset``, as a generator: a dataset that is its own iterator (LitData's
+    ``StreamingDataset``, whose ``__iter__`` starts the epoch again and returns itself) is iterated
+    once, however often the generator is handed to ``iter``."""
+    iterator = iter(dataset)
+    while True:
+        try:
+            item = next(iterator)
+        except StopIteration:
+            return
+        yield item
+
+
 def skip_samples(samples: Iterator[Any], skip: int, epoch: int, name: str, before: int = 0) -> Iterator[Any]:
     """``samples`` from the ``skip``-th on (``before`` samples were skipped already, unread); a stream
     shorter than that is a changed dataset."""
@@ -287,4 +300,12 @@ class StreamFieldSubset(Dataset):
         return self.stream.decode(sample, self.fields), n
 
 
-__all__ = ["FieldStream", "PlainStream", "StreamBatchSampler", "StreamFieldSubset", "skip_samples", "stream_name"]
+__all__ = [
+    "FieldStream",
+    "PlainStream",
+    "StreamBatchSampler",
+    "StreamFieldSubset",
+    "one_pass",
+    "skip_samples",
+    "stream_name",
+]

@@ -1,0 +1,215 @@
+"""Every rank reads the same samples of a stream, or the run stops: LitData read as one process,
+a rank-dependent stream stopped at its first batch with the row named, Hugging Face's
+``split_dataset_by_node`` and pre-batched streams refused with what to change."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from distmm_testing import (
+    PairData,
+    TinyCLIP,
+    in_subprocess,
+    max_param_diff,
+    read_losses,
+    run_distmm,
+    run_reference,
+)
+from torch.utils.data import DataLoader, IterableDataset
+
+import lightning_distmm as ldm
+from lightning_distmm.core.layout import RankLayout
+from lightning_distmm.data import rank_independent
+from lightning_distmm.data.agreement import UnidentifiableSampleError, key_of
+from lightning_distmm.data.checks import check_dataloader
+from lightning_distmm.data.loading import DistMMDataLoader
+from lightning_distmm.data.stream_sources import as_stream
+
+litdata = pytest.importorskip("litdata")
+datasets = pytest.importorskip("datasets")
+
+FIELDS = {"image": ("image",), "text": ("input_ids", "attention_mask")}
+ALL = ("image", "input_ids", "attention_mask")
+SEPARATE = ldm.Plan(2, {"image": {"ranks": [0]}, "text": {"ranks": [1]}})
+
+
+def _write_litdata(folder: Path, n: int = 64, chunk: int = 8) -> Path:
+    """``n`` samples of :class:`PairData` in LitData's format, ``chunk`` per chunk (what
+    ``litdata.optimize`` writes, without its worker processes)."""
+    from litdata.streaming.writer import BinaryWriter
+
+    folder.mkdir(parents=True, exist_ok=True)
+    writer = BinaryWriter(str(folder), chunk_size=chunk)
+    data = PairData(n)
+    for i in range(n):
+        writer[i] = data.load(i, ALL)
+    writer.done()
+    writer.merge(1)
+    return folder
+
+
+def _ids(samples) -> list[int]:
+    """Which PairData index each sample is (its image's first value, unique in 64)."""
+    table = {float(PairData(64).load(i, ["image"])["image"][0, 0, 0]): i for i in range(64)}
+    return [table[float(s["image"][0, 0, 0])] for s in samples]
+
+
+class RankSeeded(IterableDataset):
+    """PairData's samples in an order seeded by the process's rank: what distmm must not train on."""
+
+    def __iter__(self):
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        data = PairData(64)
+        for i in torch.randperm(64, generator=torch.Generator().manual_seed(rank)).tolist():
+            yield data.load(i, ALL)
+
+
+class Batches(IterableDataset):
+    """Yields whole batches of 8 (as webdataset's .batched(8) does)."""
+
+    def __iter__(self):
+        data = PairData(64)
+        for b in range(8):
+            samples = [data.load(i, ALL) for i in range(8 * b, 8 * b + 8)]
+            yield {k: torch.stack([s[k] for s in samples]) for k in ALL}
+
+
+# ---------------------------------------------------------------------- one process
+def test_keys_name_or_fingerprint_a_sample():
+    data = PairData(8)
+    a, b = data.load(0, ALL), data.load(1, ALL)
+    assert key_of(a) == key_of(copy.deepcopy(a)) and key_of(a)[0] != key_of(b)[0]
+    assert key_of(a)[1].startswith("fingerprint ")
+    big = {"x": torch.arange(100_000.0)}  # large arrays: evenly spaced elements, and their count
+    assert key_of(big)[0] != key_of({"x": torch.arange(100_000.0) + 0.5})[0] != key_of({"x": torch.arange(99_999.0)})[0]
+    assert key_of({"__key__": "s0007", "image": torch.zeros(3)})[1] == "__key__='s0007'"
+    with pytest.raises(UnidentifiableSampleError, match="no field distmm can fingerprint"):
+        key_of({"image": object()})
+
+
+def test_litdata_is_read_as_one_process_reads_it(tmp_path, monkeypatch):
+    """Built where LitData sees rank 1 of 2 (its shuffle would give this rank half of the chunks, in
+    its own order), the stream is still the whole epoch in one process's order, epoch after epoch."""
+    folder = _write_litdata(tmp_path / "lit")
+    one = litdata.StreamingDataLoader(litdata.StreamingDataset(str(folder), shuffle=True, seed=3), batch_size=8)
+    orders = [_ids(s for b in one for s in _rows(b)) for _ in range(2)]
+    assert orders[0] != orders[1] and sorted(orders[0]) == list(range(64))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("GLOBAL_RANK", "1")
+    ds = litdata.StreamingDataset(str(folder), shuffle=True, seed=3)
+    assert ds.distributed_env.world_size == 2 and len(ds) == 32
+    stream = as_stream(ds)
+    assert stream.epoch_length() == 64
+    assert [_ids(stream.samples(e)) for e in range(2)] == orders
+    assert _ids(stream.samples(1, skip=40)) == orders[1][40:]
+
+
+def _rows(batch: dict) -> list[dict]:
+    return [{k: v[i] for k, v in batch.items()} for i in range(len(batch["image"]))]
+
+
+def test_refused_with_what_to_change(tmp_path):
+    replicas = {"image": 1, "text": 1}
+    with pytest.raises(ValueError, match=r"DataLoader over Batches has batch_size=None.*batch_size=<the global batch>"):
+        check_dataloader(DataLoader(Batches(), batch_size=None), FIELDS, replicas)
+    with pytest.raises(ValueError, match="batch_size=None"):
+        DistMMDataLoader(DataLoader(Batches(), batch_size=None), RankLayout(SEPARATE, 0, FIELDS))
+    from datasets.distributed import split_dataset_by_node
+
+    hf = datasets.Dataset.from_dict({"i": list(range(8))}).to_iterable_dataset(num_shards=2)
+    check_dataloader(DataLoader(hf, batch_size=4), {"t": ("i",)}, {"t": 1})
+    with pytest.raises(TypeError, match=r"split_dataset_by_node \(this rank reads node 1 of 2\).*before"):
+        check_dataloader(DataLoader(split_dataset_by_node(hf, 1, 2), batch_size=4), {"t": ("i",)}, {"t": 1})
+
+
+# ---------------------------------------------------------------------- under distmm
+class LitDataModule(L.LightningDataModule):
+    """A LitData stream built where Lightning users build it: in each rank's process, where
+    ``StreamingDataset`` reads the rank and world size (and would give each rank its own share)."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__()
+        self.folder = folder
+
+    def train_dataloader(self) -> DataLoader:
+        ds = litdata.StreamingDataset(str(self.folder), shuffle=True, seed=7)
+        return litdata.StreamingDataLoader(ds, batch_size=8, drop_last=True)
+
+
+@pytest.mark.slow
+def test_litdata_shuffled_stream_under_distmm_equals_one_process(tmp_path):
+    """Image on rank 0, text on rank 1, LitData shuffled (the issue's case): the weights and losses
+    of one process after 3 steps, with the ranks' check on every batch."""
+    folder = _write_litdata(tmp_path / "lit")
+
+    def run() -> None:
+        L.seed_everything(0)
+        reference = TinyCLIP("sgd", lr=0.05)
+        module, initial = copy.deepcopy(reference), copy.deepcopy(reference)
+        run_reference(reference, LitDataModule(folder), 3, str(tmp_path / "ref.json"))
+        run_distmm(module, SEPARATE, 2, LitDataModule(folder), 3, str(tmp_path / "dist.json"))
+        assert max_param_diff(reference, module) <= 1e-5
+        assert max_param_diff(reference, initial) > 1e-3
+        assert read_losses(tmp_path / "dist.json") == pytest.approx(read_losses(tmp_path / "ref.json"), abs=1e-5)
+
+    in_subprocess(run)
+
+
+class SplitByNode(L.LightningDataModule):
+    """What a user of Hugging Face datasets writes for DDP: each rank takes its node's part."""
+
+    def train_dataloader(self) -> DataLoader:
+        from datasets.distributed import split_dataset_by_node
+
+        rows = [PairData(64).load(i, ALL) for i in range(64)]
+        hf = datasets.Dataset.from_list([{k: v.tolist() for k, v in r.items()} for r in rows])
+        stream = hf.to_iterable_dataset(num_shards=4).with_format("torch")
+        return DataLoader(
+            split_dataset_by_node(stream, self.trainer.global_rank, self.trainer.world_size), batch_size=8
+        )
+
+
+CASES = {
+    "rank-seeded": (
+        lambda: DataLoader(RankSeeded(), batch_size=8, drop_last=True),
+        r"the ranks read different samples of RankSeeded: epoch 0, global batch 1 read \(samples 0 to 7 of the"
+        r" epoch\), row 0 differs first: rank 0 read fingerprint [0-9a-f]{16}; rank 1 read fingerprint",
+    ),
+    "hf-split-by-node": (SplitByNode, r"IterableDataset split by datasets.distributed.split_dataset_by_node"),
+    "pre-batched": (lambda: DataLoader(Batches(), batch_size=None), r"DataLoader over Batches has batch_size=None"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_stream_that_differs_between_ranks_stops_the_run(tmp_path, case):
+    """Two ranks (image, text): the run ends on every rank with the message, before any step trains."""
+    make, message = CASES[case]
+
+    def run() -> None:
+        module = TinyCLIP()
+        before = copy.deepcopy(module)
+        data = make()
+        with pytest.raises(Exception, match=message):
+            run_distmm(module, SEPARATE, 2, data, 3, str(tmp_path / "dist.json"))
+        assert not os.path.exists(tmp_path / "dist.json")  # no step ended
+        assert max_param_diff(module, before) == 0
+
+    in_subprocess(run)
+
+
+def test_declared_rank_independent_skips_the_check():
+    plain = RankSeeded()
+    assert rank_independent(plain) is plain
+    dl = DistMMDataLoader(DataLoader(plain, batch_size=8), RankLayout(SEPARATE, 0, FIELDS))
+    assert dl.rank_sampler.agreement is None
+    assert DistMMDataLoader(
+        DataLoader(RankSeeded(), batch_size=8), RankLayout(SEPARATE, 0, FIELDS)
+    ).rank_sampler.agreement
