@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, IterableDataset
 import lightning_distmm as ldm
 from lightning_distmm.core.layout import RankLayout
 from lightning_distmm.data import rank_independent
-from lightning_distmm.data.agreement import UnidentifiableSampleError, key_of
+from lightning_distmm.data.agreement import StreamAgreement, UnidentifiableSampleError, key_of
 from lightning_distmm.data.checks import check_dataloader
 from lightning_distmm.data.loading import DistMMDataLoader
 from lightning_distmm.data.stream_sources import as_stream
@@ -68,6 +68,19 @@ class RankSeeded(IterableDataset):
         rank = dist.get_rank() if dist.is_initialized() else 0
         data = PairData(64)
         for i in torch.randperm(64, generator=torch.Generator().manual_seed(rank)).tolist():
+            yield data.load(i, ALL)
+
+
+class DiffersLater(IterableDataset):
+    """The same 16 samples on every rank, then an order seeded by the rank (batch 3 on, of 8)."""
+
+    def __iter__(self):
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        data = PairData(64)
+        rest = (16 + torch.randperm(48, generator=torch.Generator().manual_seed(rank))).tolist()
+        for i in list(range(16)) + rest:
             yield data.load(i, ALL)
 
 
@@ -182,6 +195,10 @@ CASES = {
         r"the ranks read different samples of RankSeeded: epoch 0, global batch 1 read \(samples 0 to 7 of the"
         r" epoch\), row 0 differs first: rank 0 read fingerprint [0-9a-f]{16}; rank 1 read fingerprint",
     ),
+    "differs-later": (
+        lambda: DataLoader(DiffersLater(), batch_size=8, drop_last=True),
+        r"the ranks read different samples of DiffersLater: epoch 0, global batch 3 read \(samples 16 to 23",
+    ),
     "hf-split-by-node": (SplitByNode, r"IterableDataset split by datasets.distributed.split_dataset_by_node"),
     "pre-batched": (lambda: DataLoader(Batches(), batch_size=None), r"DataLoader over Batches has batch_size=None"),
 }
@@ -190,7 +207,9 @@ CASES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_stream_that_differs_between_ranks_stops_the_run(tmp_path, case):
-    """Two ranks (image, text): the run ends on every rank with the message, before any step trains."""
+    """Two ranks (image, text): the run ends on every rank with the message, before any step
+    trains; a stream that differs from its third batch on, before the third step ends (its
+    comparison is settled when the next batch is read)."""
     make, message = CASES[case]
 
     def run() -> None:
@@ -198,7 +217,10 @@ def test_a_stream_that_differs_between_ranks_stops_the_run(tmp_path, case):
         before = copy.deepcopy(module)
         data = make()
         with pytest.raises(Exception, match=message):
-            run_distmm(module, SEPARATE, 2, data, 3, str(tmp_path / "dist.json"))
+            run_distmm(module, SEPARATE, 2, data, 5, str(tmp_path / "dist.json"))
+        if case == "differs-later":
+            assert 0 < len(read_losses(tmp_path / "dist.json")) < 3
+            return
         assert not os.path.exists(tmp_path / "dist.json")  # no step ended
         assert max_param_diff(module, before) == 0
 
@@ -213,3 +235,32 @@ def test_declared_rank_independent_skips_the_check():
     assert DistMMDataLoader(
         DataLoader(RankSeeded(), batch_size=8), RankLayout(SEPARATE, 0, FIELDS)
     ).rank_sampler.agreement
+
+
+def test_the_first_batch_is_compared_at_once_and_later_ones_every_n_in_the_background(monkeypatch):
+    """every=3: batch 1 posted and settled before it is yielded; batches 2-3 and 4-6 posted when
+    read and settled at the next comparison; the rest, with the end of the epoch, when it ends."""
+    agreement = StreamAgreement("S", key_of, every=3)
+    events: list[tuple] = []
+
+    def post(pending, ended):
+        events.append(("post", [n for n, _, _ in pending], ended))
+        return len(events)
+
+    monkeypatch.setattr(agreement, "_post", post)
+    monkeypatch.setattr(agreement, "_settle", lambda posted, epoch: events.append(("settle", posted)))
+    batches = [[{"i": 10 * b + r} for r in range(2)] for b in range(7)]
+    for n, _ in enumerate(agreement.batches(iter(batches), 0, 0), 1):
+        events.append(("yield", n))
+    assert events == [
+        ("post", [1], False), ("settle", 1), ("yield", 1),
+        ("yield", 2),
+        ("post", [2, 3], False), ("yield", 3),
+        ("yield", 4), ("yield", 5),
+        ("settle", 5), ("post", [4, 5, 6], False), ("yield", 6),
+        ("yield", 7),
+        ("settle", 10), ("post", [7], True), ("settle", 14),
+    ]  # fmt: skip
+    assert agreement._keys([{"a": 1}, {"a": 1}]) == "all 2 samples of the batch have the same fingerprint " + (
+        f"{key_of({'a': 1})[0] & (2**64 - 1):016x}"
+    )

@@ -13,6 +13,8 @@ dataset's own (:meth:`FieldStream.sample_key`, a ``sample_key`` method, a ``__ke
 by a few hundred evenly spaced elements). The keys of a batch fold into one 64-bit digest, and the
 ranks all-gather ``(status, batches, digest)``, three integers, every ``every`` batches (and always
 on an epoch's first batch, and at its end, so a stream that ends early on one rank is caught too).
+The first batch is compared before anything trains on it; the later comparisons are asynchronous,
+settled at the next one, so they add no meeting of the ranks to a step.
 When the digests differ, the ranks exchange the keys of the unchecked batches (only then) and all
 stop with the same message: the dataset, the epoch and global batch, the first row that differs and
 what each rank read there. A stream whose samples cannot be told apart (no field to fingerprint, or
@@ -25,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -103,12 +106,11 @@ def _hash_text(text: str) -> int:
 def _feed(h: Any, value: Any) -> bool:
     """Feed a fingerprint of ``value`` to ``h``; whether anything in it could be fingerprinted."""
     if isinstance(value, torch.Tensor):
-        flat = value.detach().reshape(-1)
-        if flat.numel() > SPREAD:
-            flat = flat[:: flat.numel() // SPREAD]
-        h.update(struct.pack("<q", value.numel()))
-        h.update(str(value.dtype).encode())
-        h.update(flat.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        try:
+            array = value.numpy()  # no copy; refused on an accelerator, with a gradient, or for bfloat16
+        except (TypeError, RuntimeError):
+            array = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        _feed_array(h, array)
         return True
     if isinstance(value, str):
         h.update(value.encode())
@@ -134,23 +136,33 @@ def _feed(h: Any, value: Any) -> bool:
         return found
     array = _as_array(value)
     if array is not None:
-        return _feed(h, array)
+        _feed_array(h, array)
+        return True
     return False
 
 
-def _as_array(value: Any) -> torch.Tensor | None:
-    """A numpy array, a numpy scalar or a PIL image, as a tensor over the same memory (or a copy)."""
+def _feed_array(h: Any, array: Any) -> None:
+    """A numpy array's element count, dtype and at most about ``SPREAD`` evenly spaced elements."""
+    flat = array.reshape(-1)
+    n = flat.shape[0]
+    if n > SPREAD:
+        flat = flat[:: n // SPREAD]
+    h.update(struct.pack("<q", n))
+    h.update(flat.dtype.str.encode())
+    h.update(flat.tobytes())
+
+
+def _as_array(value: Any) -> Any:
+    """A numpy array, a numpy scalar or a PIL image as a numpy array of numbers; None for anything else."""
     if not (hasattr(value, "__array_interface__") or hasattr(value, "__array__")):
         return None
     try:
         import numpy as np
 
         array = np.asarray(value)
-        if array.dtype.kind not in "biufc":
-            return None
-        return torch.from_numpy(np.ascontiguousarray(array))
     except (TypeError, ValueError):
         return None
+    return array if array.dtype.kind in "biufc" else None
 
 
 def _describe(sample: Any) -> str:
@@ -176,26 +188,48 @@ class StreamAgreement:
         self.name, self.key, self.every, self.group = name, key, int(every), group
 
     def batches(self, batches: Iterator[list[Any]], epoch: int, skip: int) -> Iterator[list[Any]]:
-        """``batches`` (one epoch's global batches from sample ``skip`` on), each yielded once checked."""
+        """``batches`` (one epoch's global batches from sample ``skip`` on), checked as they pass.
+
+        The first batch is compared before it is yielded: a stream whose order depends on the rank
+        stops before anything trains on it. Later comparisons are posted (an asynchronous
+        all-gather) when a batch is read and settled when the next comparison is due, so the ranks
+        do not meet an extra time per step; a difference that appears later stops the run one
+        comparison after it was read. The end of the epoch is compared when the stream ends.
+        Whether to settle is decided from the batch count alone, the same on every rank, so every
+        rank posts and settles the same collectives in the same order.
+        """
         pending: list[tuple[int, int, list[tuple[int, str]] | str]] = []  # (batch number, first sample, keys)
+        posted: _Posted | None = None
         done, number = skip, 0
         for batch in batches:
             number += 1
-            try:
-                keys: list[tuple[int, str]] | str = [self.key(s) for s in batch]
-                if len(batch) > 1 and len({k for k, _ in keys}) == 1:
-                    keys = f"all {len(batch)} samples of the batch have the same {keys[0][1]}"
-            except UnidentifiableSampleError as e:
-                keys = str(e)
-            pending.append((number, done, keys))
+            pending.append((number, done, self._keys(batch)))
             done += len(batch)
-            if number == 1 or number % self.every == 0 or isinstance(keys, str):
-                self._compare(pending, epoch, ended=False)
+            if number == 1 or number % self.every == 0:
+                if posted is not None:
+                    self._settle(posted, epoch)
+                posted = self._post(pending, ended=False)
                 pending = []
+                if number == 1:
+                    self._settle(posted, epoch)
+                    posted = None
             yield batch
-        self._compare(pending, epoch, ended=True)
+        if posted is not None:
+            self._settle(posted, epoch)
+        self._settle(self._post(pending, ended=True), epoch)
 
-    def _compare(self, pending: list[tuple[int, int, Any]], epoch: int, ended: bool) -> None:
+    def _keys(self, batch: list[Any]) -> list[tuple[int, str]] | str:
+        """The batch's keys, or why its samples cannot be told apart."""
+        try:
+            keys = [self.key(s) for s in batch]
+        except UnidentifiableSampleError as e:
+            return str(e)
+        if len(batch) > 1 and len({k for k, _ in keys}) == 1:
+            return f"all {len(batch)} samples of the batch have the same {keys[0][1]}"
+        return keys
+
+    def _post(self, pending: list[tuple[int, int, Any]], ended: bool) -> _Posted:
+        """Start the all-gather of ``(status, batches, digest)`` of the batches since the last one."""
         unknown = any(isinstance(keys, str) for _, _, keys in pending)
         status = _STATUS_UNKNOWN if unknown else (_STATUS_ENDED if ended else _STATUS_BATCHES)
         digest = hashlib.blake2b(digest_size=8)
@@ -206,11 +240,20 @@ class StreamAgreement:
         mine = torch.tensor(
             [status, len(pending), int.from_bytes(digest.digest(), "little", signed=True)], dtype=torch.int64
         )
-        gathered = _all_gather(mine, self.group)
-        if all(torch.equal(g, gathered[0]) for g in gathered) and status != _STATUS_UNKNOWN:
+        device = _device(self.group)
+        mine = mine.to(device)
+        out = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
+        work = dist.all_gather(out, mine, group=self.group, async_op=True)
+        return _Posted(work, mine, out, status, pending)
+
+    def _settle(self, posted: _Posted, epoch: int) -> None:
+        """Wait for a posted comparison; on a difference, exchange the keys and raise on every rank."""
+        posted.work.wait()
+        gathered = [t.cpu() for t in posted.out]
+        if all(torch.equal(g, gathered[0]) for g in gathered) and posted.status != _STATUS_UNKNOWN:
             return
         everyone: list[Any] = [None] * len(gathered)
-        dist.all_gather_object(everyone, (status, pending), group=self.group)  # only when something is wrong
+        dist.all_gather_object(everyone, (posted.status, posted.pending), group=self.group)  # only when wrong
         raise self._error(everyone, epoch)
 
     def _error(self, everyone: list[tuple[int, list[tuple[int, int, Any]]]], epoch: int) -> Exception:
@@ -269,15 +312,22 @@ _CAUSE = (
 )
 
 
-def _all_gather(tensor: torch.Tensor, group: Any) -> list[torch.Tensor]:
-    backend = str(dist.get_backend(group))
-    device = torch.device("cpu")
-    if "gloo" not in backend and torch.cuda.is_available():  # NCCL gathers CUDA tensors only
-        device = torch.device("cuda", torch.cuda.current_device())
-    tensor = tensor.to(device)
-    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, tensor, group=group)
-    return [t.cpu() for t in out]
+@dataclass
+class _Posted:
+    """An all-gather in flight: its work, its tensors (kept alive until it ends) and what it compares."""
+
+    work: Any
+    mine: torch.Tensor
+    out: list[torch.Tensor]
+    status: int
+    pending: list[tuple[int, int, Any]]
+
+
+def _device(group: Any) -> torch.device:
+    """Where the group gathers: the CPU under gloo, this rank's GPU under NCCL (CUDA tensors only)."""
+    if "gloo" not in str(dist.get_backend(group)) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _global_rank(i: int, group: Any) -> int:
