@@ -136,7 +136,7 @@ class CheckTimer:
         original = agreement.StreamAgreement.batches
 
         def batches(self, source, epoch, skip):  # type: ignore[no-untyped-def]
-            key, compare = self.key, self._compare
+            keys, post, settle = self._keys, self._post, self._settle
 
             def timed(fn, part):  # type: ignore[no-untyped-def]
                 def call(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -148,7 +148,7 @@ class CheckTimer:
 
                 return call
 
-            self.key, self._compare = timed(key, "keys"), timed(compare, "gather")
+            self._keys, self._post, self._settle = timed(keys, "keys"), timed(post, "gather"), timed(settle, "gather")
 
             def counted():  # type: ignore[no-untyped-def]
                 for batch in source:
@@ -158,14 +158,14 @@ class CheckTimer:
             try:
                 yield from original(self, counted(), epoch, skip)
             finally:
-                self.key, self._compare = key, compare
+                self._keys, self._post, self._settle = keys, post, settle
 
         agreement.StreamAgreement.batches = batches  # type: ignore[method-assign]
 
     @classmethod
     def per_batch(cls) -> dict[str, float]:
-        """Seconds per global batch: computing the samples' keys, and comparing (the all-gather,
-        which includes waiting for the other ranks to reach it)."""
+        """Seconds per global batch: computing the samples' keys, and comparing (posting the
+        all-gather and waiting for it: the first batch's waits for the other ranks to reach it)."""
         return {part: t / cls.batches if cls.batches else 0.0 for part, t in cls.seconds.items()}
 
 
