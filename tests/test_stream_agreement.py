@@ -8,7 +8,9 @@ import copy
 import os
 from pathlib import Path
 
+import datasets
 import lightning as L
+import litdata
 import pytest
 import torch
 from distmm_testing import (
@@ -29,9 +31,6 @@ from lightning_distmm.data.agreement import StreamAgreement, UnidentifiableSampl
 from lightning_distmm.data.checks import check_dataloader
 from lightning_distmm.data.loading import DistMMDataLoader
 from lightning_distmm.data.stream_sources import as_stream
-
-litdata = pytest.importorskip("litdata")
-datasets = pytest.importorskip("datasets")
 
 FIELDS = {"image": ("image",), "text": ("input_ids", "attention_mask")}
 ALL = ("image", "input_ids", "attention_mask")
