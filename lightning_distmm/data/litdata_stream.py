@@ -34,11 +34,15 @@ class LitDataStream(PlainStream):
         self._alone()
 
     def _alone(self) -> None:
-        """Make the dataset see one process: its ``distributed_env`` says world size 1, rank 0."""
+        """Make the dataset see one process: its ``distributed_env`` says world size 1, rank 0, and
+        one worker (the rank's main process reads it, so its length counts what that reads)."""
         env = self.dataset.distributed_env
         if (env.world_size, env.global_rank) != (1, 0):
             self.dataset.distributed_env = type(env)(world_size=1, global_rank=0, num_nodes=1)
             self.dataset.shuffler = None  # its chunk assignment was computed for the old world
+        set_workers = getattr(self.dataset, "set_num_workers", None)
+        if callable(set_workers):
+            set_workers(0)  # LitData counts the main process as one worker
 
     def samples(self, epoch: int, skip: int = 0) -> Iterator[Any]:
         self._alone()
