@@ -29,6 +29,7 @@ from lightning_distmm.core.layout import RankLayout
 from lightning_distmm.data import rank_independent
 from lightning_distmm.data.agreement import StreamAgreement, UnidentifiableSampleError, key_of
 from lightning_distmm.data.checks import check_dataloader
+from lightning_distmm.data.litdata_stream import LitIndex
 from lightning_distmm.data.loading import DistMMDataLoader
 from lightning_distmm.data.stream_sources import as_stream
 
@@ -119,12 +120,47 @@ def test_litdata_is_read_as_one_process_reads_it(tmp_path, monkeypatch):
     assert ds.distributed_env.world_size == 2 and len(ds) == 32
     stream = as_stream(ds)
     assert stream.epoch_length() == 64
+    assert [list(stream.samples(e)) for e in range(2)] == orders  # the items' indices (written in order)
+    assert list(stream.samples(1, skip=40)) == orders[1][40:]
+    monkeypatch.setattr(type(stream), "_indices", lambda self: None)  # LitData's lay-out not readable: its items
     assert [_ids(stream.samples(e)) for e in range(2)] == orders
-    assert _ids(stream.samples(1, skip=40)) == orders[1][40:]
+    monkeypatch.undo()
+    raw = list(stream.samples(1))[:3]
+    assert all(isinstance(r, LitIndex) for r in raw) and [_ids([stream.decode(r, ALL)]) for r in raw] == [
+        [r] for r in raw
+    ]
+
+
+class CountingLit(litdata.StreamingDataset):
+    """Counts the items it decodes."""
+
+    decoded = 0
+
+    def __getitem__(self, index):
+        CountingLit.decoded += 1
+        return super().__getitem__(index)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_rank_decodes_only_its_litdata_rows(tmp_path, workers):
+    """Rank 1 of three (image replica 2 of 2) decodes rows 4-7 of each batch of 8, and nothing else."""
+    folder = _write_litdata(tmp_path / "lit")
+    one = litdata.StreamingDataLoader(litdata.StreamingDataset(str(folder), shuffle=True, seed=3), batch_size=8)
+    order = _ids(s for b in one for s in _rows(b))
+    plan = ldm.Plan(3, {"image": {"ranks": [0, 1]}, "text": {"ranks": [2]}})
+    source = litdata.StreamingDataLoader(
+        CountingLit(str(folder), shuffle=True, seed=3), batch_size=8, drop_last=True, num_workers=workers
+    )
+    CountingLit.decoded = 0
+    batches = list(DistMMDataLoader(source, RankLayout(plan, 1, FIELDS)))
+    assert [_ids(_rows(b)) for b in batches] == [order[8 * b + 4 : 8 * b + 8] for b in range(8)]
+    assert set(batches[0]) == {"image", "__distmm_global_batch__"}
+    if workers == 0:
+        assert CountingLit.decoded == 32  # in the workers' processes otherwise
 
 
 def _rows(batch: dict) -> list[dict]:
-    return [{k: v[i] for k, v in batch.items()} for i in range(len(batch["image"]))]
+    return [{k: v[i] for k, v in batch.items() if k in ALL} for i in range(len(batch["image"]))]
 
 
 def test_refused_with_what_to_change(tmp_path):
