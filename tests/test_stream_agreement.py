@@ -305,3 +305,18 @@ def test_the_interval_is_a_strategy_option():
     assert ldm.DistMMStrategy(stream_check_every=8)._stream_check_every == 8
     with pytest.raises(ValueError, match="every N >= 1 global batches.*rank_independent"):
         ldm.DistMMStrategy(stream_check_every=0)
+
+
+def test_a_hugging_face_iterable_dataset_is_cut_the_same_on_every_rank():
+    """Shuffled by its seed and the epoch distmm sets: the image rank's and the text rank's rows of
+    every batch are the same samples, and epoch 1 is another order."""
+    rows = [{"image": float(i), "input_ids": i, "attention_mask": 1} for i in range(16)]
+    hf = datasets.Dataset.from_list(rows).to_iterable_dataset(num_shards=4).shuffle(seed=3, buffer_size=8)
+    image, text = (DistMMDataLoader(DataLoader(hf, batch_size=4), RankLayout(SEPARATE, r, FIELDS)) for r in (0, 1))
+    epochs = []
+    for epoch in range(2):
+        image.rank_sampler.set_epoch(epoch), text.rank_sampler.set_epoch(epoch)
+        got = [(a["image"].long().tolist(), t["input_ids"].tolist()) for a, t in zip(image, text)]
+        assert all(a == t for a, t in got) and len(got) == 4
+        epochs.append([i for a, _ in got for i in a])
+    assert sorted(epochs[0]) == list(range(16)) and epochs[0] != epochs[1]
