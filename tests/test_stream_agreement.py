@@ -320,3 +320,49 @@ def test_a_hugging_face_iterable_dataset_is_cut_the_same_on_every_rank():
         assert all(a == t for a, t in got) and len(got) == 4
         epochs.append([i for a, _ in got for i in a])
     assert sorted(epochs[0]) == list(range(16)) and epochs[0] != epochs[1]
+
+
+# ---------------------------------------------------------------------- the recipe
+def test_make_litdata_and_the_clip_litdata_experiment(tmp_path):
+    """make_litdata.py writes the make_csv samples in LitData's format; experiment=clip_litdata
+    builds a DataModule over them; a rank decodes only its rows' fields of them."""
+    import sys
+
+    from hydra import compose, initialize_config_dir
+
+    from lightning_distmm.data.litdata_pairs import LitDataPairs
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "recipes"))
+    import make_csv
+    import make_litdata
+    import train
+
+    train_dir, val_dir = make_litdata.main(["--out", str(tmp_path), "--train", "10", "--val", "4", "--per-chunk", "4"])
+    csv_path, _ = make_csv.main(["--out", str(tmp_path / "csv"), "--train", "10", "--val", "4"])
+    csv_captions = [line.split(",", 1)[1] for line in csv_path.read_text().splitlines()[1:]]
+    assert [s["caption"] for s in LitDataPairs(train_dir, shuffle=False)] == csv_captions
+    shuffled = LitDataPairs(train_dir, shuffle=True, seed=1)
+    order = list(shuffled.samples(0))
+    assert sorted(order) == list(range(10)) and order != list(range(10))
+    text = DistMMDataLoader(DataLoader(shuffled, batch_size=4, drop_last=True), RankLayout(SEPARATE, 1, FIELDS))
+    batches = list(text)
+    assert len(batches) == 2 and shuffled.decoded == {"input_ids": 8, "attention_mask": 8}  # no image opened
+    assert "image" not in batches[0]
+
+    with initialize_config_dir(config_dir=str(root / "conf"), version_base="1.3"):
+        cfg = compose(
+            config_name="train",
+            overrides=[
+                "out_dir=/tmp/unused",
+                "experiment=clip_litdata",
+                f"data.train={train_dir}",
+                f"data.val={val_dir}",
+                "data.batch_size=4",
+            ],
+        )
+    dm = train.build_data(cfg, 4)
+    assert len(dm.train_dataset) == 10 and len(dm.val_dataset) == 4 and dm.retrieval_dataset is dm.val_dataset
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["image"].shape == (4, 3, 32, 32) and batch["input_ids"].shape == (4, 16)
+    assert set(dm.val_dataset.load(2, ["caption"])) == {"caption"}

@@ -90,14 +90,18 @@ class LitDataStream(PlainStream):
 
         return order()
 
+    def item(self, sample: Any) -> Any:
+        """The item a raw sample stands for: read by index (``dataset[index]``), or the item itself."""
+        if not isinstance(sample, LitIndex):
+            return sample
+        if self._cache_pid != os.getpid():
+            # a DataLoader worker: the reader the main process opened is not this process's
+            self.dataset.cache = None
+            self._cache_pid = os.getpid()
+        return self.dataset[int(sample)]
+
     def decode(self, sample: Any, fields: Iterable[str]) -> dict[str, Any]:
-        if isinstance(sample, LitIndex):
-            if self._cache_pid != os.getpid():
-                # a DataLoader worker: the reader the main process opened is not this process's
-                self.dataset.cache = None
-                self._cache_pid = os.getpid()
-            sample = self.dataset[int(sample)]
-        return super().decode(sample, fields)
+        return super().decode(self.item(sample), fields)
 
     def sample_key(self, sample: Any) -> Any:
         # the item's index; an item read whole (LitData's lay-out not readable) is fingerprinted
