@@ -15,7 +15,15 @@ gradient sync, optimizer step), skipping warm-up steps. Prints medians and ratio
 launchers, in this process), ``spawn``, or ``popen`` (Lightning's subprocess launcher, as a script
 run from a shell: each run is this script started again with ``--only``).
 
+``--stream`` prices the check that every rank reads the same samples of a stream
+(:mod:`lightning_distmm.data.agreement`): the separate-towers plan over the same data as a map-style
+dataset (``distmm-separate``), as a stream checked every ``--check-every`` global batches
+(``distmm-stream``), and as the same stream declared rank-independent, unchecked
+(``distmm-stream-declared``); ``check ms`` is the check's own time per global batch on rank 0 (the
+samples' keys and the all-gather), timed around it.
+
     python benchmarks/step_time.py --devices 2 --batch 64 --steps 14 --rounds 3 --launcher popen
+    python benchmarks/step_time.py --devices 2 --batch 64 --steps 14 --rounds 3 --stream
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from synthetic import SyntheticPairs, TwoTowerCLIP
+from synthetic import SyntheticPairs, SyntheticStream, TwoTowerCLIP
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 from torch.utils.data import DataLoader
@@ -115,6 +123,52 @@ def minor_faults() -> int:
         return 0
 
 
+class CheckTimer:
+    """The stream check's own time on this rank: the samples' keys and the comparisons, per global batch."""
+
+    seconds = {"keys": 0.0, "gather": 0.0}
+    batches = 0
+
+    @classmethod
+    def install(cls) -> None:
+        from lightning_distmm.data import agreement
+
+        original = agreement.StreamAgreement.batches
+
+        def batches(self, source, epoch, skip):  # type: ignore[no-untyped-def]
+            keys, post, settle = self._keys, self._post, self._settle
+
+            def timed(fn, part):  # type: ignore[no-untyped-def]
+                def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+                    t0 = time.perf_counter()
+                    try:
+                        return fn(*args, **kwargs)
+                    finally:
+                        cls.seconds[part] += time.perf_counter() - t0
+
+                return call
+
+            self._keys, self._post, self._settle = timed(keys, "keys"), timed(post, "gather"), timed(settle, "gather")
+
+            def counted():  # type: ignore[no-untyped-def]
+                for batch in source:
+                    cls.batches += 1
+                    yield batch
+
+            try:
+                yield from original(self, counted(), epoch, skip)
+            finally:
+                self._keys, self._post, self._settle = keys, post, settle
+
+        agreement.StreamAgreement.batches = batches  # type: ignore[method-assign]
+
+    @classmethod
+    def per_batch(cls) -> dict[str, float]:
+        """Seconds per global batch: computing the samples' keys, and comparing (posting the
+        all-gather and waiting for it: the first batch's waits for the other ranks to reach it)."""
+        return {part: t / cls.batches if cls.batches else 0.0 for part, t in cls.seconds.items()}
+
+
 class StepTimer(L.Callback):
     """Each step's time and minor page faults on rank 0 (memory the allocator had to take back from the kernel)."""
 
@@ -129,7 +183,8 @@ class StepTimer(L.Callback):
         self.times.append(time.perf_counter() - self.t0)
         self.faults.append(minor_faults() - self.f0)
         if trainer.is_global_zero:
-            Path(self.path).write_text(json.dumps({"times": self.times, "faults": self.faults}))
+            record = {"times": self.times, "faults": self.faults, "check": CheckTimer.per_batch()}
+            Path(self.path).write_text(json.dumps(record))
 
 
 DDP_STRATEGY = {"fork": "ddp_notebook", "spawn": "ddp_spawn", "popen": "ddp"}
@@ -144,10 +199,12 @@ def run(config: str, args: argparse.Namespace, out: str) -> tuple[list[float], l
         cmd = [sys.executable, __file__, "--only", config, "--out", out, "--launcher", "popen"]
         cmd += ["--devices", str(args.devices), "--batch", str(args.batch), "--steps", str(args.steps)]
         cmd += ["--warmup", str(args.warmup)] + (["--threads", str(args.threads)] if args.threads else [])
+        cmd += ["--check-every", str(args.check_every)]
         env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "LOCAL_RANK", "WORLD_SIZE")}
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         return _timed(out, args.warmup)
     L.seed_everything(0, verbose=False)
+    CheckTimer.install()
     world = args.devices
     if config == "ddp":
         module: L.LightningModule = OpenClipDDP()
@@ -162,11 +219,15 @@ def run(config: str, args: argparse.Namespace, out: str) -> tuple[list[float], l
             plan = ldm.Plan(
                 world, {"image": {"ranks": list(range(image))}, "text": {"ranks": list(range(image, world))}}
             )
-        strategy = ldm.DistMMStrategy(plan=plan, start_method=args.launcher)
+        strategy = ldm.DistMMStrategy(plan=plan, start_method=args.launcher, stream_check_every=args.check_every)
         per_rank = args.batch
-    data = DataLoader(
-        SyntheticPairs(args.batch * args.steps, IMG, VOCAB, SEQ), batch_size=per_rank, shuffle=False, drop_last=True
-    )
+    size = args.batch * args.steps
+    dataset: object = SyntheticPairs(size, IMG, VOCAB, SEQ)
+    if config.startswith("distmm-stream"):
+        dataset = SyntheticStream(size, IMG, VOCAB, SEQ)
+        if config == "distmm-stream-declared":
+            ldm.data.rank_independent(dataset)
+    data = DataLoader(dataset, batch_size=per_rank, shuffle=False, drop_last=True)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=world,
@@ -183,8 +244,12 @@ def run(config: str, args: argparse.Namespace, out: str) -> tuple[list[float], l
     return _timed(out, args.warmup)
 
 
+CHECKS: dict[str, dict[str, float]] = {}  # the output file of a run: its stream check's seconds per global batch
+
+
 def _timed(out: str, warmup: int) -> tuple[list[float], list[int]]:
     record = json.loads(Path(out).read_text())
+    CHECKS[out] = record.get("check", {})
     return record["times"][warmup:], record["faults"][warmup:]
 
 
@@ -199,6 +264,10 @@ def main() -> None:
         "--threads", type=int, default=None, help="torch threads per rank (default: what the launcher sets)"
     )
     parser.add_argument("--launcher", choices=["fork", "spawn", "popen"], default="fork")
+    parser.add_argument(
+        "--stream", action="store_true", help="price the stream check: map-style vs checked vs declared stream"
+    )
+    parser.add_argument("--check-every", type=int, default=1, help="the stream check's interval in global batches")
     parser.add_argument("--only", help=argparse.SUPPRESS)  # popen: one configuration, run as a script
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -210,24 +279,38 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     configs = ["ddp", "distmm-colocated", "distmm-separate"]
+    if args.stream:
+        configs = ["distmm-separate", "distmm-stream", "distmm-stream-declared"]
     samples: dict[str, list[float]] = {c: [] for c in configs}
     faults: dict[str, list[int]] = {c: [] for c in configs}
+    checks: dict[str, dict[str, list[float]]] = {c: {"keys": [], "gather": []} for c in configs}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for c in configs:
-                times, step_faults = run(c, args, os.path.join(tmp, f"{c}-{r}.json"))
+                out = os.path.join(tmp, f"{c}-{r}.json")
+                times, step_faults = run(c, args, out)
                 samples[c] += times
                 faults[c] += step_faults
-    base = statistics.median(samples["ddp"])
+                for part in ("keys", "gather"):
+                    checks[c][part].append(CHECKS.get(out, {}).get(part, 0.0))
+    base_name = configs[0]
+    base = statistics.median(samples[base_name])
     params = sum(p.numel() for p in BenchCLIP().parameters())
     print(
         f"\nstep time, {args.devices} CPU ranks (gloo, {args.launcher} launcher), global batch {args.batch},"
         f" {params / 1e6:.2f}M parameters, {args.rounds} rounds x {args.steps - args.warmup} timed steps"
+        + (f", stream check every {args.check_every} global batch(es)" if args.stream else "")
     )
-    print(f"{'configuration':<20} {'median ms':>10} {'vs ddp':>8} {'page faults/step':>17}")
+    vs = f"vs {base_name.removeprefix('distmm-')}"
+    head = f"{'configuration':<24} {'median ms':>10} {vs:>10} {'page faults/step':>17}"
+    print(head + (f" {'keys ms':>8} {'gather ms':>10} {'check/step':>11}" if args.stream else ""))
     for c in configs:
         med = statistics.median(samples[c])
-        print(f"{c:<20} {med * 1e3:>10.1f} {med / base:>8.3f} {statistics.median(faults[c]):>17.0f}")
+        line = f"{c:<24} {med * 1e3:>10.1f} {med / base:>10.3f} {statistics.median(faults[c]):>17.0f}"
+        if args.stream:
+            keys, gather = (statistics.median(checks[c][part]) for part in ("keys", "gather"))
+            line += f" {keys * 1e3:>8.3f} {gather * 1e3:>10.3f} {100 * (keys + gather) / med:>10.2f}%"
+        print(line)
 
 
 if __name__ == "__main__":

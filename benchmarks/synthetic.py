@@ -8,6 +8,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from torch.utils.data import IterableDataset
 
 import lightning_distmm as ldm
 
@@ -30,6 +31,21 @@ class SyntheticPairs(ldm.FieldDataset):
         out["input_ids"][-1] = self.vocab - 1
         out["attention_mask"] = torch.ones(self.seq, dtype=torch.long)
         return {k: out[k] for k in fields}
+
+
+class SyntheticStream(IterableDataset):
+    """:class:`SyntheticPairs` as a stream (an ``IterableDataset`` of dict samples, in index order):
+    under distmm every rank reads it whole, and the ranks check that they read the same samples."""
+
+    def __init__(self, size: int, image_size: int, vocab: int, seq: int) -> None:
+        self.pairs = SyntheticPairs(size, image_size, vocab, seq)
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __iter__(self):
+        for i in range(len(self.pairs)):
+            yield self.pairs.load(i, self.pairs.fields)
 
 
 class TwoTowerCLIP(ldm.DistMMMixin, L.LightningModule):

@@ -81,6 +81,10 @@ class DistMMStrategy(ModelParallelStrategy):
             that the memory a step frees serves the next step instead of going back to the kernel
             and being faulted in again (:mod:`lightning_distmm.parallel.host_allocator`); ``False``
             leaves the allocator as it is.
+        stream_check_every: over an iterable dataset, the ranks check that they read the same samples
+            every this many global batches (and on each epoch's first, and at its end): one all-gather
+            of three integers (:mod:`lightning_distmm.data.agreement`). A dataset declared with
+            :func:`lightning_distmm.data.rank_independent` is not checked.
     """
 
     strategy_name = "distmm"
@@ -93,8 +97,15 @@ class DistMMStrategy(ModelParallelStrategy):
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         bucket_cap_mb: float = 25.0,
         reuse_host_memory: bool = True,
+        stream_check_every: int = 1,
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
+        if int(stream_check_every) < 1:
+            raise ValueError(
+                f"stream_check_every={stream_check_every}: the ranks compare what they read every N >= 1 global"
+                f" batches; to skip the check for a dataset, declare it with lightning_distmm.data.rank_independent"
+            )
+        self._stream_check_every = int(stream_check_every)
         self._bucket_cap_mb = float(bucket_cap_mb)
         self._reuse_host_memory = reuse_host_memory
         self._plan_spec = _parse_plan_spec(plan)
@@ -311,7 +322,9 @@ class DistMMStrategy(ModelParallelStrategy):
             if note is not None and batch_size not in self._noted_batches:
                 self._noted_batches.add(batch_size)
                 rank_zero_info(f"distmm: {note}")
-        return DistMMDataLoader(dataloader, self.runtime.layout, progress=self._batches_done)
+        return DistMMDataLoader(
+            dataloader, self.runtime.layout, progress=self._batches_done, check_every=self._stream_check_every
+        )
 
     def _batches_done(self) -> int:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None

@@ -14,7 +14,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_distmm.core.plan import split_batch
 from lightning_distmm.data.fields import FieldDataset
-from lightning_distmm.data.streaming import FieldStream, as_stream
+from lightning_distmm.data.stream_sources import as_stream
+from lightning_distmm.data.streaming import FieldStream
 
 
 def check_dataloader(
@@ -23,8 +24,15 @@ def check_dataloader(
     replicas_by_tower: Mapping[str, int],
     sync_groups: int = 1,
 ) -> None:
-    """:func:`check_dataset` with the batch size, ``drop_last`` and epoch length of ``dataloader``."""
+    """:func:`check_dataset` with the batch size, ``drop_last`` and epoch length of ``dataloader``.
+
+    Raises:
+        ValueError: a DataLoader that does not batch (``batch_size=None``), as over a dataset that
+            yields batches itself.
+    """
     batch_sampler = dataloader.batch_sampler
+    if batch_sampler is None:
+        raise ValueError(prebatched_message(dataloader.dataset))
     sampler = getattr(batch_sampler, "sampler", None)
     num_samples = None
     if sampler is not None and hasattr(sampler, "__len__") and not isinstance(dataloader.dataset, IterableDataset):
@@ -37,6 +45,20 @@ def check_dataloader(
         replicas_by_tower=replicas_by_tower,
         sync_groups=sync_groups,
         num_samples=num_samples,
+    )
+
+
+def prebatched_message(dataset: Any) -> str:
+    """Why a DataLoader with ``batch_size=None`` cannot be trained on under distmm, and what to change."""
+    name = type(dataset).__name__
+    return (
+        f"the training DataLoader over {name} has batch_size=None, so it does not batch: the samples come as the"
+        f" dataset yields them, batched already if it batches itself (webdataset's .batched(n), a dataset"
+        f" yielding lists or stacked tensors). distmm must cut every global batch into each rank's rows, so the"
+        f" DataLoader has to do the batching: make the dataset yield single samples (dicts keyed by field) and"
+        f" give the DataLoader batch_size=<the global batch> and drop_last=True, e.g."
+        f" DataLoader(dataset, batch_size=256, drop_last=True) (for LitData: StreamingDataLoader(dataset,"
+        f" batch_size=256, drop_last=True))"
     )
 
 

@@ -29,9 +29,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lightning_distmm.core.layout import GLOBAL_BATCH_KEY, RankLayout
+from lightning_distmm.data.checks import prebatched_message
 from lightning_distmm.data.fields import load_fields
 from lightning_distmm.data.sampling import RankBatchSampler
-from lightning_distmm.data.streaming import StreamBatchSampler, StreamFieldSubset, as_stream
+from lightning_distmm.data.stream_sources import as_stream
+from lightning_distmm.data.streaming import StreamBatchSampler, StreamFieldSubset
 
 
 class FieldSubsetDataset(Dataset):
@@ -74,6 +76,8 @@ class DistMMDataLoader(DataLoader):
             ``fit_loop.epoch_loop.batch_progress.current.processed``); the saved position counts
             those, not the batches already prefetched.
         group: the process group over which rank 0 sends the batches (default: the default group).
+        check_every: over a stream, the ranks check that they read the same samples every this many
+            global batches (and on each epoch's first and at its end; :mod:`~lightning_distmm.data.agreement`).
     """
 
     def __init__(
@@ -82,11 +86,10 @@ class DistMMDataLoader(DataLoader):
         layout: RankLayout,
         progress: Callable[[], int] | None = None,
         group: Any = None,
+        check_every: int = 1,
     ):
         if source.batch_sampler is None:
-            raise ValueError(
-                "distmm needs a DataLoader with a batch_size (the global batch); batch_size=None is not supported"
-            )
+            raise ValueError(prebatched_message(source.dataset))
         self.source = source
         self.layout = layout
         generators = [source.generator] if source.generator is not None else []
@@ -96,7 +99,7 @@ class DistMMDataLoader(DataLoader):
             stream = as_stream(source.dataset)
             bs = source.batch_sampler
             sampler: RankBatchSampler = StreamBatchSampler(
-                stream, bs.batch_size, bs.drop_last, layout, progress, generators, group
+                stream, bs.batch_size, bs.drop_last, layout, progress, generators, group, check_every
             )
             dataset = StreamFieldSubset(stream, layout.fields)
         else:

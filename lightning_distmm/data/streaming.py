@@ -31,7 +31,8 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from lightning_distmm.core.layout import RankLayout
-from lightning_distmm.data.sampling import DataPositionError, RankBatchSampler
+from lightning_distmm.data.agreement import StreamAgreement, declared_rank_independent, explicit_key, key_of
+from lightning_distmm.data.sampling import DataPositionError, RankBatchSampler, _distributed
 
 
 class FieldStream(IterableDataset):
@@ -64,6 +65,12 @@ class FieldStream(IterableDataset):
 
     def epoch_length(self) -> int | None:
         """Samples of one epoch, or None when only reading the epoch would tell."""
+        return None
+
+    def sample_key(self, sample: Any) -> Any:
+        """What names the raw ``sample`` (a str, an int, a tuple of them), compared across ranks to
+        check that every rank reads the same samples; None: a fingerprint of the raw sample is
+        (:mod:`lightning_distmm.data.agreement`)."""
         return None
 
     def set_epoch(self, epoch: int) -> None:
@@ -133,7 +140,7 @@ class PlainStream(FieldStream):
         set_epoch = getattr(self.dataset, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(epoch)
-        return skip_samples(iter(self.dataset), skip, epoch, type(self.dataset).__name__)
+        return skip_samples(one_pass(self.dataset), skip, epoch, type(self.dataset).__name__)
 
     def decode(self, sample: Any, fields: Iterable[str]) -> dict[str, Any]:
         fields = tuple(fields)
@@ -156,26 +163,19 @@ class PlainStream(FieldStream):
         except TypeError:
             return None
 
+    def sample_key(self, sample: Any) -> Any:
+        own = getattr(self.dataset, "sample_key", None)
+        return own(sample) if callable(own) else None
 
-def as_stream(dataset: IterableDataset) -> FieldStream:
-    """``dataset`` as a :class:`FieldStream`; refuses what distmm cannot read the same on every rank."""
-    if isinstance(dataset, FieldStream):
-        return dataset
-    refuse_unsupported_stream(dataset)
-    return PlainStream(dataset)
+    @property
+    def name(self) -> str:
+        return type(self.dataset).__name__
 
 
-def refuse_unsupported_stream(dataset: Any) -> None:
-    """A ``webdataset`` pipeline splits its shards by rank and worker and shuffles from the process's
-    clock: under distmm every rank must read the same stream."""
-    module = type(dataset).__module__ or ""
-    if module == "webdataset" or module.startswith("webdataset."):
-        raise TypeError(
-            f"distmm cannot train on a webdataset pipeline ({type(dataset).__name__}): it splits shards by rank and"
-            f" worker, shuffles from the process's clock and decodes whole samples, while every distmm rank must read"
-            f" the same stream in the same order and decode only its rows: use"
-            f" lightning_distmm.data.WebDatasetPairs(urls, shuffle=..., seed=...) over the same shards"
-        )
+def stream_name(stream: FieldStream) -> str:
+    """The dataset a stream reads, as messages name it."""
+    inner = getattr(stream, "dataset", None)
+    return type(inner if inner is not None else stream).__name__
 
 
 class _StreamBatches:
@@ -221,6 +221,19 @@ class _StreamBatches:
                 close()  # a generator over open shards: closed now, not when it is collected
 
 
+def one_pass(dataset: Any) -> Iterator[Any]:
+    """One iteration of ``dataset``, as a generator: a dataset that is its own iterator (LitData's
+    ``StreamingDataset``, whose ``__iter__`` starts the epoch again and returns itself) is iterated
+    once, however often the generator is handed to ``iter``."""
+    iterator = iter(dataset)
+    while True:
+        try:
+            item = next(iterator)
+        except StopIteration:
+            return
+        yield item
+
+
 def skip_samples(samples: Iterator[Any], skip: int, epoch: int, name: str, before: int = 0) -> Iterator[Any]:
     """``samples`` from the ``skip``-th on (``before`` samples were skipped already, unread); a stream
     shorter than that is a changed dataset."""
@@ -247,18 +260,31 @@ class StreamBatchSampler(RankBatchSampler):
         progress: Any = None,
         generators: Sequence[torch.Generator] = (),
         group: Any = None,
+        check_every: int = 1,
     ):
         super().__init__(_StreamBatches(stream, batch_size, drop_last), layout, progress, generators, group)
+        inner = getattr(stream, "dataset", stream)
+        self.agreement: StreamAgreement | None = None
+        if not (declared_rank_independent(stream) or declared_rank_independent(inner)):
+            self.agreement = StreamAgreement(stream_name(stream), self._key, check_every, group)
 
     @property
     def stream(self) -> FieldStream:
         return self.batch_sampler.stream
 
+    def _key(self, sample: Any) -> tuple[int, str]:
+        own = self.stream.sample_key(sample)
+        return key_of(sample) if own is None else explicit_key(own)
+
     def _epoch_samples(self) -> int | None:
         return self.batch_sampler.epoch_samples()
 
     def _global_batches(self, p: Any) -> Iterator[list[Any]]:
-        return self.batch_sampler.batches(p.epoch, p.skip)
+        batches = self.batch_sampler.batches(p.epoch, p.skip)
+        if self.agreement is None or not _distributed(self.group):
+            return batches
+        # every rank read the batch: the ranks compare what they read before anything trains on it
+        return self.agreement.batches(batches, p.epoch, p.skip)
 
 
 class StreamFieldSubset(Dataset):
@@ -274,4 +300,12 @@ class StreamFieldSubset(Dataset):
         return self.stream.decode(sample, self.fields), n
 
 
-__all__ = ["FieldStream", "PlainStream", "StreamBatchSampler", "StreamFieldSubset", "as_stream", "skip_samples"]
+__all__ = [
+    "FieldStream",
+    "PlainStream",
+    "StreamBatchSampler",
+    "StreamFieldSubset",
+    "one_pass",
+    "skip_samples",
+    "stream_name",
+]

@@ -208,6 +208,10 @@ class WebDatasetPairs(PairDecoding, FieldStream):
         sizes = self.shard_sizes()
         return None if sizes is None else sum(sizes)
 
+    def sample_key(self, sample: RawPair) -> tuple[str, str]:
+        """The shard and the member name a sample was read from (what the ranks compare)."""
+        return sample.url, sample.key
+
     # ------------------------------------------------------------------ decoding
     def decode(self, sample: RawPair, fields: Iterable[str]) -> dict[str, Any]:
         fields = tuple(fields)

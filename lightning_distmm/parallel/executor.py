@@ -165,8 +165,12 @@ class RankRuntime:
     def global_batch_size(self, batch: Mapping[str, Any]) -> int:
         if GLOBAL_BATCH_KEY not in batch:
             raise KeyError(
-                "this batch did not come through the distmm data loader (no global batch size attached);"
-                " feed data through the Trainer's dataloaders"
+                "this batch did not come through the distmm data loader (no global batch size attached): distmm"
+                " wraps a torch DataLoader that batches (batch_size=<the global batch>) and leaves any other"
+                " iterable as it is, so a webdataset WebLoader, a stream that batches itself or a batch built by"
+                " hand reaches the step without one; give the Trainer"
+                " torch.utils.data.DataLoader(dataset, batch_size=<the global batch>, drop_last=True) over a"
+                " dataset that yields single samples (dicts keyed by field)"
             )
         return int(batch[GLOBAL_BATCH_KEY])
 

@@ -1,0 +1,159 @@
+"""Image-caption pairs in LitData's format, read as a stream and decoded per rank and per tower.
+
+A LitData folder (written by ``litdata.optimize``, or ``recipes/make_litdata.py``) whose items are
+``{"image": encoded image bytes, "caption": str}``. :class:`LitDataPairs` reads it as one process
+reads it (:class:`~lightning_distmm.data.litdata_stream.LitDataStream`: LitData's seed, chunk
+permutation and in-chunk shuffle of the epoch, on every rank) and decodes only what a rank asks for:
+its rows, by index, and of those only its towers' fields (an image rank opens the image and runs the
+transform, a text rank tokenizes the caption). LitData's own deserialization gives bytes and a
+string, so reading an item costs little; the decoding is ours.
+
+Fields: ``image`` (the transform's tensor), ``caption`` (str), ``input_ids`` / ``attention_mask``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from io import BytesIO
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_distmm.data.fields import FieldDataset
+from lightning_distmm.data.litdata_stream import LitDataStream, LitIndex
+from lightning_distmm.data.pairs import PairDecoding
+from lightning_distmm.data.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, pair_preprocessing
+from lightning_distmm.data.streaming import FieldStream
+
+
+class LitDataPairs(PairDecoding, FieldStream):
+    """Pairs in a LitData folder, a stream decoded per field.
+
+    Args:
+        input_dir: the folder ``litdata.optimize`` wrote (its ``index.json`` and chunks).
+        shuffle, seed: LitData's (``StreamingDataset(input_dir, shuffle=..., seed=...)``).
+        image_key, caption_key: the item's fields holding the encoded image and the caption.
+        transform, tokenizer, context_length, decode_log: see :class:`~lightning_distmm.data.pairs.PairDecoding`.
+    """
+
+    def __init__(
+        self,
+        input_dir: str | os.PathLike,
+        shuffle: bool = True,
+        seed: int = 42,
+        image_key: str = "image",
+        caption_key: str = "caption",
+        transform: Any = None,
+        tokenizer: Any = None,
+        context_length: int = 77,
+        decode_log: str | os.PathLike | None = None,
+    ):
+        import litdata
+
+        PairDecoding.__init__(self, transform, tokenizer, context_length, decode_log)
+        self.image_key, self.caption_key = image_key, caption_key
+        self.stream = LitDataStream(litdata.StreamingDataset(os.fspath(input_dir), shuffle=shuffle, seed=seed))
+
+    def samples(self, epoch: int, skip: int = 0) -> Iterator[Any]:
+        return self.stream.samples(epoch, skip)
+
+    def epoch_length(self) -> int | None:
+        return self.stream.epoch_length()
+
+    def sample_key(self, sample: Any) -> Any:
+        return self.stream.sample_key(sample)
+
+    def decode(self, sample: Any, fields: Iterable[str]) -> dict[str, Any]:
+        fields = self.check_fields(fields)
+        item = self.stream.item(sample)
+        out = self.decode_pair(fields, BytesIO(item[self.image_key]), lambda: str(item[self.caption_key]).strip())
+        self.record(int(sample) if isinstance(sample, LitIndex) else None, fields)
+        return out
+
+    def in_memory(self) -> FieldDataset:
+        """The items by index, a map-style dataset decoded per field (validation, retrieval)."""
+        return _ByIndex(self)
+
+
+class _ByIndex(FieldDataset):
+    def __init__(self, source: LitDataPairs):
+        self.source, self.fields = source, source.fields
+
+    def __len__(self) -> int:
+        return len(self.source.stream.dataset)
+
+    def load(self, index: int, fields: Iterable[str]) -> dict[str, Any]:
+        return self.source.decode(LitIndex(int(index)), fields)
+
+
+class LitDataDataModule(L.LightningDataModule):
+    """Training pairs from a LitData folder (a stream), held-out pairs from another (by index).
+
+    Args:
+        train: the training folder; val: the held-out folder (None: no validation).
+        shuffle, seed: LitData's order (seed None: ``PL_GLOBAL_SEED``, as ``seed_everything`` set it, else 0).
+        image_key, caption_key: see :class:`LitDataPairs`.
+        image_size, mean, std, interpolation, crop_pct, tokenizer, context_length: the transform and
+            tokenizer (as :class:`~lightning_distmm.data.modules.PairsDataModule`).
+        batch_size: the global batch; val_batch_size, num_workers: as for any DataModule.
+    """
+
+    def __init__(
+        self,
+        train: str,
+        val: str | None = None,
+        shuffle: bool = True,
+        seed: int | None = None,
+        image_key: str = "image",
+        caption_key: str = "caption",
+        image_size: int = 224,
+        mean: Sequence[float] = OPENAI_CLIP_MEAN,
+        std: Sequence[float] = OPENAI_CLIP_STD,
+        interpolation: str = "bicubic",
+        crop_pct: float = 1.0,
+        tokenizer: str | None = None,
+        context_length: int = 77,
+        batch_size: int = 64,
+        val_batch_size: int | None = None,
+        num_workers: int = 0,
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        self.batch_size, self.val_batch_size = int(batch_size), int(val_batch_size or batch_size)
+        self.num_workers = int(num_workers)
+        transform, self.text = pair_preprocessing(
+            image_size, mean, std, interpolation, crop_pct, tokenizer, context_length
+        )
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0)) if seed is None else int(seed)
+        common: dict[str, Any] = dict(
+            image_key=image_key, caption_key=caption_key, transform=transform, tokenizer=self.text
+        )
+        self.train_dataset = LitDataPairs(train, shuffle=shuffle, seed=seed, **common)
+        self.val_dataset = None if val is None else LitDataPairs(val, shuffle=False, **common).in_memory()
+        self.retrieval_dataset = self.val_dataset
+
+    def tokenize(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
+        return self.text.batch(list(texts))
+
+    def train_dataloader(self) -> DataLoader:
+        split = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self.trainer else None
+        if split and int(split.get("num_replicas", 1)) > 1:  # DDP: each replica its rows of the global batch
+            self.train_dataset.split_replicas(int(split["rank"]), int(split["num_replicas"]), self.batch_size)
+        return DataLoader(
+            self.train_dataset,
+            batch_size=self.batch_size,
+            drop_last=True,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def val_dataloader(self) -> DataLoader | list:
+        if self.val_dataset is None:
+            return []
+        return DataLoader(self.val_dataset, batch_size=self.val_batch_size, num_workers=self.num_workers)
+
+
+__all__ = ["LitDataDataModule", "LitDataPairs"]

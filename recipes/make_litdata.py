@@ -1,0 +1,69 @@
+"""Write the embedded shapes data in LitData's format: ``<out>/train`` and ``<out>/val`` folders.
+
+    python recipes/make_litdata.py --out data/shapes_litdata --train 4000 --val 256
+    python recipes/train.py experiment=clip_litdata data.train=data/shapes_litdata/train data.val=data/shapes_litdata/val
+
+Each item is ``{"image": PNG bytes, "caption": str}`` (the renders and captions of
+``recipes/make_csv.py``, in the same order), written in chunks of ``--per-chunk`` items by LitData's
+``BinaryWriter``: what ``litdata.optimize`` writes, in this process (``optimize`` starts worker
+processes, which a few thousand small items do not need). ``litdata.StreamingDataset`` reads the
+folders; under distmm ``lightning_distmm.data.litdata_pairs.LitDataPairs`` reads them as one
+process does, and each rank decodes only its rows' fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+_ROOT = Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+from lightning_distmm.data.shapes import ShapesDataset, render  # noqa: E402
+
+
+def write_split(dataset: ShapesDataset, folder: Path, per_chunk: int) -> Path:
+    """``folder`` (emptied first): the items of ``dataset``, ``per_chunk`` to a chunk."""
+    from litdata.streaming.writer import BinaryWriter
+
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    writer = BinaryWriter(str(folder), chunk_size=per_chunk)
+    for i in range(len(dataset)):
+        attrs = dataset.attributes(i)
+        rng = np.random.default_rng([dataset.seed, dataset._global_index(i), 1])  # the dataset's image stream
+        pixels = render(attrs["color"], attrs["shape"], attrs["position"], rng, dataset.image_size, dataset.noise)
+        encoded = io.BytesIO()
+        Image.fromarray((pixels.transpose(1, 2, 0) * 255).round().astype(np.uint8)).save(encoded, format="PNG")
+        writer[i] = {"image": encoded.getvalue(), "caption": dataset.caption_of(attrs)}
+    writer.done()
+    writer.merge(1)
+    return folder
+
+
+def main(argv: list[str] | None = None) -> tuple[Path, Path]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="data/shapes_litdata", help="output folder")
+    parser.add_argument("--train", type=int, default=4000, help="training pairs")
+    parser.add_argument("--val", type=int, default=256, help="held-out pairs (<= 288: every description unique)")
+    parser.add_argument("--per-chunk", type=int, default=500, help="items per chunk")
+    parser.add_argument("--image-size", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0, help="the data seed")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    common = {"seed": args.seed, "image_size": args.image_size}
+    train = write_split(ShapesDataset("train", args.train, **common), out / "train", args.per_chunk)
+    val = write_split(ShapesDataset("val", args.val, **common), out / "val", args.per_chunk)
+    print(f"wrote {args.train} training pairs in {train}, {args.val} held-out pairs in {val}")
+    return train, val
+
+
+if __name__ == "__main__":
+    main()
