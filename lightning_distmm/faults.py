@@ -153,11 +153,23 @@ class ErrorRelay:
         return self.folder / f"rank{rank}.json"
 
     def register(self) -> None:
-        """Note this rank's process (pid, host), so that a rank that dies silently can be named."""
-        self.folder.mkdir(parents=True, exist_ok=True)
+        """Note this rank's process (pid, host), so that a rank that dies silently can be named.
+
+        A rank of the same processes' previous ``Trainer`` call may still be ending it (``fit`` then
+        ``validate`` under a script launcher): its :meth:`clear`, or :func:`remove_stale_runs`,
+        removes the run folder and the root while they are empty, which can fall between this
+        rank's creating a folder and writing into it. Creating again until the file is in (a folder
+        holding it is not empty, so no peer removes it any more) is what makes that harmless."""
         info = {"pid": os.getpid(), "host": socket.gethostname()}
         tmp = self.folder / f"rank{self.rank}.proc.tmp{os.getpid()}"
-        tmp.write_text(json.dumps(info))
+        for attempt in range(100):
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                tmp.write_text(json.dumps(info))
+                break
+            except FileNotFoundError:  # a peer removed the empty folder (or its parent) meanwhile
+                if attempt == 99:
+                    raise
         os.replace(tmp, self.folder / f"rank{self.rank}.proc")
 
     def _silent_ranks(self, reported: set[int], stalled_too: bool) -> list[FailureRecord]:

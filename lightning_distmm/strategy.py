@@ -194,6 +194,10 @@ class DistMMStrategy(ModelParallelStrategy):
         self.plan.check_towers(list(towers))
         _check_loss_semantics(self.plan, module)
         rank_zero_info(f"distmm {self.plan.table()}")
+        if any(t.sharded for t in self.plan.towers.values()):
+            # FSDP2 under torch.inference_mode (Lightning's standalone evaluation off gloo) makes its
+            # all-gather buffers inference tensors, which break the forward or the training after it
+            seam.evaluate_without_inference_mode(trainer)
 
         precision = getattr(self.precision_plugin, "precision", None)
         groups = build_tower_groups(self.plan, self.root_device.type, nodes, mixed_precision_policy(precision))

@@ -66,6 +66,27 @@ def test_relay_keeps_each_ranks_first_error_and_survives_any_rank(tmp_path):
     assert not folder.exists()
 
 
+def test_registering_survives_a_peer_removing_the_empty_run_folder(tmp_path, monkeypatch):
+    """``fit`` then ``validate`` in the same processes: a peer still ending ``fit`` removes the run
+    folder and the root while they are empty (its ``clear``), right after this rank created them and
+    before it wrote its pid there. The rank creates them again (before: FileNotFoundError in setup)."""
+    root = tmp_path / "distmm-runs"
+    relay, peer = ErrorRelay(root / "run", 0), ErrorRelay(root / "run", 1)
+    write = Path.write_text
+    raced = []
+
+    def write_after_the_peer_cleared(self, *args, **kwargs):
+        if not raced:
+            raced.append(self)
+            peer.clear()  # the peer's teardown: its files gone, then the empty folders
+        return write(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_after_the_peer_cleared)
+    relay.register()
+    assert raced and not root.joinpath("run", "rank0.proc.tmp").exists()
+    assert json.loads((root / "run" / "rank0.proc").read_text())["pid"] == os.getpid()
+
+
 def test_relay_waits_for_a_root_cause_while_only_consequences_are_recorded(tmp_path):
     relay = ErrorRelay(tmp_path, 0)
     relay.record(RuntimeError("Connection closed by peer"))
