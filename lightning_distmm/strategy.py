@@ -110,6 +110,9 @@ class DistMMStrategy(ModelParallelStrategy):
     # ------------------------------------------------------------------ launch
     @override
     def _configure_launcher(self) -> None:
+        # the first hook Lightning calls with the precision plugin in place, when the Trainer is built
+        # (in the launching process and on every rank that builds it: all refuse alike)
+        _check_precision(self.precision_plugin)
         assert self.cluster_environment is not None
         if self._start_method != "popen" or not self.cluster_environment.creates_processes_externally:
             # this process starts the ranks (popen's rank 0, the spawn/fork parent): a fresh run id
@@ -465,6 +468,23 @@ def _parse_plan_spec(plan: PlanSpec) -> Plan | str:
             f"plan file {text!r} does not exist (plan= takes a Plan, a YAML path, 'default' or 'colocated')"
         )
     return Plan.from_yaml(Path(text))
+
+
+def _check_precision(plugin: object) -> None:
+    """Refuse a precision that scales the loss (``precision="16-mixed"``): its ``GradScaler`` looks for
+    overflowed gradients among this rank's own, so under a distmm plan a rank that holds only the
+    image tower skips a step that the text rank takes; the loss scales diverge and replicated
+    parameters (``logit_scale``) drift apart. Lightning refuses ``16-mixed`` for
+    ``ModelParallelStrategy`` instances only, so ``strategy="distmm"`` (a string) got past it."""
+    if getattr(plugin, "scaler", None) is None:
+        return
+    precision = getattr(plugin, "precision", type(plugin).__name__)
+    raise ValueError(
+        f"strategy='distmm' does not support precision={precision!r} (a loss scaler): its GradScaler decides"
+        f" per rank whether the gradients overflowed, and each distmm rank holds different towers, so ranks"
+        f" would skip different steps and their parameters drift apart. Use precision='bf16-mixed' (no loss"
+        f" scaling needed; FSDP-sharded towers reduce their gradients in fp32) or '32-true'"
+    )
 
 
 def _check_loss_semantics(plan: Plan, module: DistMMMixin) -> None:
