@@ -81,6 +81,10 @@ class DistMMStrategy(ModelParallelStrategy):
             that the memory a step frees serves the next step instead of going back to the kernel
             and being faulted in again (:mod:`lightning_distmm.parallel.host_allocator`); ``False``
             leaves the allocator as it is.
+        failure_grace: how long a rank waits, blocked, after another rank of its host recorded an error
+            or died, before it ends itself with that rank's error (NCCL, unlike gloo, leaves it in the
+            collective until the timeout; :class:`~lightning_distmm.faults.PeerFailureWatch`).
+            ``None``: wait for the collective timeout.
     """
 
     strategy_name = "distmm"
@@ -93,6 +97,7 @@ class DistMMStrategy(ModelParallelStrategy):
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         bucket_cap_mb: float = 25.0,
         reuse_host_memory: bool = True,
+        failure_grace: timedelta | None = timedelta(seconds=30),
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self._bucket_cap_mb = float(bucket_cap_mb)
@@ -106,6 +111,8 @@ class DistMMStrategy(ModelParallelStrategy):
         #: each rank's first error, readable by every rank after any rank's death (docs/runtime.md)
         self._relay: faults.ErrorRelay | None = None
         self._watchdog: faults.ParentWatchdog | None = None
+        self._failure_grace = failure_grace
+        self._peer_watch: faults.PeerFailureWatch | None = None
 
     # ------------------------------------------------------------------ launch
     @override
@@ -148,6 +155,10 @@ class DistMMStrategy(ModelParallelStrategy):
             self._watchdog.start()
         self._relay = faults.ErrorRelay(self._failure_folder(), self.global_rank)
         self._relay.register()
+        if self._failure_grace is not None and self._peer_watch is None:
+            grace = self._failure_grace.total_seconds()
+            self._peer_watch = faults.PeerFailureWatch(self._relay, self.world_size, grace=grace)
+            self._peer_watch.start()
         # process groups only: the per-tower meshes need the module's towers, made in ``setup``.
         # Lightning re-seeds every generator from PL_GLOBAL_SEED there (reset_seed); the RNG state
         # the user's script reached (model built, same on every rank) is kept instead, so that an
@@ -288,6 +299,9 @@ class DistMMStrategy(ModelParallelStrategy):
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None
+        if self._peer_watch is not None:
+            self._peer_watch.stop()
+            self._peer_watch = None
         super().teardown()
 
     # ------------------------------------------------------------------ data
