@@ -424,6 +424,73 @@ def preemption_handler(rank: int, forward: Callable[[int], None] | None = None) 
     return handler
 
 
+class PeerFailureWatch(threading.Thread):
+    """Ends this rank ``grace`` seconds after another rank failed, unless this rank failed too.
+
+    gloo fails a collective at once when a peer's process ends or raises; NCCL does not: a rank
+    whose peer raised (and lingers in its error handling) or died stays blocked in a collective or a
+    host sync until NCCL's watchdog ends it at the collective timeout (10 minutes by default), so
+    its ``on_exception`` and the relay's report never run. This thread reads the relay's records
+    every ``interval`` seconds; once a root cause recorded by another rank, or a rank of this host
+    that died without a word, has been there for ``grace`` seconds while this rank recorded nothing
+    (on gloo it would have failed and recorded a consequence by then), it prints that cause as
+    ``[rank<N>]: distmm: ...`` and ends the process with ``code``.
+    """
+
+    def __init__(
+        self, relay: ErrorRelay, world_size: int, grace: float = 30.0, interval: float = 1.0, code: int = 1
+    ) -> None:
+        super().__init__(name="distmm-peer-failure-watch", daemon=True)
+        self.relay = relay
+        self.world_size = world_size
+        self.grace = grace
+        self.interval = interval
+        self.code = code
+        self._stop_event = threading.Event()
+        self._seen: dict[tuple[int, str], float] = {}  # a cause -> when this rank first saw it
+
+    def cause(self) -> FailureRecord | None:
+        """Another rank's recorded root cause, or a rank of this host that died silently (None while
+        this rank has a record of its own: its error handling reports)."""
+        if self.relay.recorded():
+            return None
+        records = self.relay.records()
+        causes = [r for r in records if not r.consequence and r.rank != self.relay.rank]
+        try:
+            causes += self.relay._silent_ranks({r.rank for r in records}, stalled_too=False)
+        except OSError:
+            pass
+        return earliest_cause(causes)
+
+    def due(self) -> FailureRecord | None:
+        """The cause, once it has been seen for ``grace`` seconds."""
+        found = self.cause()
+        if found is None:
+            return None
+        first = self._seen.setdefault((found.rank, found.kind), time.monotonic())
+        return found if time.monotonic() - first >= self.grace else None
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.interval):
+            try:
+                found = self.due()
+            except Exception:  # noqa: BLE001 - a watch that cannot read the records does nothing
+                continue
+            if found is None:
+                continue
+            sys.stderr.write(
+                f"[rank{self.relay.rank}]: distmm: {found.describe()}; this rank waited {self.grace:.0f} s in a"
+                f" collective or host sync that rank will not join (NCCL does not fail it, gloo would): ending"
+                f" rank process {os.getpid()} instead of waiting for the collective timeout\n"
+            )
+            sys.stderr.flush()
+            self.relay.finish(self.world_size)
+            os._exit(self.code)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+
 class ParentWatchdog(threading.Thread):
     """Ends this process (exit code ``code``) soon after its parent process is gone.
 

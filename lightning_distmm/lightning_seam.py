@@ -270,6 +270,22 @@ def optimizers_to_device(optimizers: Iterable[Optimizer], device: torch.device) 
     _optimizers_to_device(optimizers, device)
 
 
+def evaluate_without_inference_mode(trainer: pl.Trainer) -> None:
+    """Run the trainer's ``validate`` / ``test`` / ``predict`` loops under ``torch.no_grad`` instead of
+    ``torch.inference_mode``: what ``Trainer(inference_mode=False)`` sets, decided by the strategy.
+
+    Off gloo (NCCL) Lightning runs these standalone loops under ``inference_mode`` (it skips it on
+    gloo, and for its own FSDP1 strategy). A tower sharded with FSDP2 then allocates its all-gather
+    buffers as inference tensors: its forward fails (``Inference tensors do not track version
+    counter``) or a later training forward does (``Inplace update to inference tensor outside
+    InferenceMode``). Each loop reads its ``inference_mode`` attribute when it runs (Lightning's
+    ``_no_grad_context``); the attribute is public on private loop classes, and a strategy has no
+    other way to choose the evaluation context. Fit-time validation already runs under ``no_grad``.
+    """
+    for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
+        loop.inference_mode = False
+
+
 # ---------------------------------------------------------------------- data
 def disable_distributed_sampler(trainer: pl.Trainer) -> None:
     """Keep Lightning from wrapping the loaders' samplers in a ``DistributedSampler``.

@@ -85,6 +85,10 @@ class DistMMStrategy(ModelParallelStrategy):
             every this many global batches (and on each epoch's first, and at its end): one all-gather
             of three integers (:mod:`lightning_distmm.data.agreement`). A dataset declared with
             :func:`lightning_distmm.data.rank_independent` is not checked.
+        failure_grace: how long a rank waits, blocked, after another rank of its host recorded an error
+            or died, before it ends itself with that rank's error (NCCL, unlike gloo, leaves it in the
+            collective until the timeout; :class:`~lightning_distmm.faults.PeerFailureWatch`).
+            ``None``: wait for the collective timeout.
     """
 
     strategy_name = "distmm"
@@ -98,6 +102,7 @@ class DistMMStrategy(ModelParallelStrategy):
         bucket_cap_mb: float = 25.0,
         reuse_host_memory: bool = True,
         stream_check_every: int = 1,
+        failure_grace: timedelta | None = timedelta(seconds=30),
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         if int(stream_check_every) < 1:
@@ -119,10 +124,15 @@ class DistMMStrategy(ModelParallelStrategy):
         self._watchdog: faults.ParentWatchdog | None = None
         #: DataLoader batch sizes whose split of the plan's replica batches was already stated
         self._noted_batches: set[int] = set()
+        self._failure_grace = failure_grace
+        self._peer_watch: faults.PeerFailureWatch | None = None
 
     # ------------------------------------------------------------------ launch
     @override
     def _configure_launcher(self) -> None:
+        # the first hook Lightning calls with the precision plugin in place, when the Trainer is built
+        # (in the launching process and on every rank that builds it: all refuse alike)
+        _check_precision(self.precision_plugin)
         assert self.cluster_environment is not None
         if self._start_method != "popen" or not self.cluster_environment.creates_processes_externally:
             # this process starts the ranks (popen's rank 0, the spawn/fork parent): a fresh run id
@@ -159,6 +169,10 @@ class DistMMStrategy(ModelParallelStrategy):
             self._watchdog.start()
         self._relay = faults.ErrorRelay(self._failure_folder(), self.global_rank)
         self._relay.register()
+        if self._failure_grace is not None and self._peer_watch is None:
+            grace = self._failure_grace.total_seconds()
+            self._peer_watch = faults.PeerFailureWatch(self._relay, self.world_size, grace=grace)
+            self._peer_watch.start()
         # process groups only: the per-tower meshes need the module's towers, made in ``setup``.
         # Lightning re-seeds every generator from PL_GLOBAL_SEED there (reset_seed); the RNG state
         # the user's script reached (model built, same on every rank) is kept instead, so that an
@@ -209,6 +223,10 @@ class DistMMStrategy(ModelParallelStrategy):
         self.plan.check_towers(list(towers))
         _check_loss_semantics(self.plan, module)
         rank_zero_info(f"distmm {self.plan.table()}")
+        if any(t.sharded for t in self.plan.towers.values()):
+            # FSDP2 under torch.inference_mode (Lightning's standalone evaluation off gloo) makes its
+            # all-gather buffers inference tensors, which break the forward or the training after it
+            seam.evaluate_without_inference_mode(trainer)
 
         precision = getattr(self.precision_plugin, "precision", None)
         groups = build_tower_groups(self.plan, self.root_device.type, nodes, mixed_precision_policy(precision))
@@ -294,6 +312,9 @@ class DistMMStrategy(ModelParallelStrategy):
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None
+        if self._peer_watch is not None:
+            self._peer_watch.stop()
+            self._peer_watch = None
         super().teardown()
 
     # ------------------------------------------------------------------ data
@@ -480,6 +501,23 @@ def _parse_plan_spec(plan: PlanSpec) -> Plan | str:
             f"plan file {text!r} does not exist (plan= takes a Plan, a YAML path, 'default' or 'colocated')"
         )
     return Plan.from_yaml(Path(text))
+
+
+def _check_precision(plugin: object) -> None:
+    """Refuse a precision that scales the loss (``precision="16-mixed"``): its ``GradScaler`` looks for
+    overflowed gradients among this rank's own, so under a distmm plan a rank that holds only the
+    image tower skips a step that the text rank takes; the loss scales diverge and replicated
+    parameters (``logit_scale``) drift apart. Lightning refuses ``16-mixed`` for
+    ``ModelParallelStrategy`` instances only, so ``strategy="distmm"`` (a string) got past it."""
+    if getattr(plugin, "scaler", None) is None:
+        return
+    precision = getattr(plugin, "precision", type(plugin).__name__)
+    raise ValueError(
+        f"strategy='distmm' does not support precision={precision!r} (a loss scaler): its GradScaler decides"
+        f" per rank whether the gradients overflowed, and each distmm rank holds different towers, so ranks"
+        f" would skip different steps and their parameters drift apart. Use precision='bf16-mixed' (no loss"
+        f" scaling needed; FSDP-sharded towers reduce their gradients in fp32) or '32-true'"
+    )
 
 
 def _check_loss_semantics(plan: Plan, module: DistMMMixin) -> None:

@@ -54,3 +54,26 @@ def test_async_batch_sync_is_exact(tmp_path):
     run_distmm(blocking, plan, 3, loader(10), 3, str(tmp_path / "blocking.json"))
     assert max_param_diff(module, blocking) == 0.0
     assert read_losses(tmp_path / "blocking.json") == read_losses(tmp_path / "dist.json")
+
+
+@pytest.mark.slow
+def test_async_batch_sync_with_a_rank_holding_a_first_stage_and_a_last_stage(tmp_path):
+    """Image pp2 on ranks 0, 1 and text on rank 0 (the issue's plan): rank 0 holds image's first stage
+    and text's last. Before, rank 0 waited for an image gradient before its asynchronous wait, which
+    rank 1 sent only after its own (whose all-reduce needs rank 0): the run hung on gloo (seen: no
+    step in 90 s). Now 2 steps finish and equal the blocking batch-sync's bit for bit."""
+    from distmm_testing import in_subprocess
+
+    def main() -> None:
+        distmm = {"schedule": "distmm"}
+        plan = ldm.Plan(2, {"image": {"ranks": [0, 1], "pp": 2, **distmm}, "text": {"ranks": [0], **distmm}})
+        L.seed_everything(0)
+        overlapped = GroupedDeepCLIP("adamw", lr=0.01)
+        blocking = copy.deepcopy(overlapped)
+        run_distmm(overlapped, plan, 2, loader(8), 2, str(tmp_path / "o.json"), callbacks=[ScheduleKinds(tmp_path)])
+        run_distmm(blocking, plan, 2, loader(8), 2, str(tmp_path / "b.json"))
+        assert max_param_diff(overlapped, blocking) == 0.0
+        assert read_losses(tmp_path / "o.json") == read_losses(tmp_path / "b.json")
+        assert "SyncWait" in json.loads((tmp_path / "kinds0.json").read_text())
+
+    in_subprocess(main, timeout=240)

@@ -211,6 +211,21 @@ def test_module_without_mixin_is_rejected():
         trainer.fit(Plain(), loader(4))
 
 
+@pytest.mark.parametrize("strategy", ["distmm", "instance"])
+def test_a_loss_scaling_precision_is_refused_when_the_trainer_is_built(strategy):
+    """``16-mixed`` runs a GradScaler whose overflow check is per rank: ranks holding different towers
+    would skip different steps. Refused at construction, before any rank starts (before: a string
+    ``strategy="distmm"`` got past Lightning's ModelParallelStrategy check and trained). On the CPU
+    Lightning turns ``precision="16-mixed"`` into ``bf16-mixed``; the plugin is what a GPU run gets."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    chosen = "distmm" if strategy == "distmm" else ldm.DistMMStrategy(start_method="fork")
+    with pytest.raises(ValueError, match=r"does not support precision='16-mixed' \(a loss scaler\).*'bf16-mixed'"):
+        L.Trainer(devices=2, strategy=chosen, plugins=[MixedPrecision("16-mixed", "cpu")], **trainer_kwargs())
+    for precision in ("bf16-mixed", "32-true", "16-true"):
+        L.Trainer(devices=2, strategy=ldm.DistMMStrategy(start_method="fork"), precision=precision, **trainer_kwargs())
+
+
 @pytest.mark.slow
 def test_distmm_schedule_needs_the_grouped_loss_asked_for():
     """The distmm schedule's loss has two sync groups: a module that did not ask for it is refused."""

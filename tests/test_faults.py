@@ -289,6 +289,18 @@ def test_a_spawn_run_that_ends_well_leaves_no_files_in_the_temp_dir(tmp_path):
 
 
 @pytest.mark.slow
+def test_survivors_of_a_peer_that_fails_without_closing_its_connections_end_with_its_error(tmp_path):
+    """Rank 1 raises and then lingers with its connections open, as an NCCL peer looks to the others
+    (gloo fails their collective at once when a peer's process ends). The other ranks end within a
+    minute with rank 1's error (failure_grace 5 s here, 30 s by default); before, they waited in their
+    collective for the timeout (10 minutes)."""
+    job = _start("rank1-raises-and-lingers", tmp_path)
+    code, out, took = _finish(job, tmp_path, within=90)
+    assert code != 0
+    assert re.search(r"\[rank[02]\]: distmm: rank 1: RuntimeError: boom on rank 1", out), out[-3000:]
+
+
+@pytest.mark.slow
 def test_a_stalled_rank_ends_the_job_at_the_collective_timeout(tmp_path):
     job = _start("rank1-stalls", tmp_path)
     code, out, took = _finish(job, tmp_path, within=150)

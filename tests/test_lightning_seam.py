@@ -180,3 +180,21 @@ def test_strided_shard_and_to_local(tmp_path):
         assert torch.equal(grad.full_tensor(), torch.full((4,), 3.0)), "DTensor.to_local() no longer shares storage"
     finally:
         dist.destroy_process_group()
+
+
+def test_evaluate_without_inference_mode_sets_what_the_loops_read():
+    """The evaluation loops read ``inference_mode`` when they run (``_no_grad_context``), the attribute
+    ``Trainer(inference_mode=...)`` sets; the seam turns it off on the three standalone loops."""
+    from lightning.pytorch.loops import utilities
+
+    source = inspect.getsource(utilities._no_grad_context)
+    assert "self.inference_mode" in source and "torch.inference_mode" in source, (
+        "Lightning's _no_grad_context no longer picks torch.inference_mode from the loop's inference_mode:"
+        " seam.evaluate_without_inference_mode needs another way to keep FSDP2 out of inference mode"
+    )
+    trainer = _distmm_trainer()
+    loops = (trainer.validate_loop, trainer.test_loop, trainer.predict_loop)
+    assert all(loop.inference_mode for loop in loops), "Lightning's default is no longer inference_mode=True"
+    seam.evaluate_without_inference_mode(trainer)
+    assert not any(loop.inference_mode for loop in loops)
+    assert trainer.fit_loop.epoch_loop.val_loop.inference_mode is False  # fit-time validation: no_grad already

@@ -126,11 +126,13 @@ def rank_schedule(plan: Plan, rank: int, n: int, overlap: bool = False) -> list[
     ``p - 1 - s`` microbatches, not the whole replica batch, and while the last stages meet at wave 0's batch-sync the earlier stages
     run wave 1's forwards. Sends do not block (the runtime posts them and waits at the end of the
     step); receives and syncs do; ``tests/test_schedule.py`` simulates random plans to check that
-    these lists never deadlock.
+    these lists never deadlock, also where a send waits for its receive (NCCL).
 
     ``overlap`` (``distmm`` only; the runtime's lists): every batch-sync but the last is split into
     :class:`SyncPost` (the features' all-gather posted where the batch-sync was) and
-    :class:`SyncWait` (before the first backward that needs its feature gradients), and every stage
+    :class:`SyncWait` (right after the first slot of the next wave: one forward per local tower,
+    so that no rank waits before its own ``SyncWait`` for a message another rank sends after its
+    ``SyncWait``, an all-reduce over every batch-sync rank), and every stage
     runs one more of the next wave's forwards ahead (``p - s``: the last stage one, during the
     gather), as if the gather were one more stage after the last. The last batch-sync stays
     blocking: nothing of the step is left to run beside it.
@@ -175,8 +177,11 @@ def rank_schedule(plan: Plan, rank: int, n: int, overlap: bool = False) -> list[
         for k in range(max(len(v) for v in slots.values())):
             for name in ahead:
                 for i in slots[name][k] if k < len(slots[name]) else []:
-                    if waiting and isinstance(i, Backward) and name in last_stage:
-                        out.append(SyncWait(w, participants))  # the first backward that needs the gather
+                    if waiting and (k > 0 or not isinstance(i, Forward)):
+                        # the wait follows the first slot's forwards of every tower and precedes all else:
+                        # every rank's first-slot forwards feed only first-slot forwards, so no rank
+                        # waits here for a message another rank sends after its own wait
+                        out.append(SyncWait(w, participants))
                         waiting = False
                     out.append(i)
         if waiting:
@@ -213,31 +218,54 @@ def simulate(
     plan_schedules: Mapping[int, Sequence[Instruction]],
     duration: Callable[[int, Instruction], float],
     link: float | Callable[[Instruction], float] = 0.0,
+    rendezvous: bool = False,
 ) -> list[Interval]:
-    """Play every rank's list: a receive waits for its send (plus ``link`` seconds), a batch-sync
-    waits for its ranks, the gradient sync for every rank. Returns each instruction's interval.
+    """Play every rank's list as NCCL runs it; return each instruction's interval.
+
+    * A receive waits for its send (plus ``link`` seconds).
+    * A collective waits for every member: :class:`BatchSync` and :class:`SyncWait` (the feature
+      gradients' all-reduce) for the batch-sync ranks, :class:`GradSync` for every rank.
+    * ``rendezvous`` (NCCL): a send is complete only once its receiver has reached the receive.
+      The sending rank goes on past it (the runtime posts sends, one communicator per tower and
+      direction), but it posts no collective (:class:`SyncPost`, :class:`SyncWait`,
+      :class:`BatchSync`, :class:`GradSync`) while a send of its own is still unmatched: NCCL runs a
+      device's kernels with no guarantee that a collective proceeds beside a send that waits for
+      its peer, and its guidance is that operations on different communicators be ordered alike on
+      every rank. With ``rendezvous=False`` (gloo; the default, which the planner's cost model and
+      its closed forms price with) a send completes without its receiver. Under rendezvous a
+      collective can start up to one transfer later (its rank waits for the receiver to post the
+      last receive); ``tests/test_schedule.py`` checks every schedule for deadlocks with it on.
 
     An asynchronous batch-sync costs its rank nothing at :class:`SyncPost`: the gather is in flight
     from the last of its ranks' posts for ``duration(rank, post)`` seconds (its interval, which
     :func:`bubble_fraction` does not count as busy), while the rank runs on; :class:`SyncWait`
-    starts when both the rank and the gather are done and takes ``duration(rank, wait)`` (the loss,
-    its backward, the feature gradient sum). Pricing a :class:`BatchSync` as the post's seconds
-    plus the wait's gives the blocking equivalent.
+    starts when every batch-sync rank has reached it and the gather is done, and takes
+    ``duration(rank, wait)`` (the loss, its backward, the feature gradient sum). Pricing a
+    :class:`BatchSync` as the post's seconds plus the wait's gives the blocking equivalent.
 
     ``link``: seconds from a send to its receive, a number or a function of the receiving
     instruction (a ``Forward`` receives the microbatch's activations, a ``Backward`` its gradient).
+    Raises ``RuntimeError`` naming what every blocked rank waits for when the lists deadlock.
     """
     clock = {r: 0.0 for r in plan_schedules}
     pc = {r: 0 for r in plan_schedules}
     sent: dict[tuple, float] = {}
+    reached: dict[tuple, float] = {}  # a receive -> when its rank reached it (a rendezvous send completes then)
+    unmatched: dict[int, list[tuple]] = {r: [] for r in plan_schedules}  # each rank's sends not yet received
     out: list[Interval] = []
     barrier_arrivals: dict[tuple[str, int], dict[int, float]] = {}
     posted: dict[tuple[int, int], SyncPost] = {}  # (rank, sync group) -> its post, priced at the wait
+    collectives = (SyncPost, SyncWait, BatchSync, GradSync)
     while any(pc[r] < len(plan_schedules[r]) for r in plan_schedules):
         progressed = False
         for r, instrs in plan_schedules.items():
             while pc[r] < len(instrs):
                 ins = instrs[pc[r]]
+                if rendezvous and isinstance(ins, collectives) and unmatched[r]:
+                    if any(k not in reached for k in unmatched[r]):
+                        break  # a send of this rank still waits for its receiver
+                    clock[r] = max([clock[r], *(reached[k] for k in unmatched[r])])
+                    unmatched[r] = []
                 if isinstance(ins, SyncPost):
                     barrier_arrivals.setdefault(("SyncPost", ins.sync_group), {}).setdefault(r, clock[r])
                     posted[r, ins.sync_group] = ins
@@ -245,14 +273,17 @@ def simulate(
                     progressed = True
                     continue
                 if isinstance(ins, SyncWait):
-                    arrivals = barrier_arrivals.get(("SyncPost", ins.sync_group), {})
-                    if len(arrivals) < len(ins.ranks or plan_schedules):
-                        break
+                    members = ins.ranks or tuple(plan_schedules)
+                    arrivals = barrier_arrivals.setdefault(("SyncWait", ins.sync_group), {})
+                    arrivals.setdefault(r, clock[r])
+                    posts = barrier_arrivals.get(("SyncPost", ins.sync_group), {})
+                    if len(posts) < len(members) or len(arrivals) < len(members):
+                        break  # the gather needs every post; the all-reduce every rank's wait
                     post = posted.pop((r, ins.sync_group))
-                    gathered = max(arrivals.values())
+                    gathered = max(posts.values())
                     done = gathered + duration(r, post)
                     out.append(Interval(r, post, gathered, done))
-                    start = max(clock[r], done)
+                    start = max(max(arrivals.values()), done)
                     end = start + duration(r, ins)
                 elif isinstance(ins, (BatchSync, GradSync)):
                     key = (type(ins).__name__, getattr(ins, "sync_group", 0))
@@ -268,18 +299,22 @@ def simulate(
                     start = clock[r]
                     if ins.recv_from is not None:
                         key = (direction, ins.tower, ins.mb, ins.recv_from, r)
+                        reached.setdefault(key, clock[r])
                         if key not in sent:
                             break
                         start = max(start, sent[key] + (link(ins) if callable(link) else link))
                     end = start + duration(r, ins)
                     if ins.send_to is not None:
-                        sent[(direction, ins.tower, ins.mb, r, ins.send_to)] = end
+                        key = (direction, ins.tower, ins.mb, r, ins.send_to)
+                        sent[key] = end
+                        unmatched[r].append(key)
                 out.append(Interval(r, ins, start, end))
                 clock[r] = end
                 pc[r] += 1
                 progressed = True
         if not progressed:
-            raise RuntimeError("the schedule deadlocks: a receive has no matching send")
+            blocked = {r: plan_schedules[r][pc[r]] for r in plan_schedules if pc[r] < len(plan_schedules[r])}
+            raise RuntimeError(f"the schedule deadlocks: each blocked rank and the instruction it waits at: {blocked}")
     return out
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lightning_distmm.core.layout import GLOBAL_BATCH_KEY, RankLayout
@@ -61,7 +60,9 @@ class _CollateWithGlobalBatch:
             raise TypeError(
                 f"distmm needs batches that are dicts keyed by field name, the collate_fn gave {type(batch).__name__}"
             )
-        batch[GLOBAL_BATCH_KEY] = torch.tensor(items[0][1])
+        # a Python number, not a tensor: Lightning moves tensors to the device, and reading one back
+        # (the executor and the log's batch size, every step) would wait for the device each time
+        batch[GLOBAL_BATCH_KEY] = int(items[0][1])
         return batch
 
 

@@ -102,12 +102,19 @@ def apply_fsdp(
     tensors (the other stages' meta tensors ignored).
 
     Idempotent over the same mesh: a second ``Trainer`` call in the same process (fit, then
-    validate) finds the tower (or its stage) already sharded.
+    validate) finds the tower (or its stage) already sharded. Its units are resharded then: a
+    forward without a backward (an evaluation) leaves the root unit's *unsharded* parameters
+    registered on the module (FSDP does not reshard the root after its forward, expecting the
+    backward), and the parameter table and the optimizer built next must hold the sharded ones
+    (before: a ``fit`` after ``validate`` in the same processes left the root's parameters out of
+    the table, so they never learned).
     """
     done = fsdp_root(module)
     if done is not None:
         if getattr(module, "_distmm_fsdp_mesh", None) != mesh:
             raise ValueError("this tower is already sharded over another data-parallel mesh")
+        for unit in fsdp_modules(module):
+            unit.reshard()  # not recursive: every unit registers its sharded parameters again
         return done
     kwargs: dict[str, Any] = {
         "mesh": mesh,

@@ -33,19 +33,34 @@ class Inject(L.Callback):
             raise RuntimeError("boom on rank 0")
         if case == "spawn-rank1-raises" and batch_idx == 3 and trainer.global_rank == 1:
             raise RuntimeError("boom on rank 1")
+        if case == "rank1-raises-and-lingers" and batch_idx == 3 and trainer.global_rank == 1:
+            raise RuntimeError("boom on rank 1")
         if case == "rank1-stalls" and batch_idx == 3 and trainer.global_rank == 1:
             time.sleep(3600)  # a hung rank: the others wait in a collective until the timeout
         time.sleep(0.05)
 
 
+class Lingering(ldm.DistMMStrategy):
+    """Rank 1 records its error, then lives on with its connections open: the others stay in their
+    collective, as every NCCL rank does whose peer failed (gloo fails them when a peer's process ends)."""
+
+    def on_exception(self, exception):
+        super().on_exception(exception)
+        if self.global_rank == 1:
+            time.sleep(3600)
+
+
 if __name__ == "__main__":  # spawned ranks import this file too
     plan = ldm.Plan(3, {"image": {"ranks": [0, 1]}, "text": {"ranks": [2]}})
     timeout = timedelta(seconds=20) if case == "rank1-stalls" else timedelta(minutes=10)
+    grace = {"failure_grace": timedelta(seconds=5)} if case == "rank1-raises-and-lingers" else {}
     start_method = "spawn" if case.startswith("spawn-") else "popen"
     trainer = L.Trainer(
         devices=3,
         max_steps=4 if case == "spawn-ok" else 100_000,
-        strategy=ldm.DistMMStrategy(plan, timeout=timeout, start_method=start_method),
+        strategy=(Lingering if grace else ldm.DistMMStrategy)(
+            plan, timeout=timeout, start_method=start_method, **grace
+        ),
         callbacks=[Inject()],
         **trainer_kwargs(),
     )

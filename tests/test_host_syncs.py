@@ -1,0 +1,71 @@
+"""Host syncs per training step in the package's own code (the default path, colocated on 2 ranks).
+
+On a GPU every ``.item()``, ``.tolist()``, ``int(t)``, ``float(t)`` or ``bool(t)`` of a device tensor
+waits for the device. On the CPU nothing waits, so the test counts the calls themselves: each rank
+patches those methods of ``torch.Tensor`` and counts the calls made from ``lightning_distmm/`` during
+each step (Lightning's own, e.g. its progress bar, are not counted)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from distmm_testing import TinyCLIP, loader, run_distmm
+
+PACKAGE = str(Path(__file__).resolve().parents[1] / "lightning_distmm")
+SYNCING = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
+
+
+class CountHostSyncs(L.Callback):
+    """Counts, per step, the calls of :data:`SYNCING` on tensors whose caller is in the package."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.steps: list[dict[str, int]] = []
+        self._on = False
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        for name in SYNCING:
+            original = getattr(torch.Tensor, name)
+
+            def counted(t: torch.Tensor, *args: Any, _name: str = name, _original: Any = original) -> Any:
+                if self._on:
+                    caller = sys._getframe(1).f_code.co_filename
+                    if caller.startswith(PACKAGE):
+                        where = f"{Path(caller).name}:{sys._getframe(1).f_lineno} {_name}"
+                        self.steps[-1][where] = self.steps[-1].get(where, 0) + 1
+                return _original(t, *args)
+
+            setattr(torch.Tensor, name, counted)
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.steps.append({})
+        self._on = True
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self._on = False
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        (self.folder / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.steps))
+
+
+@pytest.mark.slow
+def test_host_syncs_per_step_in_the_default_path(tmp_path):
+    """Colocated on 2 ranks, 4 steps: before, 4 per step on every rank (the global batch size read from
+    a tensor twice, ``executor.py``, the second time for the log's batch size; the flag of gradient
+    terms outside ``contrastive_loss``, ``gradients.py`` ``.item()``; whether the upstream gradient
+    is exactly 1, ``bool``); now the batch size travels as a Python number: 2 per step."""
+    run_distmm(
+        TinyCLIP(), "colocated", 2, loader(8), 4, str(tmp_path / "loss.json"), callbacks=[CountHostSyncs(tmp_path)]
+    )
+    for rank in range(2):
+        steps = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        counts = [sum(s.values()) for s in steps]
+        print(f"rank {rank}: host syncs per step {counts}; steady state: {steps[-1]}")
+        assert len(steps) == 4 and max(counts[1:]) <= 2, steps
+        assert not any("executor.py" in where for where in steps[-1]), steps[-1]
