@@ -1,11 +1,14 @@
-"""Step time, side by side in one run: DDP (open_clip loss) vs distmm colocated vs distmm separate towers.
+"""Step time, side by side in one run: DDP (open_clip loss) vs distmm colocated, separate towers and the default plan.
 
-Same model, world size and global batch for all three:
+Same model, world size and global batch for all four:
 
 * ``ddp``: Lightning's DDPStrategy, each rank runs both towers on batch/world samples and
   computes open_clip's ``ClipLoss(local_loss=True, gather_with_grad=True)``;
 * ``distmm-colocated``: ``DistMMStrategy(plan="colocated")``, the same layout through distmm;
-* ``distmm-separate``: the image tower on some ranks, the text tower on the others.
+* ``distmm-separate``: the image tower on some ranks, the text tower on the others;
+* ``distmm-default``: ``DistMMStrategy()`` with no plan: the plan the cost model prices cheapest
+  from counted FLOPs (``lightning_distmm.planner.default``); the line it logs is printed below the
+  table.
 
 Configurations run in interleaved rounds (so machine noise hits all alike); the step time is
 measured on rank 0 from ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward,
@@ -157,6 +160,8 @@ def run(config: str, args: argparse.Namespace, out: str) -> tuple[list[float], l
         module = BenchCLIP()
         if config == "distmm-colocated":
             plan: object = "colocated"
+        elif config == "distmm-default":
+            plan = None
         else:
             image = max(1, world - max(1, world // 4))
             plan = ldm.Plan(
@@ -209,7 +214,7 @@ def main() -> None:
         return
     warnings.filterwarnings("ignore")
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    configs = ["ddp", "distmm-colocated", "distmm-separate"]
+    configs = ["ddp", "distmm-colocated", "distmm-separate", "distmm-default"]
     samples: dict[str, list[float]] = {c: [] for c in configs}
     faults: dict[str, list[int]] = {c: [] for c in configs}
     with tempfile.TemporaryDirectory() as tmp:
@@ -228,6 +233,26 @@ def main() -> None:
     for c in configs:
         med = statistics.median(samples[c])
         print(f"{c:<20} {med * 1e3:>10.1f} {med / base:>8.3f} {statistics.median(faults[c]):>17.0f}")
+    best = min(statistics.median(samples[c]) for c in ("distmm-colocated", "distmm-separate"))
+    print(
+        f"distmm-default / faster of colocated and separate: {statistics.median(samples['distmm-default']) / best:.3f}"
+    )
+    print(default_line(args.devices, args.batch))
+
+
+def default_line(world: int, batch: int) -> str:
+    """The line ``DistMMStrategy()`` logs for this model on ``world`` ranks of this host (priced
+    here, as rank 0 of the run does: the counts and the host's description, nothing timed)."""
+    from torch.utils.data import default_collate
+
+    from lightning_distmm.parallel.flops import tower_counts
+    from lightning_distmm.planner.default import CountedTower, default_plan, describe_cpu
+
+    example = default_collate([SyntheticPairs(1, IMG, VOCAB, SEQ)[0]])
+    counts = tower_counts(BenchCLIP().tower_specs(), example)
+    threads = max(1, (os.cpu_count() or 1) // world)  # what Lightning's launchers give each rank
+    host = describe_cpu(world, threads)
+    return default_plan({n: CountedTower(**c) for n, c in counts.items()}, world, batch, host).line()
 
 
 if __name__ == "__main__":
