@@ -38,7 +38,9 @@ def test_unequal_towers_on_two_ranks_are_colocated():
     ratio = choice.seconds("proportional") / choice.seconds("colocated")
     assert ratio > 1.3  # the idle rank: (5 + 1) / 2 vs 5, less the all-reduce colocated adds
     line = choice.line()
-    assert line.startswith("distmm default plan: colocated") and f"{ratio:.2f}x faster than the FLOP-proportional" in line
+    assert (
+        line.startswith("distmm default plan: colocated") and f"{ratio:.2f}x faster than the FLOP-proportional" in line
+    )
 
 
 def test_balanced_towers_are_separated():
