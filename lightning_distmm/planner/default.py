@@ -114,7 +114,8 @@ class Host:
 
 def describe_cpu(ranks_per_node: int, threads: int, memory: float | None = None) -> Host:
     """This host's CPU as a :class:`Host`: usable cores (the process's affinity), the widest SIMD
-    its flags name and its clock (``/proc/cpuinfo``, Linux; nominal elsewhere), RAM per rank."""
+    its flags name and its clock (``/proc/cpuinfo``, the top clock from cpufreq where the kernel
+    gives it; Linux, nominal elsewhere), RAM per rank."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # pragma: no cover - not Linux
@@ -127,6 +128,10 @@ def describe_cpu(ranks_per_node: int, threads: int, memory: float | None = None)
                 flags = value
             elif key.strip() == "cpu MHz" and ghz == CPU_NOMINAL_GHZ:
                 ghz = float(value) / 1000 or CPU_NOMINAL_GHZ
+    except (OSError, ValueError):
+        pass
+    try:  # the top clock where the kernel gives it: "cpu MHz" is the current one, low on an idle laptop
+        ghz = int(Path("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq").read_text()) / 1e6 or ghz
     except (OSError, ValueError):
         pass
     words = set(flags.split())
