@@ -226,12 +226,14 @@ def main() -> None:
         parser.error(f"--configs: unknown {unknown}; choose from {CONFIGS}")
     samples: dict[str, list[float]] = {c: [] for c in configs}
     faults: dict[str, list[int]] = {c: [] for c in configs}
+    rounds: dict[str, list[float]] = {c: [] for c in configs}  # each round's median: the host's drift
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for c in configs:
                 times, step_faults = run(c, args, os.path.join(tmp, f"{c}-{r}.json"))
                 samples[c] += times
                 faults[c] += step_faults
+                rounds[c].append(statistics.median(times))
     first = configs[0]
     base = statistics.median(samples[first])
     params = sum(p.numel() for p in BenchCLIP().parameters())
@@ -239,12 +241,14 @@ def main() -> None:
         f"\nstep time, {args.devices} CPU ranks (gloo, {args.launcher} launcher), global batch {args.batch},"
         f" {params / 1e6:.2f}M parameters, {args.rounds} rounds x {args.steps - args.warmup} timed steps"
     )
-    print(f"{'configuration':<20} {'median ms':>10} {'vs ' + first:>{max(8, len(first) + 3)}} {'page faults/step':>17}")
+    w = max(8, len(first) + 3)
+    print(
+        f"{'configuration':<20} {'median ms':>10} {'vs ' + first:>{w}} {'page faults/step':>17}  per-round medians ms"
+    )
     for c in configs:
         med = statistics.median(samples[c])
-        print(
-            f"{c:<20} {med * 1e3:>10.1f} {med / base:>{max(8, len(first) + 3)}.3f} {statistics.median(faults[c]):>17.0f}"
-        )
+        each = " ".join(f"{x * 1e3:.0f}" for x in rounds[c])
+        print(f"{c:<20} {med * 1e3:>10.1f} {med / base:>{w}.3f} {statistics.median(faults[c]):>17.0f}  {each}")
     if {"distmm-colocated", "distmm-separate", "distmm-default"} <= set(configs):
         best = min(statistics.median(samples[c]) for c in ("distmm-colocated", "distmm-separate"))
         mine = statistics.median(samples["distmm-default"])
