@@ -244,7 +244,8 @@ class DistMMStrategy(ModelParallelStrategy):
         data: tuple[Any, ...] | None = None
         if self.global_rank == 0:
             try:
-                counts = tower_counts(module.tower_specs(), seam.example_batch(trainer))
+                with seam.random_state_kept(self.root_device):  # rank 0 alone runs these forwards
+                    counts = tower_counts(module.tower_specs(), seam.example_batch(trainer))
                 per_node = max(1, self.num_processes)  # ranks per node
                 if self.root_device.type == "cuda":
                     props = torch.cuda.get_device_properties(self.root_device)
