@@ -115,3 +115,27 @@ def test_gpu_default_plan():
     choice = default_plan(towers, 8, 1024, Host("cuda", 8, memory=80 * GB, name="NVIDIA A100-SXM4-80GB"), "bf16-mixed")
     assert choice.seconds(choice.name) == min(s for _, _, s in choice.predicted)
     assert "NVIDIA A100" in choice.line()
+
+
+def test_a_split_other_than_the_proportional_one_names_both_ratios():
+    """Tiny towers on 4 ranks: per-call cost dominates, the FLOP split (2 + 2) is not the cheapest."""
+    towers = {"image": transformer(0.00003, 0.003, ops=37), "text": transformer(0.00002, 0.003, ops=94)}
+    choice = default_plan(towers, 4, 8, cpu(4, cores=2))
+    assert choice.name == "separate" and [len(t.ranks) for t in choice.plan.towers.values()] == [3, 1]
+    line = choice.line()
+    assert "faster than the FLOP-proportional split (image@0-1, text@2-3" in line and "faster than colocated" in line
+
+
+def test_a_frozen_tower_costs_no_backward():
+    frozen = CountedTower(flops=1e8, params=10**6, embed_dim=64, ops=100, frozen=True)
+    cl = host_cluster(cpu(2), 2)
+    profile = counted_profile("text", frozen, cl)
+    assert profile.frozen and profile.trainable_params == 0
+    trained = counted_profile("text", CountedTower(flops=1e8, params=10**6, embed_dim=64, ops=100), cl)
+    assert trained.measured.bwd[1] == pytest.approx(2 * trained.measured.fwd[1])
+    # equal forward FLOPs: two trained towers are split (one per rank), but a frozen one has a third
+    # of the trained tower's work (no backward), which the FLOP-proportional split does not see
+    assert default_plan({"image": transformer(0.1, 1.0), "text": transformer(0.1, 1.0)}, 2, 64, cpu(2)).name == (
+        "proportional"
+    )
+    assert default_plan({"image": transformer(0.1, 1.0), "text": frozen}, 2, 64, cpu(2)).name == "colocated"
