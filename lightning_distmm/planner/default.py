@@ -41,7 +41,7 @@ from lightning_distmm.planner.search import price_plan
 CPU_FLOPS_PER_CYCLE = {"avx512f": 64.0, "avx2": 32.0, "sse": 8.0}
 """fp32 FLOPs one core issues per cycle at peak: two FMA pipes x lanes x 2 (AVX-512: 16 lanes,
 AVX2 with FMA: 8, SSE: 4 and one pipe). Intel's optimization manual (port 0/1 FMA on Skylake-SP and
-later). The development VM (AVX-512, 2.6 GHz: 166 GFLOP/s) measured 181-185 GFLOP/s for a 512^3
+later; parts with one AVX-512 FMA unit reach half). The development VM (AVX-512, 2.6 GHz: 166 GFLOP/s) measured 181-185 GFLOP/s for a 512^3
 fp32 ``torch.mm`` on one thread (``measure_local_cpu``)."""
 CPU_NOMINAL_GHZ = 2.5
 """The clock when ``/proc/cpuinfo`` gives none."""
@@ -50,8 +50,8 @@ CPU_TOWER_EFFICIENCY = 0.5
 figure, not fitted: fp32 GEMMs of transformer sizes reach 0.6-1.0 of the peak in the development
 VM's matmul table (sizes 64-512), attention's per-head products and the elementwise work (norms,
 activations, softmax: no FLOPs in the count, but time) less. It scales every candidate's compute
-alike, so it decides nothing between towers that differ; it sets only how much compute weighs
-against the gradient all-reduce."""
+alike: it does not change which of two compute-bound plans is cheaper, only how much compute weighs
+against the gradient all-reduce and the per-call cost (so it can move a near-tie)."""
 CPU_OP_SECONDS = 5e-6
 """Seconds of one operator call under autograd (dispatch and graph bookkeeping), per operator of a
 forward; a backward is priced at twice the forward's operators, as the cost model does. 5.1-5.5 us
@@ -67,9 +67,9 @@ CPU_STREAM_BANDWIDTH = 10.0 * GB
 """Bytes per second one CPU process streams (the optimizer step's traffic): 23-27 GB/s for a 32 MiB
 copy on the development VM, taken lower for a process sharing the socket's memory bandwidth."""
 GPU_TOWER_EFFICIENCY = 0.4
-"""Fraction of a GPU preset's peak a tower's counted FLOPs run at: published CLIP training runs
-reach 30-45% MFU end to end (NeMo's ViT-g/14 on DGX A100, issue 18), and a counted tower has no
-GEMM shapes to price more closely."""
+"""Fraction of a GPU preset's peak a tower's counted FLOPs run at: NVIDIA NeMo's published ViT-g/14
+CLIP training on DGX A100 is ~39% MFU by the planner's FLOP count (issue 18), open_clip's runs lower;
+a counted tower has no GEMM shapes to price more closely. Not checked on a GPU."""
 DEFAULT_BATCH = 64
 """The global batch priced when the DataLoader has no ``batch_size`` (an iterable of batches)."""
 MAX_SPLITS = 64
