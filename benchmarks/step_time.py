@@ -1,11 +1,14 @@
-"""Step time, side by side in one run: DDP (open_clip loss) vs distmm colocated vs distmm separate towers.
+"""Step time, side by side in one run: DDP (open_clip loss) vs distmm colocated, separate towers and the default plan.
 
-Same model, world size and global batch for all three:
+Same model, world size and global batch for all four:
 
 * ``ddp``: Lightning's DDPStrategy, each rank runs both towers on batch/world samples and
   computes open_clip's ``ClipLoss(local_loss=True, gather_with_grad=True)``;
 * ``distmm-colocated``: ``DistMMStrategy(plan="colocated")``, the same layout through distmm;
-* ``distmm-separate``: the image tower on some ranks, the text tower on the others.
+* ``distmm-separate``: the image tower on some ranks, the text tower on the others;
+* ``distmm-default``: ``DistMMStrategy()`` with no plan: the plan the cost model prices cheapest
+  from counted FLOPs (``lightning_distmm.planner.default``); the line it logs is printed below the
+  table.
 
 Configurations run in interleaved rounds (so machine noise hits all alike); the step time is
 measured on rank 0 from ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward,
@@ -188,6 +191,7 @@ class StepTimer(L.Callback):
 
 
 DDP_STRATEGY = {"fork": "ddp_notebook", "spawn": "ddp_spawn", "popen": "ddp"}
+CONFIGS = ["ddp", "distmm-colocated", "distmm-separate", "distmm-default"]
 
 
 def run(config: str, args: argparse.Namespace, out: str) -> tuple[list[float], list[int]]:
@@ -214,6 +218,8 @@ def run(config: str, args: argparse.Namespace, out: str) -> tuple[list[float], l
         module = BenchCLIP()
         if config == "distmm-colocated":
             plan: object = "colocated"
+        elif config == "distmm-default":
+            plan = None
         else:
             image = max(1, world - max(1, world // 4))
             plan = ldm.Plan(
@@ -268,6 +274,11 @@ def main() -> None:
         "--stream", action="store_true", help="price the stream check: map-style vs checked vs declared stream"
     )
     parser.add_argument("--check-every", type=int, default=1, help="the stream check's interval in global batches")
+    parser.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help=f"comma-separated subset of {','.join(CONFIGS)} (ratios to the first)",
+    )
     parser.add_argument("--only", help=argparse.SUPPRESS)  # popen: one configuration, run as a script
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -278,11 +289,15 @@ def main() -> None:
         return
     warnings.filterwarnings("ignore")
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    configs = ["ddp", "distmm-colocated", "distmm-separate"]
+    configs = [c for c in args.configs.split(",") if c]
     if args.stream:
         configs = ["distmm-separate", "distmm-stream", "distmm-stream-declared"]
+    unknown = sorted(set(configs) - set(CONFIGS) - {"distmm-stream", "distmm-stream-declared"})
+    if unknown:
+        parser.error(f"--configs: unknown {unknown}; choose from {CONFIGS}")
     samples: dict[str, list[float]] = {c: [] for c in configs}
     faults: dict[str, list[int]] = {c: [] for c in configs}
+    rounds: dict[str, list[float]] = {c: [] for c in configs}  # each round's median: the host's drift
     checks: dict[str, dict[str, list[float]]] = {c: {"keys": [], "gather": []} for c in configs}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
@@ -293,24 +308,50 @@ def main() -> None:
                 faults[c] += step_faults
                 for part in ("keys", "gather"):
                     checks[c][part].append(CHECKS.get(out, {}).get(part, 0.0))
-    base_name = configs[0]
-    base = statistics.median(samples[base_name])
+                rounds[c].append(statistics.median(times))
+    first = configs[0]
+    base = statistics.median(samples[first])
     params = sum(p.numel() for p in BenchCLIP().parameters())
     print(
         f"\nstep time, {args.devices} CPU ranks (gloo, {args.launcher} launcher), global batch {args.batch},"
         f" {params / 1e6:.2f}M parameters, {args.rounds} rounds x {args.steps - args.warmup} timed steps"
         + (f", stream check every {args.check_every} global batch(es)" if args.stream else "")
     )
-    vs = f"vs {base_name.removeprefix('distmm-')}"
-    head = f"{'configuration':<24} {'median ms':>10} {vs:>10} {'page faults/step':>17}"
-    print(head + (f" {'keys ms':>8} {'gather ms':>10} {'check/step':>11}" if args.stream else ""))
+    w = max(8, len(first) + 3)
+    head = f"{'configuration':<24} {'median ms':>10} {'vs ' + first:>{w}} {'page faults/step':>17}"
+    print(
+        head
+        + (f" {'keys ms':>8} {'gather ms':>10} {'check/step':>11}" if args.stream else "")
+        + "  per-round medians ms"
+    )
     for c in configs:
         med = statistics.median(samples[c])
-        line = f"{c:<24} {med * 1e3:>10.1f} {med / base:>10.3f} {statistics.median(faults[c]):>17.0f}"
+        line = f"{c:<24} {med * 1e3:>10.1f} {med / base:>{w}.3f} {statistics.median(faults[c]):>17.0f}"
         if args.stream:
             keys, gather = (statistics.median(checks[c][part]) for part in ("keys", "gather"))
             line += f" {keys * 1e3:>8.3f} {gather * 1e3:>10.3f} {100 * (keys + gather) / med:>10.2f}%"
-        print(line)
+        print(line + "  " + " ".join(f"{x * 1e3:.0f}" for x in rounds[c]))
+    if {"distmm-colocated", "distmm-separate", "distmm-default"} <= set(configs):
+        best = min(statistics.median(samples[c]) for c in ("distmm-colocated", "distmm-separate"))
+        mine = statistics.median(samples["distmm-default"])
+        print(f"distmm-default / faster of distmm-colocated and distmm-separate: {mine / best:.3f}")
+    if "distmm-default" in configs:
+        print(default_line(args.devices, args.batch))
+
+
+def default_line(world: int, batch: int) -> str:
+    """The line ``DistMMStrategy()`` logs for this model on ``world`` ranks of this host (priced
+    here, as rank 0 of the run does: the counts and the host's description, nothing timed)."""
+    from torch.utils.data import default_collate
+
+    from lightning_distmm.parallel.flops import tower_counts
+    from lightning_distmm.planner.default import CountedTower, default_plan, describe_cpu
+
+    example = default_collate([SyntheticPairs(1, IMG, VOCAB, SEQ)[0]])
+    counts = tower_counts(BenchCLIP().tower_specs(), example)
+    threads = max(1, (os.cpu_count() or 1) // world)  # what Lightning's launchers give each rank
+    host = describe_cpu(world, threads)
+    return default_plan({n: CountedTower(**c) for n, c in counts.items()}, world, batch, host).line()
 
 
 if __name__ == "__main__":

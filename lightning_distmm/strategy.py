@@ -39,14 +39,14 @@ from typing_extensions import override
 from lightning_distmm import checkpoint as ckpt
 from lightning_distmm import faults
 from lightning_distmm import lightning_seam as seam
-from lightning_distmm.core.plan import Plan, PlanError, colocated_plan, proportional_plan
+from lightning_distmm.core.plan import Plan, PlanError, colocated_plan
 from lightning_distmm.data.checks import check_dataloader
 from lightning_distmm.data.loading import DistMMDataLoader
 from lightning_distmm.mixin import DistMMMixin
 from lightning_distmm.parallel.deferred import deferred_init
 from lightning_distmm.parallel.executor import RankRuntime
 from lightning_distmm.parallel.exit_settle import settle_collectives_at_exit
-from lightning_distmm.parallel.flops import tower_flops
+from lightning_distmm.parallel.flops import tower_counts
 from lightning_distmm.parallel.fsdp import mixed_precision_policy
 from lightning_distmm.parallel.groups import build_tower_groups
 from lightning_distmm.parallel.host_allocator import keep_freed_host_memory
@@ -68,8 +68,10 @@ class DistMMStrategy(ModelParallelStrategy):
     """Train a :class:`~lightning_distmm.DistMMMixin` module with each tower on its own ranks.
 
     Args:
-        plan: a :class:`Plan`, a path to a plan YAML, ``"default"``/``None`` (ranks in proportion to
-            each tower's forward FLOPs, colocated with fewer ranks than towers), ``"colocated"``
+        plan: a :class:`Plan`, a path to a plan YAML, ``"default"``/``None`` (the cheaper, as the cost
+            model prices them from counted FLOPs, operators and parameters, of ranks in proportion to
+            each tower's forward FLOPs, every tower on every rank, and the other splits of the ranks;
+            :mod:`lightning_distmm.planner.default`), ``"colocated"``
             (every rank holds every tower: the DDP-like baseline through the same code path), or
             ``"auto"`` (the planner, on tower profiles measured on this device).
         start_method: ``"popen"`` re-runs the script per rank (scripts, torchrun, SLURM);
@@ -261,11 +263,43 @@ class DistMMStrategy(ModelParallelStrategy):
         if spec == "colocated":
             return colocated_plan(names, self.world_size)
         if spec == "default":
-            flops = tower_flops(module.tower_specs(), seam.example_batch(trainer))
-            return proportional_plan({n: flops[n] for n in names}, self.world_size)
+            return self._default_plan(trainer, module)
         if spec == "auto":
             return self._auto_plan(trainer, module, nodes)
         raise PlanError(f"unknown plan {spec!r}")
+
+    def _default_plan(self, trainer: pl.Trainer, module: DistMMMixin) -> Plan:
+        """The planner's choice between the FLOP-proportional split, colocated and the other splits,
+        priced from the towers' counts and this host's description (nothing timed): rank 0 prices,
+        every rank gets its plan, and the log says what was chosen and its predicted ratio to the other."""
+        from lightning_distmm.planner.default import CountedTower, Host, default_plan, describe_cpu
+
+        data: tuple[Any, ...] | None = None
+        if self.global_rank == 0:
+            try:
+                with seam.random_state_kept(self.root_device):  # rank 0 alone runs these forwards
+                    counts = tower_counts(module.tower_specs(), seam.example_batch(trainer))
+                per_node = max(1, self.num_processes)  # ranks per node
+                if self.root_device.type == "cuda":
+                    props = torch.cuda.get_device_properties(self.root_device)
+                    host = Host("cuda", per_node, memory=float(props.total_memory), name=props.name)
+                else:
+                    host = describe_cpu(per_node, torch.get_num_threads())
+                choice = default_plan(
+                    {n: CountedTower(**c) for n, c in counts.items()},
+                    self.world_size,
+                    seam.train_batch_size(trainer),
+                    host,
+                    str(getattr(self.precision_plugin, "precision", "32")),
+                )
+                data = (choice.plan.to_dict(), choice.line(), None)
+            except Exception as err:  # noqa: BLE001 - every rank fails with rank 0's reason
+                data = (None, None, f"{type(err).__name__}: {err}")
+        plan, line, error = self.broadcast(data, src=0)
+        if error is not None:
+            raise PlanError(f"the default plan could not be priced (rank 0): {error}")
+        rank_zero_info(line)
+        return Plan.from_dict(plan)
 
     def _auto_plan(self, trainer: pl.Trainer, module: DistMMMixin, nodes: list[int]) -> Plan:
         """The planner on profiles measured here: rank 0 measures and plans, every rank gets its plan.

@@ -50,12 +50,13 @@ def test_registered_strategies():
 
 
 @pytest.mark.slow
-def test_default_plan_follows_flops(tmp_path):
-    """No plan given: ranks in proportion to the towers' counted FLOPs, still exact."""
-    from lightning_distmm.parallel.flops import tower_flops
+def test_default_plan_is_priced_and_exact(tmp_path):
+    """No plan given: the plan the cost model prices cheapest from the towers' counts, still exact."""
+    from lightning_distmm.parallel.flops import tower_counts
 
-    flops = tower_flops(TinyCLIP().tower_specs(), next(iter(loader(1))))
-    assert flops["image"] > 0 and flops["text"] > 0
+    counts = tower_counts(TinyCLIP().tower_specs(), next(iter(loader(1))))
+    assert all(c["flops"] > 0 and c["ops"] > 0 and c["params"] > 0 for c in counts.values())
+    assert {c["embed_dim"] for c in counts.values()} == {8}
     compare_with_reference(lambda: TinyCLIP("sgd", lr=0.05), None, 3, 8, 2, tmp_path).assert_exact()
 
 

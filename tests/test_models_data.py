@@ -358,7 +358,11 @@ def test_hydra_configs_compose():
         assert cfg.data.context_length == cfg.model.towers.text.context_length
         for strategy in ("distmm", "ddp"):
             assert compose(config_name="train", overrides=[f"strategy={strategy}"]).strategy.name == strategy
-        assert compose(config_name="train").strategy.plan is None
+        plan = compose(config_name="train").strategy.plan  # the main job names its plan: a tower per rank
+        from lightning_distmm.planner.config import to_plain
+
+        assert to_plain(plan) == {"world_size": 2, "towers": {"image": {"ranks": [0]}, "text": {"ranks": [1]}}}
+        assert compose(config_name="train", overrides=["strategy.plan=null"]).strategy.plan is None
 
 
 def test_contrastive_losses_name_a_width_or_dtype_mismatch():

@@ -397,7 +397,8 @@ def colocated_plan(towers: Sequence[str], world_size: int, global_batch: int | N
 
 
 def proportional_plan(tower_flops: Mapping[str, float], world_size: int, global_batch: int | None = None) -> Plan:
-    """The default until a planner is asked for: ranks in proportion to each tower's forward FLOPs.
+    """Ranks in proportion to each tower's forward FLOPs: one candidate of the default plan
+    (``lightning_distmm.planner.default``, which prices it against colocated and the other splits).
 
     Every tower gets at least one rank; with fewer ranks than towers the plan is colocated.
     Ranks are given out contiguously in the towers' order.
