@@ -104,8 +104,12 @@ def test_callbacks_under_distmm_equal_one_process(tmp_path):
     in_subprocess(lambda: _fit("auto", 1, tmp_path / "one.json", _callbacks(), _shapes(), 2))
     one, dist = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "dist"))
     assert one.keys() == dist.keys()
-    for key in one:  # the validation loss is a mean over batches, summed in another order
-        assert dist[key] == pytest.approx(one[key], abs=1e-5 if key == "val/loss" else 1e-6), key
+    for key in one:
+        # the validation loss: each rank's rows' logits come from a matmul of another shape (other
+        # fp32 sums) and the mean over batches is summed in another order; measured 1.8e-6 relative
+        # (5.6775665 vs 5.6775770) with the packages of this machine, 1e-5 relative is fp32 rounding
+        tolerance = {"rel": 1e-5} if key == "val/loss" else {"abs": 1e-6}
+        assert dist[key] == pytest.approx(one[key], **tolerance), key
 
 
 @pytest.mark.slow
