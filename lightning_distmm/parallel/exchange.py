@@ -1,8 +1,9 @@
 """Feature exchange between towers: the collective half of the batch-sync instruction.
 
 ``gather_features`` assembles every tower's features of the whole batch on every rank from the
-replicas that computed them (replicas may hold different numbers of rows: each pads to the
-largest, one ``all_gather`` per dtype carries all towers at once). ``allreduce_sum`` adds
+replicas that computed them: each rank sends only the rows it owns, packed, padded to the largest
+rank's payload (one ``all_gather`` per dtype carries all towers at once; :class:`GatherLayout`,
+:func:`gather_bytes`). ``allreduce_sum`` adds
 per-rank partial gradients of those features, so each replica can take its own rows of the
 complete gradient and resume its backward. ``gather_features_async`` posts the gather and returns
 a :class:`PendingGather` to wait for later (the asynchronous batch-sync: the same collective and
@@ -69,30 +70,78 @@ def exchange_specs(
     return specs
 
 
+@dataclass(frozen=True)
+class GatherLayout:
+    """Where each replica's features sit in one dtype's all-gather: every rank sends only the rows it
+    owns, packed (its towers in ``names`` order), padded to the largest rank's payload, the one
+    size an ``all_gather`` needs. ``segments[(name, replica)]`` is ``(owner, start, length)`` in
+    elements within the owner's chunk."""
+
+    names: tuple[str, ...]
+    chunk: int
+    segments: Mapping[tuple[str, int], tuple[int, int, int]]
+
+    @staticmethod
+    def of(names: Sequence[str], slots: Mapping[str, GatherSlot], specs: Mapping[str, FeatureSpec]) -> GatherLayout:
+        filled: dict[int, int] = {}
+        segments: dict[tuple[str, int], tuple[int, int, int]] = {}
+        for name in names:
+            slot = slots[name]
+            for i, (owner, a, b) in enumerate(zip(slot.owners, slot.offsets[:-1], slot.offsets[1:])):
+                start = filled.get(owner, 0)
+                length = (b - a) * specs[name].numel
+                segments[(name, i)] = (owner, start, length)
+                filled[owner] = start + length
+        return GatherLayout(tuple(names), max(filled.values(), default=0), segments)
+
+    def padded_chunk(self, slots: Mapping[str, GatherSlot], specs: Mapping[str, FeatureSpec]) -> int:
+        """The chunk every rank sent before packing: a slot of every tower's largest replica."""
+        return sum(slots[n].max_rows * specs[n].numel for n in self.names)
+
+
+def gather_bytes(slots: Mapping[str, GatherSlot], specs: Mapping[str, FeatureSpec], world: int) -> tuple[int, int]:
+    """Bytes one rank receives per feature gather, ``(packed, padded)``: what it receives now (every
+    rank's own rows, padded to the largest payload) and what it received with a slot of every tower
+    from every rank."""
+    packed = padded = 0
+    for dtype, names in _by_dtype(slots, specs).items():
+        layout = GatherLayout.of(names, slots, specs)
+        size = torch.empty((), dtype=dtype).element_size()
+        packed += world * layout.chunk * size
+        padded += world * layout.padded_chunk(slots, specs) * size
+    return packed, padded
+
+
+def _by_dtype(slots: Mapping[str, GatherSlot], specs: Mapping[str, FeatureSpec]) -> dict[torch.dtype, list[str]]:
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name in slots:
+        by_dtype.setdefault(specs[name].dtype, []).append(name)
+    return by_dtype
+
+
 @dataclass
 class PendingGather:
     """A posted feature gather (:func:`gather_features_async`): :meth:`wait` completes it and returns
     the whole-batch features of every tower, exactly what :func:`gather_features` returns."""
 
-    #: per dtype: (work, send buffer kept alive while in flight, receive buffer, tower names, sizes)
-    works: list[tuple[Any, Tensor, Tensor, list[str], list[int]]]
+    #: per dtype: (work, send buffer kept alive while in flight, receive buffer, its layout)
+    works: list[tuple[Any, Tensor, Tensor, GatherLayout]]
     slots: Mapping[str, GatherSlot]
     specs: Mapping[str, FeatureSpec]
     row_of: dict[int, int]
 
     def wait(self) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
-        for work, _send, recv, names, sizes in self.works:
+        for work, _send, recv, layout in self.works:
             work.wait()
             view = recv.view(len(self.row_of), -1)
-            start = 0
-            for name, size in zip(names, sizes):
+            for name in layout.names:
                 slot, spec = self.slots[name], self.specs[name]
                 parts = []
-                for owner, a, b in zip(slot.owners, slot.offsets[:-1], slot.offsets[1:]):
-                    parts.append(view[self.row_of[owner], start : start + (b - a) * spec.numel].view(b - a, *spec.tail))
+                for i, (a, b) in enumerate(zip(slot.offsets[:-1], slot.offsets[1:])):
+                    owner, start, length = layout.segments[(name, i)]
+                    parts.append(view[self.row_of[owner], start : start + length].view(b - a, *spec.tail))
                 out[name] = torch.cat(parts)
-                start += size
         self.works = []
         return out
 
@@ -109,22 +158,20 @@ def gather_features_async(
     rank, world = dist.get_rank(), dist.get_world_size(group)
     members = dist.get_process_group_ranks(group) if group is not None else range(world)
     row_of = {r: i for i, r in enumerate(members)}  # a global rank's row in the gathered tensor
-    by_dtype: dict[torch.dtype, list[str]] = {}
-    for name in slots:
-        by_dtype.setdefault(specs[name].dtype, []).append(name)
     works = []
-    for dtype, names in by_dtype.items():
-        sizes = [slots[n].max_rows * specs[n].numel for n in names]
-        send = torch.zeros(sum(sizes), dtype=dtype, device=device)
-        start = 0
-        for name, size in zip(names, sizes):
-            if name in local and rank in slots[name].owners:
-                flat = local[name].detach().reshape(-1)
-                send[start : start + flat.numel()] = flat
-            start += size
+    for dtype, names in _by_dtype(slots, specs).items():
+        layout = GatherLayout.of(names, slots, specs)
+        send = torch.zeros(max(layout.chunk, 1), dtype=dtype, device=device)
+        for name in names:
+            if name not in local:
+                continue
+            for i, owner in enumerate(slots[name].owners):
+                if owner == rank:
+                    _, start, length = layout.segments[(name, i)]
+                    send[start : start + length] = local[name].detach().reshape(-1)
         recv = torch.empty(world * send.numel(), dtype=dtype, device=device)
         work = _all_gather_single(recv, send, group=group, async_op=True)
-        works.append((work, send, recv, names, sizes))
+        works.append((work, send, recv, layout))
     return PendingGather(works, slots, specs, row_of)
 
 
