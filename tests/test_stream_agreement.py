@@ -366,3 +366,30 @@ def test_make_litdata_and_the_clip_litdata_experiment(tmp_path):
     batch = next(iter(dm.train_dataloader()))
     assert batch["image"].shape == (4, 3, 32, 32) and batch["input_ids"].shape == (4, 16)
     assert set(dm.val_dataset.load(2, ["caption"])) == {"caption"}
+
+
+def test_every_stream_datamodule_refuses_captions_its_tokenizer_cannot_read(tmp_path):
+    """LitData folders get the caption check the CSV and WebDataset DataModules have (the stream
+    DataModules share it), and a broken image in one names its folder and item."""
+    import io
+
+    from litdata.streaming.writer import BinaryWriter
+    from PIL import Image
+
+    from lightning_distmm.data.litdata_pairs import LitDataDataModule, LitDataPairs
+    from lightning_distmm.data.pairs import SampleDecodeError
+
+    folder = tmp_path / "digits"
+    folder.mkdir()
+    writer = BinaryWriter(str(folder), chunk_size=4)
+    png = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(png, format="PNG")
+    for i in range(8):
+        image = png.getvalue() if i != 5 else png.getvalue()[:40]
+        writer[i] = {"image": image, "caption": f"a photo of the digit {i}"}
+    writer.done()
+    writer.merge(1)
+    with pytest.raises(ValueError, match=r"digits \(the training folder\): .* unknown to the embedded tokenizer"):
+        LitDataDataModule(str(folder), image_size=8)
+    with pytest.raises(SampleDecodeError, match=r"digits item 5: cannot read its image"):
+        LitDataPairs(folder, shuffle=False).in_memory().load(5, ("image",))

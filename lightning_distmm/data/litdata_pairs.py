@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 
 from lightning_distmm.data.fields import FieldDataset
 from lightning_distmm.data.litdata_stream import LitDataStream, LitIndex
+from lightning_distmm.data.modules import StreamPairsDataModule
 from lightning_distmm.data.pairs import PairDecoding
 from lightning_distmm.data.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, pair_preprocessing
 from lightning_distmm.data.streaming import FieldStream
@@ -55,6 +56,7 @@ class LitDataPairs(PairDecoding, FieldStream):
 
         PairDecoding.__init__(self, transform, tokenizer, context_length, decode_log)
         self.image_key, self.caption_key = image_key, caption_key
+        self.input_dir = os.fspath(input_dir)
         self.stream = LitDataStream(litdata.StreamingDataset(os.fspath(input_dir), shuffle=shuffle, seed=seed))
 
     def samples(self, epoch: int, skip: int = 0) -> Iterator[Any]:
@@ -69,7 +71,10 @@ class LitDataPairs(PairDecoding, FieldStream):
     def decode(self, sample: Any, fields: Iterable[str]) -> dict[str, Any]:
         fields = self.check_fields(fields)
         item = self.stream.item(sample)
-        out = self.decode_pair(fields, BytesIO(item[self.image_key]), lambda: str(item[self.caption_key]).strip())
+        where = f"{self.input_dir} item {int(sample)}" if isinstance(sample, LitIndex) else f"{self.input_dir} item"
+        out = self.decode_pair(
+            fields, BytesIO(item[self.image_key]), lambda: str(item[self.caption_key]).strip(), where
+        )
         self.record(int(sample) if isinstance(sample, LitIndex) else None, fields)
         return out
 
@@ -89,7 +94,7 @@ class _ByIndex(FieldDataset):
         return self.source.decode(LitIndex(int(index)), fields)
 
 
-class LitDataDataModule(L.LightningDataModule):
+class LitDataDataModule(StreamPairsDataModule):
     """Training pairs from a LitData folder (a stream), held-out pairs from another (by index).
 
     Args:
@@ -133,27 +138,8 @@ class LitDataDataModule(L.LightningDataModule):
         )
         self.train_dataset = LitDataPairs(train, shuffle=shuffle, seed=seed, **common)
         self.val_dataset = None if val is None else LitDataPairs(val, shuffle=False, **common).in_memory()
-        self.retrieval_dataset = self.val_dataset
-
-    def tokenize(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
-        return self.text.batch(list(texts))
-
-    def train_dataloader(self) -> DataLoader:
-        split = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self.trainer else None
-        if split and int(split.get("num_replicas", 1)) > 1:  # DDP: each replica its rows of the global batch
-            self.train_dataset.split_replicas(int(split["rank"]), int(split["num_replicas"]), self.batch_size)
-        return DataLoader(
-            self.train_dataset,
-            batch_size=self.batch_size,
-            drop_last=True,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
-
-    def val_dataloader(self) -> DataLoader | list:
-        if self.val_dataset is None:
-            return []
-        return DataLoader(self.val_dataset, batch_size=self.val_batch_size, num_workers=self.num_workers)
+        probe = self.val_dataset if self.val_dataset is not None else self.train_dataset.in_memory()
+        self.check_captions(probe, f"{val} (the held-out folder)" if val is not None else f"{train} (the training folder)")
 
 
 __all__ = ["LitDataDataModule", "LitDataPairs"]

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from lightning_distmm.data.fields import FieldDataset
 from lightning_distmm.data.pairs import CsvPairs, ImageFolderPairs
-from lightning_distmm.data.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, pair_preprocessing
+from lightning_distmm.data.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, CaptionTokenizer, pair_preprocessing
 from lightning_distmm.data.shuffle import seeded_shuffle
 
 
@@ -34,6 +34,46 @@ class FieldSubset(FieldDataset):
 
     def load(self, index: int, fields: Iterable[str]) -> dict[str, Any]:
         return self.dataset.load(self.indices[index], fields)
+
+
+class StreamPairsDataModule(L.LightningDataModule):
+    """What the stream DataModules (WebDataset shards, LitData folders) share once their subclass
+    has set ``train_dataset`` (a stream), ``val_dataset`` (map-style or None), ``text`` (the
+    tokenizer), ``batch_size``, ``val_batch_size`` and ``num_workers``: the caption check, the
+    evaluation callbacks' ``retrieval_dataset`` and ``tokenize``, and the loaders."""
+
+    train_dataset: Any
+    val_dataset: FieldDataset | None
+    text: CaptionTokenizer
+    batch_size: int
+    val_batch_size: int
+    num_workers: int
+
+    def check_captions(self, probe: FieldDataset, where: str, limit: int = 64) -> None:
+        """Refuse captions the tokenizer cannot read (:meth:`CaptionTokenizer.check_captions`), read
+        from the first ``limit`` pairs of ``probe``; and hold the held-out pairs for retrieval."""
+        self.text.check_captions([probe.load(i, ("caption",))["caption"] for i in range(min(limit, len(probe)))], where)
+        self.retrieval_dataset = self.val_dataset
+
+    def tokenize(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
+        return self.text.batch(list(texts))
+
+    def train_dataloader(self) -> DataLoader:
+        split = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self.trainer else None
+        if split and int(split.get("num_replicas", 1)) > 1:  # DDP: each replica its rows of the global batch
+            self.train_dataset.split_replicas(int(split["rank"]), int(split["num_replicas"]), self.batch_size)
+        return DataLoader(
+            self.train_dataset,
+            batch_size=self.batch_size,
+            drop_last=True,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def val_dataloader(self) -> DataLoader | list:
+        if self.val_dataset is None:
+            return []
+        return DataLoader(self.val_dataset, batch_size=self.val_batch_size, num_workers=self.num_workers)
 
 
 class PairsDataModule(L.LightningDataModule):
@@ -122,4 +162,4 @@ class PairsDataModule(L.LightningDataModule):
         return DataLoader(self.val_dataset, batch_size=self.val_batch_size, num_workers=self.num_workers)
 
 
-__all__ = ["FieldSubset", "PairsDataModule"]
+__all__ = ["FieldSubset", "PairsDataModule", "StreamPairsDataModule"]

@@ -35,6 +35,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_distmm.data.fields import FieldDataset
+from lightning_distmm.data.modules import StreamPairsDataModule
 from lightning_distmm.data.pairs import PairDecoding
 from lightning_distmm.data.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, pair_preprocessing
 from lightning_distmm.data.streaming import FieldStream, skip_samples
@@ -292,7 +293,7 @@ def _buffer_shuffle(samples: Iterator[Any], size: int, rng: random.Random) -> It
     yield from buffer
 
 
-class WebDatasetDataModule(L.LightningDataModule):
+class WebDatasetDataModule(StreamPairsDataModule):
     """Training pairs from WebDataset shards (a stream), held-out pairs from other shards (in memory).
 
     Args:
@@ -347,33 +348,12 @@ class WebDatasetDataModule(L.LightningDataModule):
         )
         self.val_dataset = None if val is None else WebDatasetPairs(val, tokenizer=self.text, **common).in_memory()
         probe = self.val_dataset if self.val_dataset is not None else self.train_dataset.in_memory(limit=64)
-        self.text.check_captions(
-            [probe.load(i, ("caption",))["caption"] for i in range(min(64, len(probe)))],
+        self.check_captions(
+            probe,
             f"{train if isinstance(train, str) else train[0]} (the training shards)"
             if self.val_dataset is None
             else f"{val if isinstance(val, str) else val[0]} (the held-out shards)",
         )
-        self.retrieval_dataset = self.val_dataset
-
-    def tokenize(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
-        return self.text.batch(list(texts))
-
-    def train_dataloader(self) -> DataLoader:
-        split = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self.trainer else None
-        if split and int(split.get("num_replicas", 1)) > 1:  # DDP: each replica its rows of the global batch
-            self.train_dataset.split_replicas(int(split["rank"]), int(split["num_replicas"]), self.batch_size)
-        return DataLoader(
-            self.train_dataset,
-            batch_size=self.batch_size,
-            drop_last=True,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
-
-    def val_dataloader(self) -> DataLoader | list:
-        if self.val_dataset is None:
-            return []
-        return DataLoader(self.val_dataset, batch_size=self.val_batch_size, num_workers=self.num_workers)
 
 
 __all__ = ["RawPair", "WebDatasetDataModule", "WebDatasetPairs", "shard_urls"]
