@@ -280,8 +280,9 @@ def check_async_vs_blocking(ctx: Context) -> dict[str, Any]:
     return {"max_abs_diff": diff}
 
 
-def _look_like_nccl() -> None:
-    """Lightning's loops skip ``inference_mode`` on gloo; make them see another backend (as on NCCL)."""
+def look_like_nccl() -> None:
+    """Lightning's loops skip ``inference_mode`` on gloo; make them see another backend (as on NCCL).
+    ``tests/scripts/eval_modes.py`` forces the same."""
     import lightning.pytorch.loops.utilities as loop_utilities
 
     class NotGloo:
@@ -298,7 +299,7 @@ def _look_like_nccl() -> None:
 def check_sharded_eval(ctx: Context) -> dict[str, Any]:
     _deterministic(ctx)
     if not ctx.cuda:
-        _look_like_nccl()
+        look_like_nccl()
     plan = one_rank({"shard": "full"}, {"shard": "full"})
     L.seed_everything(0)
     reference = FirstRunCLIP("adamw", 0.01)

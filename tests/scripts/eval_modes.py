@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from distmm_testing import TinyCLIP, loader, trainer_kwargs  # noqa: E402
+from gpu_first_run import look_like_nccl  # noqa: E402  (Lightning's loops see a non-gloo backend)
 
 import lightning_distmm as ldm  # noqa: E402
 from lightning_distmm.checkpoint import consolidated_state_dict  # noqa: E402
@@ -29,22 +31,6 @@ PLANS = {
     # the image tower sharded over two ranks, text beside it on rank 1
     "mesh2": ldm.Plan(2, {"image": {"ranks": [0, 1], "shard": "full"}, "text": {"ranks": [1]}}),
 }
-
-
-def look_like_nccl() -> None:
-    """Make Lightning's evaluation loops see a backend other than gloo (as under NCCL), so that they
-    run under ``torch.inference_mode`` unless the strategy says otherwise."""
-    import lightning.pytorch.loops.utilities as loop_utilities
-
-    class NotGloo:
-        def __getattr__(self, name: str) -> Any:
-            return getattr(torch.distributed, name)
-
-        @staticmethod
-        def get_backend(group: Any = None) -> str:
-            return "nccl"
-
-    loop_utilities.dist = NotGloo()  # type: ignore[attr-defined]
 
 
 class EvalCLIP(TinyCLIP):
