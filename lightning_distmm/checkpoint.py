@@ -149,13 +149,13 @@ def load_sharded(
         raise FileNotFoundError(
             f"{path} is not a distmm checkpoint folder (expected a directory with {_METADATA} and DCP shards)"
         )
-    check_shards(path)  # every rank, before the collective load: a damaged file fails everywhere, by name
+    metadata = check_shards(path)  # every rank, before the collective load: a damaged file fails everywhere, by name
     model_state = local_state_dict(module)
     live = {"state_dict": model_state}
     for i, optimizer in enumerate(optimizers):
         live[f"optimizer_{i}"] = optimizer_state_dict(module, optimizer)
     state = {key: for_dcp(value) for key, value in live.items()}
-    check_keys(path, state)  # this rank's tensors, before the collective load: a different model is named
+    check_keys(path, state, set(metadata.state_dict_metadata))  # a different model is named, before the load
     dcp.load(state, checkpoint_id=path)
     missing, unexpected = module.load_state_dict(from_dcp(state["state_dict"], model_state), strict=False)
     not_meta_missing = [k for k in missing if k in model_state]
@@ -181,13 +181,11 @@ def read_metadata(path: Path, weights_only: bool = False) -> dict[str, Any]:
         ) from err
 
 
-def check_keys(path: Path, state: dict[str, dict[str, Any]]) -> None:
-    """Every tensor this rank loads (``state``: ``{"state_dict": ..., "optimizer_0": ...}``) is in the
-    checkpoint; otherwise say which, by tower, and what the checkpoint holds instead (torch's
-    ``CheckpointException`` named an optimizer step counter and no folder)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    have = set(FileSystemReader(Path(path)).read_metadata().state_dict_metadata)
+def check_keys(path: Path, state: dict[str, dict[str, Any]], have: set[str]) -> None:
+    """Every tensor this rank loads (``state``: ``{"state_dict": ..., "optimizer_0": ...}``) is among
+    the checkpoint's keys ``have`` (its DCP metadata's); otherwise say which, by tower, and what the
+    checkpoint holds instead (torch's ``CheckpointException`` named an optimizer step counter and no
+    folder)."""
     wanted = {f"{top}.{key}" for top, flat in state.items() for key, v in flat.items() if isinstance(v, torch.Tensor)}
     message = describe_missing(wanted, have)
     if message is not None:
@@ -219,8 +217,9 @@ def describe_missing(wanted: set[str], have: set[str]) -> str | None:
     )
 
 
-def check_shards(path: Path) -> None:
-    """Every shard file the checkpoint's DCP metadata refers to exists and is long enough.
+def check_shards(path: Path) -> Any:
+    """Every shard file the checkpoint's DCP metadata refers to exists and is long enough; returns
+    that metadata (read once, for :func:`check_keys` too).
 
     A save cut short leaves a truncated ``__N_0.distcp``; torch would fail deep in the load with
     ``EOFError`` or an unpickling error that names no file.
@@ -250,6 +249,7 @@ def check_shards(path: Path) -> None:
                 f"checkpoint {path}: shard {rel} is truncated ({have} bytes; the index .metadata needs {size}):"
                 f" the save did not finish; resume from another checkpoint"
             )
+    return metadata
 
 
 def consolidated_state_dict(trainer_or_strategy: Any) -> dict[str, torch.Tensor] | None:
