@@ -222,3 +222,15 @@ def allreduce_sum_async(tensors: Sequence[Tensor], group: dist.ProcessGroup | No
 def allreduce_sum(tensors: Sequence[Tensor], group: dist.ProcessGroup | None = None) -> None:
     """In-place sum over ``group`` of several tensors with one collective per dtype (flatten, reduce, copy back)."""
     allreduce_sum_async(tensors, group).wait()
+
+
+def host_any(flag: bool, group: dist.ProcessGroup | None) -> bool:
+    """Whether ``flag`` is true on any rank of ``group``, a group of CPU collectives
+    (:func:`~lightning_distmm.parallel.groups.host_group`).
+
+    The count travels in host memory and is read through ``numpy()``, which refuses a device
+    tensor: this exchange waits for the other ranks' hosts, never for a device.
+    """
+    count = torch.tensor([int(flag)], dtype=torch.int32)
+    dist.all_reduce(count, group=group)
+    return bool(count.numpy()[0] > 0)

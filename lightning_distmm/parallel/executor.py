@@ -64,8 +64,8 @@ from lightning_distmm.parallel.exchange import (
 )
 from lightning_distmm.parallel.fsdp import set_gradient_sync
 from lightning_distmm.parallel.gradients import DeferredGradients, RankGradients
-from lightning_distmm.parallel.groups import TowerGroups
-from lightning_distmm.parallel.pipeline import PendingSend, Stage, recv_tensor, send_tensor
+from lightning_distmm.parallel.groups import TowerGroups, host_group
+from lightning_distmm.parallel.pipeline import PendingSend, PipelineLinks, Stage
 from lightning_distmm.parallel.prepare import (
     check_held_tensors,
     held_names,
@@ -98,6 +98,7 @@ class RankRuntime:
         self.layout = RankLayout(plan, self.rank, {n: t.fields for n, t in self.towers.items()})
         self.module = module
         self.bucket_cap_mb = bucket_cap_mb
+        self.host_group = host_group()
         self.gradients = self._gradients()
         self.specs: dict[str, FeatureSpec] | None = None
         self._slots: dict[int, dict[str, GatherSlot]] = {}
@@ -107,13 +108,8 @@ class RankRuntime:
             dist.new_group(list(self.batch_sync_ranks)) if len(self.batch_sync_ranks) < self.world else None
         )
         self._sends: list[PendingSend] = []
-        #: per pipelined tower, one process group for activations and one for gradients (see send_tensor)
-        self.p2p_groups = {
-            (name, kind): dist.new_group(list(range(self.world)))
-            for name, t in plan.towers.items()
-            if t.pp > 1
-            for kind in ("act", "grad")
-        }
+        #: the pipelines' point-to-point links: a group per stage pair and direction
+        self.links = PipelineLinks(plan, self.host_group)
         self._schedules: dict[int, list[Instruction]] = {}
         #: ``distmm``: split every batch-sync but the last into a posted gather and its wait, running the
         #: next sync group's forwards between them (``rank_schedule(..., overlap=True)``). Off by default:
@@ -139,6 +135,7 @@ class RankRuntime:
             interaction_params,
             self.device,
             self.bucket_cap_mb,
+            self.host_group,
         )
 
     def prepare_local_towers(self) -> None:
@@ -278,8 +275,7 @@ class RankRuntime:
     def _forward(self, ins: Forward, rows: Mapping[str, Any], training: bool, run: ScheduleRun) -> None:
         """One microbatch through this rank's stage of a tower (the whole tower without pipeline)."""
         grad = training and self.trainable(ins.tower)
-        group = self.p2p_groups.get((ins.tower, "act"))
-        x_in = recv_tensor(ins.recv_from, self.device, group) if ins.recv_from is not None else None
+        x_in = self.links.recv(ins.tower, "act", ins.recv_from, self.device) if ins.recv_from is not None else None
         start = time.perf_counter()
         if grad and not ins.keep:  # cached: no activations now, recompute from the input in backward
             rng = _rng_state(self.device)
@@ -297,7 +293,7 @@ class RankRuntime:
         if self.trace is not None:
             self.trace.append((ins, start, time.perf_counter()))
         if ins.send_to is not None:
-            self._sends.append(send_tensor(x, ins.send_to, group))
+            self._sends.append(self.links.send(x, ins.tower, "act", ins.send_to))
         else:
             _check_features(ins.tower, x, ins.rows, grad and ins.keep)
             run.outputs.setdefault((ins.sync_group, ins.tower), []).append(x)
@@ -370,8 +366,11 @@ class RankRuntime:
         micro = run.records.pop((ins.tower, ins.mb))
         feature_grad = run.feature_grads.pop((ins.tower, ins.mb), None)
         buckets = self.gradients.buckets(ins.tower) if last and run.sums is not None else None
-        group = self.p2p_groups.get((ins.tower, "grad"))
-        g_out = recv_tensor(ins.recv_from, self.device, group) if ins.recv_from is not None else feature_grad
+        g_out = (
+            self.links.recv(ins.tower, "grad", ins.recv_from, self.device)
+            if ins.recv_from is not None
+            else feature_grad
+        )
         start = time.perf_counter()
         if micro.output is None:  # cached: recompute the stage from its saved input, same RNG
             x_in = micro.input.requires_grad_(True) if micro.input is not None else None
@@ -385,7 +384,9 @@ class RankRuntime:
         if ins.send_to is not None:
             assert x_in is not None
             self._sends.append(
-                send_tensor(x_in.grad if x_in.grad is not None else torch.zeros_like(x_in), ins.send_to, group)
+                self.links.send(
+                    x_in.grad if x_in.grad is not None else torch.zeros_like(x_in), ins.tower, "grad", ins.send_to
+                )
             )
         if buckets is not None:
             assert run.sums is not None

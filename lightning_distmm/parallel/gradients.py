@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_distmm.core.layout import RankLayout
 from lightning_distmm.core.plan import Plan
-from lightning_distmm.parallel.exchange import PendingSum, allreduce_sum, allreduce_sum_async
+from lightning_distmm.parallel.exchange import PendingSum, allreduce_sum, allreduce_sum_async, host_any
 from lightning_distmm.parallel.groups import TowerGroups
 from lightning_distmm.parallel.step import Gradients, ScheduleRun, StepState
 from lightning_distmm.tower import Tower
@@ -66,6 +66,7 @@ class RankGradients:
         interaction_params: Mapping[str, nn.Parameter],
         device: torch.device,
         bucket_cap_mb: float = 25.0,
+        host_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.plan = plan
         self.layout = layout
@@ -78,6 +79,8 @@ class RankGradients:
         self.bucket_cap_mb = bucket_cap_mb
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
+        #: every rank, exchanging host-side flags (:func:`~lightning_distmm.parallel.groups.host_group`)
+        self.host_group = host_group
         #: upstream gradients of the runs whose sharded towers' gradients FSDP holds unreduced
         self._held_scales: list[Tensor] = []
 
@@ -146,12 +149,9 @@ class RankGradients:
                 for posted in run.sums or ():
                     posted.wait()
             # the terms outside contrastive_loss still need their sums, if any rank has one
-            extra = torch.tensor([float(any(p.grad is not None for p, _ in self.copies()))], device=self.device)
-            dist.all_reduce(extra)
-            if extra.item() > 0:
+            if host_any(any(p.grad is not None for p, _ in self.copies()), self.host_group):
                 self.sum_all()
-        scales = [unless_one(run.scale) for run in used]
-        handed_back = [(p, scaled(g, scale)) for run, scale in zip(used, scales) for p, g in run.produced]
+        handed_back = [(p, g) for run in used for p, g in scaled_all(run.produced, run.scale)]
         for p, g in [*earlier, *handed_back]:
             if p.grad is None:
                 p.grad = g
@@ -324,16 +324,19 @@ class GradientBuckets:
         return self.posted
 
 
-def scaled(g: Tensor, scale: Tensor | None) -> Tensor:
-    """``g`` multiplied in place by the upstream gradient ``scale`` (``None``: left as it is)."""
-    if scale is not None:
-        local(g).mul_(scale.to(g.device, g.dtype))
-    return g
-
-
-def unless_one(scale: Tensor | None) -> Tensor | None:
-    """``scale``, or ``None`` when it is exactly 1 (one check per run, not one per gradient)."""
-    return None if scale is None or bool(torch.all(scale == 1)) else scale
+def scaled_all(produced: Gradients, scale: Tensor | None) -> Gradients:
+    """``produced``'s gradients multiplied in place by the upstream gradient ``scale``, one fused
+    multiply per device and dtype. Multiplied even when ``scale`` is 1 (exact: ``g * 1.0 == g``):
+    finding out that it is 1 would read the device's value back, a wait for the device every step."""
+    if scale is None or not produced:
+        return produced
+    by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for _, g in produced:
+        t = local(g)
+        by_kind.setdefault((t.device, t.dtype), []).append(t)
+    for (device, dtype), grads in by_kind.items():
+        torch._foreach_mul_(grads, scale.to(device, dtype))
+    return produced
 
 
 def local(t: Tensor) -> Tensor:

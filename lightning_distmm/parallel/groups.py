@@ -83,6 +83,20 @@ def build_tower_groups(
     return groups
 
 
+def host_group() -> dist.ProcessGroup | None:
+    """A process group over every rank whose collectives run on CPU tensors (None: the default group
+    already does, as gloo's).
+
+    The step exchanges a few host-side flags (whether any rank has gradients outside the contrastive
+    loss); over NCCL each would be a device tensor read back, a wait for the GPU. Over this group it is
+    a host-to-host exchange while the GPU keeps working. Collective: every rank calls it, in the same
+    place of group creation.
+    """
+    if dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(backend="gloo")
+
+
 def hybrid_rows(name: str, tower: TowerPlan, nodes: Sequence[int] | None, stage: int = 0) -> list[list[int]]:
     """The tower's replicas by node, one row per node, as ranks of pipeline stage ``stage`` (HSDP
     shards along a row, replicates down a column); every node must hold the same number of them."""

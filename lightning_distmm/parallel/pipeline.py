@@ -9,7 +9,8 @@ keeps only its stage's parameters. The cut is per tower family (like tensor para
 * any tower can define ``pipeline_stages(pp) -> list[Stage]`` itself.
 
 Activations travel between consecutive stages of the same replica (and the same tensor-parallel
-coordinate) point to point: a small header with the shape, then the tensor. Sends are posted
+coordinate) point to point (:class:`PipelineLinks`: a header with the shape on the host, then the
+tensor on the pair's own group). Sends are posted
 without blocking (``isend``; the runtime waits for them before the step ends) and receives block,
 so a rank never waits on a peer that waits on it (``core/schedule.py`` orders the lists, and its
 tests simulate random plans for deadlocks).
@@ -24,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+from lightning_distmm.core.plan import Plan
 
 _HEADER = 8  # ndim, up to 6 dims, dtype
 
@@ -193,26 +196,61 @@ class PendingSend:
             w.wait()
 
 
-def send_tensor(t: Tensor, dst: int, group: dist.ProcessGroup | None = None) -> PendingSend:
-    """Post the send of an activation or gradient of any shape: a header (ndim, dims, dtype), then the data.
+def stage_pairs(plan: Plan) -> list[tuple[str, int, int]]:
+    """Every (tower, rank of stage s, rank of stage s + 1) of the plan's pipelined towers, in the plan's
+    order: the same list on every rank (group creation must be)."""
+    pairs = []
+    for name, tower in plan.towers.items():
+        for replica in range(tower.dp if tower.pp > 1 else 0):
+            ranks = tower.replica_ranks(replica)
+            for stage in range(tower.pp - 1):
+                for t in range(tower.tp):
+                    pairs.append((name, ranks[stage * tower.tp + t], ranks[(stage + 1) * tower.tp + t]))
+    return pairs
 
-    ``group`` spans the whole world (ranks are global); the runtime gives each tower and direction
-    its own, because NCCL pairs a communicator's sends and receives in the order both sides post
-    them, and under ``distmm`` a stage posts activations and gradients of different waves
-    interleaved.
+
+class PipelineLinks:
+    """The point-to-point links of a plan's pipelines: one process group per adjacent stage pair and
+    direction (activations forward, gradients back), and the shape headers on the host.
+
+    NCCL runs each communicator's operations in order on one stream, and a send there waits for its
+    receive: on shared groups one pair's pending send would hold up another pair's traffic (and
+    under ``distmm`` a stage posts activations and gradients of different waves interleaved), so each
+    pair and direction has its own. A tensor's header (ndim, dims, dtype) travels on ``host_group``,
+    a group of CPU collectives (None: the default group, gloo's), tagged by tower and direction, so
+    the receiver learns the shape from host memory without waiting for its device. Collective to
+    build: every rank calls it with the same plan.
     """
-    header = torch.zeros(_HEADER, dtype=torch.int64, device=t.device)
-    header[0] = t.dim()
-    header[1 : 1 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-    header[_HEADER - 1] = _DTYPES.index(t.dtype)
-    data = t.detach().contiguous()
-    return PendingSend([dist.isend(header, dst, group=group), dist.isend(data, dst, group=group)], (header, data))
 
+    def __init__(self, plan: Plan, host_group: dist.ProcessGroup | None) -> None:
+        self.host_group = host_group
+        self.groups: dict[tuple[str, str, int, int], dist.ProcessGroup | None] = {}
+        names = list(plan.towers)
+        self.tags = {(name, kind): 2 * i + (kind == "grad") for i, name in enumerate(names) for kind in ("act", "grad")}
+        for name, a, b in stage_pairs(plan):
+            for kind, (src, dst) in (("act", (a, b)), ("grad", (b, a))):
+                self.groups[name, kind, src, dst] = dist.new_group([a, b])
 
-def recv_tensor(src: int, device: torch.device, group: dist.ProcessGroup | None = None) -> Tensor:
-    header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-    dist.recv(header, src, group=group)
-    ndim = int(header[0])
-    out = torch.empty(tuple(int(d) for d in header[1 : 1 + ndim]), dtype=_DTYPES[int(header[-1])], device=device)
-    dist.recv(out, src, group=group)
-    return out
+    def send(self, t: Tensor, tower: str, kind: str, dst: int) -> PendingSend:
+        """Post the send of an activation (``kind="act"``) or gradient (``"grad"``) of any shape to ``dst``."""
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[0] = t.dim()
+        header[1 : 1 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        header[_HEADER - 1] = _DTYPES.index(t.dtype)
+        data = t.detach().contiguous()
+        group = self.groups[tower, kind, dist.get_rank(), dst]
+        works = [
+            dist.isend(header, dst, group=self.host_group, tag=self.tags[tower, kind]),
+            dist.isend(data, dst, group=group),
+        ]
+        return PendingSend(works, (header, data))
+
+    def recv(self, tower: str, kind: str, src: int, device: torch.device) -> Tensor:
+        """Receive the tensor ``src`` sent with :meth:`send` (blocking until its header arrives)."""
+        header = torch.empty(_HEADER, dtype=torch.int64)
+        dist.recv(header, src, group=self.host_group, tag=self.tags[tower, kind])
+        ndim, *dims = header.numpy()[: 1 + _HEADER - 2].tolist()
+        shape = tuple(dims[:ndim])
+        out = torch.empty(shape, dtype=_DTYPES[int(header.numpy()[-1])], device=device)
+        dist.recv(out, src, group=self.groups[tower, kind, src, dist.get_rank()])
+        return out
