@@ -57,6 +57,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from transformers import CLIPTextConfig, CLIPTextModel  # noqa: E402
 
 import lightning_distmm as ldm  # noqa: E402
+from lightning_distmm.models import Throughput  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, SEQ, EMBED, BATCH = 64, 8, 16, 8
@@ -237,15 +238,39 @@ class StepProbe(L.Callback):
 def check_bf16_clip(ctx: Context) -> dict[str, Any]:
     L.seed_everything(0)
     probe = StepProbe(ctx.cuda)
+    # the probe first: its count of host syncs ends before Throughput reads the step's timing events
+    throughput = Throughput(window=1)
     steps = 6
-    trainer(ctx, steps, "colocated", precision="bf16-mixed", gradient_clip_val=0.5, callbacks=[probe]).fit(
-        FirstRunCLIP(), data()
-    )
+    trainer(
+        ctx,
+        steps,
+        "colocated",
+        precision="bf16-mixed",
+        gradient_clip_val=0.5,
+        callbacks=[probe, throughput, TowerTimes()],
+        log_every_n_steps=1,
+    ).fit(FirstRunCLIP(), data())
     assert probe.dtypes == {"torch.float32"}, probe.dtypes
+    times = TowerTimes.last
+    assert times and all(math.isfinite(v) and v > 0 for v in times.values()), times
     settled = probe.memory[2:]
     growth = max(settled) - min(settled)
     assert growth <= (1 << 20), f"memory grew by {growth} bytes over steps 3..{steps}: {probe.memory}"
-    return {"grad_dtypes": sorted(probe.dtypes), "memory_bytes": probe.memory, "host_syncs_per_step": probe.syncs}
+    return {
+        "grad_dtypes": sorted(probe.dtypes),
+        "memory_bytes": probe.memory,
+        "host_syncs_per_step": probe.syncs,
+        "tower_seconds_last_step": times,
+    }
+
+
+class TowerTimes(L.Callback):
+    """Keeps the last step's per-tower seconds that ``Throughput`` logged (CUDA events on a GPU)."""
+
+    last: dict[str, float] = {}
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        TowerTimes.last = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/time/")}
 
 
 def _deterministic(ctx: Context) -> None:

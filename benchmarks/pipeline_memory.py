@@ -103,7 +103,7 @@ class Probe(L.Callback):
         self.times: list[float] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        trainer.strategy.runtime.trace = []
+        trainer.strategy.runtime.record_trace(True)
         self.meter.reset()
         self.stack.enter_context(self.meter.track())
         self.t0 = time.perf_counter()

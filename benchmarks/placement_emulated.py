@@ -494,7 +494,7 @@ def worker(args: argparse.Namespace) -> None:
             self.rows, self.t0, self.c0 = rows, 0.0, 0.0
 
         def on_train_start(self, trainer, pl_module):
-            trainer.strategy.runtime.trace = []
+            trainer.strategy.runtime.record_trace(True)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             trainer.strategy.runtime.trace.clear()

@@ -72,7 +72,8 @@ def _run_throughput(folder: Path, distributed: bool) -> None:
     folder.mkdir()
     throughput = Throughput(window=1)
     strategy = ldm.DistMMStrategy(plan=TWO_RANKS, start_method="fork") if distributed else "auto"
-    _fit(folder, 2 if distributed else 1, strategy, [throughput, StepRecorder(throughput, folder)])
+    # tower times are read on the steps Lightning logs: every step here
+    _fit(folder, 2 if distributed else 1, strategy, [throughput, StepRecorder(throughput, folder)], log_every_n_steps=1)
 
 
 def _check_steps(rows: list[dict]) -> None:

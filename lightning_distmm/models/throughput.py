@@ -74,13 +74,15 @@ class Throughput(L.Callback):
     Every rank logs its own measurement without a collective (the ranks of a distmm step finish
     together: the batch-sync makes them wait for each other); loggers and the progress bar show
     rank 0's. Under distmm the per-tower times (``train/time/<tower>/forward``, ``.../backward``,
-    ``train/time/batch_sync``: seconds of this step's instructions, the slowest rank's) take one
-    small all-reduce (max) every step, on every rank.
+    ``train/time/batch_sync``: seconds of this step's instructions, the slowest rank's) are read on
+    the steps Lightning logs (every ``log_every_n_steps``-th): one small all-reduce (max) on every
+    rank, and on a GPU one wait for the step's timing events; the other steps wait for nothing.
 
     Args:
         window: steps averaged over (samples and seconds summed over the window).
         prog_bar: show ``train/samples_per_sec`` in the progress bar.
-        tower_times: record and log per-tower times under distmm (sets ``runtime.trace``).
+        tower_times: record and log per-tower times under distmm (``runtime.record_trace``: CUDA
+            events on a GPU, read after the step).
     """
 
     def __init__(self, window: int = 10, prog_bar: bool = True, tower_times: bool = True) -> None:
@@ -102,13 +104,13 @@ class Throughput(L.Callback):
         self._steps.clear()
         self._t0 = None
         runtime = self._runtime(trainer)
-        if runtime is not None and hasattr(runtime, "trace"):
-            runtime.trace = []
+        if runtime is not None and hasattr(runtime, "record_trace"):
+            runtime.record_trace(True)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         runtime = self._runtime(trainer)
-        if runtime is not None and hasattr(runtime, "trace"):
-            runtime.trace = None
+        if runtime is not None and hasattr(runtime, "record_trace"):
+            runtime.record_trace(False)
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._t0 = None  # validation is not training time: the next step is timed from its start
@@ -138,8 +140,9 @@ class Throughput(L.Callback):
         log = dict(on_step=True, on_epoch=False, batch_size=1)
         pl_module.log("train/samples_per_sec", rate, prog_bar=self.prog_bar, **log)
         pl_module.log("train/step_time", seconds, **log)
-        for name, value in self._tower_times(trainer).items():
-            pl_module.log(f"train/time/{name}", value, **log)
+        if (batch_idx + 1) % max(1, trainer.log_every_n_steps) == 0:
+            for name, value in self._tower_times(trainer).items():
+                pl_module.log(f"train/time/{name}", value, **log)
 
     def _tower_times(self, trainer: L.Trainer) -> dict[str, float]:
         """This step's seconds per tower and direction, the max over ranks (collective under distmm)."""

@@ -30,7 +30,6 @@ hands the step's gradients back around the autograd backward of that loss.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -74,6 +73,7 @@ from lightning_distmm.parallel.prepare import (
     tower_parameters,
 )
 from lightning_distmm.parallel.step import Microbatch, ScheduleRun, StepState
+from lightning_distmm.parallel.timing import StepTrace
 from lightning_distmm.tower import TowerModule
 
 
@@ -118,11 +118,20 @@ class RankRuntime:
         #: before the first step
         self.overlap_batch_sync = False
         self._gathers: dict[int, PendingGather] = {}  # sync group -> its gather in flight
-        #: when a list, the executor appends ``(instruction, start, end)`` of its compute (perf_counter)
-        self.trace: list[tuple[Instruction, float, float]] | None = None
+        #: when set (:meth:`record_trace`), the spans of this rank's instructions in the last step
+        self.trace: StepTrace | None = None
         self.stages: dict[str, Stage] = {}  # this rank's stage of each local tower with pp > 1
         #: bytes of stage-boundary activations the last forward kept outside autograd (cached schedule)
         self.stash_bytes = 0
+
+    def record_trace(self, on: bool = True) -> StepTrace | None:
+        """Start (or stop) recording the spans of this rank's instructions, one step at a time
+        (:class:`~lightning_distmm.parallel.timing.StepTrace`, timed with CUDA events on a GPU)."""
+        self.trace = StepTrace(self.device) if on else None
+        return self.trace
+
+    def _now(self) -> Any:
+        return self.trace.now() if self.trace is not None else 0.0
 
     def _gradients(self) -> RankGradients:
         tower_params, interaction_params = tower_parameters(self.module, self.towers)  # type: ignore[arg-type]
@@ -219,7 +228,7 @@ class RankRuntime:
                     rows = {f: _take_rows(batch[f], run.rows[ins.tower, ins.mb]) for f in self.towers[ins.tower].fields}
                     self._forward(ins, rows, training, run)
                 elif isinstance(ins, BatchSync):
-                    posted = time.perf_counter()
+                    posted = self._now()
                     self._post_sync(ins, run)
                     self._batch_sync(module, ins, run, training, posted)
                 elif isinstance(ins, SyncPost):
@@ -276,7 +285,7 @@ class RankRuntime:
         """One microbatch through this rank's stage of a tower (the whole tower without pipeline)."""
         grad = training and self.trainable(ins.tower)
         x_in = self.links.recv(ins.tower, "act", ins.recv_from, self.device) if ins.recv_from is not None else None
-        start = time.perf_counter()
+        start = self._now()
         if grad and not ins.keep:  # cached: no activations now, recompute from the input in backward
             rng = _rng_state(self.device)
             with torch.no_grad():
@@ -291,7 +300,7 @@ class RankRuntime:
             if grad:
                 run.records[ins.tower, ins.mb] = Microbatch(x_in, rows, x, None)
         if self.trace is not None:
-            self.trace.append((ins, start, time.perf_counter()))
+            self.trace.add(ins, start)
         if ins.send_to is not None:
             self._sends.append(self.links.send(x, ins.tower, "act", ins.send_to))
         else:
@@ -300,7 +309,7 @@ class RankRuntime:
 
     def _post_sync(self, ins: BatchSync | SyncPost, run: ScheduleRun) -> None:
         """Post the gather of wave ``ins.sync_group``'s features (``async_op``); ``_batch_sync`` waits for it."""
-        start = time.perf_counter()
+        start = self._now()
         rows = self.plan.group_split(run.n)[ins.sync_group]
         local = {tower: torch.cat(outs) for (wave, tower), outs in run.outputs.items() if wave == ins.sync_group}
         if self.specs is None:
@@ -309,15 +318,15 @@ class RankRuntime:
             local, self.slots(rows), self.specs, self.device, self.batch_sync_pg
         )
         if self.trace is not None and isinstance(ins, SyncPost):
-            self.trace.append((ins, start, time.perf_counter()))
+            self.trace.add(ins, start)
 
     def _batch_sync(
-        self, module: TowerModule, ins: BatchSync | SyncWait, run: ScheduleRun, training: bool, start: float = 0.0
+        self, module: TowerModule, ins: BatchSync | SyncWait, run: ScheduleRun, training: bool, start: Any = None
     ) -> None:
         """Wave ``ins.sync_group``'s features meet: wait for their gather (posted by ``_post_sync``), the
         loss forward and backward, the feature gradients split (traced from ``start``, the post of a
         blocking ``BatchSync``)."""
-        start = start or time.perf_counter()
+        start = start if start is not None else self._now()
         group_sizes = self.plan.group_split(run.n)
         rows = group_sizes[ins.sync_group]
         full = self._gathers.pop(ins.sync_group).wait()
@@ -349,7 +358,7 @@ class RankRuntime:
                 a = offset + part.start - span.local_start
                 run.feature_grads[tower, mb] = grads[tower][a : a + part.stop - part.start]
         if self.trace is not None:
-            self.trace.append((ins, start, time.perf_counter()))
+            self.trace.add(ins, start)
 
     def _backward(self, ins: Backward, run: ScheduleRun, last: bool, sync: bool) -> None:
         """One microbatch backward through this rank's stage; the input gradient goes to the previous stage.
@@ -371,7 +380,7 @@ class RankRuntime:
             if ins.recv_from is not None
             else feature_grad
         )
-        start = time.perf_counter()
+        start = self._now()
         if micro.output is None:  # cached: recompute the stage from its saved input, same RNG
             x_in = micro.input.requires_grad_(True) if micro.input is not None else None
             with _restored_rng(micro.rng, self.device):  # type: ignore[arg-type]
@@ -380,7 +389,7 @@ class RankRuntime:
             x_in, out = micro.input, micro.output
         torch.autograd.backward(out, g_out)
         if self.trace is not None:
-            self.trace.append((ins, start, time.perf_counter()))
+            self.trace.add(ins, start)
         if ins.send_to is not None:
             assert x_in is not None
             self._sends.append(
