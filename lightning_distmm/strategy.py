@@ -309,6 +309,7 @@ class DistMMStrategy(ModelParallelStrategy):
         if nodes != [r // per_node for r in range(len(nodes))]:
             raise PlanError(f"plan='auto' places towers by node but the launcher's nodes of ranks 0.. are {nodes}")
         from lightning_distmm.planner.auto import auto_plan, tower_info_from_batch
+        from lightning_distmm.planner.cost.options import PRECISION_ALIASES
 
         example, global_batch = seam.example_batch(trainer), seam.train_batch_size(trainer)
         if example is None or global_batch is None:
@@ -320,7 +321,18 @@ class DistMMStrategy(ModelParallelStrategy):
             # must compute the module's loss: distmm's two sync groups exactly when it asks for them
             schedules = ["distmm"] if module.sync_groups == 2 else ["gpipe", "cached"]
             options = {"max_tp": 1, "max_pp": 1, "schedules": schedules, "recompute": False}
-            plan = auto_plan(infos, self.world_size, global_batch, self.root_device, options, per_node)
+            precision = str(getattr(self.precision_plugin, "precision", "32-true"))
+            if precision in PRECISION_ALIASES:  # priced in the precision the run computes in
+                options["precision"] = precision
+            plan = auto_plan(
+                infos,
+                self.world_size,
+                global_batch,
+                self.root_device,
+                options,
+                per_node,
+                autocast=self.precision_plugin.forward_context,
+            )
             data = plan.to_dict()
         return Plan.from_dict(self.broadcast(data, src=0))
 

@@ -579,6 +579,27 @@ def test_measure_tower_fits_time_and_activations():
     assert fit.act_bytes[1] > 0  # activations grow with the microbatch
 
 
+def test_measure_tower_in_the_runs_precision():
+    """Timed under the run's forward context (bf16 autocast here): the activations autograd saves
+    are counted in the dtype the run keeps them in, about half of fp32's for a linear stack."""
+    import torch
+    from torch import nn
+
+    from lightning_distmm.planner import measure_tower
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 256), nn.Linear(256, 8))
+    make = lambda b: [torch.randn(b, 64)]  # noqa: E731
+    fp32 = measure_tower(m, make, (4, 16), repeats=1)
+    bf16 = measure_tower(m, make, (4, 16), repeats=1, autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    ratio = bf16.act_bytes[1] / fp32.act_bytes[1]
+    print(
+        f"activation bytes per sample: fp32 {fp32.act_bytes[1]:.0f}, bf16 autocast {bf16.act_bytes[1]:.0f} ({ratio:.2f}x)"
+    )
+    assert 0.4 < ratio < 0.7, ratio
+    assert next(m.parameters()).dtype == torch.float32 and next(m.parameters()).device.type == "cpu"
+
+
 def test_local_cpu_is_measured():
     from lightning_distmm.planner import measure_local_cpu
 

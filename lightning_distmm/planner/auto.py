@@ -90,6 +90,7 @@ def auto_plan(
     devices_per_node: int | None = None,
     batch_sizes: Sequence[int] = (1, 2, 4),
     cluster: Cluster | None = None,
+    autocast: Callable[[], Any] | None = None,
 ) -> Plan:
     """Plan for the live job: measure each tower on ``device`` and plan ``world_size`` ranks.
 
@@ -106,6 +107,8 @@ def auto_plan(
             GPUs for CUDA).
         batch_sizes: microbatch sizes timed per tower.
         cluster: skip measuring the machine and use this spec.
+        autocast: the run's forward context (Lightning's ``precision_plugin.forward_context``): the
+            towers are timed in the precision the run computes in, one at a time on ``device``.
 
     ``planner.shards`` may list ``none`` and ``full``: a tower the planner shards runs with
     ``shard: full`` (FSDP2), as priced.
@@ -125,12 +128,12 @@ def auto_plan(
         cl = cl.with_world(world_size)
     profiles: dict[str, TowerProfile] = {}
     for name, info in towers.items():
-        fit = measure_tower(info.module, info.make_inputs, batch_sizes, device, frozen=info.frozen)
         E = info.embed_dim
         if E is None:
             with torch.no_grad():
-                out = info.module(*[x.to(device) if hasattr(x, "to") else x for x in info.make_inputs(1)])
+                out = info.module(*info.make_inputs(1))  # where the module is: not on the device yet
             E = int(first_tensor(out).shape[-1])
+        fit = measure_tower(info.module, info.make_inputs, batch_sizes, device, frozen=info.frozen, autocast=autocast)
         analytic = tower_profile(name, info.config, E) if info.config is not None else None
         profiles[name] = measured_profile(name, fit, info.frozen, E, analytic)
     plan, _ = make_plan(None, cl, global_batch, options, profiles=profiles)

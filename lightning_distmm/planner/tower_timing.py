@@ -44,6 +44,7 @@ def measure_tower(
     frozen: bool = False,
     repeats: int = 2,
     warmup: int = 1,
+    autocast: Callable[[], Any] | None = None,
 ) -> MeasuredFit:
     """Time ``module(*make_inputs(b))`` forward and backward at each ``b`` and fit ``a + c * b``.
 
@@ -51,10 +52,20 @@ def measure_tower(
     autograd saves for backward (distinct storages), so they do not depend on allocator caching.
     Backward runs on ``output.float().pow(2).mean()``, a stand-in for the loss. A frozen tower is
     timed forward only, under ``no_grad``. Cheap: a few forward/backward passes of a small model.
+
+    ``autocast``: a context manager factory the forward runs in, the run's precision (Lightning's
+    ``precision_plugin.forward_context``: ``bf16-mixed`` autocasts), so the tower is timed and its
+    saved activations counted as the run computes them. The module moves to ``device`` for the
+    measurement and back to where its first parameter was afterwards: towers are measured one at a
+    time, and only one is ever on the device.
     """
+    import contextlib
+
     import torch
 
     dev = torch.device(device)
+    home = next((p.device for p in module.parameters()), dev)
+    forward_context = autocast or contextlib.nullcontext
     module = module.to(dev)
     was_training = module.training
     module.train()
@@ -86,12 +97,12 @@ def measure_tower(
                 sync()
                 t0 = time.perf_counter()
                 if frozen:
-                    with torch.no_grad():
+                    with torch.no_grad(), forward_context():
                         out = module(*inputs)
                     sync()
                     t1 = t2 = time.perf_counter()
                 else:
-                    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), forward_context():
                         out = module(*inputs)
                     out = first_tensor(out)
                     sync()
@@ -109,6 +120,10 @@ def measure_tower(
     finally:
         module.zero_grad(set_to_none=True)
         module.train(was_training)
+        if home != dev:
+            module.to(home)
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
     xs = [r["batch"] for r in raw]
     return MeasuredFit(
         device=str(dev),
