@@ -35,6 +35,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 _log = logging.getLogger(__name__)
 
@@ -149,6 +150,18 @@ class ErrorRelay:
     def __init__(self, folder: str | os.PathLike, rank: int) -> None:
         self.folder = Path(folder)
         self.rank = rank
+        #: the job's key-value store (rank 0's TCPStore), where records also go when the ranks span
+        #: several hosts: each host's folder holds only its own ranks' records
+        self.store: Any = None
+        self.world_size = 0
+
+    def share_across_hosts(self, store: Any, world_size: int) -> None:
+        """Also write records to ``store`` and read other hosts' from it (``torch.distributed``'s
+        default store; a ``PrefixStore`` keeps the keys apart from torch's own)."""
+        import torch.distributed as dist
+
+        self.store = dist.PrefixStore(f"distmm-failures/{self.folder.name}", store)
+        self.world_size = world_size
 
     def _path(self, rank: int) -> Path:
         return self.folder / f"rank{rank}.json"
@@ -207,7 +220,51 @@ class ErrorRelay:
             if existing is not None:
                 return existing
         _write_atomically(self.folder, path.name, json.dumps(asdict(mine)))
+        if self.store is not None:
+            self._publish(mine)
         return mine
+
+    def _publish(self, record: FailureRecord, wait: float = 2.0) -> None:
+        """Put ``record`` in the shared store, waiting at most ``wait`` seconds (the store's host may be
+        the one that is gone: the local record is written already, and the report goes on without it)."""
+        store = self.store
+
+        def put() -> None:
+            with contextlib.suppress(Exception):
+                store.set(f"rank{self.rank}", json.dumps(asdict(record)))
+                store.add("count", 1)
+
+        writer = threading.Thread(target=put, name="distmm-failure-publish", daemon=True)
+        writer.start()
+        writer.join(wait)
+
+    def shared_records(self) -> list[FailureRecord]:
+        """Records other hosts' ranks put in the shared store (none without one). May block while the
+        store's host is unreachable: see :meth:`shared_records_within` for a bounded wait."""
+        if self.store is None or self.store.add("count", 0) == 0:
+            return []
+        out = []
+        for rank in range(self.world_size):
+            key = f"rank{rank}"
+            if rank != self.rank and self.store.check([key]):
+                with contextlib.suppress(ValueError, TypeError):
+                    out.append(FailureRecord(**json.loads(self.store.get(key))))
+        return out
+
+    def shared_records_within(self, wait: float = 2.0) -> list[FailureRecord]:
+        """:meth:`shared_records`, or none if the store does not answer within ``wait`` seconds."""
+        if self.store is None:
+            return []
+        found: list[FailureRecord] = []
+
+        def read() -> None:
+            with contextlib.suppress(Exception):
+                found.extend(self.shared_records())
+
+        reader = threading.Thread(target=read, name="distmm-failure-read", daemon=True)
+        reader.start()
+        reader.join(wait)
+        return list(found) if not reader.is_alive() else []
 
     @staticmethod
     def _read(path: Path) -> FailureRecord | None:
@@ -231,6 +288,8 @@ class ErrorRelay:
         deadline = time.monotonic() + wait
         while True:
             records = self.records()
+            local = {r.rank for r in records}
+            records += [r for r in self.shared_records_within() if r.rank not in local]
             found = earliest_cause(records)
             if found is not None and not found.consequence:
                 return found
@@ -431,7 +490,8 @@ class PeerFailureWatch(threading.Thread):
     whose peer raised (and lingers in its error handling) or died stays blocked in a collective or a
     host sync until NCCL's watchdog ends it at the collective timeout (10 minutes by default), so
     its ``on_exception`` and the relay's report never run. This thread reads the relay's records
-    every ``interval`` seconds; once a root cause recorded by another rank, or a rank of this host
+    every ``interval`` seconds (this host's folder, and the job's store when the ranks span several
+    hosts: :meth:`ErrorRelay.share_across_hosts`); once a root cause recorded by another rank, or a rank of this host
     that died without a word, has been there for ``grace`` seconds while this rank recorded nothing
     (on gloo it would have failed and recorded a consequence by then), it prints that cause as
     ``[rank<N>]: distmm: ...`` and ends the process with ``code``.
@@ -455,6 +515,8 @@ class PeerFailureWatch(threading.Thread):
         if self.relay.recorded():
             return None
         records = self.relay.records()
+        local = {r.rank for r in records}
+        records += [r for r in self.relay.shared_records() if r.rank not in local]
         causes = [r for r in records if not r.consequence and r.rank != self.relay.rank]
         try:
             causes += self.relay._silent_ranks({r.rank for r in records}, stalled_too=False)

@@ -187,6 +187,8 @@ class DistMMStrategy(ModelParallelStrategy):
         dies_with_launcher = faults.dies_with_parent() if ours else contextlib.nullcontext()
         with dies_with_launcher, seam.random_state_kept(self.root_device):
             seam.init_process_groups(self)
+        if self.num_nodes > 1:  # each host's folder holds its own ranks' records: share them in the store
+            self._relay.share_across_hosts(seam.default_store(), self.world_size)
         # at this process's exit, gloo's workers finish with the interpreter before it finalises
         # (a worker freeing a tensor then would abort a rank whose work succeeded: docs/runtime.md)
         settle_collectives_at_exit()

@@ -75,6 +75,31 @@ def test_relay_waits_for_a_root_cause_while_only_consequences_are_recorded(tmp_p
     assert found is not None and found.consequence and time.monotonic() - start >= 0.45
 
 
+def test_records_cross_hosts_through_the_store(tmp_path):
+    """Two hosts, each with its own folder (no shared filesystem), one job store (a real TCPStore, as
+    rank 0 serves it): rank 1 on host B records its error; the peer watch of rank 0 on host A finds it
+    in the store (under NCCL rank 0 would otherwise wait in its collective for the timeout), and a
+    consequence on host A is reported with host B's root cause."""
+    import torch.distributed as dist
+
+    from lightning_distmm.faults import PeerFailureWatch
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    run = "run-x"
+    host_a, host_b = ErrorRelay(tmp_path / "a" / run, 0), ErrorRelay(tmp_path / "b" / run, 1)
+    for relay in (host_a, host_b):
+        relay.share_across_hosts(store, world_size=2)
+    watch = PeerFailureWatch(host_a, world_size=2, grace=0.0)
+    assert watch.due() is None  # nothing recorded anywhere yet
+    host_b.record(RuntimeError("stage 1 exploded in its forward"))
+    assert not (tmp_path / "a" / run / "rank1.json").exists()  # not in host A's folder
+    found = watch.due()
+    assert found is not None and found.describe() == "rank 1: RuntimeError: stage 1 exploded in its forward"
+    host_a.record(RuntimeError("Connection closed by peer"))
+    first = host_a.first(wait=0.0)
+    assert first is not None and first.rank == 1 and not first.consequence
+
+
 def test_a_rank_that_died_silently_is_named(tmp_path):
     """SIGKILL leaves no record: the survivors' connection errors point at the rank whose process is gone."""
     relay = ErrorRelay(tmp_path, 0)
