@@ -318,6 +318,7 @@ def test_the_first_gradient_bucket_is_small(tmp_path):
         buckets = GradientBuckets(params, None, cap=10_000, first_cap=140)  # last weight (128 B) + bias (8 B)
         assert [len(b) for b in buckets.buckets] == [2, 4]
         assert buckets.buckets[0] == [params[-1], params[-2]]
+        buckets.arm()
         model(torch.randn(3, 16)).sum().backward()
         assert buckets.next == 2
         for posted in buckets.finish():
@@ -339,12 +340,19 @@ def test_gradient_buckets_post_during_the_backward(tmp_path):
         params = list(model.parameters())
         buckets = GradientBuckets(params, None, cap=40)  # a bias or weight or two per bucket
         assert len(buckets.buckets) > 2 and buckets.buckets[0][0] is params[-1]  # last layer first
-        model(torch.randn(3, 4)).sum().backward()
-        assert buckets.next == len(buckets.buckets)  # all posted by the hooks
+        x = torch.randn(3, 4)
+        model(x).sum().backward()
         expected = [p.grad.clone() for p in params]
+        model.zero_grad(set_to_none=True)
+        buckets.attach()  # the gradients become views of the buckets' buffers
+        buckets.arm()
+        model(x).sum().backward()
+        assert buckets.next == len(buckets.buckets)  # all posted by the hooks
         for posted in buckets.finish():
             posted.wait()
         assert all(torch.equal(p.grad, e) for p, e in zip(params, expected))  # a sum over one rank
+        flats = {f.untyped_storage().data_ptr() for f in buckets.flat if f is not None}
+        assert {p.grad.untyped_storage().data_ptr() for p in params} <= flats  # accumulated in place, no copy
         assert not any(p._post_accumulate_grad_hooks for p in params)  # hooks removed
     finally:
         dist.destroy_process_group()

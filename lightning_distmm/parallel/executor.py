@@ -219,6 +219,8 @@ class RankRuntime:
         # Gradient sums overlapped with the backward (DDP's idea) when this step's gradients are the
         # whole optimizer step's: the same decision on every rank (it depends on the step only)
         run.sums = [] if learns and step.final else None
+        if run.sums is not None:
+            self.gradients.attach_bucket_views()  # autograd accumulates into the buckets the sums run on
         last_backward = {ins.tower: i for i, ins in enumerate(run.instructions) if isinstance(ins, Backward)}
         self.stash_bytes = 0
         try:
@@ -375,6 +377,8 @@ class RankRuntime:
         micro = run.records.pop((ins.tower, ins.mb))
         feature_grad = run.feature_grads.pop((ins.tower, ins.mb), None)
         buckets = self.gradients.buckets(ins.tower) if last and run.sums is not None else None
+        if buckets is not None:
+            buckets.arm()
         g_out = (
             self.links.recv(ins.tower, "grad", ins.recv_from, self.device)
             if ins.recv_from is not None

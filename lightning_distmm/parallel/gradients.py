@@ -81,6 +81,7 @@ class RankGradients:
         self.world = dist.get_world_size()
         #: every rank, exchanging host-side flags (:func:`~lightning_distmm.parallel.groups.host_group`)
         self.host_group = host_group
+        self._buckets: dict[str, GradientBuckets] = {}
         #: upstream gradients of the runs whose sharded towers' gradients FSDP holds unreduced
         self._held_scales: list[Tensor] = []
 
@@ -182,13 +183,26 @@ class RankGradients:
     # ------------------------------------------------------------------ sums
     def buckets(self, name: str) -> GradientBuckets | None:
         """Buckets of tower ``name``'s gradients, summed over its replicas as they become final (None:
-        one replica, or a sharded tower, which FSDP sums)."""
+        one replica, or a sharded tower, which FSDP sums). Built once: their buffers are the
+        gradients' storage on the steps whose sums are posted during the step."""
         tower = self.plan.towers[name]
-        if tower.dp == 1 or self.sharded(name):
+        if tower.dp == 1 or self.sharded(name) or not self.trainable(name):
             return None
-        group = None if tower.dp == self.world else self.groups[name].dp_group
-        params = [p for p in self.tower_params[name].values() if p.requires_grad and not p.is_meta]
-        return GradientBuckets(params, group, int(self.bucket_cap_mb * 2**20), first_cap=FIRST_BUCKET_BYTES)
+        if name not in self._buckets:
+            group = None if tower.dp == self.world else self.groups[name].dp_group
+            params = [p for p in self.tower_params[name].values() if p.requires_grad and not p.is_meta]
+            self._buckets[name] = GradientBuckets(
+                params, group, int(self.bucket_cap_mb * 2**20), first_cap=FIRST_BUCKET_BYTES
+            )
+        return self._buckets[name]
+
+    def attach_bucket_views(self) -> None:
+        """Before a step whose sums are posted during it: every local tower's gradients become views
+        of its buckets (:meth:`GradientBuckets.attach`)."""
+        for name in self.layout.local_towers:
+            buckets = self.buckets(name)
+            if buckets is not None:
+                buckets.attach()
 
     def post_interaction_sum(self) -> list[PendingSum]:
         """Post the sum of the interaction parameters' gradients over all ranks (nothing if there are none)."""
@@ -274,12 +288,19 @@ class RankGradients:
 
 
 class GradientBuckets:
-    """DDP's reducer, for one tower during its last backward of the step: the parameters in fixed
-    buckets (reverse order: the last layers' gradients are final first), the first of up to
-    ``first_cap`` bytes and the others of up to ``cap`` (DDP's 1 MiB first bucket, so that a sum
-    starts early in the backward); a bucket's sum over ``group`` is posted once all its gradients
-    are final, buckets in order, so every replica posts the same sequence. :meth:`finish` posts what
-    the backward did not reach."""
+    """DDP's reducer, for one tower: the parameters in fixed buckets (reverse order: the last layers'
+    gradients are final first), the first of up to ``first_cap`` bytes and the others of up to
+    ``cap`` (DDP's 1 MiB first bucket, so that a sum starts early in the backward); a bucket's sum over
+    ``group`` is posted once all its gradients are final, buckets in order, so every replica posts the
+    same sequence.
+
+    As DDP's ``gradient_as_bucket_view``: a bucket of plain tensors of one dtype and device owns one
+    flat buffer, and :meth:`attach` makes each parameter's ``.grad`` a view of it before the step's
+    backwards, so autograd accumulates into the buffer and the sum runs on it in place (no copy into a
+    concatenated buffer that lives until the end of the backward, no copy back). Buckets of DTensors
+    (tensor-parallel towers) are concatenated when posted. Built once per tower; :meth:`arm` before
+    the tower's last backward of a step, :meth:`finish` after it posts what the backward did not reach.
+    """
 
     def __init__(
         self, params: list[nn.Parameter], group: dist.ProcessGroup | None, cap: int, first_cap: int | None = None
@@ -295,12 +316,39 @@ class GradientBuckets:
                 size = 0
             self.buckets[-1].append(p)
             size += nbytes
-        #: per bucket, how many of its gradients are not final yet; each parameter's bucket
-        self.pending = [len(b) for b in self.buckets]
         self.bucket_of = {id(q): i for i, b in enumerate(self.buckets) for q in b}
+        #: per bucket, its flat buffer (None: concatenated when posted)
+        self.flat: list[Tensor | None] = [None] * len(self.buckets)
+        for i, bucket in enumerate(self.buckets):
+            kinds = {(p.dtype, p.device) for p in bucket}
+            if len(kinds) == 1 and not any(isinstance(p, DTensor) for p in bucket):
+                dtype, device = kinds.pop()
+                self.flat[i] = torch.empty(sum(p.numel() for p in bucket), dtype=dtype, device=device)
+        self.pending: list[int] = []
         self.next = 0
         self.posted: list[PendingSum] = []
-        self.hooks = [p.register_post_accumulate_grad_hook(self._on_ready) for p in params]
+        self.hooks: list[Any] = []
+
+    def attach(self) -> None:
+        """Zero the flat buffers and make every bucketed parameter's ``.grad`` a view of its bucket's
+        (before the step's first backward of the tower, while ``.grad`` is empty)."""
+        for bucket, flat in zip(self.buckets, self.flat):
+            if flat is None:
+                continue
+            flat.zero_()
+            start = 0
+            for p in bucket:
+                assert p.grad is None, "bucket views are attached while the gradients are set aside"
+                p.grad = flat[start : start + p.numel()].view_as(p)
+                start += p.numel()
+
+    def arm(self) -> GradientBuckets:
+        """Post each bucket's sum as soon as its gradients are final in the coming backward."""
+        self.pending = [len(b) for b in self.buckets]
+        self.next = 0
+        self.posted = []
+        self.hooks = [p.register_post_accumulate_grad_hook(self._on_ready) for b in self.buckets for p in b]
+        return self
 
     def _on_ready(self, p: Tensor) -> None:
         self.pending[self.bucket_of[id(p)]] -= 1
@@ -308,20 +356,30 @@ class GradientBuckets:
             self._post()
 
     def _post(self) -> None:
-        grads = []
-        for p in self.buckets[self.next]:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(local(p.grad))
-        self.posted.append(allreduce_sum_async(grads, self.group))
+        flat = self.flat[self.next]
+        if flat is not None and all(_views(p.grad, flat) for p in self.buckets[self.next]):
+            self.posted.append(allreduce_sum_async([flat], self.group))
+        else:
+            grads = []
+            for p in self.buckets[self.next]:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(local(p.grad))
+            self.posted.append(allreduce_sum_async(grads, self.group))
         self.next += 1
 
     def finish(self) -> list[PendingSum]:
         for hook in self.hooks:
             hook.remove()
+        self.hooks = []
         while self.next < len(self.buckets):
             self._post()
         return self.posted
+
+
+def _views(g: Tensor | None, flat: Tensor) -> bool:
+    """Whether the gradient ``g`` is a view of the bucket buffer ``flat`` (autograd accumulated into it)."""
+    return g is not None and g.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
 
 
 def scaled_all(produced: Gradients, scale: Tensor | None) -> Gradients:
