@@ -48,7 +48,7 @@ from lightning_distmm.parallel.executor import RankRuntime
 from lightning_distmm.parallel.exit_settle import settle_collectives_at_exit
 from lightning_distmm.parallel.flops import tower_counts
 from lightning_distmm.parallel.fsdp import mixed_precision_policy
-from lightning_distmm.parallel.groups import build_tower_groups
+from lightning_distmm.parallel.groups import build_topology
 from lightning_distmm.parallel.host_allocator import keep_freed_host_memory
 from lightning_distmm.parallel.step import StepState
 from lightning_distmm.tower import TowerModule
@@ -233,8 +233,8 @@ class DistMMStrategy(ModelParallelStrategy):
             seam.evaluate_without_inference_mode(trainer)
 
         precision = getattr(self.precision_plugin, "precision", None)
-        groups = build_tower_groups(self.plan, self.root_device.type, nodes, mixed_precision_policy(precision))
-        self.runtime = RankRuntime(module, self.plan, groups, self.root_device, bucket_cap_mb=self._bucket_cap_mb)
+        topology = build_topology(self.plan, self.root_device.type, nodes, mixed_precision_policy(precision))
+        self.runtime = RankRuntime(module, self.plan, topology, self.root_device, bucket_cap_mb=self._bucket_cap_mb)
         self.runtime.prepare_local_towers()
         self.runner = StepRunner(self.runtime)
         module._distmm_runner = self.runner

@@ -49,7 +49,6 @@ from lightning_distmm.core.schedule import (
     SyncPost,
     SyncWait,
     rank_schedule,
-    sync_ranks,
 )
 from lightning_distmm.interaction import row_share
 from lightning_distmm.parallel import deferred
@@ -63,8 +62,8 @@ from lightning_distmm.parallel.exchange import (
 )
 from lightning_distmm.parallel.fsdp import set_gradient_sync
 from lightning_distmm.parallel.gradients import DeferredGradients, RankGradients
-from lightning_distmm.parallel.groups import TowerGroups, host_group
-from lightning_distmm.parallel.pipeline import PendingSend, PipelineLinks, Stage
+from lightning_distmm.parallel.groups import Topology
+from lightning_distmm.parallel.pipeline import PendingSend, Stage
 from lightning_distmm.parallel.prepare import (
     check_held_tensors,
     held_names,
@@ -85,7 +84,7 @@ class RankRuntime:
         self,
         module: TowerModule,
         plan: Plan,
-        groups: Mapping[str, TowerGroups],
+        topology: Topology,
         device: torch.device,
         bucket_cap_mb: float = 25.0,
     ):
@@ -94,22 +93,20 @@ class RankRuntime:
         self.world = dist.get_world_size()
         self.device = device
         self.towers = module.tower_specs()
-        self.groups = groups
+        self.topology = topology
+        self.groups = topology.towers
         self.layout = RankLayout(plan, self.rank, {n: t.fields for n, t in self.towers.items()})
         self.module = module
         self.bucket_cap_mb = bucket_cap_mb
-        self.host_group = host_group()
+        self.host_group = topology.host
         self.gradients = self._gradients()
         self.specs: dict[str, FeatureSpec] | None = None
         self._slots: dict[int, dict[str, GatherSlot]] = {}
         #: the ranks that meet at the batch-sync (every rank of a last stage) and their process group
-        self.batch_sync_ranks = sync_ranks(plan)
-        self.batch_sync_pg = (
-            dist.new_group(list(self.batch_sync_ranks)) if len(self.batch_sync_ranks) < self.world else None
-        )
+        self.batch_sync_ranks = topology.batch_sync_ranks
+        self.batch_sync_pg = topology.batch_sync
         self._sends: list[PendingSend] = []
-        #: the pipelines' point-to-point links: a group per stage pair and direction
-        self.links = PipelineLinks(plan, self.host_group)
+        self.links = topology.links
         self._schedules: dict[int, list[Instruction]] = {}
         #: ``distmm``: split every batch-sync but the last into a posted gather and its wait, running the
         #: next sync group's forwards between them (``rank_schedule(..., overlap=True)``). Off by default:

@@ -1,10 +1,17 @@
-"""One DeviceMesh per tower, over the ranks the plan gives it.
+"""Every process group and mesh a plan needs on this rank, built in one place: :class:`Topology`.
+
+:func:`build_topology` makes them once, in one fixed order, on every rank (torch.distributed
+requires every rank to create every group, in the same order): each tower's meshes, the group of
+CPU collectives for host-side flags, the batch-sync group, and the pipelines' point-to-point
+links. The runtime receives the topology and creates no group of its own.
+
+One DeviceMesh per tower, over the ranks the plan gives it.
 
 Each tower's mesh has the dimensions ``("dp", "pp", "tp")`` (tensor-parallel innermost, as the
 plan lays ranks out): data-parallel gradient sums run on ``mesh.get_group("dp")`` and tensor
 parallelism shards over ``mesh["tp"]``. Pipeline stages do not use the mesh's ``pp`` groups: their
-sends and receives run in per-tower process groups of their own, made by the runtime
-(:class:`lightning_distmm.parallel.executor.RankRuntime`). Every rank constructs every tower's
+sends and receives run in a group per stage pair and direction
+(:class:`lightning_distmm.parallel.pipeline.PipelineLinks`). Every rank constructs every tower's
 mesh in the same order, as torch.distributed requires of group creation; a rank outside a tower
 simply has no coordinate in its mesh.
 
@@ -26,6 +33,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_distmm.core.plan import Plan, TowerPlan
+from lightning_distmm.core.schedule import sync_ranks
+from lightning_distmm.parallel.pipeline import PipelineLinks
 
 
 @dataclass
@@ -44,6 +53,30 @@ class TowerGroups:
         if self.mesh.get_coordinate() is None:
             return None
         return self.mesh.get_group("dp")
+
+
+@dataclass
+class Topology:
+    """This rank's view of every group a plan needs (:func:`build_topology`)."""
+
+    #: each tower's meshes
+    towers: dict[str, TowerGroups]
+    #: every rank, collectives on CPU tensors (None: the default group, gloo's)
+    host: dist.ProcessGroup | None
+    #: the ranks that meet at the batch-sync (every rank of a last stage), and their group (None: the world)
+    batch_sync_ranks: tuple[int, ...]
+    batch_sync: dist.ProcessGroup | None
+    #: the pipelines' sends and receives, a group per stage pair and direction
+    links: PipelineLinks
+
+
+def build_topology(plan: Plan, device_type: str, nodes: Sequence[int] | None = None, mp_policy: Any = None) -> Topology:
+    """Every group of ``plan``, in one fixed order. Collective: every rank calls it with the same arguments."""
+    towers = build_tower_groups(plan, device_type, nodes, mp_policy)
+    host = host_group()
+    ranks = tuple(sync_ranks(plan))
+    batch_sync = dist.new_group(list(ranks)) if len(ranks) < dist.get_world_size() else None
+    return Topology(towers, host, ranks, batch_sync, PipelineLinks(plan, host))
 
 
 def build_tower_groups(
