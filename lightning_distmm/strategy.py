@@ -10,7 +10,7 @@ One training step is one :class:`~lightning_distmm.parallel.step.StepState`: mad
 starts the batch (``on_train_batch_start``: does Lightning zero the gradients after this
 ``training_step``), told whether its backward ends the optimizer step where Lightning decides it
 (``block_backward_sync``), and passed to the runtime by the module's ``contrastive_loss`` and
-``backward`` hooks through :class:`StepRunner`. Private Lightning accesses live in
+``backward`` hooks through :class:`~lightning_distmm.parallel.runner.StepRunner`. Private Lightning accesses live in
 :mod:`lightning_distmm.lightning_seam`.
 """
 
@@ -50,8 +50,7 @@ from lightning_distmm.parallel.flops import tower_counts
 from lightning_distmm.parallel.fsdp import mixed_precision_policy
 from lightning_distmm.parallel.groups import build_topology
 from lightning_distmm.parallel.host_allocator import keep_freed_host_memory
-from lightning_distmm.parallel.step import StepState
-from lightning_distmm.tower import TowerModule
+from lightning_distmm.parallel.runner import StepRunner
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -427,22 +426,15 @@ class DistMMStrategy(ModelParallelStrategy):
         an accumulation window (the runtime then drops the old ones before its backward)."""
         if self.runner is not None:
             trainer = self.lightning_module.trainer
-            self.runner.step = StepState(zero_after=seam.zeroes_gradients_after_training_step(trainer, batch_idx))
+            self.runner.start_step(zero_after=seam.zeroes_gradients_after_training_step(trainer, batch_idx))
 
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Lightning accumulates this step: its gradients stay local and the sums run once, in the
         optimizer step's backward (sums are linear, so that is exact)."""
-        step = self.runner.step if self.runner is not None else None
-        if step is None:
+        with self.runner.accumulating() if self.runner is not None else contextlib.nullcontext():
             yield None
-            return
-        before, step.sync = step.sync, False  # sharded towers: the executor turns FSDP's sync off from it
-        try:
-            yield None
-        finally:
-            step.sync = before
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -450,8 +442,8 @@ class DistMMStrategy(ModelParallelStrategy):
 
         def closure_then_check() -> Any:
             out = closure()
-            if self.runner is not None and self.runner.step is not None:
-                self.runner.step.check_handed_back()
+            if self.runner is not None:
+                self.runner.check_handed_back()
             return out
 
         return super().optimizer_step(optimizer, closure_then_check, model, **kwargs)
@@ -577,34 +569,3 @@ def _check_loss_semantics(plan: Plan, module: DistMMMixin) -> None:
             f" module to train with that loss (the single-process reference then computes the same), or choose"
             f" {'another schedule' if plan.sync_groups > 1 else 'schedule: distmm'}"
         )
-
-
-class StepRunner:
-    """What the strategy installs on the module (:class:`~lightning_distmm.tower.TowerRunner`): the
-    runtime, with the step in progress passed to it explicitly.
-
-    ``step`` is the one piece of state carried between Lightning's hooks: made when the batch
-    starts, it is what the module's ``contrastive_loss`` and ``backward`` calls hand the runtime.
-    Outside a training batch (validation, ``trainer.validate``) a call gets a step of its own.
-    """
-
-    def __init__(self, runtime: RankRuntime) -> None:
-        self.runtime = runtime
-        self.step: StepState | None = None
-
-    def _current(self) -> StepState:
-        if self.step is None:
-            self.step = StepState()
-        return self.step
-
-    def contrastive_loss(self, module: TowerModule, batch: Mapping[str, Any]) -> Tensor:
-        return self.runtime.contrastive_loss(self._current(), module, batch)
-
-    def global_batch_size(self, batch: Mapping[str, Any]) -> int:
-        return self.runtime.global_batch_size(batch)
-
-    def backward(self, run_backward: Callable[[], None]) -> None:
-        self.runtime.backward(self._current(), run_backward)
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        return self.runtime.clip_grad_norm_(max_norm, norm_type)

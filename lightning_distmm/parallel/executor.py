@@ -55,7 +55,6 @@ from lightning_distmm.parallel import deferred
 from lightning_distmm.parallel.exchange import (
     FeatureSpec,
     GatherSlot,
-    PendingGather,
     allreduce_sum,
     exchange_specs,
     gather_features_async,
@@ -63,7 +62,7 @@ from lightning_distmm.parallel.exchange import (
 from lightning_distmm.parallel.fsdp import set_gradient_sync
 from lightning_distmm.parallel.gradients import DeferredGradients, RankGradients
 from lightning_distmm.parallel.groups import Topology
-from lightning_distmm.parallel.pipeline import PendingSend, Stage
+from lightning_distmm.parallel.pipeline import Stage
 from lightning_distmm.parallel.prepare import (
     check_held_tensors,
     held_names,
@@ -105,7 +104,6 @@ class RankRuntime:
         #: the ranks that meet at the batch-sync (every rank of a last stage) and their process group
         self.batch_sync_ranks = topology.batch_sync_ranks
         self.batch_sync_pg = topology.batch_sync
-        self._sends: list[PendingSend] = []
         self.links = topology.links
         self._schedules: dict[int, list[Instruction]] = {}
         #: ``distmm``: split every batch-sync but the last into a posted gather and its wait, running the
@@ -114,7 +112,6 @@ class RankRuntime:
         #: count it) to hide one gather per step (docs/pipeline.md, "Asynchronous batch-sync"); set it
         #: before the first step
         self.overlap_batch_sync = False
-        self._gathers: dict[int, PendingGather] = {}  # sync group -> its gather in flight
         #: when set (:meth:`record_trace`), the spans of this rank's instructions in the last step
         self.trace: StepTrace | None = None
         self.stages: dict[str, Stage] = {}  # this rank's stage of each local tower with pp > 1
@@ -219,10 +216,9 @@ class RankRuntime:
         if run.sums is not None:
             self.gradients.attach_bucket_views()  # autograd accumulates into the buckets the sums run on
         last_backward = {ins.tower: i for i, ins in enumerate(run.instructions) if isinstance(ins, Backward)}
-        self.stash_bytes = 0
         try:
             for i, ins in enumerate(run.instructions):
-                self._sends = [s for s in self._sends if not s.done()]
+                run.sends = [s for s in run.sends if not s.done()]
                 if isinstance(ins, Forward):
                     rows = {f: _take_rows(batch[f], run.rows[ins.tower, ins.mb]) for f in self.towers[ins.tower].fields}
                     self._forward(ins, rows, training, run)
@@ -239,11 +235,12 @@ class RankRuntime:
                         self._backward(ins, run, last=last_backward[ins.tower] == i, sync=step.sync)
                 elif isinstance(ins, GradSync):
                     self._grad_sync(run)
-            for pending in self._sends:
+            for pending in run.sends:
                 pending.wait()
         finally:
-            self._sends = []
-            self._gathers.clear()
+            run.sends.clear()
+            run.gathers.clear()
+            self.stash_bytes = run.stash_bytes
             run.records.clear()
             run.outputs.clear()
             run.feature_grads.clear()
@@ -291,7 +288,7 @@ class RankRuntime:
                 x = self._run_stage(ins.tower, x_in, rows, training)
             run.records[ins.tower, ins.mb] = Microbatch(x_in, rows, None, rng)
             if x_in is not None:
-                self.stash_bytes += x_in.numel() * x_in.element_size()
+                run.stash_bytes += x_in.numel() * x_in.element_size()
         else:
             if grad and x_in is not None:
                 x_in.requires_grad_(True)
@@ -301,7 +298,7 @@ class RankRuntime:
         if self.trace is not None:
             self.trace.add(ins, start)
         if ins.send_to is not None:
-            self._sends.append(self.links.send(x, ins.tower, "act", ins.send_to))
+            run.sends.append(self.links.send(x, ins.tower, "act", ins.send_to))
         else:
             _check_features(ins.tower, x, ins.rows, grad and ins.keep)
             run.outputs.setdefault((ins.sync_group, ins.tower), []).append(x)
@@ -313,7 +310,7 @@ class RankRuntime:
         local = {tower: torch.cat(outs) for (wave, tower), outs in run.outputs.items() if wave == ins.sync_group}
         if self.specs is None:
             self.specs = exchange_specs(local, list(self.towers), self.batch_sync_pg)
-        self._gathers[ins.sync_group] = gather_features_async(
+        run.gathers[ins.sync_group] = gather_features_async(
             local, self.slots(rows), self.specs, self.device, self.batch_sync_pg
         )
         if self.trace is not None and isinstance(ins, SyncPost):
@@ -328,7 +325,7 @@ class RankRuntime:
         start = start if start is not None else self._now()
         group_sizes = self.plan.group_split(run.n)
         rows = group_sizes[ins.sync_group]
-        full = self._gathers.pop(ins.sync_group).wait()
+        full = run.gathers.pop(ins.sync_group).wait()
         for name, feats in full.items():
             feats.requires_grad_(training and self.trainable(name))
         index, parts = self.batch_sync_ranks.index(self.rank), len(self.batch_sync_ranks)
@@ -393,7 +390,7 @@ class RankRuntime:
             self.trace.add(ins, start)
         if ins.send_to is not None:
             assert x_in is not None
-            self._sends.append(
+            run.sends.append(
                 self.links.send(
                     x_in.grad if x_in.grad is not None else torch.zeros_like(x_in), ins.tower, "grad", ins.send_to
                 )

@@ -21,7 +21,8 @@ from torch import Tensor, nn
 
 from lightning_distmm.core.layout import RankBatch
 from lightning_distmm.core.schedule import Forward, Instruction
-from lightning_distmm.parallel.exchange import PendingSum
+from lightning_distmm.parallel.exchange import PendingGather, PendingSum
+from lightning_distmm.parallel.pipeline import PendingSend
 
 #: a parameter and a gradient tensor of it, taken out of ``.grad``
 Gradients = list[tuple[nn.Parameter, Tensor]]
@@ -63,6 +64,11 @@ class ScheduleRun:
     produced: Gradients = field(default_factory=list)
     sums: list[PendingSum] | None = None  # None: the sums are left for the optimizer step's backward
     scale: Tensor | None = None
+    #: the run's pipeline sends in flight, and its batch-sync gathers in flight by sync group
+    sends: list[PendingSend] = field(default_factory=list)
+    gathers: dict[int, PendingGather] = field(default_factory=dict)
+    #: bytes of stage-boundary activations the run kept outside autograd (cached schedule)
+    stash_bytes: int = 0
 
     @property
     def n(self) -> int:

@@ -1,0 +1,77 @@
+"""What the module calls under distmm: the runtime, with the step in progress.
+
+The strategy creates one :class:`StepRunner` per run and installs it on the module
+(:class:`~lightning_distmm.tower.TowerRunner`); the mixin's ``contrastive_loss``, ``backward`` and
+clipping hooks call it directly. It holds the one piece of state carried between Lightning's hooks,
+the :class:`~lightning_distmm.parallel.step.StepState`: started when Lightning starts a training
+batch (:meth:`start_step`), marked as accumulating while Lightning blocks the backward's sync
+(:meth:`accumulating`), checked once the optimizer step's closure ran (:meth:`check_handed_back`).
+Outside a training batch (validation, ``trainer.validate``) a call gets a step of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+from torch import Tensor
+
+from lightning_distmm.parallel.executor import RankRuntime
+from lightning_distmm.parallel.step import StepState
+from lightning_distmm.tower import TowerModule
+
+
+class StepRunner:
+    """The runtime and the step in progress (see the module docstring)."""
+
+    def __init__(self, runtime: RankRuntime) -> None:
+        self.runtime = runtime
+        self.step: StepState | None = None
+
+    # ------------------------------------------------------------------ the step's lifecycle
+    def start_step(self, zero_after: bool) -> StepState:
+        """A training batch starts; ``zero_after``: Lightning zeroes the gradients after its
+        ``training_step`` (the first batch of an accumulation window)."""
+        self.step = StepState(zero_after=zero_after)
+        return self.step
+
+    @contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Lightning accumulates this step: its gradients stay local and the sums run once, in the
+        optimizer step's backward (sums are linear, so that is exact)."""
+        step = self.step
+        if step is None:
+            yield
+            return
+        before, step.sync = step.sync, False  # sharded towers: the executor turns FSDP's sync off from it
+        try:
+            yield
+        finally:
+            step.sync = before
+
+    def check_handed_back(self) -> None:
+        """After the optimizer step's closure: every loss of the step had its gradients handed back."""
+        if self.step is not None:
+            self.step.check_handed_back()
+
+    def _current(self) -> StepState:
+        if self.step is None:
+            self.step = StepState()
+        return self.step
+
+    # ------------------------------------------------------------------ what the module calls
+    def contrastive_loss(self, module: TowerModule, batch: Mapping[str, Any]) -> Tensor:
+        return self.runtime.contrastive_loss(self._current(), module, batch)
+
+    def global_batch_size(self, batch: Mapping[str, Any]) -> int:
+        return self.runtime.global_batch_size(batch)
+
+    def backward(self, run_backward: Callable[[], None]) -> None:
+        self.runtime.backward(self._current(), run_backward)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        return self.runtime.clip_grad_norm_(max_norm, norm_type)
+
+
+__all__ = ["StepRunner"]
