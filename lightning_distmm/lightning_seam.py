@@ -32,7 +32,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader, IterableDataset, Sampler
+from torch.utils.data import DataLoader, IterableDataset
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -253,6 +253,20 @@ def zeroes_gradients_after_training_step(trainer: pl.Trainer, batch_idx: int) ->
     return bool(module.automatic_optimization and batch_idx % trainer.accumulate_grad_batches == 0)
 
 
+def batches_processed(trainer: pl.Trainer | None) -> int:
+    """Training batches this fit has processed (the distmm loader's position for a resume): Lightning's
+    ``fit_loop.epoch_loop.batch_progress``, which has no public accessor."""
+    if trainer is None:
+        return 0
+    return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
+
+
+def launcher_kill(strategy: ParallelStrategy) -> Callable[..., object] | None:
+    """The strategy's launcher's ``kill`` (it passes a signal on to the ranks it started), if it has
+    one: Lightning keeps the launcher in the private ``Strategy._launcher``."""
+    return getattr(getattr(strategy, "_launcher", None), "kill", None)
+
+
 def move_held_tensors(module: nn.Module, device: torch.device) -> None:
     """Move ``module``'s parameters and buffers to ``device``, leaving those on the meta device there.
 
@@ -314,15 +328,6 @@ def train_dataloader(trainer: pl.Trainer) -> object | None:
         return source.dataloader()
     except Exception:  # noqa: BLE001 - the user's train_dataloader hook: reported by the fit itself
         return None
-
-
-def with_sampler(dataloader: DataLoader, sampler: Sampler) -> DataLoader:
-    """A copy of ``dataloader`` with ``sampler``: Lightning's private ``_update_dataloader``, which
-    re-creates a DataLoader (subclasses included) from its original arguments; torch has no public
-    way to swap a DataLoader's sampler."""
-    from lightning.pytorch.utilities.data import _update_dataloader
-
-    return _update_dataloader(dataloader, sampler)
 
 
 # ---------------------------------------------------------------------- helpers of the strategy over the accesses above

@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import tempfile
-import threading
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -39,18 +36,19 @@ from typing_extensions import override
 from lightning_distmm import checkpoint as ckpt
 from lightning_distmm import faults
 from lightning_distmm import lightning_seam as seam
-from lightning_distmm.core.plan import Plan, PlanError, colocated_plan
+from lightning_distmm.core.plan import Plan, PlanError
 from lightning_distmm.data.checks import check_dataloader
 from lightning_distmm.data.loading import DistMMDataLoader
 from lightning_distmm.mixin import DistMMMixin
 from lightning_distmm.parallel.deferred import deferred_init
 from lightning_distmm.parallel.executor import RankRuntime
 from lightning_distmm.parallel.exit_settle import settle_collectives_at_exit
-from lightning_distmm.parallel.flops import tower_counts
 from lightning_distmm.parallel.fsdp import mixed_precision_policy
 from lightning_distmm.parallel.groups import build_topology
 from lightning_distmm.parallel.host_allocator import keep_freed_host_memory
 from lightning_distmm.parallel.runner import StepRunner
+from lightning_distmm.plan_choice import LiveJob, check_nodes_for_auto, choose_on_rank0
+from lightning_distmm.rank_failures import RankFailures, after_ranks_ended
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
@@ -121,12 +119,9 @@ class DistMMStrategy(ModelParallelStrategy):
         #: what the module calls under distmm, holding the step in progress (made in ``setup``)
         self.runner: StepRunner | None = None
         #: each rank's first error, readable by every rank after any rank's death (docs/runtime.md)
-        self._relay: faults.ErrorRelay | None = None
-        self._watchdog: faults.ParentWatchdog | None = None
+        self.failures = RankFailures(failure_grace)
         #: DataLoader batch sizes whose split of the plan's replica batches was already stated
         self._noted_batches: set[int] = set()
-        self._failure_grace = failure_grace
-        self._peer_watch: faults.PeerFailureWatch | None = None
 
     # ------------------------------------------------------------------ launch
     @override
@@ -141,14 +136,8 @@ class DistMMStrategy(ModelParallelStrategy):
             faults.note_launcher()
         faults.ensure_run_id()
         seam.configure_launcher(
-            self, self._start_method, self._consolidated_state_dict, self._after_ranks_ended, self._release_runtime
+            self, self._start_method, self._consolidated_state_dict, after_ranks_ended, self._release_runtime
         )
-
-    def _after_ranks_ended(self) -> None:
-        """In a spawn/fork parent once every rank has ended: remove the failure records that ranks
-        which were stopped from outside could not remove themselves (this run's included: no rank
-        of it is left to enter its folder)."""
-        faults.remove_stale_runs(Path(tempfile.gettempdir()) / "distmm-runs", include_current=True)
 
     def _release_runtime(self) -> None:
         """On a spawn/fork rank whose work is done (the whole model handed to the parent): drop the
@@ -165,45 +154,17 @@ class DistMMStrategy(ModelParallelStrategy):
         # failure handling first: joining the process group is the first thing that can hang
         assert self.cluster_environment is not None
         started_by_launcher = self._start_method != "popen" or self.cluster_environment.creates_processes_externally
-        if started_by_launcher and self._watchdog is None and threading.current_thread() is threading.main_thread():
-            self._watchdog = faults.ParentWatchdog(rank=self.global_rank, cause=self._recorded_cause)
-            self._watchdog.start()
-        self._relay = faults.ErrorRelay(self._failure_folder(), self.global_rank)
-        self._relay.register()
-        if self._failure_grace is not None and self._peer_watch is None:
-            grace = self._failure_grace.total_seconds()
-            self._peer_watch = faults.PeerFailureWatch(self._relay, self.world_size, grace=grace)
-            self._peer_watch.start()
+        self.failures.start(self.global_rank, self.world_size, started_by_launcher)
         # process groups only: the per-tower meshes need the module's towers, made in ``setup``.
         # Lightning re-seeds every generator from PL_GLOBAL_SEED there (reset_seed); the RNG state
         # the user's script reached (model built, same on every rank) is kept instead, so that an
         # unseeded sampler, dropout and the like draw what an ordinary single-process run draws
-        # joining the store holds the interpreter lock, so the watchdog's thread cannot run: a rank
-        # that a launcher started dies with it meanwhile (rank 0 failing to bind MASTER_PORT, say)
-        # (only under our launchers, which start ranks from their main thread: the signal follows the
-        # *thread* that started the process, and torchrun's agent starts workers from a thread that ends)
-        ours = started_by_launcher and faults.started_by_our_launcher()
-        dies_with_launcher = faults.dies_with_parent() if ours else contextlib.nullcontext()
-        with dies_with_launcher, seam.random_state_kept(self.root_device):
+        with self.failures.joining(started_by_launcher), seam.random_state_kept(self.root_device):
             seam.init_process_groups(self)
-        if self.num_nodes > 1:  # each host's folder holds its own ranks' records: share them in the store
-            self._relay.share_across_hosts(seam.default_store(), self.world_size)
+        self.failures.joined(self.num_nodes, self.world_size)
         # at this process's exit, gloo's workers finish with the interpreter before it finalises
         # (a worker freeing a tensor then would abort a rank whose work succeeded: docs/runtime.md)
         settle_collectives_at_exit()
-
-    def _recorded_cause(self) -> str | None:
-        """The root cause other ranks recorded, if any (what a rank says when its launcher is gone)."""
-        found = self._relay.first(wait=2.0) if self._relay is not None else None
-        return found.describe() if found is not None and found.rank != self.global_rank else None
-
-    def _failure_folder(self) -> Path:
-        """Where the ranks of this run on this host record their failures (other runs whose processes
-        are all gone are removed first; this run's folder is never touched here)."""
-        root = Path(tempfile.gettempdir()) / "distmm-runs"
-        run_id = faults.ensure_run_id()
-        faults.remove_stale_runs(root)
-        return root / run_id
 
     # ------------------------------------------------------------------ setup
     @override
@@ -259,83 +220,32 @@ class DistMMStrategy(ModelParallelStrategy):
         return nodes
 
     def _resolve_plan(self, trainer: pl.Trainer, module: DistMMMixin, nodes: list[int]) -> Plan:
-        names = list(module.tower_specs())
-        spec = self._plan_spec
-        if spec == "colocated":
-            return colocated_plan(names, self.world_size)
-        if spec == "default":
-            return self._default_plan(trainer, module)
-        if spec == "auto":
-            return self._auto_plan(trainer, module, nodes)
-        raise PlanError(f"unknown plan {spec!r}")
-
-    def _default_plan(self, trainer: pl.Trainer, module: DistMMMixin) -> Plan:
-        """The planner's choice between the FLOP-proportional split, colocated and the other splits,
-        priced from the towers' counts and this host's description (nothing timed): rank 0 prices,
-        every rank gets its plan, and the log says what was chosen and its predicted ratio to the other."""
-        from lightning_distmm.planner.default import CountedTower, Host, default_plan, describe_cpu
-
+        """``"default"``, ``"auto"`` or ``"colocated"``: rank 0 chooses (:mod:`lightning_distmm.plan_choice`),
+        every rank gets its plan, or every rank fails with rank 0's reason."""
+        spec = str(self._plan_spec)
+        per_node = check_nodes_for_auto(nodes) if spec == "auto" else max(1, self.num_processes)
         data: tuple[Any, ...] | None = None
         if self.global_rank == 0:
-            try:
-                with seam.random_state_kept(self.root_device):  # rank 0 alone runs these forwards
-                    counts = tower_counts(module.tower_specs(), seam.example_batch(trainer))
-                per_node = max(1, self.num_processes)  # ranks per node
-                if self.root_device.type == "cuda":
-                    props = torch.cuda.get_device_properties(self.root_device)
-                    host = Host("cuda", per_node, memory=float(props.total_memory), name=props.name)
-                else:
-                    host = describe_cpu(per_node, torch.get_num_threads())
-                choice = default_plan(
-                    {n: CountedTower(**c) for n, c in counts.items()},
-                    self.world_size,
-                    seam.train_batch_size(trainer),
-                    host,
-                    str(getattr(self.precision_plugin, "precision", "32")),
-                )
-                data = (choice.plan.to_dict(), choice.line(), None)
-            except Exception as err:  # noqa: BLE001 - every rank fails with rank 0's reason
-                data = (None, None, f"{type(err).__name__}: {err}")
+            job = LiveJob(
+                towers=module.tower_specs(),
+                sync_groups=module.sync_groups,
+                example=seam.example_batch(trainer),
+                global_batch=seam.train_batch_size(trainer),
+                world_size=self.world_size,
+                per_node=per_node,
+                nodes=nodes,
+                device=self.root_device,
+                precision=str(getattr(self.precision_plugin, "precision", "32-true")),
+                forward_context=self.precision_plugin.forward_context,
+                random_state_kept=seam.random_state_kept,
+            )
+            data = choose_on_rank0(spec, job)
         plan, line, error = self.broadcast(data, src=0)
         if error is not None:
-            raise PlanError(f"the default plan could not be priced (rank 0): {error}")
-        rank_zero_info(line)
+            raise PlanError(f"the {spec} plan could not be chosen (rank 0): {error}")
+        if line is not None:
+            rank_zero_info(line)
         return Plan.from_dict(plan)
-
-    def _auto_plan(self, trainer: pl.Trainer, module: DistMMMixin, nodes: list[int]) -> Plan:
-        """The planner on profiles measured here: rank 0 measures and plans, every rank gets its plan.
-        Its node-aware placement goes by the launcher's nodes (``nodes[rank]``), which must hold
-        contiguous, equal blocks of ranks (as torchrun and SLURM number them)."""
-        per_node = nodes.count(nodes[0])
-        if nodes != [r // per_node for r in range(len(nodes))]:
-            raise PlanError(f"plan='auto' places towers by node but the launcher's nodes of ranks 0.. are {nodes}")
-        from lightning_distmm.planner.auto import auto_plan, tower_info_from_batch
-        from lightning_distmm.planner.cost.options import PRECISION_ALIASES
-
-        example, global_batch = seam.example_batch(trainer), seam.train_batch_size(trainer)
-        if example is None or global_batch is None:
-            raise PlanError("plan='auto' needs a training DataLoader with a batch_size to measure the towers on")
-        data = None
-        if self.global_rank == 0:
-            infos = {n: tower_info_from_batch(t, example) for n, t in module.tower_specs().items()}
-            # measured profiles price data parallelism per tower only (tp = pp = 1); the schedule
-            # must compute the module's loss: distmm's two sync groups exactly when it asks for them
-            schedules = ["distmm"] if module.sync_groups == 2 else ["gpipe", "cached"]
-            options = {"max_tp": 1, "max_pp": 1, "schedules": schedules, "recompute": False}
-            precision = str(getattr(self.precision_plugin, "precision", "32-true"))
-            if precision in PRECISION_ALIASES:  # priced in the precision the run computes in
-                options["precision"] = precision
-            plan = auto_plan(
-                infos,
-                self.world_size,
-                global_batch,
-                self.root_device,
-                options,
-                per_node,
-                autocast=self.precision_plugin.forward_context,
-            )
-            data = plan.to_dict()
-        return Plan.from_dict(self.broadcast(data, src=0))
 
     @contextmanager
     @override
@@ -356,12 +266,7 @@ class DistMMStrategy(ModelParallelStrategy):
         module = self.lightning_module
         if module is not None and self.runner is not None and getattr(module, "_distmm_runner", None) is self.runner:
             module._distmm_runner = None
-        if self._watchdog is not None:
-            self._watchdog.stop()
-            self._watchdog = None
-        if self._peer_watch is not None:
-            self._peer_watch.stop()
-            self._peer_watch = None
+        self.failures.stop()
         super().teardown()
 
     # ------------------------------------------------------------------ data
@@ -395,10 +300,7 @@ class DistMMStrategy(ModelParallelStrategy):
         )
 
     def _batches_done(self) -> int:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None:
-            return 0
-        return trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        return seam.batches_processed(self.lightning_module.trainer if self.lightning_module is not None else None)
 
     # ------------------------------------------------------------------ preemption
     @override
@@ -410,14 +312,8 @@ class DistMMStrategy(ModelParallelStrategy):
         self._handle_preemption()
 
     def _handle_preemption(self) -> None:
-        """SIGTERM ends the rank that gets it at once, with an error every other rank reports.
-
-        Installed over Lightning's handler, which broadcasts from inside the signal handler: a
-        collective the other ranks never join, so every rank would wait until the timeout.
-        """
-        if threading.current_thread() is threading.main_thread():
-            forward = getattr(self._launcher, "kill", None)  # the launcher passes it on to its ranks
-            signal.signal(signal.SIGTERM, faults.preemption_handler(self.global_rank, forward))
+        """SIGTERM ends the rank that gets it at once, with an error every other rank reports."""
+        self.failures.handle_preemption(seam.launcher_kill(self))
 
     # ------------------------------------------------------------------ step
     @override
@@ -459,23 +355,7 @@ class DistMMStrategy(ModelParallelStrategy):
         died without a word (SIGKILL, out of memory) or stalled is named as such.
         """
         super().on_exception(exception)
-        first = self._first_failure(exception)
-        if self._relay is not None:
-            self._relay.finish(self.world_size)
-        if first is not None and not first.startswith(f"rank {self.global_rank}:"):
-            raise DistMMRankFailure(f"distmm: {first}") from exception
-
-    def _first_failure(self, exception: BaseException) -> str | None:
-        stored = None
-        if not faults.is_consequence(exception):
-            stored = _record_first_failure(self.global_rank, exception)
-        if self._relay is None:
-            return stored
-        mine = self._relay.record(exception)
-        found = self._relay.first(wait=5.0 if mine.consequence else 0.0)
-        if found is not None and found.consequence and stored is not None:
-            return stored  # a root cause from a rank whose records this host cannot read
-        return found.describe() if found is not None else stored
+        self.failures.on_exception(exception, self.world_size)
 
     # ------------------------------------------------------------------ checkpoints
     @override
@@ -501,29 +381,6 @@ class DistMMStrategy(ModelParallelStrategy):
         path = Path(self.broadcast(checkpoint_path))
         ckpt.check_plan_change(path, self.plan)  # on every rank: all fail together
         return ckpt.load_sharded(path, self.lightning_module, self.optimizers, weights_only=weights_only)
-
-
-class DistMMRankFailure(RuntimeError):
-    """Another rank failed first; the message is that rank's error."""
-
-
-_FIRST_FAILURE_KEY = "distmm/first_failure"
-
-
-def _record_first_failure(rank: int, exception: BaseException) -> str | None:
-    """Write this rank's error to the store unless another rank's is there; return the first one
-    (the channel across nodes that share no filesystem, while the store's host, rank 0, lives)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    mine = f"rank {rank}: {type(exception).__name__}: {exception}"
-    try:
-        store = seam.default_store()
-        first = store.compare_set(_FIRST_FAILURE_KEY, "", mine)
-    except Exception:  # noqa: BLE001 - the store's host may be gone already
-        return None
-    return first.decode() if isinstance(first, bytes) else str(first)
 
 
 def _parse_plan_spec(plan: PlanSpec) -> Plan | str:

@@ -33,6 +33,8 @@ ALLOWED: dict[str, set[str]] = {
     "mixin": {"core", "tower", "interaction"},
     "models": {"core", "tower", "interaction", "losses", "mixin", "parallel"},
     "lightning_seam": {"core", "tower", "parallel", "checkpoint"},
+    "rank_failures": {"faults", "lightning_seam"},
+    "plan_choice": {"core", "planner", "parallel", "tower"},
     "strategy": {
         "core",
         "planner",
@@ -44,6 +46,8 @@ ALLOWED: dict[str, set[str]] = {
         "mixin",
         "lightning_seam",
         "faults",
+        "rank_failures",
+        "plan_choice",
     },
     "__init__": {"core", "tower", "interaction", "losses", "data", "checkpoint", "mixin", "strategy", "lightning_seam"},
 }

@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 from distmm_testing import TinyCLIP, loader, trainer_kwargs
 from lightning.pytorch.strategies import ModelParallelStrategy
-from torch.utils.data import DataLoader, DistributedSampler
 
 import lightning_distmm as ldm
 from lightning_distmm import lightning_seam as seam
@@ -151,13 +150,6 @@ def test_train_dataloader_before_setup():
 
     L.Trainer(devices=1, max_steps=1, callbacks=[Probe()], **trainer_kwargs()).fit(TinyCLIP(), data)
     assert seen == [data], f"trainer.fit_loop._data_source no longer gives the fit's loader: {seen}"
-
-
-def test_with_sampler():
-    data = DataLoader(list(range(10)), batch_size=3, shuffle=True)
-    sampler = DistributedSampler(data.dataset, num_replicas=1, rank=0, shuffle=True, seed=1)
-    out = seam.with_sampler(data, sampler)
-    assert out.sampler is sampler and out.batch_size == 3 and out.dataset is data.dataset
 
 
 def test_strided_shard_and_to_local(tmp_path):

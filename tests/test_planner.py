@@ -655,7 +655,7 @@ def test_planner_imports_without_torch_or_lightning():
         "import sys, types\n"
         "pkg = types.ModuleType('lightning_distmm'); pkg.__path__ = [sys.argv[1]]\n"
         "sys.modules['lightning_distmm'] = pkg\n"
-        "import lightning_distmm.planner, lightning_distmm.planner.planner\n"
+        "import lightning_distmm.planner, lightning_distmm.planner.auto\n"
         "print(sorted({'torch', 'torch.distributed', 'lightning'} & set(sys.modules)))\n"
     )
     package = str(Path(__file__).resolve().parents[1] / "lightning_distmm")

@@ -1,0 +1,106 @@
+"""The plan of a run the user gave no plan file for: ``"default"``, ``"auto"`` or ``"colocated"``.
+
+Rank 0 prices (or measures and prices) and the strategy broadcasts what it chose, so every rank
+runs the same plan: :func:`choose_on_rank0` returns the plan as a dictionary, the line to log and,
+instead of raising, the error (every rank then fails with rank 0's reason rather than waiting for
+a broadcast that never comes). The pricing is the planner's (:mod:`lightning_distmm.planner.default`,
+:mod:`lightning_distmm.planner.auto`); what is read from the live job (its towers, a sample batch,
+the device, the precision) is gathered by the strategy into a :class:`LiveJob`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_distmm.core.plan import Plan, PlanError, colocated_plan
+from lightning_distmm.parallel.flops import tower_counts
+from lightning_distmm.tower import Tower
+
+
+@dataclass
+class LiveJob:
+    """What choosing a plan reads from the live job."""
+
+    towers: dict[str, Tower]
+    #: the module's sync groups (``distmm``'s loss needs 2)
+    sync_groups: int
+    #: one batch of the training DataLoader and its batch size (None: no loader yet)
+    example: Mapping[str, Any] | None
+    global_batch: int | None
+    world_size: int
+    #: ranks per node, and every rank's node as the launcher numbers them
+    per_node: int
+    nodes: list[int]
+    device: torch.device
+    #: Lightning's precision name and its forward context (``bf16-mixed``: autocast)
+    precision: str
+    forward_context: Callable[[], Any]
+    #: keeps the RNG state while rank 0 alone runs forwards
+    random_state_kept: Callable[[torch.device], Any]
+
+
+def check_nodes_for_auto(nodes: list[int]) -> int:
+    """Ranks per node for ``plan="auto"``'s node-aware placement, which needs contiguous, equal
+    blocks of ranks per node (as torchrun and SLURM number them). On every rank: all refuse alike."""
+    per_node = nodes.count(nodes[0])
+    if nodes != [r // per_node for r in range(len(nodes))]:
+        raise PlanError(f"plan='auto' places towers by node but the launcher's nodes of ranks 0.. are {nodes}")
+    return per_node
+
+
+def choose_on_rank0(spec: str, job: LiveJob) -> tuple[dict | None, str | None, str | None]:
+    """``(plan.to_dict(), line to log, None)``, or ``(None, None, error)`` when it could not be chosen."""
+    try:
+        if spec == "colocated":
+            return colocated_plan(list(job.towers), job.world_size).to_dict(), None, None
+        if spec == "default":
+            return default_choice(job)
+        if spec == "auto":
+            return auto_choice(job).to_dict(), None, None
+        raise PlanError(f"unknown plan {spec!r}")
+    except Exception as err:  # noqa: BLE001 - every rank fails with rank 0's reason
+        return None, None, f"{type(err).__name__}: {err}"
+
+
+def default_choice(job: LiveJob) -> tuple[dict, str, None]:
+    """The planner's choice between the FLOP-proportional split, colocated and the other splits,
+    priced from the towers' counts and this host's description (nothing timed)."""
+    from lightning_distmm.planner.default import CountedTower, Host, default_plan, describe_cpu
+
+    with job.random_state_kept(job.device):  # rank 0 alone runs these forwards
+        counts = tower_counts(job.towers, job.example)
+    if job.device.type == "cuda":
+        props = torch.cuda.get_device_properties(job.device)
+        host = Host("cuda", job.per_node, memory=float(props.total_memory), name=props.name)
+    else:
+        host = describe_cpu(job.per_node, torch.get_num_threads())
+    choice = default_plan(
+        {n: CountedTower(**c) for n, c in counts.items()}, job.world_size, job.global_batch, host, job.precision
+    )
+    return choice.plan.to_dict(), choice.line(), None
+
+
+def auto_choice(job: LiveJob) -> Plan:
+    """The planner on tower profiles measured here, in the run's precision, one tower at a time."""
+    from lightning_distmm.planner.auto import auto_plan, tower_info_from_batch
+    from lightning_distmm.planner.cost.options import PRECISION_ALIASES
+
+    if job.example is None or job.global_batch is None:
+        raise PlanError("plan='auto' needs a training DataLoader with a batch_size to measure the towers on")
+    infos = {n: tower_info_from_batch(t, job.example) for n, t in job.towers.items()}
+    # measured profiles price data parallelism per tower only (tp = pp = 1); the schedule must
+    # compute the module's loss: distmm's two sync groups exactly when it asks for them
+    schedules = ["distmm"] if job.sync_groups == 2 else ["gpipe", "cached"]
+    options: dict[str, Any] = {"max_tp": 1, "max_pp": 1, "schedules": schedules, "recompute": False}
+    if job.precision in PRECISION_ALIASES:  # priced in the precision the run computes in
+        options["precision"] = job.precision
+    return auto_plan(
+        infos, job.world_size, job.global_batch, job.device, options, job.per_node, autocast=job.forward_context
+    )
+
+
+__all__ = ["LiveJob", "check_nodes_for_auto", "choose_on_rank0"]
