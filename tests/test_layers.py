@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -187,3 +188,77 @@ def test_pure_layers_import_neither_torch_distributed_nor_lightning(subpackage, 
     assert out.returncode == 0, out.stderr
     loaded = json.loads(out.stdout.strip().splitlines()[-1])
     assert not [m for m in loaded if m.split(".")[0] in forbidden], f"{subpackage} loads {loaded[:10]}"
+
+
+def area_imports() -> dict[str, set[str]]:
+    """Area -> the other areas its modules import (what docs/design.md's table states)."""
+    out: dict[str, set[str]] = {}
+    for module, targets in import_graph().items():
+        src = area(module)
+        out.setdefault(src, set()).update(area(t) for t in targets if area(t) != src)
+    return out
+
+
+def _design_table() -> dict[str, set[str]]:
+    """docs/design.md's "What each area imports" table: area -> the areas it says it imports."""
+    text = (PACKAGE.parent / "docs" / "design.md").read_text()
+    start = text.index("| area | imports from the package |")
+    table: dict[str, set[str]] = {}
+    for line in text[start:].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        left, right = (cell.strip() for cell in line.strip("|").split("|"))
+        imports = set(re.findall(r"`([\w_]+)`", right))
+        for name in re.findall(r"`([\w_]+)`", left):
+            table[name] = imports
+    return table
+
+
+#: the order of the areas in docs/design.md's table (the layers, bottom up)
+AREA_ORDER = [
+    "core", "planner", "tower", "interaction", "faults", "losses", "parallel", "data", "checkpoint", "mixin",
+    "models", "lightning_seam", "rank_failures", "plan_choice", "strategy", "__init__",
+]  # fmt: skip
+
+
+def design_table() -> str:
+    """The table's rows as the code has them (paste into docs/design.md when an import changes)."""
+    actual = area_imports()
+    rank = {name: i for i, name in enumerate(AREA_ORDER)}
+    rows = []
+    for name in sorted(actual, key=lambda n: rank.get(n, len(rank))):
+        imported = sorted(actual[name], key=lambda n: rank.get(n, len(rank)))
+        rows.append(f"| `{name}` | {', '.join(f'`{x}`' for x in imported) or '—'} |")
+    return "\n".join(rows)
+
+
+def test_the_design_pages_import_table_is_the_codes():
+    """Each row of docs/design.md's import table equals what the code imports, area by area, and
+    every area has a row: the page is kept true by this test, not by memory."""
+    actual, stated = area_imports(), _design_table()
+    wrong = [
+        f"{name}: the page says {sorted(stated.get(name, {'(no row)'}))}, the code imports {sorted(actual.get(name, set()))}"
+        for name in sorted(set(actual) | set(stated))
+        if stated.get(name) != actual.get(name, set())
+    ]
+    assert not wrong, (
+        "docs/design.md's import table drifted:\n"
+        + "\n".join(wrong)
+        + "\nthe rows as the code has them:\n"
+        + design_table()
+    )
+
+
+#: modules over this many lines are split at their concepts (docs/design.md)
+MAX_MODULE_LINES = 400
+
+
+def test_module_sizes():
+    """Prints every package module's size; the ones over the limit are listed by name (docs/design.md
+    names them while they are being split)."""
+    sizes = {module_name(p): len(p.read_text().splitlines()) for p in sorted(PACKAGE.rglob("*.py"))}
+    over = {m: n for m, n in sorted(sizes.items(), key=lambda kv: -kv[1]) if n > MAX_MODULE_LINES}
+    print(f"\n{len(sizes)} modules, {sum(sizes.values())} lines; over {MAX_MODULE_LINES}: {over}")
+    text = (PACKAGE.parent / "docs" / "design.md").read_text()
+    unnamed = [m for m in over if f"`{m.split('.', 1)[1].replace('.', '/')}.py`" not in text]
+    assert not unnamed, f"modules over {MAX_MODULE_LINES} lines that docs/design.md does not name: {unnamed}"
