@@ -89,6 +89,13 @@ class CostOptions:
     ``step_overhead``: seconds per step the training framework spends outside what is priced here
     (the Lightning loop and hooks, logging, the runtime's bookkeeping and its small collectives);
     0 unless measured (docs/planner.md section 12: 5-7 ms for 2 CPU ranks on the development VM).
+    ``autocast``: mixed precision is PyTorch autocast (Lightning's ``bf16-mixed``, NeMo without
+    ``megatron_amp_O2``): the weights stay fp32 and are cast to the compute dtype once per forward,
+    LayerNorm runs in fp32 (autocast's "ops that autocast to float32" list), so the residual stream
+    (fp32 position embedding + bf16 branch outputs promote to fp32) and the norms move 4-byte
+    elements, and each norm's output is cast to the compute dtype before its GEMM
+    (:attr:`residual_bytes`, :attr:`weight_cast_bytes`). ``False``: everything in the compute dtype
+    (Megatron's O2 with ``fp32_residual_connection: False``).
     """
 
     precision: str = "bf16-mixed"
@@ -98,6 +105,7 @@ class CostOptions:
     memory_margin: float = 0.9
     feature_bytes: int = 4
     step_overhead: float = 0.0
+    autocast: bool = True
 
     def __post_init__(self) -> None:
         precision_policy(self.precision)  # an unknown name fails here, with the choices
@@ -110,6 +118,23 @@ class CostOptions:
     def bytes_el(self) -> int:
         """Bytes of an activation element (and of tensor-parallel and pipeline messages)."""
         return self.policy.compute
+
+    @property
+    def residual_bytes(self) -> int:
+        """Bytes of a residual-stream / LayerNorm element: fp32 under autocast, else the compute dtype."""
+        return 4 if self.autocast else self.bytes_el
+
+    @property
+    def cast_bytes(self) -> int:
+        """Bytes one cast of a residual-stream element to the compute dtype moves (read + write); 0
+        when the two dtypes are the same."""
+        return self.residual_bytes + self.bytes_el if self.residual_bytes != self.bytes_el else 0
+
+    @property
+    def weight_cast_bytes(self) -> int:
+        """HBM bytes per parameter autocast moves per forward: reading the fp32 weight and writing
+        its compute-dtype copy (``torch.autocast`` caches the copy for the backward); 0 in fp32."""
+        return 4 + self.bytes_el if self.autocast and self.bytes_el != 4 else 0
 
     @property
     def static_bytes_trainable(self) -> float:
