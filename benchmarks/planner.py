@@ -4,6 +4,7 @@ uniform+batchsync ablation), and solve time.
     python benchmarks/planner.py --paper                      # the DistMM paper's table: 1.1B-26B presets
     python benchmarks/planner.py --regimes                    # where DistMM wins: network x batch x memory map
     python benchmarks/planner.py --sharding-table             # distmm_10b / 26b on 64 A100s, with and without sharding
+    python benchmarks/planner.py --published                  # predicted / measured for published CLIP trainings
     python benchmarks/planner.py                              # model presets x GPU cluster presets
     python benchmarks/planner.py --global-batch 1024,32768    # several contrastive batch sizes
     python benchmarks/planner.py --models clip_vit_bigg14 --clusters a100_8x8_eth100
@@ -213,6 +214,26 @@ def sharding_table(clusters: list[str], global_batch: int, models: list[str]) ->
                 print(f"  {'':<17} vs {sp}")
 
 
+def published() -> None:
+    """Every published CLIP training throughput of ``conf/published/clip_training.yaml`` priced as its
+    source ran it, beside the measurement (lightning_distmm.planner.published)."""
+    from lightning_distmm.planner.published import TOLERANCE, load_published, predict_all, table
+
+    data = load_published()
+    preds = predict_all(data)
+    print("Published CLIP training throughputs (samples/s) and the cost model's prediction of each run as its")
+    print("source ran it (data parallel, the source's per-GPU batch, precision, attention kernel and recompute)\n")
+    print(table(preds, data.reasons))
+    inside = sum(p.within for p in preds)
+    print(
+        f"\n{inside} of {len(preds)} entries within +-{TOLERANCE:.0%}; ratio predicted/measured"
+        f" {min(p.ratio for p in preds):.2f} .. {max(p.ratio for p in preds):.2f}"
+    )
+    print("sources:")
+    for k, v in data.sources.items():
+        print(f"  {k}: {v}")
+
+
 def solve_at_scale(devices: int) -> None:
     """Time the planner at ``devices`` devices (nodes of a100_8x8), 16 samples per device."""
     base = load_cluster("a100_8x8")
@@ -349,11 +370,19 @@ def main() -> None:
         help="distmm_10b and distmm_26b with and without sharding (a100_8x8 unless --clusters; --models to change)",
     )
     ap.add_argument(
+        "--published",
+        action="store_true",
+        help="the cost model against published CLIP training throughputs (conf/published/clip_training.yaml)",
+    )
+    ap.add_argument(
         "--regimes",
         action="store_true",
         help="where DistMM wins: CLIP, LiT, CoCa across network, global batch and memory (writes docs/img/regimes.svg)",
     )
     args = ap.parse_args()
+    if args.published:
+        published()
+        return
     if args.regimes:
         t0 = time.perf_counter()
         regimes(svg=Path(__file__).resolve().parents[1] / "docs" / "img" / "regimes.svg")

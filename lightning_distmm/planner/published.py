@@ -43,6 +43,7 @@ class RunModel:
     were recomputed in the backward."""
 
     preset: str
+    source: str = ""  # the file's source that states this configuration
     towers: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     precision: str = "bf16-mixed"
     flash_attention: bool = True
@@ -59,6 +60,7 @@ class RunModel:
     def to_dict(self) -> dict[str, Any]:
         return {
             "preset": self.preset,
+            **({"source": self.source} if self.source else {}),
             **({"towers": {k: dict(v) for k, v in self.towers.items()}} if self.towers else {}),
             "precision": self.precision,
             "flash_attention": self.flash_attention,
@@ -105,6 +107,9 @@ class PublishedSet:
         models = {k: RunModel(**v) for k, v in data["models"].items()}
         entries = [Published(**e) for e in data["entries"]]
         out = cls(dict(data["sources"]), entries, models, dict(data.get("reasons") or {}))
+        for k, m in models.items():
+            if m.source and m.source not in out.sources:
+                raise ValueError(f"published model {k!r}: no source {m.source!r} in the file's sources")
         for e in entries:
             if e.model not in models:
                 raise ValueError(f"published entry {e.key!r}: no model {e.model!r} in the file's models")
