@@ -226,7 +226,8 @@ def describe(ev: Evaluated) -> str:
     parts: dict[str, list[str]] = {}
     for name, ch in ev.choices.items():
         shard = "" if ch.shard == "none" else f" {'zero1' if ch.shard == 'optimizer' else 'zero3'}"
-        key = f"{ch.n}dev tp{ch.tp} pp{ch.pp} dp{ch.dp} mb{ch.microbatch}x{ch.K} {ch.schedule}{shard}"
+        sched = ch.schedule if ch.recompute_layers is None else f"{ch.schedule}({ch.recompute_layers}/stage)"
+        key = f"{ch.n}dev tp{ch.tp} pp{ch.pp} dp{ch.dp} mb{ch.microbatch}x{ch.K} {sched}{shard}"
         parts.setdefault(key, []).append(name)
     return "; ".join(f"{'+'.join(names)}: {k}" for k, names in parts.items())
 

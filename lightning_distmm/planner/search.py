@@ -243,6 +243,11 @@ def tower_plan(choice: TowerChoice, ranks: Sequence[int]) -> TowerPlan:
             f"tower {choice.name!r}: shard {choice.shard!r} is priced for a baseline but the runtime does not run"
             f" it; a plan holds {', '.join(PLANNABLE_SHARDS)}"
         )
+    if choice.recompute_layers is not None:
+        raise ValueError(
+            f"tower {choice.name!r}: recomputing {choice.recompute_layers} layers per stage (Megatron-LM's block"
+            " method) is priced for a baseline but the runtime recomputes a whole tower or nothing"
+        )
     schedule, recompute = runtime_schedule(choice.schedule)
     return TowerPlan(
         ranks=list(ranks),

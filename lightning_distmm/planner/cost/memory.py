@@ -82,9 +82,12 @@ def memory_per_device(
     loss_bytes: Any = 0.0,
     shard: str = "none",
     dp: Any = 1,
+    recompute_layers: int | None = None,
 ) -> dict[str, Any]:
     """Peak bytes on the busiest device of a replica: static (weights, grads, optimizer; sharded over
-    ``dp`` replicas as ``shard`` says), activations, loss."""
+    ``dp`` replicas as ``shard`` says), activations, loss. ``recompute_layers`` (with
+    :data:`RECOMPUTE`): only that many of the stage's layers keep just their input (Megatron-LM's
+    block method); the others keep everything, as ``gpipe`` does."""
     mb = np.asarray(mb, dtype=float)
     K = np.asarray(K, dtype=float)
     static = stage_params(profile, tp, pp) * static_per_param(profile, opts, shard, dp)
@@ -96,6 +99,11 @@ def memory_per_device(
         act = mb * layer_act * 2  # no-grad forward: a layer's input and output at a time
     elif schedule == "cached":
         act = np.minimum(K, pp) * mb * aps + mb * layer_act * 2
+    elif schedule == RECOMPUTE and recompute_layers is not None and profile.analytic:
+        # the first ``recompute_layers`` layers keep their input only, the rest all they save
+        k = recompute_layers
+        saved = k * (layer_act - opts.bytes_el * profile.layer.boundary)
+        act = np.asarray(replica_batch, dtype=float) * (aps - saved) + (mb * layer_act * 2 if k else 0.0)
     elif schedule == RECOMPUTE:
         ckpt = opts.bytes_el * (profile.layers // pp * profile.layer.boundary) if profile.analytic else aps
         act = np.asarray(replica_batch, dtype=float) * ckpt + mb * layer_act * 2

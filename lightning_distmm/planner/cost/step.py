@@ -45,6 +45,7 @@ from lightning_distmm.planner.cost.gradients import GradientTraffic, gradient_tr
 from lightning_distmm.planner.cost.memory import loss_bytes, memory_per_device
 from lightning_distmm.planner.cost.options import CostOptions
 from lightning_distmm.planner.cost.pipeline import (
+    RECOMPUTE,
     SIMULATE_MAX_INSTRUCTIONS,
     microbatch_rows,
     phases,
@@ -64,6 +65,20 @@ def sync_groups(choices: Mapping[str, TowerChoice]) -> int:
             f"schedule 'distmm' is on tower(s) {odd} but not on all towers: it splits the whole batch into two sync groups"
         )
     return groups
+
+
+def recompute_fraction(profile: TowerProfile, choice: TowerChoice) -> float:
+    """The share of a stage's forward that ``choice`` runs again in its backward: 1 for ``cached``
+    and full recomputation, ``recompute_layers / (layers / pp)`` for a partial one, else 0."""
+    if choice.schedule == RECOMPUTE and choice.recompute_layers is not None:
+        per_stage = max(profile.layers // choice.pp, 1)
+        if not 0 <= choice.recompute_layers <= per_stage:
+            raise ValueError(
+                f"tower {choice.name!r}: recompute_layers={choice.recompute_layers} is not within the"
+                f" stage's {per_stage} layers"
+            )
+        return choice.recompute_layers / per_stage
+    return 1.0 if recomputes(choice.schedule) else 0.0
 
 
 def rank_groups(ranks: Sequence[int], tp: int, pp: int) -> dict[str, list[list[int]]]:
@@ -125,6 +140,13 @@ def price_tower(
     tpc_r = np.atleast_1d(tp_comm(p, cluster, opts, at, c.tp, c.pp, tp_cross))
     ppc_r = np.atleast_1d(pp_comm(p, cluster, opts, at, c.pp, pp_cross))
     fx_r, bx_r = fc_r + tpc_r, bc_r + tpc_r
+    # partial (block) recomputation: the first ``recompute_layers`` of a stage's layers run their
+    # forward again in the backward; priced as gpipe whose backward carries that share of the forward
+    frac = recompute_fraction(p, c)
+    schedule = c.schedule
+    if c.schedule == RECOMPUTE and frac < 1.0:
+        schedule = "gpipe"
+        bc_r, bx_r = bc_r + frac * fc_r, bx_r + frac * fx_r
     if c.shard == "full":  # per-layer weight gathers and gradient scatters (compact packing estimate)
         ag, agrs = shard_comm(p, cluster, opts, c.dp, c.tp, c.pp)
         layers = p.layers // P
@@ -135,9 +157,9 @@ def price_tower(
     fc, bc, f, b, ppc = (float(x[row[mb]]) for x in (fc_r, bc_r, f_r, b_r, ppc_r))
 
     # the replica's pipeline: its segments between the batch-syncs
-    if replica_instructions(c.schedule, P, c.max_batch, mb) <= SIMULATE_MAX_INSTRUCTIONS:
+    if replica_instructions(schedule, P, c.max_batch, mb) <= SIMULATE_MAX_INSTRUCTIONS:
         timeline = replica_timeline(
-            c.schedule,
+            schedule,
             p.frozen,
             P,
             c.max_batch,
@@ -149,11 +171,11 @@ def price_tower(
         )
         segments, bubble, mbs = list(timeline.segments), timeline.bubble, list(timeline.microbatches)
     else:  # too long to simulate quickly: the closed form of the same lists (microbatches of ``mb`` rows)
-        closed, closed_bubble = phases(c.schedule, p.frozen, counts[0], P, f, b, ppc, counts[-1])
+        closed, closed_bubble = phases(schedule, p.frozen, counts[0], P, f, b, ppc, counts[-1])
         segments, bubble, mbs = [float(x) for x in closed], float(closed_bubble), [mb] * K
     pp_critical = 0.0  # the transfers' share of the critical path
     if P > 1:
-        with_link, no_link = (phases(c.schedule, p.frozen, counts[0], P, f, b, x, counts[-1])[0] for x in (ppc, 0.0))
+        with_link, no_link = (phases(schedule, p.frozen, counts[0], P, f, b, x, counts[-1])[0] for x in (ppc, 0.0))
         pp_critical = float(sum(with_link) - sum(no_link))
 
     # a decoder's cross-attention context from another tower: before the forward, its gradient after
@@ -166,15 +188,18 @@ def price_tower(
         segments[0] += cross
         segments[-1] += cross if not p.frozen else 0.0
 
-    recompute = recomputes(c.schedule) and not p.frozen
+    recompute = recomputes(schedule) and not p.frozen  # (a partial recompute is already in bc_r)
     compute = sum(
         float(fc_r[row[r]] + (0.0 if p.frozen else bc_r[row[r]] + (fc_r[row[r]] if recompute else 0.0))) for r in mbs
     )
     memory = {
         k: float(v)
-        for k, v in memory_per_device(p, opts, c.schedule, mb, K, c.max_batch, c.tp, c.pp, lb, c.shard, c.dp).items()
+        for k, v in memory_per_device(
+            p, opts, c.schedule, mb, K, c.max_batch, c.tp, c.pp, lb, c.shard, c.dp, c.recompute_layers
+        ).items()
     }
-    intra_b, inter_b = link_bytes(p, c, opts, K, recompute, traffic, tp_cross, pp_cross)
+    again = 0.0 if p.frozen else (1.0 if recompute else frac if c.schedule == RECOMPUTE else 0.0)
+    intra_b, inter_b = link_bytes(p, c, opts, K, again, traffic, tp_cross, pp_cross)
     if cross:
         inter_b += 2 * bel * global_batch * p.cross_elems
     cost = TowerCost(
@@ -182,7 +207,7 @@ def price_tower(
         forward_phase=segments[0],
         backward_phase=sum(segments[1:]),
         compute=compute,
-        tp_comm=sum(float(tpc_r[row[r]]) for r in mbs) * (1 if p.frozen else 2 + (1 if recompute else 0)),
+        tp_comm=sum(float(tpc_r[row[r]]) for r in mbs) * (1 if p.frozen else 2 + again),
         pp_comm=pp_critical,
         bubble=bubble,
         dp_allreduce=0.0,
@@ -200,7 +225,7 @@ def price_tower(
         "f": f,
         "b": b,
         "K": K,
-        "slot": float(last_slot(c.schedule, f, b)) if not p.frozen else 0.0,
+        "slot": float(last_slot(schedule, f, b)) if not p.frozen else 0.0,
     }
     return cost, details
 
@@ -210,22 +235,23 @@ def link_bytes(
     c: TowerChoice,
     opts: CostOptions,
     K: int,
-    recompute: bool,
+    recompute: float,
     traffic: GradientTraffic,
     tp_cross: bool,
     pp_cross: bool,
 ) -> tuple[float, float]:
     """Bytes a tower moves per step over intra-node links and across nodes: its gradient sums, its
     tensor-parallel all-reduces (per microbatch forward, backward and recompute) and its stage
-    transfers, each on the link class its groups span."""
+    transfers, each on the link class its groups span. ``recompute``: the share of the forward run
+    again in the backward (0, a partial recompute's fraction, or 1)."""
     bel = opts.bytes_el
     P = c.pp
     msg = bel * c.microbatch * (p.layer.tp_allreduce / max(2 * len(p.layer.attn), 1)) if p.analytic else 0.0
     tp_bytes = 0.0
     if c.tp > 1:
-        calls = 2 * len(p.layer.attn) * (p.layers // P) * K * (1 if p.frozen else (3 if recompute else 2))
+        calls = 2 * len(p.layer.attn) * (p.layers // P) * K * (1 if p.frozen else 2 + float(recompute))
         tp_bytes = calls * 2 * (c.tp - 1) / c.tp * msg * c.tp * c.dp * P  # a ring all-reduce per call
-    passes = 1 if p.frozen else 2 if not recompute else 3
+    passes = 1 if p.frozen else 2 + float(recompute)
     pp_bytes = (P - 1) * K * c.dp * bel * c.microbatch * p.layer.boundary * passes
     intra_b = traffic.intra_bytes + (0.0 if tp_cross else tp_bytes) + (0.0 if pp_cross else pp_bytes)
     inter_b = traffic.inter_bytes + (tp_bytes if tp_cross else 0.0) + (pp_bytes if pp_cross else 0.0)
@@ -331,6 +357,7 @@ def evaluate_plan(
 
 
 __all__ = [
+    "recompute_fraction",
     "sync_groups",
     "rank_groups",
     "GradientTraffic",
