@@ -242,3 +242,17 @@ def test_a_partial_recompute_is_never_written_into_a_runtime_plan():
     ch = TowerChoice("image", 8, 1, 1, 64, RECOMPUTE, (64,) * 8, "none", 4)
     with pytest.raises(ValueError, match="block"):
         tower_plan(ch, list(range(8)))
+
+
+def test_megatron_tp_pp_is_the_model_parallel_family_the_paper_implies():
+    """``megatron-tp-pp``: uniform tp x pp >= 2 on every tower (the text tower at the image tower's
+    degrees), one microbatch per pipeline, ZeRO-1; never slower to find than ``megatron`` allows it to
+    be faster (``megatron`` may pick pure data parallelism, this family may not)."""
+    _, rep = make_plan(model("clip_vit_g14"), "a100_8x8", 4096, ALL_SHARDS)
+    fam, meg = rep.baselines["megatron-tp-pp"], rep.baselines["megatron"]
+    assert fam is not None and meg is not None
+    degrees = {(c.tp, c.pp) for c in fam.choices.values()}
+    assert len(degrees) == 1 and next(iter(degrees))[0] * next(iter(degrees))[1] >= 2
+    assert all(c.K == 1 and c.shard == "optimizer" for c in fam.choices.values())
+    assert meg.step_time <= fam.step_time
+    print(f"megatron {describe(meg)}; megatron-tp-pp {describe(fam)}: {fam.step_time / meg.step_time:.2f}x slower")

@@ -199,6 +199,7 @@ def make_plan(
                 and ch.pp in space.pps[n]
                 and (profiles[n].frozen or ch.schedule in space.schedules)
                 and ch.shard in space.shards
+                and ch.recompute_layers is None  # the runtime recomputes a whole tower or nothing
                 for n, ch in b.choices.items()
             ):
                 pool.append(b)

@@ -22,6 +22,7 @@ as the runtime's DDP-style buckets are) and assemble the step.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -83,7 +84,13 @@ def recompute_fraction(profile: TowerProfile, choice: TowerChoice) -> float:
 
 def rank_groups(ranks: Sequence[int], tp: int, pp: int) -> dict[str, list[list[int]]]:
     """A tower's ranks as its replicas, tensor-parallel groups, stage boundaries (pairs of
-    neighbouring stages' first ranks) and data-parallel groups (one per stage and tp rank)."""
+    neighbouring stages' first ranks) and data-parallel groups (one per stage and tp rank).
+    Cached (the planner prices the same layouts many times): the lists are read-only."""
+    return _rank_groups(tuple(ranks), tp, pp)
+
+
+@functools.lru_cache(maxsize=256)
+def _rank_groups(ranks: tuple[int, ...], tp: int, pp: int) -> dict[str, list[list[int]]]:
     w = tp * pp
     dp = len(ranks) // w
     replicas = [list(ranks[i * w : (i + 1) * w]) for i in range(dp)]
@@ -122,8 +129,8 @@ def price_tower(
     p, c = profiles[name], choice
     node = lambda r: r // cluster.devices_per_node  # noqa: E731
     bel = opts.bytes_el
-    tp_cross = any(len({node(r) for r in grp}) > 1 for grp in groups["tp"])
-    pp_cross = any(node(a) != node(b) for a, b in groups["pp"])
+    tp_cross = c.tp > 1 and any(len({node(r) for r in grp}) > 1 for grp in groups["tp"])
+    pp_cross = c.pp > 1 and any(node(a) != node(b) for a, b in groups["pp"])
     mb, P = c.microbatch, c.pp
     if c.schedule == "distmm" and c.max_batch < 2:
         raise ValueError(
