@@ -107,7 +107,7 @@ def test_megatron_runs_one_microbatch_per_pipeline(name, cluster, batch):
 def test_megatron_space_is_restricted():
     profiles = model_profiles(model("clip_vit_bigg14"))
     sp = baseline_space("megatron", profiles, 8, 64)
-    assert sp.max_k == 1 and sp.max_microbatches == 1 and sp.shards == ("optimizer",)
+    assert sp.max_k == 1 and sp.max_microbatches == 1 and sp.shards == ("optimizer", "full")  # ZeRO-1, Megatron-FSDP
     assert "cached" not in sp.schedules and "distmm" not in sp.schedules
     assert baseline_space("fsdp", profiles, 8, 64).shards == ("full",)
     assert baseline_space("ddp", profiles, 8, 64).shards == ("none",)
@@ -118,7 +118,8 @@ def test_megatron_space_is_restricted():
 def test_uniform_batchsync_ablation_may_split_the_batch():
     """The ablation keeps today's column: uniform degrees with this package's many-microbatch pipeline."""
     _, rep = make_plan(model("distmm_26b"), "a100_8x8", 4096, ALL_SHARDS)
-    assert rep.baselines["megatron"] is None  # no uniform split fits one microbatch of the replica batch
+    meg = rep.baselines["megatron"]  # ZeRO-1 fits no uniform split of one microbatch: Megatron-FSDP does
+    assert meg is not None and {c.shard for c in meg.choices.values()} == {"full"}
     ab = rep.baselines["uniform+batchsync"]
     assert ab is not None and max(c.K for c in ab.choices.values()) > 1
 
@@ -144,7 +145,7 @@ def test_default_options_never_shard():
     with pytest.raises(ValueError, match="runtime has no ZeRO-1"):
         make_plan(model("distmm_10b"), "h200_8x8", 1024, {"shards": ["none", "optimizer"]})
     assert rep.baselines["megatron"] is not None
-    assert {c.shard for c in rep.baselines["megatron"].choices.values()} == {"optimizer"}
+    assert {c.shard for c in rep.baselines["megatron"].choices.values()} <= {"optimizer", "full"}
 
 
 def test_sharding_lets_a_big_tower_fit_without_deep_tp():
@@ -182,16 +183,18 @@ def test_small_tp_allreduce_is_cheaper_than_simple_ring_latency():
 def test_megatron_recomputes_only_the_layers_memory_requires():
     """Megatron-LM and NeMo recompute in blocks (``--recompute-method block --recompute-num-layers N``,
     per tower): the megatron baseline recomputes the fewest layers per stage that fit, not the whole
-    tower. distmm_4b at 4,096 on 64 A100s: each tower recomputes part of its layers; one layer fewer
+    tower. distmm_10b at 4,096 on 64 A100s: each tower recomputes part of its layers; one layer fewer
     on either no longer fits, and the plan is faster than recomputing everything."""
     import dataclasses
 
+    from lightning_distmm.planner.baselines import baseline_options
     from lightning_distmm.planner.cost import RECOMPUTE
 
-    cfg = model("distmm_4b")
+    cfg = model("distmm_10b")
     cl = load_cluster("a100_8x8")
     _, rep = make_plan(cfg, cl, 4096, ALL_SHARDS)
     meg = rep.baselines["megatron"]
+    o = baseline_options("megatron", CostOptions())
     assert meg is not None and meg.cost.extra["fits"]
     profiles = model_profiles(cfg)
     partial = {n: c for n, c in meg.choices.items() if c.recompute_layers is not None}
@@ -201,10 +204,12 @@ def test_megatron_recomputes_only_the_layers_memory_requires():
         assert ch.schedule == RECOMPUTE and 0 <= ch.recompute_layers < per_stage
         if ch.recompute_layers > 0:
             fewer = {**meg.choices, name: dataclasses.replace(ch, recompute_layers=ch.recompute_layers - 1)}
-            assert not evaluate_plan(profiles, cl, CostOptions(), fewer, meg.ranks, 4096).extra["fits"]
+            assert not evaluate_plan(profiles, cl, o, fewer, meg.ranks, 4096).extra["fits"]
+    assert len(partial) == 2
     full = {n: dataclasses.replace(c, recompute_layers=None) for n, c in meg.choices.items()}
-    assert meg.step_time < evaluate_plan(profiles, cl, CostOptions(), full, meg.ranks, 4096).step_time
-    print(f"megatron on distmm_4b: {describe(meg)}")
+    assert meg.step_time < evaluate_plan(profiles, cl, o, full, meg.ranks, 4096).step_time
+    assert evaluate_plan(profiles, cl, o, meg.choices, meg.ranks, 4096).step_time == pytest.approx(meg.step_time)
+    print(f"megatron on distmm_10b: {describe(meg)}")
 
 
 def test_partial_recompute_runs_between_none_and_all_layers():
@@ -256,3 +261,25 @@ def test_megatron_tp_pp_is_the_model_parallel_family_the_paper_implies():
     assert all(c.K == 1 and c.shard == "optimizer" for c in fam.choices.values())
     assert meg.step_time <= fam.step_time
     print(f"megatron {describe(meg)}; megatron-tp-pp {describe(fam)}: {fam.step_time / meg.step_time:.2f}x slower")
+
+
+def test_megatron_is_priced_with_sequence_parallelism_under_tensor_parallelism():
+    """Megatron-LM runs --sequence-parallel with TP: the norms, residual adds and their activations
+    are split over the tp ranks. The megatron baselines are priced so; DDP, FSDP and DistMM are not
+    (the runtime has no sequence parallelism), and a plan priced with it never joins DistMM's pool."""
+    from lightning_distmm.planner.baselines import baseline_options
+    from lightning_distmm.planner.cost import block_times
+    from lightning_distmm.planner.cost.memory import act_per_sample
+
+    o = CostOptions()
+    assert baseline_options("megatron", o).sequence_parallel and baseline_options("megatron-tp-pp", o).sequence_parallel
+    assert not baseline_options("fsdp", o).sequence_parallel and not baseline_options("ddp", o).sequence_parallel
+    sp = baseline_options("megatron", o)
+    p = model_profiles(model("clip_vit_bigg14"))["image"]
+    cl = load_cluster("a100_8x8")
+    for tp in (2, 4, 8):
+        assert act_per_sample(p, sp, tp, 1) < act_per_sample(p, o, tp, 1)
+        assert float(block_times(p.layer, cl, sp, 16, tp)[0]) < float(block_times(p.layer, cl, o, 16, tp)[0])
+    assert act_per_sample(p, sp, 1, 1) == act_per_sample(p, o, 1, 1)
+    _, rep = make_plan(model("clip_vit_bigg14"), "a100_8x8", 4096, ALL_SHARDS)
+    assert rep.picked_baseline() not in ("megatron", "megatron-tp-pp")

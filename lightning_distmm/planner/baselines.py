@@ -9,7 +9,9 @@ two-tower model) and is searched for its fastest configuration under the same me
   pipeline schedules compute a loss per microbatch, so they cannot split a contrastive batch whose
   loss needs every row's features: one microbatch per pipeline (``K = 1``: a pipeline of ``pp``
   stages runs one stage at a time), or no pipelining. Distributed optimizer (ZeRO-1: optimizer
-  state split over the data-parallel replicas, gradients reduce-scattered, weights all-gathered);
+  state split over the data-parallel replicas, gradients reduce-scattered, weights all-gathered)
+  or Megatron-FSDP (``--use-megatron-fsdp``: ZeRO-3 under the same tp x pp); sequence parallelism
+  with tensor parallelism (``--sequence-parallel``, :func:`baseline_options`);
   activation recompute per tower as Megatron-LM and NeMo run it (``--recompute-granularity full
   --recompute-method block --recompute-num-layers N``; NeMo's ViT-g/14 recomputes 8 of 40 vision
   layers and none of the text's): the fewest layers per stage that fit (:func:`partial_recompute`).
@@ -68,7 +70,7 @@ UNIFORM = ("megatron", "megatron-tp-pp", "uniform+batchsync")
 """Baselines that split every tower the same tp x pp ways."""
 
 LABELS = {
-    "megatron": "Megatron-LM (uniform tp x pp x dp, one microbatch per pipeline, ZeRO-1, block recompute)",
+    "megatron": "Megatron-LM (uniform tp x pp x dp, one microbatch per pipeline, ZeRO-1 or Megatron-FSDP, SP, block recompute)",
     "megatron-tp-pp": "Megatron-LM as the DistMM paper's argument implies (uniform tp x pp >= 2, one microbatch)",
     "fsdp": "FSDP / ZeRO-3 data parallel (open_clip at scale)",
     "ddp": "DDP (open_clip default)",
@@ -95,10 +97,19 @@ def baseline_space(
     if kind == "fsdp":
         return SearchSpace(*data_parallel, ("gpipe", RECOMPUTE, "cached"), max_microbatches, ("full",))
     if kind in ("megatron", "megatron-tp-pp"):  # (megatron-tp-pp: tp x pp >= 2, see colocated_search)
-        return SearchSpace(*uniform, ("gpipe", RECOMPUTE), 1, ("optimizer",), max_k=1)
+        # the distributed optimizer (ZeRO-1) or Megatron-FSDP (ZeRO-3 under the same tp x pp)
+        return SearchSpace(*uniform, ("gpipe", RECOMPUTE), 1, ("optimizer", "full"), max_k=1)
     if kind == "uniform+batchsync":
         return SearchSpace(*uniform, ("gpipe", RECOMPUTE), max_microbatches, ("none",))
     raise ValueError(f"unknown baseline {kind!r}; baselines: {', '.join(BASELINES)}")
+
+
+def baseline_options(kind: str, opts: CostOptions) -> CostOptions:
+    """The cost options a baseline is priced under: the run's, plus what the baseline's system does
+    that the runtime does not (Megatron-LM: sequence parallelism with tensor parallelism)."""
+    if kind in ("megatron", "megatron-tp-pp"):
+        return dataclasses.replace(opts, sequence_parallel=True)
+    return opts
 
 
 @dataclass
@@ -225,7 +236,9 @@ def partial_recompute(
             else:
                 lo = mid + 1
         if hi < p.layers // ch.pp:
-            choices[name] = dataclasses.replace(ch, recompute_layers=hi)
+            # no layer at all: plain gpipe (it fits next to the other towers' recomputation)
+            part = dataclasses.replace(ch, recompute_layers=hi) if hi else dataclasses.replace(ch, schedule="gpipe")
+            choices[name] = part
             peak += activations(ch, hi) - full
             changed = True
     if not changed:
@@ -236,4 +249,13 @@ def partial_recompute(
     return Evaluated(ev.name, choices, ev.ranks, cost)
 
 
-__all__ = ["Evaluated", "colocated_search", "partial_recompute", "baseline_space", "BASELINES", "UNIFORM", "LABELS"]
+__all__ = [
+    "Evaluated",
+    "baseline_options",
+    "colocated_search",
+    "partial_recompute",
+    "baseline_space",
+    "BASELINES",
+    "UNIFORM",
+    "LABELS",
+]

@@ -37,7 +37,13 @@ from lightning_distmm.planner.balance import (
     minmax_allocation,
     proportional_allocation,
 )
-from lightning_distmm.planner.baselines import BASELINES, Evaluated, baseline_space, colocated_search
+from lightning_distmm.planner.baselines import (
+    BASELINES,
+    Evaluated,
+    baseline_options,
+    baseline_space,
+    colocated_search,
+)
 from lightning_distmm.planner.cluster import GB, Cluster
 from lightning_distmm.planner.config import to_plain
 from lightning_distmm.planner.cost import (
@@ -185,7 +191,12 @@ def make_plan(
     # ---------------------------------------------------------------- baselines (in the same model)
     baselines = {
         kind: colocated_search(
-            profiles, cl, co, G, baseline_space(kind, profiles, cl.devices_per_node, D, opts.max_microbatches), kind
+            profiles,
+            cl,
+            baseline_options(kind, co),
+            G,
+            baseline_space(kind, profiles, cl.devices_per_node, D, opts.max_microbatches),
+            kind,
         )
         for kind in (opts.baselines if opts.baselines is not None else BASELINES)
     }
@@ -200,6 +211,7 @@ def make_plan(
                 and (profiles[n].frozen or ch.schedule in space.schedules)
                 and ch.shard in space.shards
                 and ch.recompute_layers is None  # the runtime recomputes a whole tower or nothing
+                and (ch.tp == 1 or not baseline_options(b.name, co).sequence_parallel)  # nor runs SP
                 for n, ch in b.choices.items()
             ):
                 pool.append(b)

@@ -89,9 +89,10 @@ def block_times(block: Block, cluster: Cluster, opts: CostOptions, mb: Any, tp: 
         b = b + dev.attention_time(bwd_flops, bwd_io, a.q, a.width / a.heads, mb * heads)
     rep_bwd, split_bwd = block.backward_elems()
     res = opts.residual_bytes  # norms and the residual stream: fp32 under autocast
-    casts = opts.cast_bytes * block.casts  # norm outputs cast to the compute dtype (and their gradients back)
-    f = f + dev.stream_time(mb * (res * block.elem_rep + bel * block.elem_split / tp + casts))
-    b = b + dev.stream_time(mb * (res * rep_bwd + bel * split_bwd / tp + casts))
+    sp = tp if opts.sequence_parallel else 1  # sequence parallelism splits the replicated work
+    casts = opts.cast_bytes * block.casts / sp  # norm outputs cast to the compute dtype (and their gradients back)
+    f = f + dev.stream_time(mb * (res * block.elem_rep / sp + bel * block.elem_split / tp + casts))
+    b = b + dev.stream_time(mb * (res * rep_bwd / sp + bel * split_bwd / tp + casts))
     # autocast casts every fp32 weight to the compute dtype once per forward (its copy is cached for
     # the backward); each microbatch's weight gradients (compute dtype) are added into the fp32
     # gradient buffer

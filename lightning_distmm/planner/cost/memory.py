@@ -63,7 +63,8 @@ def act_per_sample(profile: TowerProfile, opts: CostOptions, tp: int, pp: int, m
         mb = np.asarray(mb, dtype=float)
         return (fit.act_bytes[0] + fit.act_bytes[1] * mb) / np.maximum(mb, 1.0)
     lay = profile.layer
-    per_layer = lay.act_rep + lay.act_split / tp + (0.0 if opts.flash_attention else lay.act_scores / tp)
+    sp = tp if opts.sequence_parallel else 1  # sequence parallelism splits the replicated activations
+    per_layer = lay.act_rep / sp + lay.act_split / tp + (0.0 if opts.flash_attention else lay.act_scores / tp)
     ends = profile.pre.act_rep + profile.post.act_rep + (profile.pre.act_split + profile.post.act_split) / tp
     if pp > 1:
         ends = max(profile.pre.act_rep + profile.pre.act_split / tp, profile.post.act_rep + profile.post.act_split / tp)

@@ -96,6 +96,11 @@ class CostOptions:
     elements, and each norm's output is cast to the compute dtype before its GEMM
     (:attr:`residual_bytes`, :attr:`weight_cast_bytes`). ``False``: everything in the compute dtype
     (Megatron's O2 with ``fp32_residual_connection: False``).
+    ``sequence_parallel``: under tensor parallelism the norms, residual adds and their kept
+    activations are split over the tp ranks along the sequence (Megatron-LM's
+    ``--sequence-parallel``, Korthikanti et al. 2022): replicated elementwise work and activations
+    are divided by tp; each all-reduce becomes a reduce-scatter and an all-gather of the same bytes.
+    Priced for the Megatron baselines; the runtime has no sequence parallelism.
     """
 
     precision: str = "bf16-mixed"
@@ -106,6 +111,7 @@ class CostOptions:
     feature_bytes: int = 4
     step_overhead: float = 0.0
     autocast: bool = True
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         precision_policy(self.precision)  # an unknown name fails here, with the choices
