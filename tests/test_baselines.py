@@ -283,3 +283,25 @@ def test_megatron_is_priced_with_sequence_parallelism_under_tensor_parallelism()
     assert act_per_sample(p, sp, 1, 1) == act_per_sample(p, o, 1, 1)
     _, rep = make_plan(model("clip_vit_bigg14"), "a100_8x8", 4096, ALL_SHARDS)
     assert rep.picked_baseline() not in ("megatron", "megatron-tp-pp")
+
+
+def test_fsdp_pays_a_collective_latency_per_layer():
+    """FSDP all-gathers and reduce-scatters layer by layer: the stage's gather is ``layers`` gathers of
+    one layer's bytes, each with NCCL's latency, slower than one gather of all the bytes would be."""
+    from lightning_distmm.planner.cost import allgather_time, shard_comm
+    from lightning_distmm.planner.cost.comm import _compact_dp_groups
+    from lightning_distmm.planner.cost.memory import stage_params
+
+    cl = load_cluster("a100_8x8")
+    p = model_profiles(model("clip_vit_l14"))["text"]
+    o = CostOptions()
+    ag, _ = shard_comm(p, cl, o, 64, 1, 1)
+    nodes, per_node, groups = _compact_dp_groups(cl, 64, 1, 1)
+    total = stage_params(p, 1, 1) * o.policy.weights
+    m = max(float(nodes), 1)
+
+    def one(nbytes: float) -> float:
+        return float(allgather_time(cl, nbytes, 64.0, nodes, per_node, groups * (m - 1) / m * nbytes))
+
+    assert float(ag) == pytest.approx(p.layers * one(total / p.layers))
+    assert float(ag) > one(total)

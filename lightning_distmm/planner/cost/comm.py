@@ -175,17 +175,22 @@ def shard_comm(
     """A fully sharded (ZeRO-3 / FSDP2) stage's collectives per microbatch: the all-gather of its
     weights (forward, and again for the backward, as ``reshard_after_forward`` does) and the
     reduce-scatter of its gradients (in the gradient dtype), over the tower's compactly packed
-    data-parallel groups. Returns (forward, backward) seconds for the whole stage."""
+    data-parallel groups. FSDP issues one all-gather and one reduce-scatter per layer, so each
+    layer's collective pays its own latency (NCCL's per-call base and per-step hops): the stage's
+    bytes are priced as ``layers`` collectives of one layer's bytes. Returns (forward, backward)
+    seconds for the whole stage."""
     from lightning_distmm.planner.cost.memory import stage_params
 
     params = stage_params(profile, tp, pp)
     pol = opts.policy
     nodes, per_node, groups = _compact_dp_groups(cluster, dp, tp, pp)
     m = np.maximum(nodes, 1)
+    calls = max(profile.layers // pp, 1) if profile.analytic else 1
 
     def gather(nbytes: float) -> Any:
-        return allgather_time(
-            cluster, nbytes, np.asarray(dp, dtype=float), nodes, per_node, groups * (m - 1) / m * nbytes
+        per = nbytes / calls
+        return calls * allgather_time(
+            cluster, per, np.asarray(dp, dtype=float), nodes, per_node, groups * (m - 1) / m * per
         )
 
     ag = gather(params * pol.weights)
