@@ -68,8 +68,12 @@ def test_sharding_divides_the_static_bytes(dp):
 
 
 def test_fsdp_memory_is_one_shard_of_the_state():
-    """The fsdp baseline's static memory per rank is 1/dp of weights + gradients + optimizer state,
-    plus the two layers FSDP2 holds gathered (the one computing, the one prefetched)."""
+    """The fsdp baseline's static memory per rank under ZeRO-3 is 1/dp of weights + gradients +
+    optimizer state, plus the two layers FSDP2 holds gathered (the one computing, the one
+    prefetched); under ZeRO-2 (reshard_after_forward=False) the bf16 weights stay whole, gradients
+    and optimizer state are 1/dp, plus one layer's gradients before their reduce-scatter."""
+    from lightning_distmm.planner.cost import TowerChoice
+
     cl = load_cluster("a100_8x8")
     profiles = model_profiles(model("clip_vit_bigg14"))
     _, rep = make_plan(model("clip_vit_bigg14"), cl, 4096, ALL_SHARDS)
@@ -78,10 +82,15 @@ def test_fsdp_memory_is_one_shard_of_the_state():
     o = CostOptions()
     for name, ch in fsdp.choices.items():
         p = profiles[name]
-        assert (ch.shard, ch.tp, ch.pp, ch.dp) == ("full", 1, 1, cl.world_size)
-        static = fsdp.cost.towers[name].memory["static"]
-        expected = p.params * o.static_bytes_trainable / ch.dp + gathered_layers_bytes(p, o, 1)
-        assert static == pytest.approx(expected)
+        assert ch.shard in ("full", "zero2") and (ch.tp, ch.pp, ch.dp) == (1, 1, cl.world_size)
+        for shard in ("full", "zero2"):
+            c = TowerChoice(name, ch.n, 1, 1, ch.microbatch, ch.schedule, ch.replica_batch, shard)
+            static = evaluate_plan(profiles, cl, o, {**fsdp.choices, name: c}, fsdp.ranks, 4096).towers[name]
+            if shard == "full":
+                expected = p.params * o.static_bytes_trainable / ch.dp + gathered_layers_bytes(p, o, 1)
+            else:
+                expected = p.params * (2 + 16 / ch.dp) + p.layer.params * 4
+            assert static.memory["static"] == pytest.approx(expected)
         # and the same tower unsharded holds dp times its share
         full = memory_per_device(p, o, ch.schedule, ch.microbatch, ch.K, ch.max_batch, 1, 1)["static"]
         assert float(full) == pytest.approx(p.params * 18)
@@ -109,7 +118,7 @@ def test_megatron_space_is_restricted():
     sp = baseline_space("megatron", profiles, 8, 64)
     assert sp.max_k == 1 and sp.max_microbatches == 1 and sp.shards == ("optimizer", "full")  # ZeRO-1, Megatron-FSDP
     assert "cached" not in sp.schedules and "distmm" not in sp.schedules
-    assert baseline_space("fsdp", profiles, 8, 64).shards == ("full",)
+    assert baseline_space("fsdp", profiles, 8, 64).shards == ("full", "zero2")  # ZeRO-3, ZeRO-2
     assert baseline_space("ddp", profiles, 8, 64).shards == ("none",)
     with pytest.raises(ValueError, match="baseline"):
         baseline_space("deepspeed", profiles, 8, 64)
@@ -305,3 +314,18 @@ def test_fsdp_pays_a_collective_latency_per_layer():
 
     assert float(ag) == pytest.approx(p.layers * one(total / p.layers))
     assert float(ag) > one(total)
+
+
+def test_zero2_gathers_weights_once_and_is_the_fsdp_baselines_alone():
+    """ZeRO-2 (FSDP2 reshard_after_forward=False): the forward all-gathers each layer, the backward
+    only reduce-scatters (ZeRO-3 gathers again); the runtime has no ZeRO-2, so the planner refuses it."""
+    from lightning_distmm.planner.cost import shard_comm
+
+    cl = load_cluster("a100_8x8")
+    p = model_profiles(model("clip_vit_l14"))["image"]
+    o = CostOptions()
+    ag3, bwd3 = (float(x) for x in shard_comm(p, cl, o, 64, 1, 1, "full"))
+    ag2, bwd2 = (float(x) for x in shard_comm(p, cl, o, 64, 1, 1, "zero2"))
+    assert ag2 == pytest.approx(ag3) and bwd2 == pytest.approx(bwd3 - ag3)
+    with pytest.raises(ValueError, match="no ZeRO-2"):
+        make_plan(model("clip_vit_l14"), "a100_8x8", 1024, {"shards": ["none", "zero2"]})

@@ -95,7 +95,8 @@ def baseline_space(
     if kind == "ddp":
         return SearchSpace(*data_parallel, ("gpipe", RECOMPUTE, "cached"), max_microbatches, ("none",))
     if kind == "fsdp":
-        return SearchSpace(*data_parallel, ("gpipe", RECOMPUTE, "cached"), max_microbatches, ("full",))
+        # ZeRO-3 (FSDP2's default) or ZeRO-2 (reshard_after_forward=False)
+        return SearchSpace(*data_parallel, ("gpipe", RECOMPUTE, "cached"), max_microbatches, ("full", "zero2"))
     if kind in ("megatron", "megatron-tp-pp"):  # (megatron-tp-pp: tp x pp >= 2, see colocated_search)
         # the distributed optimizer (ZeRO-1) or Megatron-FSDP (ZeRO-3 under the same tp x pp)
         return SearchSpace(*uniform, ("gpipe", RECOMPUTE), 1, ("optimizer", "full"), max_k=1)

@@ -31,6 +31,7 @@ import numpy as np
 from lightning_distmm.core.plan import PlanError, split_batch
 from lightning_distmm.planner.cluster import Cluster
 from lightning_distmm.planner.cost import (
+    LAYER_SHARDS,
     SHARDS,
     CostOptions,
     TowerChoice,
@@ -243,8 +244,8 @@ def _grid(
     ppc = pp_comm(profile, cluster, opts, mb, pp, w > dpn)
     # a stage's time per microbatch (never below the transfer), the transfer between stages apart
     fx, bx = fc + tpc, bc + tpc
-    if shard == "full":
-        ag, agrs = (np.asarray(x)[:, None] for x in shard_comm(profile, cluster, opts, dp, tp, pp))
+    if shard in LAYER_SHARDS:
+        ag, agrs = (np.asarray(x)[:, None] for x in shard_comm(profile, cluster, opts, dp, tp, pp, shard))
         fx, bx = sharded_stage(fx, ag, profile.layers // pp), sharded_stage(bx, agrs, profile.layers // pp)
     f = np.maximum(fx, ppc)
     bb = np.zeros_like(f) if profile.frozen else np.maximum(bx, ppc)

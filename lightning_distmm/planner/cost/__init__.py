@@ -53,6 +53,7 @@ from lightning_distmm.planner.cost.memory import (
     static_per_param,
 )
 from lightning_distmm.planner.cost.options import (
+    LAYER_SHARDS,
     PLANNABLE_SHARDS,
     PRECISIONS,
     SHARDS,
@@ -81,6 +82,7 @@ __all__ = [
     "PrecisionPolicy",
     "PRECISIONS",
     "SHARDS",
+    "LAYER_SHARDS",
     "PLANNABLE_SHARDS",
     "precision_policy",
     "RECOMPUTE",

@@ -170,15 +170,16 @@ def compact_dp_allreduce(cluster: Cluster, grad_bytes: float, dp: Any, tp: int, 
 
 
 def shard_comm(
-    profile: TowerProfile, cluster: Cluster, opts: CostOptions, dp: Any, tp: int, pp: int
+    profile: TowerProfile, cluster: Cluster, opts: CostOptions, dp: Any, tp: int, pp: int, shard: str = "full"
 ) -> tuple[Any, Any]:
     """A fully sharded (ZeRO-3 / FSDP2) stage's collectives per microbatch: the all-gather of its
     weights (forward, and again for the backward, as ``reshard_after_forward`` does) and the
     reduce-scatter of its gradients (in the gradient dtype), over the tower's compactly packed
     data-parallel groups. FSDP issues one all-gather and one reduce-scatter per layer, so each
     layer's collective pays its own latency (NCCL's per-call base and per-step hops): the stage's
-    bytes are priced as ``layers`` collectives of one layer's bytes. Returns (forward, backward)
-    seconds for the whole stage."""
+    bytes are priced as ``layers`` collectives of one layer's bytes. ``zero2`` gathers the weights
+    once, in the forward, and keeps them for the backward. Returns (forward, backward) seconds for
+    the whole stage."""
     from lightning_distmm.planner.cost.memory import stage_params
 
     params = stage_params(profile, tp, pp)
@@ -195,7 +196,7 @@ def shard_comm(
 
     ag = gather(params * pol.weights)
     rs = 0.0 if profile.frozen else gather(params * pol.grads)
-    return ag, ag + rs
+    return ag, (rs + 0 * ag if shard == "zero2" else ag + rs)
 
 
 def sharded_stage(compute: Any, comm: Any, layers: int) -> Any:

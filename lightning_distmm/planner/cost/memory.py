@@ -40,10 +40,12 @@ def static_per_param(profile: TowerProfile, opts: CostOptions, shard: str = "non
     trained = frac * (pol.grads + pol.optimizer) + 0 * dp
     if shard == "optimizer":
         trained = frac * (pol.grads + pol.optimizer / dp)
+    elif shard == "zero2":  # the weights stay whole (gathered in the forward, kept to the backward)
+        trained = trained / dp
     elif shard == "full":
         weights, trained = weights / dp, trained / dp
     elif shard != "none":
-        raise ValueError(f"shard={shard!r}: choose one of none, optimizer, full")
+        raise ValueError(f"shard={shard!r}: choose one of none, optimizer, zero2, full")
     return weights + trained
 
 
@@ -94,6 +96,8 @@ def memory_per_device(
     static = stage_params(profile, tp, pp) * static_per_param(profile, opts, shard, dp)
     if shard == "full":
         static = static + gathered_layers_bytes(profile, opts, tp)
+    elif shard == "zero2" and not profile.frozen:  # one layer's gradients before their reduce-scatter
+        static = static + (profile.layer.params if profile.analytic else profile.params) / tp * opts.policy.grads
     aps = act_per_sample(profile, opts, tp, pp, mb)
     layer_act = aps / max(profile.layers // pp, 1)
     if profile.frozen:
@@ -138,7 +142,7 @@ def grad_bytes_per_device(profile: TowerProfile, opts: CostOptions, tp: int, pp:
     moves ``(r-1)/r`` of each, the same as an all-reduce of their mean size, so it is priced as one.
     ``full`` (ZeRO-3) moves its gradients layer by layer during the backward
     (:func:`lightning_distmm.planner.cost.comm.shard_comm`): nothing is left for the step's end."""
-    if profile.frozen or shard == "full":
+    if profile.frozen or shard in ("full", "zero2"):
         return 0.0
     frac = profile.trainable_params / max(profile.params, 1)
     per = opts.grad_bytes if shard == "none" else (opts.grad_bytes + opts.policy.weights) / 2

@@ -8,13 +8,18 @@ from typing import Any
 
 from lightning_distmm.core.plan_schema import SHARDS as RUNTIME_SHARDS
 
-SHARDS = ("none", "optimizer", "full")
+SHARDS = ("none", "optimizer", "zero2", "full")
 """How a tower's data-parallel replicas hold their training state, as the cost model prices it:
 ``none`` (every replica holds all of it, gradients all-reduced: DDP), ``optimizer`` (ZeRO-1 /
 Megatron's distributed optimizer: master weights and Adam moments split over the replicas,
-gradients reduce-scattered, weights all-gathered after the step), ``full`` (ZeRO-3 / FSDP2:
-weights, gradients and optimizer state split, each layer's weights all-gathered before its forward
-and its backward, its gradients reduce-scattered)."""
+gradients reduce-scattered, weights all-gathered after the step), ``zero2`` (ZeRO-2 / FSDP2 with
+``reshard_after_forward=False``, FSDP1's ``SHARD_GRAD_OP``: gradients and optimizer state split,
+each layer's weights all-gathered once in the forward and kept through the backward, its gradients
+reduce-scattered), ``full`` (ZeRO-3 / FSDP2: weights, gradients and optimizer state split, each
+layer's weights all-gathered before its forward and its backward, its gradients reduce-scattered)."""
+
+LAYER_SHARDS = ("zero2", "full")
+"""Shardings whose collectives run layer by layer inside the forward and backward (FSDP)."""
 
 PLANNABLE_SHARDS = tuple(s for s in RUNTIME_SHARDS if s in SHARDS)
 """What the planner may write into a plan: ways the runtime runs (``core.plan_schema.SHARDS``) and
@@ -167,4 +172,12 @@ class CostOptions:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
-__all__ = ["CostOptions", "PrecisionPolicy", "PRECISIONS", "SHARDS", "PLANNABLE_SHARDS", "precision_policy"]
+__all__ = [
+    "CostOptions",
+    "PrecisionPolicy",
+    "PRECISIONS",
+    "SHARDS",
+    "LAYER_SHARDS",
+    "PLANNABLE_SHARDS",
+    "precision_policy",
+]

@@ -44,7 +44,7 @@ from lightning_distmm.planner.cost.comm import (
 from lightning_distmm.planner.cost.compute import optimizer_time, shared_host_phases, stage_compute
 from lightning_distmm.planner.cost.gradients import GradientTraffic, gradient_traffic, price_gradient_sums
 from lightning_distmm.planner.cost.memory import loss_bytes, memory_per_device
-from lightning_distmm.planner.cost.options import CostOptions
+from lightning_distmm.planner.cost.options import LAYER_SHARDS, CostOptions
 from lightning_distmm.planner.cost.pipeline import (
     RECOMPUTE,
     SIMULATE_MAX_INSTRUCTIONS,
@@ -154,8 +154,8 @@ def price_tower(
     if c.schedule == RECOMPUTE and frac < 1.0:
         schedule = "gpipe"
         bc_r, bx_r = bc_r + frac * fc_r, bx_r + frac * fx_r
-    if c.shard == "full":  # per-layer weight gathers and gradient scatters (compact packing estimate)
-        ag, agrs = shard_comm(p, cluster, opts, c.dp, c.tp, c.pp)
+    if c.shard in LAYER_SHARDS:  # per-layer weight gathers and gradient scatters (compact packing estimate)
+        ag, agrs = shard_comm(p, cluster, opts, c.dp, c.tp, c.pp, c.shard)
         layers = p.layers // P
         fx_r, bx_r = sharded_stage(fx_r, ag, layers), sharded_stage(bx_r, agrs, layers)
     f_r = np.maximum(fx_r, ppc_r)
