@@ -118,7 +118,7 @@ def test_megatron_space_is_restricted():
     sp = baseline_space("megatron", profiles, 8, 64)
     assert sp.max_k == 1 and sp.max_microbatches == 1 and sp.shards == ("optimizer", "full")  # ZeRO-1, Megatron-FSDP
     assert "cached" not in sp.schedules and "distmm" not in sp.schedules
-    assert baseline_space("fsdp", profiles, 8, 64).shards == ("full", "zero2")  # ZeRO-3, ZeRO-2
+    assert baseline_space("fsdp", profiles, 8, 64).shards == ("full", "zero2", "hybrid")  # ZeRO-3, ZeRO-2, HSDP
     assert baseline_space("ddp", profiles, 8, 64).shards == ("none",)
     with pytest.raises(ValueError, match="baseline"):
         baseline_space("deepspeed", profiles, 8, 64)

@@ -95,8 +95,10 @@ def baseline_space(
     if kind == "ddp":
         return SearchSpace(*data_parallel, ("gpipe", RECOMPUTE, "cached"), max_microbatches, ("none",))
     if kind == "fsdp":
-        # ZeRO-3 (FSDP2's default) or ZeRO-2 (reshard_after_forward=False)
-        return SearchSpace(*data_parallel, ("gpipe", RECOMPUTE, "cached"), max_microbatches, ("full", "zero2"))
+        # ZeRO-3 (FSDP2's default), ZeRO-2 (reshard_after_forward=False) or HSDP (sharded in a node)
+        return SearchSpace(
+            *data_parallel, ("gpipe", RECOMPUTE, "cached"), max_microbatches, ("full", "zero2", "hybrid")
+        )
     if kind in ("megatron", "megatron-tp-pp"):  # (megatron-tp-pp: tp x pp >= 2, see colocated_search)
         # the distributed optimizer (ZeRO-1) or Megatron-FSDP (ZeRO-3 under the same tp x pp)
         return SearchSpace(*uniform, ("gpipe", RECOMPUTE), 1, ("optimizer", "full"), max_k=1)

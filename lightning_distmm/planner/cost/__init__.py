@@ -60,6 +60,7 @@ from lightning_distmm.planner.cost.options import (
     CostOptions,
     PrecisionPolicy,
     precision_policy,
+    shard_group,
 )
 from lightning_distmm.planner.cost.pipeline import (
     RECOMPUTE,
@@ -85,6 +86,7 @@ __all__ = [
     "LAYER_SHARDS",
     "PLANNABLE_SHARDS",
     "precision_policy",
+    "shard_group",
     "RECOMPUTE",
     "cost_schedule",
     "runtime_schedule",

@@ -42,10 +42,10 @@ def static_per_param(profile: TowerProfile, opts: CostOptions, shard: str = "non
         trained = frac * (pol.grads + pol.optimizer / dp)
     elif shard == "zero2":  # the weights stay whole (gathered in the forward, kept to the backward)
         trained = trained / dp
-    elif shard == "full":
+    elif shard in ("full", "hybrid"):  # (hybrid: ``dp`` is the node's shard group, cost.options.shard_group)
         weights, trained = weights / dp, trained / dp
     elif shard != "none":
-        raise ValueError(f"shard={shard!r}: choose one of none, optimizer, zero2, full")
+        raise ValueError(f"shard={shard!r}: choose one of none, optimizer, zero2, full, hybrid")
     return weights + trained
 
 
@@ -94,7 +94,7 @@ def memory_per_device(
     mb = np.asarray(mb, dtype=float)
     K = np.asarray(K, dtype=float)
     static = stage_params(profile, tp, pp) * static_per_param(profile, opts, shard, dp)
-    if shard == "full":
+    if shard in ("full", "hybrid"):
         static = static + gathered_layers_bytes(profile, opts, tp)
     elif shard == "zero2" and not profile.frozen:  # one layer's gradients before their reduce-scatter
         static = static + (profile.layer.params if profile.analytic else profile.params) / tp * opts.policy.grads
@@ -142,7 +142,7 @@ def grad_bytes_per_device(profile: TowerProfile, opts: CostOptions, tp: int, pp:
     moves ``(r-1)/r`` of each, the same as an all-reduce of their mean size, so it is priced as one.
     ``full`` (ZeRO-3) moves its gradients layer by layer during the backward
     (:func:`lightning_distmm.planner.cost.comm.shard_comm`): nothing is left for the step's end."""
-    if profile.frozen or shard in ("full", "zero2"):
+    if profile.frozen or shard in ("full", "zero2", "hybrid"):
         return 0.0
     frac = profile.trainable_params / max(profile.params, 1)
     per = opts.grad_bytes if shard == "none" else (opts.grad_bytes + opts.policy.weights) / 2

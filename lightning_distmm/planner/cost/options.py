@@ -8,7 +8,7 @@ from typing import Any
 
 from lightning_distmm.core.plan_schema import SHARDS as RUNTIME_SHARDS
 
-SHARDS = ("none", "optimizer", "zero2", "full")
+SHARDS = ("none", "optimizer", "zero2", "full", "hybrid")
 """How a tower's data-parallel replicas hold their training state, as the cost model prices it:
 ``none`` (every replica holds all of it, gradients all-reduced: DDP), ``optimizer`` (ZeRO-1 /
 Megatron's distributed optimizer: master weights and Adam moments split over the replicas,
@@ -16,15 +16,18 @@ gradients reduce-scattered, weights all-gathered after the step), ``zero2`` (ZeR
 ``reshard_after_forward=False``, FSDP1's ``SHARD_GRAD_OP``: gradients and optimizer state split,
 each layer's weights all-gathered once in the forward and kept through the backward, its gradients
 reduce-scattered), ``full`` (ZeRO-3 / FSDP2: weights, gradients and optimizer state split, each
-layer's weights all-gathered before its forward and its backward, its gradients reduce-scattered)."""
+layer's weights all-gathered before its forward and its backward, its gradients reduce-scattered),
+``hybrid`` (HSDP, what the runtime runs for ``shard: hybrid``: ZeRO-3 over the tower's replicas
+inside one node, replicated across nodes; each layer's gradient shard is all-reduced across the
+nodes after its reduce-scatter)."""
 
-LAYER_SHARDS = ("zero2", "full")
+LAYER_SHARDS = ("zero2", "full", "hybrid")
 """Shardings whose collectives run layer by layer inside the forward and backward (FSDP)."""
 
 PLANNABLE_SHARDS = tuple(s for s in RUNTIME_SHARDS if s in SHARDS)
 """What the planner may write into a plan: ways the runtime runs (``core.plan_schema.SHARDS``) and
-the cost model prices. ``optimizer`` is priced for the baselines alone (Megatron-LM runs its
-distributed optimizer) since the runtime has no ZeRO-1; ``hybrid`` (HSDP) runs but is not priced."""
+the cost model prices. ``optimizer`` and ``zero2`` are priced for the baselines alone (Megatron-LM
+runs its distributed optimizer, FSDP users ZeRO-2) since the runtime has neither."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,18 @@ PRECISION_ALIASES = {
 }
 """Lightning's precision names map to the policy with the same bytes (fp16 mixed precision holds
 what bf16 mixed does)."""
+
+
+def shard_group(shard: str, dp: Any, tp: int, pp: int, devices_per_node: int) -> Any:
+    """Over how many replicas a tower's training state is split: all ``dp`` of them, or under
+    ``hybrid`` the replicas of one node (the tower packed from a node start: ``devices_per_node //
+    (tp * pp)`` of them, at least 1), as the runtime's HSDP mesh does. Numbers or numpy arrays."""
+    import numpy as np
+
+    if shard != "hybrid":
+        return dp
+    per_node = max(devices_per_node // (tp * pp), 1)
+    return np.minimum(dp, per_node) if np.ndim(dp) else min(int(dp), per_node)
 
 
 def precision_policy(name: str) -> PrecisionPolicy:
@@ -179,5 +194,6 @@ __all__ = [
     "SHARDS",
     "LAYER_SHARDS",
     "PLANNABLE_SHARDS",
+    "shard_group",
     "precision_policy",
 ]

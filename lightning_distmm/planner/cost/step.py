@@ -23,6 +23,7 @@ as the runtime's DDP-style buckets are) and assemble the step.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,7 +45,7 @@ from lightning_distmm.planner.cost.comm import (
 from lightning_distmm.planner.cost.compute import optimizer_time, shared_host_phases, stage_compute
 from lightning_distmm.planner.cost.gradients import GradientTraffic, gradient_traffic, price_gradient_sums
 from lightning_distmm.planner.cost.memory import loss_bytes, memory_per_device
-from lightning_distmm.planner.cost.options import LAYER_SHARDS, CostOptions
+from lightning_distmm.planner.cost.options import LAYER_SHARDS, CostOptions, shard_group
 from lightning_distmm.planner.cost.pipeline import (
     RECOMPUTE,
     SIMULATE_MAX_INSTRUCTIONS,
@@ -66,6 +67,15 @@ def sync_groups(choices: Mapping[str, TowerChoice]) -> int:
             f"schedule 'distmm' is on tower(s) {odd} but not on all towers: it splits the whole batch into two sync groups"
         )
     return groups
+
+
+def hybrid_runs(replicas: Sequence[Sequence[int]], tp: int, devices_per_node: int) -> bool:
+    """Whether the runtime's HSDP mesh takes these replicas (``parallel.groups.hybrid_rows``): the
+    same number of replicas on every node they use, and no tensor parallelism across nodes."""
+    counts: dict[int, int] = {}
+    for r in replicas:
+        counts[r[0] // devices_per_node] = counts.get(r[0] // devices_per_node, 0) + 1
+    return len(set(counts.values())) <= 1 and (len(counts) <= 1 or tp == 1)
 
 
 def recompute_fraction(profile: TowerProfile, choice: TowerChoice) -> float:
@@ -199,12 +209,15 @@ def price_tower(
     compute = sum(
         float(fc_r[row[r]] + (0.0 if p.frozen else bc_r[row[r]] + (fc_r[row[r]] if recompute else 0.0))) for r in mbs
     )
+    group = shard_group(c.shard, c.dp, c.tp, c.pp, cluster.devices_per_node)  # replicas the state is split over
     memory = {
         k: float(v)
         for k, v in memory_per_device(
-            p, opts, c.schedule, mb, K, c.max_batch, c.tp, c.pp, lb, c.shard, c.dp, c.recompute_layers
+            p, opts, c.schedule, mb, K, c.max_batch, c.tp, c.pp, lb, c.shard, group, c.recompute_layers
         ).items()
     }
+    if c.shard == "hybrid" and not hybrid_runs(groups["replicas"], c.tp, cluster.devices_per_node):
+        memory["total"] = math.inf  # the runtime's HSDP mesh refuses this layout: never a fit
     again = 0.0 if p.frozen else (1.0 if recompute else frac if c.schedule == RECOMPUTE else 0.0)
     intra_b, inter_b = link_bytes(p, c, opts, K, again, traffic, tp_cross, pp_cross)
     if cross:
@@ -219,7 +232,7 @@ def price_tower(
         bubble=bubble,
         dp_allreduce=0.0,
         dp_exposed=0.0,
-        optimizer=optimizer_time(p, cluster, opts, c.tp, c.pp, c.shard, c.dp),
+        optimizer=optimizer_time(p, cluster, opts, c.tp, c.pp, c.shard, group),
         cross_comm=cross * (1 if p.frozen else 2),
         memory=memory,
         bytes_intra=intra_b,
@@ -364,6 +377,7 @@ def evaluate_plan(
 
 
 __all__ = [
+    "hybrid_runs",
     "recompute_fraction",
     "sync_groups",
     "rank_groups",
