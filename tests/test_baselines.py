@@ -24,7 +24,7 @@ from lightning_distmm.planner.measure import load_cluster
 from lightning_distmm.planner.profile import model_profiles
 from lightning_distmm.planner.report import describe
 
-ALL_SHARDS = {"shards": ["none", "full"]}  # every sharding the runtime runs and the planner prices
+ALL_SHARDS = {"shards": ["none", "full", "hybrid"]}  # every sharding the runtime runs and the planner prices
 
 
 def model(name: str) -> dict:
