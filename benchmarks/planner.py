@@ -81,8 +81,15 @@ def why(rep: Report) -> str:
         )
     if chosen is meg or chosen.step_time >= meg.step_time * (1 - 1e-3):
         c = next(iter(meg.choices.values()))
+        lacks = sorted(
+            {"ZeRO-1" for ch in meg.choices.values() if ch.shard == "optimizer"}
+            | {"block recompute" for ch in meg.choices.values() if ch.recompute_layers is not None}
+            | {"sequence parallelism" for ch in meg.choices.values() if ch.tp > 1}
+        )
+        if chosen.step_time > meg.step_time * (1 + 1e-3):
+            return f"Megatron-LM is faster: {', '.join(lacks) or 'its plan'}, which the runtime does not run"
         if c.tp * c.pp == 1:
-            return "both pure data parallel (ZeRO-1 fits the state): no pipeline for the contrastive batch to hurt"
+            return "both pure data parallel: no pipeline for the contrastive batch to hurt"
         return "DistMM's best plan is Megatron-LM's"
     mt = sum(t.compute for t in meg.cost.towers.values())
     c = next(iter(meg.choices.values()))
