@@ -214,7 +214,7 @@ def sharding_table(clusters: list[str], global_batch: int, models: list[str]) ->
             print(f"\n{m} ({params / 1e9:.2f}B) on {c}:")
             for label, opts in (
                 ("unsharded towers", {"shards": ["none"]}),
-                ("ZeRO-3 allowed", ALL_SHARDS),  # what the runtime runs (FSDP2)
+                ("ZeRO-3/HSDP allowed", ALL_SHARDS),  # what the runtime runs (FSDP2)
             ):
                 try:
                     _, rep = make_plan(cfg, c, global_batch, opts)
