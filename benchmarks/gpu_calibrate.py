@@ -11,10 +11,13 @@ sustains, so that :func:`lightning_distmm.planner.calibration.cluster_from_calib
 * ``gemm``: bf16 ``torch.mm`` over a grid of (M, N, K) typical of ViT-B/L/H and CLIP text towers
   (the four GEMMs of a transformer layer, forward, and the weight-gradient GEMM of the MLP, at
   M = tokens of a microbatch), plus square sizes: seconds, achieved TFLOP/s, fraction of peak.
-* ``models``: one timm ViT-B/16 (from its config, ``pretrained=False``: nothing is downloaded) and
-  one transformers CLIP text tower (``CLIPTextConfig()``: the ViT-B/32 CLIP text encoder) timed
-  forward and backward under bf16 autocast at several microbatch sizes: seconds, peak memory,
-  FLOPs (``torch.utils.flop_counter``, forward + backward), MFU against the datasheet peak.
+* ``models``: timm ViT-B/16 and ViT-L/14 (from their configs, ``pretrained=False``: nothing is
+  downloaded) and one transformers CLIP text tower (``CLIPTextConfig()``: the ViT-B/32 CLIP text
+  encoder) timed forward and backward under bf16 autocast at several microbatch sizes: seconds,
+  peak memory, FLOPs (``torch.utils.flop_counter``, forward + backward), MFU against the datasheet
+  peak, and beside them the planner's analytic prediction for the same tower and microbatch on the
+  device this run measured (``predicted_seconds``, ``predicted_memory_gb`` and the ratios measured /
+  predicted: the cost model's error on this GPU, :func:`predict_towers`).
 * ``nccl``: the process-group init at world size 1 and all-reduce times at a few sizes. With one
   rank NCCL moves nothing between devices: these are the per-call latency floor, recorded as such.
 
@@ -43,6 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the planner, for the predictions
+
 SCHEMA = "lightning_distmm.gpu_calibration/1"
 
 # Dense BF16 tensor-core peaks (TFLOP/s), from NVIDIA's datasheets (the figures without sparsity):
@@ -50,12 +55,14 @@ SCHEMA = "lightning_distmm.gpu_calibration/1"
 DATASHEET_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 
 # Transformer widths (d_model, MLP width) of the towers the planner's presets use: CLIP text B/L/H
-# (512, 768, 1024), ViT-B/16 (768), ViT-L/14 (1024), ViT-H/14 (1280); open_clip model configs.
-GPU_WIDTHS = [(512, 2048), (768, 3072), (1024, 4096), (1280, 5120)]
+# (512, 768, 1024), ViT-B/16 (768), ViT-L/14 (1024), ViT-H/14 (1280), ViT-g/14 (1408, MLP 6144);
+# open_clip model configs.
+GPU_WIDTHS = [(512, 2048), (768, 3072), (1024, 4096), (1280, 5120), (1408, 6144)]
 # Rows M = tokens of one microbatch: 4 x 77 text tokens ~ 256 up to 256 x 257 ViT-H/14 tokens ~ 64k.
 GPU_ROWS = [256, 1024, 4096, 16384, 65536]
-GPU_SQUARES = [512, 1024, 2048, 4096, 8192]
+GPU_SQUARES = [512, 1024, 2048, 4096, 6144, 8192]
 GPU_VIT_MB = [32, 64, 128, 256]
+GPU_VIT_L_MB = [16, 32, 64]
 GPU_TEXT_MB = [64, 128, 256, 512]
 GPU_ALLREDUCE_BYTES = [4, 64 * 2**10, 2**20, 16 * 2**20, 256 * 2**20]
 
@@ -63,6 +70,7 @@ CPU_WIDTHS = [(32, 128), (64, 256)]
 CPU_ROWS = [64, 256]
 CPU_SQUARES = [64, 128]
 CPU_VIT_MB = [2, 4]
+CPU_VIT_L_MB = [2]
 CPU_TEXT_MB = [2, 4]
 CPU_ALLREDUCE_BYTES = [4, 2**16]
 
@@ -200,6 +208,54 @@ def measure_copy_bandwidth(dev: Any, numel: int, min_s: float) -> float:
 
 
 # ---------------------------------------------------------------------------------------- towers
+# the towers timed, as the planner's profiles describe them (conf/model tower entries): the
+# analytic prediction of each is priced from this description
+TOWER_CONFIGS = {
+    "vit_b16": {"arch": "vit", "img_size": 224, "patch_size": 16, "width": 768, "layers": 12, "heads": 12},
+    "vit_l14": {"arch": "vit", "img_size": 224, "patch_size": 14, "width": 1024, "layers": 24, "heads": 16},
+    "vit_smoke": {"arch": "vit", "img_size": 32, "patch_size": 16, "width": 64, "layers": 2, "heads": 2},
+    "vit_l_smoke": {"arch": "vit", "img_size": 28, "patch_size": 14, "width": 32, "layers": 2, "heads": 2},
+    "clip_text_b32": {
+        "arch": "clip_text",
+        "vocab_size": 49408,
+        "context_length": 77,
+        "width": 512,
+        "layers": 12,
+        "heads": 8,
+    },
+    "clip_text_smoke": {
+        "arch": "clip_text",
+        "vocab_size": 1000,
+        "context_length": 77,
+        "width": 64,
+        "layers": 2,
+        "heads": 2,
+        "mlp_ratio": 4.0,
+    },
+}
+
+
+def _build_timm_vit(timm_name: str, name: str, over: dict[str, Any]) -> tuple[Any, Callable[[int], Any], str]:
+    import timm
+
+    model = timm.create_model(timm_name, pretrained=False, num_classes=0, **over)
+    size = over.get("img_size", 224)
+
+    def batch(mb: int) -> Any:
+        import torch
+
+        return (torch.randn(mb, 3, size, size),)
+
+    return model, batch, name
+
+
+def build_vit_l(smoke: bool) -> tuple[Any, Callable[[int], Any], str]:
+    """timm ViT-L/14 (patch 14, width 1024, depth 24, 16 heads; no weights downloaded), or a
+    2-layer 32-wide one for the smoke run."""
+    over = {"img_size": 28, "embed_dim": 32, "depth": 2, "num_heads": 2} if smoke else {}
+    return _build_timm_vit("vit_large_patch14_clip_224", "vit_l_smoke" if smoke else "vit_l14", over)
+
+
 def build_vit(smoke: bool) -> tuple[Any, Callable[[int], Any], str]:
     """timm ViT-B/16 from its config (no weights downloaded), or a 2-layer 64-wide one for the smoke run."""
     import timm
@@ -495,6 +551,7 @@ def measure_all(
     towers = (
         (build_vit, CPU_VIT_MB if smoke else GPU_VIT_MB),
         (build_clip_text, CPU_TEXT_MB if smoke else GPU_TEXT_MB),
+        (build_vit_l, CPU_VIT_L_MB if smoke else GPU_VIT_L_MB),
     )
     for builder, mbs in towers:
         with section(builder.__name__):
@@ -503,6 +560,58 @@ def measure_all(
                 autocast = dtype if cuda else None
                 measure_tower(name, model, make_batch, mbs, dev, autocast, peak, budget, min_s, result["models"])
                 del model
+    with section("predictions"):
+        predict_towers(result)
+
+
+def predict_towers(result: dict[str, Any]) -> None:
+    """Beside every measured tower step, the planner's analytic prediction of the same tower and
+    microbatch (forward + backward, :func:`lightning_distmm.planner.cost.stage_compute`) on the
+    device this run measured (:func:`lightning_distmm.planner.calibration.device_from_calibration`:
+    its GEMM efficiency per size class and copy bandwidth, the preset's attention efficiency), and
+    its memory (fp32 weights and gradients, autocast's bf16 weight copies, the activations the
+    profile keeps); ``time_ratio`` and ``memory_ratio`` are measured / predicted."""
+    import dataclasses as dc
+
+    from lightning_distmm.planner.calibration import SCHEMA as PLANNER_SCHEMA
+    from lightning_distmm.planner.calibration import device_from_calibration
+    from lightning_distmm.planner.cluster import Cluster, Link
+    from lightning_distmm.planner.cost import CostOptions, memory_per_device, stage_compute
+    from lightning_distmm.planner.measure import load_cluster
+    from lightning_distmm.planner.profile import tower_profile
+
+    assert PLANNER_SCHEMA == SCHEMA, "the script and the planner's loader disagree on the schema"
+    smoke = result["kind"] == "cpu-smoke"
+    base = None if smoke else load_cluster(_preset_for(result["device"]["name"])).device
+    data = {**result, "budget": {}}
+    device = device_from_calibration(data, base)
+    if smoke:
+        device = dc.replace(device, attention_efficiency=None)  # CPUs: attention FLOPs priced as GEMMs
+    cluster = Cluster("calibrated", 1, 1, device, Link(1e9, 0.0), Link(1e9, 0.0))
+    opts = CostOptions(precision="fp32" if smoke else "bf16-mixed")
+    for row in result["models"]:
+        if row.get("oom") or row["model"] not in TOWER_CONFIGS:
+            continue
+        p = tower_profile(row["model"], TOWER_CONFIGS[row["model"]], 512)
+        mb = row["microbatch"]
+        f, b = (float(x) for x in stage_compute(p, cluster, opts, float(mb), 1, 1))
+        # what torch holds at the backward's peak: fp32 weights and gradients, the bf16 copies
+        # autocast caches, the kept activations (the profile's, per sample)
+        static = p.params * (4 + 4 + (0 if smoke else 2))
+        act = float(memory_per_device(p, opts, "gpipe", mb, 1, mb, 1, 1)["activations"])
+        row["predicted_seconds"] = f + b
+        row["time_ratio"] = row["seconds"] / (f + b)
+        row["predicted_memory_gb"] = (static + act) / 1e9
+        if row.get("peak_memory_gb"):
+            row["memory_ratio"] = row["peak_memory_gb"] / row["predicted_memory_gb"]
+
+
+def _preset_for(device_name: str) -> str:
+    """The cluster preset of a GPU by its name (H200, H100, else A100)."""
+    for key, preset in (("H200", "h200_8x8"), ("H100", "h100_8x8"), ("A100", "a100_8x8")):
+        if key in device_name.upper():
+            return preset
+    return "h200_8x8"
 
 
 def table(result: dict[str, Any]) -> str:
@@ -519,15 +628,17 @@ def table(result: dict[str, Any]) -> str:
     for c in sorted(classes):
         f = sorted(classes[c])
         lines.append(f"  1e{c:<3d} {len(f):3d}  {max(f):.3f} / {f[len(f) // 2]:.3f}")
-    lines.append("tower step (fwd+bwd): microbatch, ms, TFLOP/s, MFU, peak GB")
+    lines.append("tower step (fwd+bwd): microbatch, ms, TFLOP/s, MFU, peak GB; measured/predicted time, memory")
     for r in result["models"]:
         if r.get("oom"):
             lines.append(f"  {r['model']:16s} {r['microbatch']:5d}  OOM")
             continue
         mem = f"{r['peak_memory_gb']:.2f}" if r.get("peak_memory_gb") is not None else "-"
+        tr = f"{r['time_ratio']:.2f}" if r.get("time_ratio") else "-"
+        mr = f"{r['memory_ratio']:.2f}" if r.get("memory_ratio") else "-"
         lines.append(
             f"  {r['model']:16s} {r['microbatch']:5d} {r['seconds'] * 1e3:9.2f} {r['tflops']:8.3g}"
-            f" {r['mfu']:6.3f} {mem:>6s}"
+            f" {r['mfu']:6.3f} {mem:>6s}  {tr:>5s} {mr:>5s}"
         )
     n = result.get("nccl")
     if n:

@@ -4,6 +4,7 @@ uniform+batchsync ablation), and solve time.
     python benchmarks/planner.py --paper                      # the DistMM paper's table: 1.1B-26B presets
     python benchmarks/planner.py --regimes                    # where DistMM wins: network x batch x memory map
     python benchmarks/planner.py --sharding-table             # distmm_10b / 26b on 64 A100s, with and without sharding
+    python benchmarks/planner.py --published                  # predicted / measured for published CLIP trainings
     python benchmarks/planner.py                              # model presets x GPU cluster presets
     python benchmarks/planner.py --global-batch 1024,32768    # several contrastive batch sizes
     python benchmarks/planner.py --models clip_vit_bigg14 --clusters a100_8x8_eth100
@@ -40,9 +41,10 @@ from lightning_distmm.planner.baselines import BASELINES  # noqa: E402
 from lightning_distmm.planner.cluster import CONF_DIR  # noqa: E402
 from lightning_distmm.planner.report import Report, describe  # noqa: E402
 
-ALL_SHARDS = {"shards": ["none", "full"]}  # every sharding the runtime runs and the planner prices
+ALL_SHARDS = {"shards": ["none", "full", "hybrid"]}  # every sharding the runtime runs and the planner prices
 PAPER_MODELS = ["distmm_1b", "clip_vit_g14", "clip_vit_bigg14", "distmm_4b", "distmm_10b", "distmm_26b"]
 PAPER_CLUSTERS = ["a100_8x8", "h100_8x8", "h200_8x8"]
+SUMMARY = ("megatron", "megatron-tp-pp", "fsdp")  # the baselines the --paper summary lines compare with
 PAPER_RANGE = (1.32, 3.27)  # DistMM (NSDI'24) speedups over Megatron-LM, 1.1B-26B CLIP models, 64 A100s
 
 DEFAULT_MODELS = [
@@ -79,8 +81,15 @@ def why(rep: Report) -> str:
         )
     if chosen is meg or chosen.step_time >= meg.step_time * (1 - 1e-3):
         c = next(iter(meg.choices.values()))
+        lacks = sorted(
+            {"ZeRO-1" for ch in meg.choices.values() if ch.shard == "optimizer"}
+            | {"block recompute" for ch in meg.choices.values() if ch.recompute_layers is not None}
+            | {"sequence parallelism" for ch in meg.choices.values() if ch.tp > 1}
+        )
+        if chosen.step_time > meg.step_time * (1 + 1e-3):
+            return f"Megatron-LM is faster: {', '.join(lacks) or 'its plan'}, which the runtime does not run"
         if c.tp * c.pp == 1:
-            return "both pure data parallel (ZeRO-1 fits the state): no pipeline for the contrastive batch to hurt"
+            return "both pure data parallel: no pipeline for the contrastive batch to hurt"
         return "DistMM's best plan is Megatron-LM's"
     mt = sum(t.compute for t in meg.cost.towers.values())
     c = next(iter(meg.choices.values()))
@@ -102,6 +111,7 @@ def paper(global_batch: int, clusters: list[str]) -> None:
         " DistMM may shard its towers as the runtime does (ZeRO-3 / FSDP2)"
     )
     speedups = []
+    tp_pp: list[float] = []
     solve: list[float] = []
     solve_cpu: list[float] = []
     summary: dict[str, dict[str, list[float]]] = {}
@@ -146,16 +156,22 @@ def paper(global_batch: int, clusters: list[str]) -> None:
                     c,
                     rep.picked_baseline() and f"= {rep.picked_baseline()}" or rep.chosen.name,
                     f"{best.step_time / sep.step_time:.2f}x" if sep and best else "-",
-                    *(f"{rep.speedup(k):.2f}x" if rep.speedup(k) else "OOM" for k in ("megatron", "fsdp")),
+                    *(f"{rep.speedup(k):.2f}x" if rep.speedup(k) else "OOM" for k in SUMMARY),
                 )
             )
-            for k in ("megatron", "fsdp"):
+            for k in SUMMARY:
                 if params >= 1.05e9:
                     summary.setdefault(c, {}).setdefault(k, []).append(rep.speedup(k))
             if c == "a100_8x8" and rep.speedup("megatron"):
                 speedups.append(rep.speedup("megatron"))
-    print("\n| model | cluster | picked | separate towers vs best baseline | picked vs megatron | picked vs fsdp |")
-    print("|---|---|---|---|---|---|")
+            if c == "a100_8x8" and rep.speedup("megatron-tp-pp"):
+                tp_pp.append(rep.speedup("megatron-tp-pp"))
+    print(
+        "\n| model | cluster | picked | separate towers vs best baseline | "
+        + " | ".join(f"picked vs {k}" for k in SUMMARY)
+        + " |"
+    )
+    print("|---|---|---|---|" + "---|" * len(SUMMARY))
     for r in rows:
         print("| " + " | ".join(r) + " |")
     print()
@@ -177,6 +193,11 @@ def paper(global_batch: int, clusters: list[str]) -> None:
             f"\nvs Megatron-LM on a100_8x8 (where it fits): {min(speedups):.2f}x .. {max(speedups):.2f}x"
             f" (paper: {lo}x .. {hi}x; docs/planner.md says which modelling differences explain the gap)"
         )
+    if tp_pp:
+        print(
+            f"vs megatron-tp-pp (the family the paper's argument implies: uniform tp x pp >= 2, one microbatch)"
+            f" on a100_8x8: {min(tp_pp):.2f}x .. {max(tp_pp):.2f}x"
+        )
 
 
 def sharding_table(clusters: list[str], global_batch: int, models: list[str]) -> None:
@@ -193,7 +214,7 @@ def sharding_table(clusters: list[str], global_batch: int, models: list[str]) ->
             print(f"\n{m} ({params / 1e9:.2f}B) on {c}:")
             for label, opts in (
                 ("unsharded towers", {"shards": ["none"]}),
-                ("ZeRO-3 allowed", ALL_SHARDS),  # what the runtime runs (FSDP2)
+                ("ZeRO-3/HSDP allowed", ALL_SHARDS),  # what the runtime runs (FSDP2)
             ):
                 try:
                     _, rep = make_plan(cfg, c, global_batch, opts)
@@ -211,6 +232,26 @@ def sharding_table(clusters: list[str], global_batch: int, models: list[str]) ->
                     if k in rep.baselines
                 )
                 print(f"  {'':<17} vs {sp}")
+
+
+def published() -> None:
+    """Every published CLIP training throughput of ``conf/published/clip_training.yaml`` priced as its
+    source ran it, beside the measurement (lightning_distmm.planner.published)."""
+    from lightning_distmm.planner.published import TOLERANCE, load_published, predict_all, table
+
+    data = load_published()
+    preds = predict_all(data)
+    print("Published CLIP training throughputs (samples/s) and the cost model's prediction of each run as its")
+    print("source ran it (data parallel, the source's per-GPU batch, precision, attention kernel and recompute)\n")
+    print(table(preds, data.reasons))
+    inside = sum(p.within for p in preds)
+    print(
+        f"\n{inside} of {len(preds)} entries within +-{TOLERANCE:.0%}; ratio predicted/measured"
+        f" {min(p.ratio for p in preds):.2f} .. {max(p.ratio for p in preds):.2f}"
+    )
+    print("sources:")
+    for k, v in data.sources.items():
+        print(f"  {k}: {v}")
 
 
 def solve_at_scale(devices: int) -> None:
@@ -349,11 +390,19 @@ def main() -> None:
         help="distmm_10b and distmm_26b with and without sharding (a100_8x8 unless --clusters; --models to change)",
     )
     ap.add_argument(
+        "--published",
+        action="store_true",
+        help="the cost model against published CLIP training throughputs (conf/published/clip_training.yaml)",
+    )
+    ap.add_argument(
         "--regimes",
         action="store_true",
         help="where DistMM wins: CLIP, LiT, CoCa across network, global batch and memory (writes docs/img/regimes.svg)",
     )
     args = ap.parse_args()
+    if args.published:
+        published()
+        return
     if args.regimes:
         t0 = time.perf_counter()
         regimes(svg=Path(__file__).resolve().parents[1] / "docs" / "img" / "regimes.svg")

@@ -54,9 +54,12 @@ def test_cpu_smoke_run_writes_every_section(tmp_path):
         assert r["seconds"] > 0 and 0 < r["fraction_of_peak"] <= 1.0 + 1e-9
         assert r["tflops"] == pytest.approx(r["flops"] / r["seconds"] / 1e12)
     towers = {(r["model"], r["microbatch"]) for r in data["models"]}
-    assert towers == {(m, b) for m in ("vit_smoke", "clip_text_smoke") for b in (2, 4)}
+    assert towers == {(m, b) for m in ("vit_smoke", "clip_text_smoke") for b in (2, 4)} | {("vit_l_smoke", 2)}
     for r in data["models"]:
         assert r["seconds"] > 0 and r["flops"] > 0 and 0 < r["mfu"] and r["peak_memory_gb"] is None
+        # the planner's analytic prediction of the same tower and microbatch on the measured device
+        assert r["predicted_seconds"] > 0 and r["time_ratio"] == pytest.approx(r["seconds"] / r["predicted_seconds"])
+        assert r["predicted_memory_gb"] > 0 and "memory_ratio" not in r  # no allocator statistics on a CPU
     # FLOPs counted once and scaled: twice the samples, twice the FLOPs
     by = {(r["model"], r["microbatch"]): r["flops"] for r in data["models"]}
     assert by[("vit_smoke", 4)] == pytest.approx(2 * by[("vit_smoke", 2)])

@@ -155,13 +155,16 @@ def test_resume_from_tp_x_fsdp_onto_sharded_pipeline_stages(tmp_path):
     assert max_param_diff(straight, first_half) > 1e-4
 
 
-def test_the_planner_refuses_shardings_the_runtime_or_the_cost_model_lacks():
+def test_the_planner_refuses_shardings_the_runtime_lacks():
     from lightning_distmm.planner.auto import auto_plan
 
     with pytest.raises(ValueError, match="runtime has no ZeRO-1"):
         auto_plan({}, 2, 8, options={"shards": ["none", "optimizer"]})
-    with pytest.raises(ValueError, match="does not price it yet"):
-        auto_plan({}, 2, 8, options={"shards": ["none", "hybrid"]})
+    with pytest.raises(ValueError, match="runtime has no ZeRO-2"):
+        auto_plan({}, 2, 8, options={"shards": ["none", "zero2"]})
+    from lightning_distmm.planner.options import PlannerOptions
+
+    assert PlannerOptions(shards=("none", "full", "hybrid")).shards == ("none", "full", "hybrid")  # HSDP is priced
 
 
 def _hybrid_mesh_worker(rank, init, errors):

@@ -9,8 +9,19 @@ two-tower model) and is searched for its fastest configuration under the same me
   pipeline schedules compute a loss per microbatch, so they cannot split a contrastive batch whose
   loss needs every row's features: one microbatch per pipeline (``K = 1``: a pipeline of ``pp``
   stages runs one stage at a time), or no pipelining. Distributed optimizer (ZeRO-1: optimizer
-  state split over the data-parallel replicas, gradients reduce-scattered, weights all-gathered);
-  full activation recompute allowed (``--recompute-granularity full``).
+  state split over the data-parallel replicas, gradients reduce-scattered, weights all-gathered)
+  or Megatron-FSDP (``--use-megatron-fsdp``: ZeRO-3 under the same tp x pp); sequence parallelism
+  with tensor parallelism (``--sequence-parallel``, :func:`baseline_options`);
+  activation recompute per tower as Megatron-LM and NeMo run it (``--recompute-granularity full
+  --recompute-method block --recompute-num-layers N``; NeMo's ViT-g/14 recomputes 8 of 40 vision
+  layers and none of the text's): the fewest layers per stage that fit (:func:`partial_recompute`).
+* ``megatron-tp-pp`` -- the configuration family the DistMM paper's argument implies, labelled as
+  such: Megatron-LM with model parallelism on both towers (uniform ``tp x pp >= 2``, the same
+  degrees for the text tower as for the image tower), one microbatch per pipeline, the distributed
+  optimizer and block recomputation as for ``megatron``. Assumptions: the paper's baseline splits
+  every tower with TP/PP (it does not say it would run pure data parallelism where that fits), and
+  the best ``tp x pp`` of that family is priced (the same search, not a fixed 4 x 2). Pure data
+  parallelism is ``megatron``'s to choose, not this family's.
 * ``fsdp`` -- what open_clip users run at scale: pure data parallelism with every tower fully
   sharded (FSDP2 / ZeRO-3: each layer's weights all-gathered before its forward and again for its
   backward, its gradients reduce-scattered, one layer prefetched ahead), activation checkpointing
@@ -29,6 +40,7 @@ its options allow to its pool, which is why the DistMM plan is never predicted s
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -46,18 +58,20 @@ from lightning_distmm.planner.cost import (
     contrastive_features,
     evaluate_plan,
     loss_bytes,
+    memory_per_device,
 )
 from lightning_distmm.planner.partition import SearchSpace
 from lightning_distmm.planner.profile import TowerProfile
 
-BASELINES = ("megatron", "fsdp", "ddp", "uniform+batchsync")
+BASELINES = ("megatron", "megatron-tp-pp", "fsdp", "ddp", "uniform+batchsync")
 """The baselines every plan is compared with, in the order the report prints them."""
 
-UNIFORM = ("megatron", "uniform+batchsync")
+UNIFORM = ("megatron", "megatron-tp-pp", "uniform+batchsync")
 """Baselines that split every tower the same tp x pp ways."""
 
 LABELS = {
-    "megatron": "Megatron-LM (uniform tp x pp x dp, one microbatch per pipeline, ZeRO-1)",
+    "megatron": "Megatron-LM (uniform tp x pp x dp, one microbatch per pipeline, ZeRO-1 or Megatron-FSDP, SP, block recompute)",
+    "megatron-tp-pp": "Megatron-LM as the DistMM paper's argument implies (uniform tp x pp >= 2, one microbatch)",
     "fsdp": "FSDP / ZeRO-3 data parallel (open_clip at scale)",
     "ddp": "DDP (open_clip default)",
     "uniform+batchsync": "ablation: uniform tp x pp x dp with this package's batch-sync pipeline",
@@ -81,12 +95,24 @@ def baseline_space(
     if kind == "ddp":
         return SearchSpace(*data_parallel, ("gpipe", RECOMPUTE, "cached"), max_microbatches, ("none",))
     if kind == "fsdp":
-        return SearchSpace(*data_parallel, ("gpipe", RECOMPUTE, "cached"), max_microbatches, ("full",))
-    if kind == "megatron":
-        return SearchSpace(*uniform, ("gpipe", RECOMPUTE), 1, ("optimizer",), max_k=1)
+        # ZeRO-3 (FSDP2's default), ZeRO-2 (reshard_after_forward=False) or HSDP (sharded in a node)
+        return SearchSpace(
+            *data_parallel, ("gpipe", RECOMPUTE, "cached"), max_microbatches, ("full", "zero2", "hybrid")
+        )
+    if kind in ("megatron", "megatron-tp-pp"):  # (megatron-tp-pp: tp x pp >= 2, see colocated_search)
+        # the distributed optimizer (ZeRO-1) or Megatron-FSDP (ZeRO-3 under the same tp x pp)
+        return SearchSpace(*uniform, ("gpipe", RECOMPUTE), 1, ("optimizer", "full"), max_k=1)
     if kind == "uniform+batchsync":
         return SearchSpace(*uniform, ("gpipe", RECOMPUTE), max_microbatches, ("none",))
     raise ValueError(f"unknown baseline {kind!r}; baselines: {', '.join(BASELINES)}")
+
+
+def baseline_options(kind: str, opts: CostOptions) -> CostOptions:
+    """The cost options a baseline is priced under: the run's, plus what the baseline's system does
+    that the runtime does not (Megatron-LM: sequence parallelism with tensor parallelism)."""
+    if kind in ("megatron", "megatron-tp-pp"):
+        return dataclasses.replace(opts, sequence_parallel=True)
+    return opts
 
 
 @dataclass
@@ -145,7 +171,7 @@ def colocated_search(
         tps = sorted(set.intersection(*(set(space.tps[n]) for n in names)))
         pps = sorted(set.intersection(*(set(space.pps[n]) for n in names)))
         for tp, pp in itertools.product(tps, pps):
-            if world % (tp * pp):
+            if world % (tp * pp) or (mode == "megatron-tp-pp" and tp * pp == 1):
                 continue
             per = []
             for n in names:
@@ -172,9 +198,67 @@ def colocated_search(
         cost = evaluate_plan(profiles, cluster, opts, choices, ranks, global_batch)
         if not cost.extra["fits"]:
             continue
-        if best is None or cost.step_time < best.step_time:
-            best = Evaluated(mode, choices, ranks, cost)
+        ev = Evaluated(mode, choices, ranks, cost)
+        if mode in ("megatron", "megatron-tp-pp"):
+            ev = partial_recompute(ev, profiles, cluster, opts, global_batch)
+        if best is None or ev.step_time < best.step_time:
+            best = ev
     return best
 
 
-__all__ = ["Evaluated", "colocated_search", "baseline_space", "BASELINES", "UNIFORM", "LABELS"]
+def partial_recompute(
+    ev: Evaluated, profiles: Mapping[str, TowerProfile], cluster: Cluster, opts: CostOptions, global_batch: int
+) -> Evaluated:
+    """Megatron-LM's block recomputation: every tower of ``ev`` that recomputes all its layers
+    recomputes instead the fewest layers per stage with which the plan still fits, one tower after
+    the other. Only the tower's kept activations change with the count (falling monotonically: a
+    bisection over :func:`~lightning_distmm.planner.cost.memory_per_device`, on the priced plan's
+    peak); the result is priced again whole. A baseline's option only: the runtime recomputes a
+    whole tower or nothing."""
+    choices = dict(ev.choices)
+    peak, limit = ev.cost.extra["peak_memory"], ev.cost.extra["memory_limit"]
+
+    def activations(ch: TowerChoice, k: int | None) -> float:
+        p = profiles[ch.name]
+        mem = memory_per_device(
+            p, opts, ch.schedule, ch.microbatch, ch.K, ch.max_batch, ch.tp, ch.pp, 0.0, ch.shard, ch.dp, k
+        )
+        return float(mem["activations"])
+
+    changed = False
+    for name, ch in ev.choices.items():
+        p = profiles[name]
+        if ch.schedule != RECOMPUTE or p.frozen or not p.analytic or ch.recompute_layers is not None:
+            continue
+        full = activations(ch, None)
+        lo, hi = 0, p.layers // ch.pp  # ``hi`` layers (all of them) fit
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if peak + activations(ch, mid) - full <= limit:
+                hi = mid
+            else:
+                lo = mid + 1
+        if hi < p.layers // ch.pp:
+            # no layer at all: plain gpipe (it fits next to the other towers' recomputation)
+            part = dataclasses.replace(ch, recompute_layers=hi) if hi else dataclasses.replace(ch, schedule="gpipe")
+            choices[name] = part
+            peak += activations(ch, hi) - full
+            changed = True
+    if not changed:
+        return ev
+    cost = evaluate_plan(profiles, cluster, opts, choices, ev.ranks, global_batch)
+    if not cost.extra["fits"] or cost.step_time > ev.step_time:
+        return ev
+    return Evaluated(ev.name, choices, ev.ranks, cost)
+
+
+__all__ = [
+    "Evaluated",
+    "baseline_options",
+    "colocated_search",
+    "partial_recompute",
+    "baseline_space",
+    "BASELINES",
+    "UNIFORM",
+    "LABELS",
+]

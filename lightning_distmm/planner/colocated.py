@@ -39,6 +39,8 @@ def colocated_options(
                 continue
             dp = np.array([world // w], dtype=float)
             for shard in space.shards:
+                if shard == "hybrid" and tp > 1 and world > cluster.devices_per_node:
+                    continue  # the runtime's HSDP has no tensor parallelism across nodes
                 g = _grid(
                     profile, cluster, opts, global_batch, dp, Ks, tp, pp, space.schedules, 0.0, False, None, shard
                 )

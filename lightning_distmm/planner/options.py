@@ -73,7 +73,7 @@ class PlannerOptions:
             why = {
                 "optimizer": "the runtime has no ZeRO-1 (optimizer-state-only sharding): the planner prices it for"
                 " the megatron baseline alone",
-                "hybrid": "HSDP runs (write shard: hybrid in a plan) but the planner does not price it yet",
+                "zero2": "the runtime has no ZeRO-2: the planner prices it for the fsdp baseline alone",
             }
             reasons = "; ".join(f"{s!r}: {why[s]}" for s in self.shards if s in why)
             raise ValueError(

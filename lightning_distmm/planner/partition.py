@@ -31,6 +31,7 @@ import numpy as np
 from lightning_distmm.core.plan import PlanError, split_batch
 from lightning_distmm.planner.cluster import Cluster
 from lightning_distmm.planner.cost import (
+    LAYER_SHARDS,
     SHARDS,
     CostOptions,
     TowerChoice,
@@ -44,6 +45,7 @@ from lightning_distmm.planner.cost import (
     phases,
     pp_comm,
     shard_comm,
+    shard_group,
     sharded_stage,
     stage_compute,
     sync_group_rows,
@@ -243,15 +245,16 @@ def _grid(
     ppc = pp_comm(profile, cluster, opts, mb, pp, w > dpn)
     # a stage's time per microbatch (never below the transfer), the transfer between stages apart
     fx, bx = fc + tpc, bc + tpc
-    if shard == "full":
-        ag, agrs = (np.asarray(x)[:, None] for x in shard_comm(profile, cluster, opts, dp, tp, pp))
+    if shard in LAYER_SHARDS:
+        ag, agrs = (np.asarray(x)[:, None] for x in shard_comm(profile, cluster, opts, dp, tp, pp, shard))
         fx, bx = sharded_stage(fx, ag, profile.layers // pp), sharded_stage(bx, agrs, profile.layers // pp)
     f = np.maximum(fx, ppc)
     bb = np.zeros_like(f) if profile.frozen else np.maximum(bx, ppc)
     gb = grad_bytes_per_device(profile, opts, tp, pp, shard)
     ar = compact_dp_allreduce(cluster, gb, dp, tp, pp)[:, None] if gb > 0 else np.zeros((len(dp), 1))
     # the optimizer step of one replica's share (sharded: 1/dp of the stage; per replica count)
-    opt_t = np.asarray([optimizer_time(profile, cluster, opts, tp, pp, shard, int(d)) for d in dp])[:, None]
+    group = shard_group(shard, dp, tp, pp, cluster.devices_per_node)  # replicas the state is split over
+    opt_t = np.asarray([optimizer_time(profile, cluster, opts, tp, pp, shard, int(d)) for d in group])[:, None]
     cross = 0.0
     if separate and profile.cross_from:
         cross = cross_attention_time(cluster, opts.bytes_el * b * profile.cross_elems, cluster.nodes == 1)
@@ -276,7 +279,7 @@ def _grid(
         Bp = sum(segs[1:]) + (0.0 if profile.frozen else cross)
         window = last_slot(s, f, bb)  # colocated towers may also hide it behind each other (priced exactly later)
         Bx = Bp + exposed_allreduce(ar, window, gb, opts) + opt_t
-        mem = memory_per_device(profile, opts, s, mb, Ks_used, b, tp, pp, lb, shard, dp[:, None])["total"]
+        mem = memory_per_device(profile, opts, s, mb, Ks_used, b, tp, pp, lb, shard, group[:, None])["total"]
         shape = mb.shape
         mem = np.broadcast_to(mem, shape)
         ok = ok & (mem <= limit)
@@ -323,6 +326,9 @@ def tower_candidates(
         if w > D:
             continue
         dp = np.arange(1, min(D // w, global_batch) + 1, dtype=float)
+        if shard == "hybrid":  # the runtime's HSDP: no tp across nodes, whole nodes when it spans several
+            dpn = cluster.devices_per_node
+            dp = dp[(tp == 1) & ((dp * w <= dpn) | ((dp * w) % dpn == 0))]
         if len(dp) == 0:
             continue
         g = _grid(profile, cluster, opts, global_batch, dp, Ks, tp, pp, scheds, loss_b, True, distmm_loss_b, shard)

@@ -73,6 +73,7 @@ class Block:
     act_split: float = 0.0  # activation elements kept for backward, divided by tp
     act_scores: float = 0.0  # attention probabilities kept without flash attention (divided by tp)
     tp_allreduce: float = 0.0  # elements all-reduced per sample in forward when tp > 1
+    casts: float = 0.0  # residual-stream elements cast to the compute dtype per forward (norm outputs into GEMMs)
     kernels: int = 0
     boundary: float = 0.0  # elements per sample handed to the next pipeline stage
 
@@ -192,7 +193,7 @@ def _layer(s: int, h: int, heads: int, m: int) -> Block:
         params=params,
         gemms=(Gemm(s, h, 3 * h, "col"), Gemm(s, h, h, "row"), Gemm(s, h, m, "col"), Gemm(s, m, h, "row")),
         attn=(Attn(s, s, h, heads),),
-        elem_rep=10.0 * s * h,  # 2 LayerNorms (read+write), 2 residual adds (2 reads + write)
+        elem_rep=10.0 * s * h,  # 2 LayerNorms (read+write), 2 residual adds (2 reads + write): the residual dtype
         elem_split=2.0 * s * m,  # GELU read+write
         # backward: 2 LayerNorms (read input and output gradient, write input gradient), the residual
         # stream's gradient summed with each branch's (2 reads + write); GELU (read input and output
@@ -203,6 +204,7 @@ def _layer(s: int, h: int, heads: int, m: int) -> Block:
         act_split=4.0 * s * h + 2.0 * s * m,  # q, k, v, proj input; fc1 out, GELU out
         act_scores=float(heads * s * s),
         tp_allreduce=2.0 * s * h,
+        casts=2.0 * s * h,  # both LayerNorms' outputs, into the qkv and fc1 GEMMs
         kernels=10,
         boundary=float(s * h),
     )
@@ -229,6 +231,7 @@ def _cross_block(s: int, h: int, heads: int, m: int, n_ctx: int, h_ctx: int) -> 
         act_split=2.0 * s * h + 2.0 * n_ctx * h + 2.0 * s * m,
         act_scores=float(heads * s * n_ctx),
         tp_allreduce=2.0 * s * h,
+        casts=2.0 * s * h,
         kernels=10,
         boundary=0.0,
     )
@@ -264,6 +267,7 @@ def _merge(a: Block, b: Block) -> Block:
         act_split=a.act_split + b.act_split,
         act_scores=a.act_scores + b.act_scores,
         tp_allreduce=a.tp_allreduce + b.tp_allreduce,
+        casts=a.casts + b.casts,
         kernels=a.kernels + b.kernels,
         boundary=max(a.boundary, b.boundary),
     )
@@ -299,7 +303,8 @@ def tower_profile(
         img, p = int(_req(cfg, "img_size", name)), int(_req(cfg, "patch_size", name))
         chans = int(cfg.get("in_chans", 3))
         n = (img // p) ** 2
-        s = n + (1 if cfg.get("class_token", True) else 0)
+        # timm's class token and register tokens (NeMo's ViT pads to ``class_token_length`` 8: 1 + 7)
+        s = n + (1 if cfg.get("class_token", True) else 0) + int(cfg.get("reg_tokens", 0))
         pre = Block(
             params=chans * p * p * h + h + h + s * h,  # patch conv (+bias), class token, position embedding
             gemms=(Gemm(n, chans * p * p, h, "rep", input_grad=False),),

@@ -220,13 +220,17 @@ class Report:
         }
 
 
+ZERO_LABELS = {"optimizer": "zero1", "zero2": "zero2", "full": "zero3", "hybrid": "hsdp"}
+
+
 def describe(ev: Evaluated) -> str:
     """A plan in one line: per tower its devices, tp/pp/dp, microbatch x count, schedule and sharding
     (towers with the same configuration merged)."""
     parts: dict[str, list[str]] = {}
     for name, ch in ev.choices.items():
-        shard = "" if ch.shard == "none" else f" {'zero1' if ch.shard == 'optimizer' else 'zero3'}"
-        key = f"{ch.n}dev tp{ch.tp} pp{ch.pp} dp{ch.dp} mb{ch.microbatch}x{ch.K} {ch.schedule}{shard}"
+        shard = "" if ch.shard == "none" else f" {ZERO_LABELS[ch.shard]}"
+        sched = ch.schedule if ch.recompute_layers is None else f"{ch.schedule}({ch.recompute_layers}/stage)"
+        key = f"{ch.n}dev tp{ch.tp} pp{ch.pp} dp{ch.dp} mb{ch.microbatch}x{ch.K} {sched}{shard}"
         parts.setdefault(key, []).append(name)
     return "; ".join(f"{'+'.join(names)}: {k}" for k, names in parts.items())
 

@@ -37,7 +37,13 @@ from lightning_distmm.planner.balance import (
     minmax_allocation,
     proportional_allocation,
 )
-from lightning_distmm.planner.baselines import BASELINES, Evaluated, baseline_space, colocated_search
+from lightning_distmm.planner.baselines import (
+    BASELINES,
+    Evaluated,
+    baseline_options,
+    baseline_space,
+    colocated_search,
+)
 from lightning_distmm.planner.cluster import GB, Cluster
 from lightning_distmm.planner.config import to_plain
 from lightning_distmm.planner.cost import (
@@ -185,7 +191,12 @@ def make_plan(
     # ---------------------------------------------------------------- baselines (in the same model)
     baselines = {
         kind: colocated_search(
-            profiles, cl, co, G, baseline_space(kind, profiles, cl.devices_per_node, D, opts.max_microbatches), kind
+            profiles,
+            cl,
+            baseline_options(kind, co),
+            G,
+            baseline_space(kind, profiles, cl.devices_per_node, D, opts.max_microbatches),
+            kind,
         )
         for kind in (opts.baselines if opts.baselines is not None else BASELINES)
     }
@@ -199,6 +210,8 @@ def make_plan(
                 and ch.pp in space.pps[n]
                 and (profiles[n].frozen or ch.schedule in space.schedules)
                 and ch.shard in space.shards
+                and ch.recompute_layers is None  # the runtime recomputes a whole tower or nothing
+                and (ch.tp == 1 or not baseline_options(b.name, co).sequence_parallel)  # nor runs SP
                 for n, ch in b.choices.items()
             ):
                 pool.append(b)
@@ -242,6 +255,11 @@ def tower_plan(choice: TowerChoice, ranks: Sequence[int]) -> TowerPlan:
         raise ValueError(
             f"tower {choice.name!r}: shard {choice.shard!r} is priced for a baseline but the runtime does not run"
             f" it; a plan holds {', '.join(PLANNABLE_SHARDS)}"
+        )
+    if choice.recompute_layers is not None:
+        raise ValueError(
+            f"tower {choice.name!r}: recomputing {choice.recompute_layers} layers per stage (Megatron-LM's block"
+            " method) is priced for a baseline but the runtime recomputes a whole tower or nothing"
         )
     schedule, recompute = runtime_schedule(choice.schedule)
     return TowerPlan(

@@ -53,12 +53,14 @@ from lightning_distmm.planner.cost.memory import (
     static_per_param,
 )
 from lightning_distmm.planner.cost.options import (
+    LAYER_SHARDS,
     PLANNABLE_SHARDS,
     PRECISIONS,
     SHARDS,
     CostOptions,
     PrecisionPolicy,
     precision_policy,
+    shard_group,
 )
 from lightning_distmm.planner.cost.pipeline import (
     RECOMPUTE,
@@ -81,8 +83,10 @@ __all__ = [
     "PrecisionPolicy",
     "PRECISIONS",
     "SHARDS",
+    "LAYER_SHARDS",
     "PLANNABLE_SHARDS",
     "precision_policy",
+    "shard_group",
     "RECOMPUTE",
     "cost_schedule",
     "runtime_schedule",

@@ -21,6 +21,9 @@ class TowerChoice:
     schedule: str
     replica_batch: tuple[int, ...]
     shard: str = "none"  # how the replicas hold the training state (cost.options.SHARDS)
+    # under gpipe+recompute: how many of a stage's layers are recomputed (Megatron-LM's
+    # --recompute-method block --recompute-num-layers N); None: all of them (the runtime's only form)
+    recompute_layers: int | None = None
 
     @property
     def dp(self) -> int:

@@ -170,27 +170,60 @@ def compact_dp_allreduce(cluster: Cluster, grad_bytes: float, dp: Any, tp: int, 
 
 
 def shard_comm(
-    profile: TowerProfile, cluster: Cluster, opts: CostOptions, dp: Any, tp: int, pp: int
+    profile: TowerProfile, cluster: Cluster, opts: CostOptions, dp: Any, tp: int, pp: int, shard: str = "full"
 ) -> tuple[Any, Any]:
     """A fully sharded (ZeRO-3 / FSDP2) stage's collectives per microbatch: the all-gather of its
     weights (forward, and again for the backward, as ``reshard_after_forward`` does) and the
     reduce-scatter of its gradients (in the gradient dtype), over the tower's compactly packed
-    data-parallel groups. Returns (forward, backward) seconds for the whole stage."""
+    data-parallel groups. FSDP issues one all-gather and one reduce-scatter per layer, so each
+    layer's collective pays its own latency (NCCL's per-call base and per-step hops): the stage's
+    bytes are priced as ``layers`` collectives of one layer's bytes. ``zero2`` gathers the weights
+    once, in the forward, and keeps them for the backward. Returns (forward, backward) seconds for
+    the whole stage."""
     from lightning_distmm.planner.cost.memory import stage_params
 
     params = stage_params(profile, tp, pp)
     pol = opts.policy
+    calls = max(profile.layers // pp, 1) if profile.analytic else 1
+    if shard == "hybrid":
+        return _hybrid_comm(profile, cluster, opts, dp, tp, pp, params, calls)
     nodes, per_node, groups = _compact_dp_groups(cluster, dp, tp, pp)
     m = np.maximum(nodes, 1)
 
     def gather(nbytes: float) -> Any:
-        return allgather_time(
-            cluster, nbytes, np.asarray(dp, dtype=float), nodes, per_node, groups * (m - 1) / m * nbytes
+        per = nbytes / calls
+        return calls * allgather_time(
+            cluster, per, np.asarray(dp, dtype=float), nodes, per_node, groups * (m - 1) / m * per
         )
 
     ag = gather(params * pol.weights)
     rs = 0.0 if profile.frozen else gather(params * pol.grads)
-    return ag, ag + rs
+    return ag, (rs + 0 * ag if shard == "zero2" else ag + rs)
+
+
+def _hybrid_comm(
+    profile: TowerProfile, cluster: Cluster, opts: CostOptions, dp: Any, tp: int, pp: int, params: float, calls: int
+) -> tuple[Any, Any]:
+    """HSDP's collectives per microbatch, per layer: the all-gather and reduce-scatter over the
+    node's replicas (NVLink), and each gradient shard's all-reduce across the nodes, one member per
+    node; the node's ``g`` shard groups all cross its NIC at once, so it carries the whole layer's
+    gradient ring traffic."""
+    dp = np.asarray(dp, dtype=float)
+    g = np.minimum(dp, max(cluster.devices_per_node // (tp * pp), 1))
+    r = np.maximum(np.ceil(dp / g), 1)  # nodes (replica groups) the tower spans
+    pol = opts.policy
+
+    def gather(nbytes: float) -> Any:
+        return calls * allgather_time(cluster, nbytes / calls, g, 1, g)
+
+    ag = gather(params * pol.weights)
+    if profile.frozen:
+        return ag, ag
+    rs = gather(params * pol.grads)
+    layer_grads = params * pol.grads / calls
+    shard_bytes = layer_grads / g
+    across = calls * allreduce_time(cluster, shard_bytes, r, r, 1, ring_bytes(layer_grads * tp * pp, r))
+    return ag, ag + rs + np.where(r > 1, across, 0.0)
 
 
 def sharded_stage(compute: Any, comm: Any, layers: int) -> Any:

@@ -40,6 +40,13 @@ the value, probability, query and key gradients) against the forward's two (Dao,
 2023, section 4.1)."""
 
 
+UNFUSED_SCORE_PASSES = (4.0, 7.0)
+"""Passes over the ``q x kv`` score matrix per head of unfused attention, forward and backward:
+forward writes the scores, the softmax reads them and writes the probabilities, ``P V`` reads them
+(4); backward reads ``P`` for the value gradient, writes ``dP``, the softmax backward reads ``P``
+and ``dP`` and writes ``dS``, the query and key gradients read ``dS`` (7)."""
+
+
 def block_times(block: Block, cluster: Cluster, opts: CostOptions, mb: Any, tp: int) -> tuple[np.ndarray, np.ndarray]:
     """Forward and backward seconds of ``block`` for ``mb`` samples on one device of a ``tp``-way split."""
     dev = cluster.device
@@ -69,15 +76,27 @@ def block_times(block: Block, cluster: Cluster, opts: CostOptions, mb: Any, tp: 
         heads = max(a.heads // tp, 1)
         flops = 4.0 * mb * a.q * a.kv * width
         io = bel * mb * (2 * a.q + 2 * a.kv) * width
+        bwd_flops, bwd_io = ATTN_BWD_FLOPS * flops, 2.0 * io
         if not opts.flash_attention:
-            io = io + 2 * bel * mb * a.q * a.kv * a.heads / tp
+            # the unfused core (nn.MultiheadAttention's training path, Megatron's masked softmax):
+            # the scores are written, the softmax reads them and writes the probabilities, the
+            # value product reads them (UNFUSED_SCORE_PASSES); the backward does not recompute
+            scores = bel * mb * a.q * a.kv * a.heads / tp
+            io = io + UNFUSED_SCORE_PASSES[0] * scores
+            bwd_flops, bwd_io = 2.0 * flops, bwd_io + UNFUSED_SCORE_PASSES[1] * scores
         # one (query block x head dim) output tile per (sample, head): FlashAttention's work split
         f = f + dev.attention_time(flops, io, a.q, a.width / a.heads, mb * heads)
-        b = b + dev.attention_time(ATTN_BWD_FLOPS * flops, 2.0 * io, a.q, a.width / a.heads, mb * heads)
+        b = b + dev.attention_time(bwd_flops, bwd_io, a.q, a.width / a.heads, mb * heads)
     rep_bwd, split_bwd = block.backward_elems()
-    f = f + dev.stream_time(bel * mb * (block.elem_rep + block.elem_split / tp))
-    b = b + dev.stream_time(bel * mb * (rep_bwd + split_bwd / tp))
-    # each microbatch's weight gradients (compute dtype) are added into the gradient buffer
+    res = opts.residual_bytes  # norms and the residual stream: fp32 under autocast
+    sp = tp if opts.sequence_parallel else 1  # sequence parallelism splits the replicated work
+    casts = opts.cast_bytes * block.casts / sp  # norm outputs cast to the compute dtype (and their gradients back)
+    f = f + dev.stream_time(mb * (res * block.elem_rep / sp + bel * block.elem_split / tp + casts))
+    b = b + dev.stream_time(mb * (res * rep_bwd / sp + bel * split_bwd / tp + casts))
+    # autocast casts every fp32 weight to the compute dtype once per forward (its copy is cached for
+    # the backward); each microbatch's weight gradients (compute dtype) are added into the fp32
+    # gradient buffer
+    f = f + dev.stream_time(weights * opts.weight_cast_bytes) + 0 * mb
     b = b + dev.stream_time(weights * (bel + 2.0 * opts.grad_bytes)) + 0 * mb
     return f + block.kernels * dev.kernel_overhead, b + 2 * block.kernels * dev.kernel_overhead
 
@@ -175,4 +194,12 @@ def shared_host_phases(
     return out
 
 
-__all__ = ["ATTN_BWD_FLOPS", "block_time", "block_times", "stage_compute", "optimizer_time", "shared_host_phases"]
+__all__ = [
+    "ATTN_BWD_FLOPS",
+    "UNFUSED_SCORE_PASSES",
+    "block_time",
+    "block_times",
+    "stage_compute",
+    "optimizer_time",
+    "shared_host_phases",
+]

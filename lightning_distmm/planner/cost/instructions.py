@@ -19,7 +19,7 @@ from lightning_distmm.planner.cost.comm import (
     tp_comm,
 )
 from lightning_distmm.planner.cost.compute import stage_compute
-from lightning_distmm.planner.cost.options import CostOptions
+from lightning_distmm.planner.cost.options import LAYER_SHARDS, CostOptions
 from lightning_distmm.planner.cost.pipeline import recomputes
 from lightning_distmm.planner.cost.step import sync_groups
 from lightning_distmm.planner.profile import TowerProfile
@@ -49,8 +49,8 @@ def instruction_seconds(
         t = float(tp_comm(p, cluster, opts, float(rows), c.tp, c.pp))
         link = float(pp_comm(p, cluster, opts, float(rows), c.pp))
         fx, bx = f + t, b + t
-        if c.shard == "full":
-            ag, agrs = shard_comm(p, cluster, opts, c.dp, c.tp, c.pp)
+        if c.shard in LAYER_SHARDS:
+            ag, agrs = shard_comm(p, cluster, opts, c.dp, c.tp, c.pp, c.shard)
             fx, bx = float(sharded_stage(fx, ag, p.layers // c.pp)), float(sharded_stage(bx, agrs, p.layers // c.pp))
         return fx, 0.0 if p.frozen else bx + (fx if recomputes(c.schedule) else 0.0), link
 

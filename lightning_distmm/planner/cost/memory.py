@@ -40,10 +40,12 @@ def static_per_param(profile: TowerProfile, opts: CostOptions, shard: str = "non
     trained = frac * (pol.grads + pol.optimizer) + 0 * dp
     if shard == "optimizer":
         trained = frac * (pol.grads + pol.optimizer / dp)
-    elif shard == "full":
+    elif shard == "zero2":  # the weights stay whole (gathered in the forward, kept to the backward)
+        trained = trained / dp
+    elif shard in ("full", "hybrid"):  # (hybrid: ``dp`` is the node's shard group, cost.options.shard_group)
         weights, trained = weights / dp, trained / dp
     elif shard != "none":
-        raise ValueError(f"shard={shard!r}: choose one of none, optimizer, full")
+        raise ValueError(f"shard={shard!r}: choose one of none, optimizer, zero2, full, hybrid")
     return weights + trained
 
 
@@ -63,7 +65,8 @@ def act_per_sample(profile: TowerProfile, opts: CostOptions, tp: int, pp: int, m
         mb = np.asarray(mb, dtype=float)
         return (fit.act_bytes[0] + fit.act_bytes[1] * mb) / np.maximum(mb, 1.0)
     lay = profile.layer
-    per_layer = lay.act_rep + lay.act_split / tp + (0.0 if opts.flash_attention else lay.act_scores / tp)
+    sp = tp if opts.sequence_parallel else 1  # sequence parallelism splits the replicated activations
+    per_layer = lay.act_rep / sp + lay.act_split / tp + (0.0 if opts.flash_attention else lay.act_scores / tp)
     ends = profile.pre.act_rep + profile.post.act_rep + (profile.pre.act_split + profile.post.act_split) / tp
     if pp > 1:
         ends = max(profile.pre.act_rep + profile.pre.act_split / tp, profile.post.act_rep + profile.post.act_split / tp)
@@ -82,20 +85,30 @@ def memory_per_device(
     loss_bytes: Any = 0.0,
     shard: str = "none",
     dp: Any = 1,
+    recompute_layers: int | None = None,
 ) -> dict[str, Any]:
     """Peak bytes on the busiest device of a replica: static (weights, grads, optimizer; sharded over
-    ``dp`` replicas as ``shard`` says), activations, loss."""
+    ``dp`` replicas as ``shard`` says), activations, loss. ``recompute_layers`` (with
+    :data:`RECOMPUTE`): only that many of the stage's layers keep just their input (Megatron-LM's
+    block method); the others keep everything, as ``gpipe`` does."""
     mb = np.asarray(mb, dtype=float)
     K = np.asarray(K, dtype=float)
     static = stage_params(profile, tp, pp) * static_per_param(profile, opts, shard, dp)
-    if shard == "full":
+    if shard in ("full", "hybrid"):
         static = static + gathered_layers_bytes(profile, opts, tp)
+    elif shard == "zero2" and not profile.frozen:  # one layer's gradients before their reduce-scatter
+        static = static + (profile.layer.params if profile.analytic else profile.params) / tp * opts.policy.grads
     aps = act_per_sample(profile, opts, tp, pp, mb)
     layer_act = aps / max(profile.layers // pp, 1)
     if profile.frozen:
         act = mb * layer_act * 2  # no-grad forward: a layer's input and output at a time
     elif schedule == "cached":
         act = np.minimum(K, pp) * mb * aps + mb * layer_act * 2
+    elif schedule == RECOMPUTE and recompute_layers is not None and profile.analytic:
+        # the first ``recompute_layers`` layers keep their input only, the rest all they save
+        k = recompute_layers
+        saved = k * (layer_act - opts.bytes_el * profile.layer.boundary)
+        act = np.asarray(replica_batch, dtype=float) * (aps - saved) + (mb * layer_act * 2 if k else 0.0)
     elif schedule == RECOMPUTE:
         ckpt = opts.bytes_el * (profile.layers // pp * profile.layer.boundary) if profile.analytic else aps
         act = np.asarray(replica_batch, dtype=float) * ckpt + mb * layer_act * 2
@@ -129,7 +142,7 @@ def grad_bytes_per_device(profile: TowerProfile, opts: CostOptions, tp: int, pp:
     moves ``(r-1)/r`` of each, the same as an all-reduce of their mean size, so it is priced as one.
     ``full`` (ZeRO-3) moves its gradients layer by layer during the backward
     (:func:`lightning_distmm.planner.cost.comm.shard_comm`): nothing is left for the step's end."""
-    if profile.frozen or shard == "full":
+    if profile.frozen or shard in ("full", "zero2", "hybrid"):
         return 0.0
     frac = profile.trainable_params / max(profile.params, 1)
     per = opts.grad_bytes if shard == "none" else (opts.grad_bytes + opts.policy.weights) / 2

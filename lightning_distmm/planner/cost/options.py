@@ -8,18 +8,26 @@ from typing import Any
 
 from lightning_distmm.core.plan_schema import SHARDS as RUNTIME_SHARDS
 
-SHARDS = ("none", "optimizer", "full")
+SHARDS = ("none", "optimizer", "zero2", "full", "hybrid")
 """How a tower's data-parallel replicas hold their training state, as the cost model prices it:
 ``none`` (every replica holds all of it, gradients all-reduced: DDP), ``optimizer`` (ZeRO-1 /
 Megatron's distributed optimizer: master weights and Adam moments split over the replicas,
-gradients reduce-scattered, weights all-gathered after the step), ``full`` (ZeRO-3 / FSDP2:
-weights, gradients and optimizer state split, each layer's weights all-gathered before its forward
-and its backward, its gradients reduce-scattered)."""
+gradients reduce-scattered, weights all-gathered after the step), ``zero2`` (ZeRO-2 / FSDP2 with
+``reshard_after_forward=False``, FSDP1's ``SHARD_GRAD_OP``: gradients and optimizer state split,
+each layer's weights all-gathered once in the forward and kept through the backward, its gradients
+reduce-scattered), ``full`` (ZeRO-3 / FSDP2: weights, gradients and optimizer state split, each
+layer's weights all-gathered before its forward and its backward, its gradients reduce-scattered),
+``hybrid`` (HSDP, what the runtime runs for ``shard: hybrid``: ZeRO-3 over the tower's replicas
+inside one node, replicated across nodes; each layer's gradient shard is all-reduced across the
+nodes after its reduce-scatter)."""
+
+LAYER_SHARDS = ("zero2", "full", "hybrid")
+"""Shardings whose collectives run layer by layer inside the forward and backward (FSDP)."""
 
 PLANNABLE_SHARDS = tuple(s for s in RUNTIME_SHARDS if s in SHARDS)
 """What the planner may write into a plan: ways the runtime runs (``core.plan_schema.SHARDS``) and
-the cost model prices. ``optimizer`` is priced for the baselines alone (Megatron-LM runs its
-distributed optimizer) since the runtime has no ZeRO-1; ``hybrid`` (HSDP) runs but is not priced."""
+the cost model prices. ``optimizer`` and ``zero2`` are priced for the baselines alone (Megatron-LM
+runs its distributed optimizer, FSDP users ZeRO-2) since the runtime has neither."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,18 @@ PRECISION_ALIASES = {
 what bf16 mixed does)."""
 
 
+def shard_group(shard: str, dp: Any, tp: int, pp: int, devices_per_node: int) -> Any:
+    """Over how many replicas a tower's training state is split: all ``dp`` of them, or under
+    ``hybrid`` the replicas of one node (the tower packed from a node start: ``devices_per_node //
+    (tp * pp)`` of them, at least 1), as the runtime's HSDP mesh does. Numbers or numpy arrays."""
+    import numpy as np
+
+    if shard != "hybrid":
+        return dp
+    per_node = max(devices_per_node // (tp * pp), 1)
+    return np.minimum(dp, per_node) if np.ndim(dp) else min(int(dp), per_node)
+
+
 def precision_policy(name: str) -> PrecisionPolicy:
     """The :class:`PrecisionPolicy` of a precision name (``fp32``, ``bf16-mixed``, Lightning's aliases)."""
     key = PRECISION_ALIASES.get(str(name))
@@ -89,6 +109,18 @@ class CostOptions:
     ``step_overhead``: seconds per step the training framework spends outside what is priced here
     (the Lightning loop and hooks, logging, the runtime's bookkeeping and its small collectives);
     0 unless measured (docs/planner.md section 12: 5-7 ms for 2 CPU ranks on the development VM).
+    ``autocast``: mixed precision is PyTorch autocast (Lightning's ``bf16-mixed``, NeMo without
+    ``megatron_amp_O2``): the weights stay fp32 and are cast to the compute dtype once per forward,
+    LayerNorm runs in fp32 (autocast's "ops that autocast to float32" list), so the residual stream
+    (fp32 position embedding + bf16 branch outputs promote to fp32) and the norms move 4-byte
+    elements, and each norm's output is cast to the compute dtype before its GEMM
+    (:attr:`residual_bytes`, :attr:`weight_cast_bytes`). ``False``: everything in the compute dtype
+    (Megatron's O2 with ``fp32_residual_connection: False``).
+    ``sequence_parallel``: under tensor parallelism the norms, residual adds and their kept
+    activations are split over the tp ranks along the sequence (Megatron-LM's
+    ``--sequence-parallel``, Korthikanti et al. 2022): replicated elementwise work and activations
+    are divided by tp; each all-reduce becomes a reduce-scatter and an all-gather of the same bytes.
+    Priced for the Megatron baselines; the runtime has no sequence parallelism.
     """
 
     precision: str = "bf16-mixed"
@@ -98,6 +130,8 @@ class CostOptions:
     memory_margin: float = 0.9
     feature_bytes: int = 4
     step_overhead: float = 0.0
+    autocast: bool = True
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         precision_policy(self.precision)  # an unknown name fails here, with the choices
@@ -110,6 +144,23 @@ class CostOptions:
     def bytes_el(self) -> int:
         """Bytes of an activation element (and of tensor-parallel and pipeline messages)."""
         return self.policy.compute
+
+    @property
+    def residual_bytes(self) -> int:
+        """Bytes of a residual-stream / LayerNorm element: fp32 under autocast, else the compute dtype."""
+        return 4 if self.autocast else self.bytes_el
+
+    @property
+    def cast_bytes(self) -> int:
+        """Bytes one cast of a residual-stream element to the compute dtype moves (read + write); 0
+        when the two dtypes are the same."""
+        return self.residual_bytes + self.bytes_el if self.residual_bytes != self.bytes_el else 0
+
+    @property
+    def weight_cast_bytes(self) -> int:
+        """HBM bytes per parameter autocast moves per forward: reading the fp32 weight and writing
+        its compute-dtype copy (``torch.autocast`` caches the copy for the backward); 0 in fp32."""
+        return 4 + self.bytes_el if self.autocast and self.bytes_el != 4 else 0
 
     @property
     def static_bytes_trainable(self) -> float:
@@ -136,4 +187,13 @@ class CostOptions:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
-__all__ = ["CostOptions", "PrecisionPolicy", "PRECISIONS", "SHARDS", "PLANNABLE_SHARDS", "precision_policy"]
+__all__ = [
+    "CostOptions",
+    "PrecisionPolicy",
+    "PRECISIONS",
+    "SHARDS",
+    "LAYER_SHARDS",
+    "PLANNABLE_SHARDS",
+    "shard_group",
+    "precision_policy",
+]

@@ -22,6 +22,8 @@ as the runtime's DDP-style buckets are) and assemble the step.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -43,8 +45,9 @@ from lightning_distmm.planner.cost.comm import (
 from lightning_distmm.planner.cost.compute import optimizer_time, shared_host_phases, stage_compute
 from lightning_distmm.planner.cost.gradients import GradientTraffic, gradient_traffic, price_gradient_sums
 from lightning_distmm.planner.cost.memory import loss_bytes, memory_per_device
-from lightning_distmm.planner.cost.options import CostOptions
+from lightning_distmm.planner.cost.options import LAYER_SHARDS, CostOptions, shard_group
 from lightning_distmm.planner.cost.pipeline import (
+    RECOMPUTE,
     SIMULATE_MAX_INSTRUCTIONS,
     microbatch_rows,
     phases,
@@ -66,9 +69,38 @@ def sync_groups(choices: Mapping[str, TowerChoice]) -> int:
     return groups
 
 
+def hybrid_runs(replicas: Sequence[Sequence[int]], tp: int, devices_per_node: int) -> bool:
+    """Whether the runtime's HSDP mesh takes these replicas (``parallel.groups.hybrid_rows``): the
+    same number of replicas on every node they use, and no tensor parallelism across nodes."""
+    counts: dict[int, int] = {}
+    for r in replicas:
+        counts[r[0] // devices_per_node] = counts.get(r[0] // devices_per_node, 0) + 1
+    return len(set(counts.values())) <= 1 and (len(counts) <= 1 or tp == 1)
+
+
+def recompute_fraction(profile: TowerProfile, choice: TowerChoice) -> float:
+    """The share of a stage's forward that ``choice`` runs again in its backward: 1 for ``cached``
+    and full recomputation, ``recompute_layers / (layers / pp)`` for a partial one, else 0."""
+    if choice.schedule == RECOMPUTE and choice.recompute_layers is not None:
+        per_stage = max(profile.layers // choice.pp, 1)
+        if not 0 <= choice.recompute_layers <= per_stage:
+            raise ValueError(
+                f"tower {choice.name!r}: recompute_layers={choice.recompute_layers} is not within the"
+                f" stage's {per_stage} layers"
+            )
+        return choice.recompute_layers / per_stage
+    return 1.0 if recomputes(choice.schedule) else 0.0
+
+
 def rank_groups(ranks: Sequence[int], tp: int, pp: int) -> dict[str, list[list[int]]]:
     """A tower's ranks as its replicas, tensor-parallel groups, stage boundaries (pairs of
-    neighbouring stages' first ranks) and data-parallel groups (one per stage and tp rank)."""
+    neighbouring stages' first ranks) and data-parallel groups (one per stage and tp rank).
+    Cached (the planner prices the same layouts many times): the lists are read-only."""
+    return _rank_groups(tuple(ranks), tp, pp)
+
+
+@functools.lru_cache(maxsize=256)
+def _rank_groups(ranks: tuple[int, ...], tp: int, pp: int) -> dict[str, list[list[int]]]:
     w = tp * pp
     dp = len(ranks) // w
     replicas = [list(ranks[i * w : (i + 1) * w]) for i in range(dp)]
@@ -107,8 +139,8 @@ def price_tower(
     p, c = profiles[name], choice
     node = lambda r: r // cluster.devices_per_node  # noqa: E731
     bel = opts.bytes_el
-    tp_cross = any(len({node(r) for r in grp}) > 1 for grp in groups["tp"])
-    pp_cross = any(node(a) != node(b) for a, b in groups["pp"])
+    tp_cross = c.tp > 1 and any(len({node(r) for r in grp}) > 1 for grp in groups["tp"])
+    pp_cross = c.pp > 1 and any(node(a) != node(b) for a, b in groups["pp"])
     mb, P = c.microbatch, c.pp
     if c.schedule == "distmm" and c.max_batch < 2:
         raise ValueError(
@@ -125,8 +157,15 @@ def price_tower(
     tpc_r = np.atleast_1d(tp_comm(p, cluster, opts, at, c.tp, c.pp, tp_cross))
     ppc_r = np.atleast_1d(pp_comm(p, cluster, opts, at, c.pp, pp_cross))
     fx_r, bx_r = fc_r + tpc_r, bc_r + tpc_r
-    if c.shard == "full":  # per-layer weight gathers and gradient scatters (compact packing estimate)
-        ag, agrs = shard_comm(p, cluster, opts, c.dp, c.tp, c.pp)
+    # partial (block) recomputation: the first ``recompute_layers`` of a stage's layers run their
+    # forward again in the backward; priced as gpipe whose backward carries that share of the forward
+    frac = recompute_fraction(p, c)
+    schedule = c.schedule
+    if c.schedule == RECOMPUTE and frac < 1.0:
+        schedule = "gpipe"
+        bc_r, bx_r = bc_r + frac * fc_r, bx_r + frac * fx_r
+    if c.shard in LAYER_SHARDS:  # per-layer weight gathers and gradient scatters (compact packing estimate)
+        ag, agrs = shard_comm(p, cluster, opts, c.dp, c.tp, c.pp, c.shard)
         layers = p.layers // P
         fx_r, bx_r = sharded_stage(fx_r, ag, layers), sharded_stage(bx_r, agrs, layers)
     f_r = np.maximum(fx_r, ppc_r)
@@ -135,9 +174,9 @@ def price_tower(
     fc, bc, f, b, ppc = (float(x[row[mb]]) for x in (fc_r, bc_r, f_r, b_r, ppc_r))
 
     # the replica's pipeline: its segments between the batch-syncs
-    if replica_instructions(c.schedule, P, c.max_batch, mb) <= SIMULATE_MAX_INSTRUCTIONS:
+    if replica_instructions(schedule, P, c.max_batch, mb) <= SIMULATE_MAX_INSTRUCTIONS:
         timeline = replica_timeline(
-            c.schedule,
+            schedule,
             p.frozen,
             P,
             c.max_batch,
@@ -149,11 +188,11 @@ def price_tower(
         )
         segments, bubble, mbs = list(timeline.segments), timeline.bubble, list(timeline.microbatches)
     else:  # too long to simulate quickly: the closed form of the same lists (microbatches of ``mb`` rows)
-        closed, closed_bubble = phases(c.schedule, p.frozen, counts[0], P, f, b, ppc, counts[-1])
+        closed, closed_bubble = phases(schedule, p.frozen, counts[0], P, f, b, ppc, counts[-1])
         segments, bubble, mbs = [float(x) for x in closed], float(closed_bubble), [mb] * K
     pp_critical = 0.0  # the transfers' share of the critical path
     if P > 1:
-        with_link, no_link = (phases(c.schedule, p.frozen, counts[0], P, f, b, x, counts[-1])[0] for x in (ppc, 0.0))
+        with_link, no_link = (phases(schedule, p.frozen, counts[0], P, f, b, x, counts[-1])[0] for x in (ppc, 0.0))
         pp_critical = float(sum(with_link) - sum(no_link))
 
     # a decoder's cross-attention context from another tower: before the forward, its gradient after
@@ -166,15 +205,21 @@ def price_tower(
         segments[0] += cross
         segments[-1] += cross if not p.frozen else 0.0
 
-    recompute = recomputes(c.schedule) and not p.frozen
+    recompute = recomputes(schedule) and not p.frozen  # (a partial recompute is already in bc_r)
     compute = sum(
         float(fc_r[row[r]] + (0.0 if p.frozen else bc_r[row[r]] + (fc_r[row[r]] if recompute else 0.0))) for r in mbs
     )
+    group = shard_group(c.shard, c.dp, c.tp, c.pp, cluster.devices_per_node)  # replicas the state is split over
     memory = {
         k: float(v)
-        for k, v in memory_per_device(p, opts, c.schedule, mb, K, c.max_batch, c.tp, c.pp, lb, c.shard, c.dp).items()
+        for k, v in memory_per_device(
+            p, opts, c.schedule, mb, K, c.max_batch, c.tp, c.pp, lb, c.shard, group, c.recompute_layers
+        ).items()
     }
-    intra_b, inter_b = link_bytes(p, c, opts, K, recompute, traffic, tp_cross, pp_cross)
+    if c.shard == "hybrid" and not hybrid_runs(groups["replicas"], c.tp, cluster.devices_per_node):
+        memory["total"] = math.inf  # the runtime's HSDP mesh refuses this layout: never a fit
+    again = 0.0 if p.frozen else (1.0 if recompute else frac if c.schedule == RECOMPUTE else 0.0)
+    intra_b, inter_b = link_bytes(p, c, opts, K, again, traffic, tp_cross, pp_cross)
     if cross:
         inter_b += 2 * bel * global_batch * p.cross_elems
     cost = TowerCost(
@@ -182,12 +227,12 @@ def price_tower(
         forward_phase=segments[0],
         backward_phase=sum(segments[1:]),
         compute=compute,
-        tp_comm=sum(float(tpc_r[row[r]]) for r in mbs) * (1 if p.frozen else 2 + (1 if recompute else 0)),
+        tp_comm=sum(float(tpc_r[row[r]]) for r in mbs) * (1 if p.frozen else 2 + again),
         pp_comm=pp_critical,
         bubble=bubble,
         dp_allreduce=0.0,
         dp_exposed=0.0,
-        optimizer=optimizer_time(p, cluster, opts, c.tp, c.pp, c.shard, c.dp),
+        optimizer=optimizer_time(p, cluster, opts, c.tp, c.pp, c.shard, group),
         cross_comm=cross * (1 if p.frozen else 2),
         memory=memory,
         bytes_intra=intra_b,
@@ -200,7 +245,7 @@ def price_tower(
         "f": f,
         "b": b,
         "K": K,
-        "slot": float(last_slot(c.schedule, f, b)) if not p.frozen else 0.0,
+        "slot": float(last_slot(schedule, f, b)) if not p.frozen else 0.0,
     }
     return cost, details
 
@@ -210,22 +255,23 @@ def link_bytes(
     c: TowerChoice,
     opts: CostOptions,
     K: int,
-    recompute: bool,
+    recompute: float,
     traffic: GradientTraffic,
     tp_cross: bool,
     pp_cross: bool,
 ) -> tuple[float, float]:
     """Bytes a tower moves per step over intra-node links and across nodes: its gradient sums, its
     tensor-parallel all-reduces (per microbatch forward, backward and recompute) and its stage
-    transfers, each on the link class its groups span."""
+    transfers, each on the link class its groups span. ``recompute``: the share of the forward run
+    again in the backward (0, a partial recompute's fraction, or 1)."""
     bel = opts.bytes_el
     P = c.pp
     msg = bel * c.microbatch * (p.layer.tp_allreduce / max(2 * len(p.layer.attn), 1)) if p.analytic else 0.0
     tp_bytes = 0.0
     if c.tp > 1:
-        calls = 2 * len(p.layer.attn) * (p.layers // P) * K * (1 if p.frozen else (3 if recompute else 2))
+        calls = 2 * len(p.layer.attn) * (p.layers // P) * K * (1 if p.frozen else 2 + float(recompute))
         tp_bytes = calls * 2 * (c.tp - 1) / c.tp * msg * c.tp * c.dp * P  # a ring all-reduce per call
-    passes = 1 if p.frozen else 2 if not recompute else 3
+    passes = 1 if p.frozen else 2 + float(recompute)
     pp_bytes = (P - 1) * K * c.dp * bel * c.microbatch * p.layer.boundary * passes
     intra_b = traffic.intra_bytes + (0.0 if tp_cross else tp_bytes) + (0.0 if pp_cross else pp_bytes)
     inter_b = traffic.inter_bytes + (tp_bytes if tp_cross else 0.0) + (pp_bytes if pp_cross else 0.0)
@@ -331,6 +377,8 @@ def evaluate_plan(
 
 
 __all__ = [
+    "hybrid_runs",
+    "recompute_fraction",
     "sync_groups",
     "rank_groups",
     "GradientTraffic",
