@@ -398,10 +398,10 @@ def test_a_rank_ending_while_its_collectives_complete_exits_cleanly():
 def test_a_launcher_pid_noted_for_another_launch_is_ignored():
     """A rank trusts the noted launcher pid only when it is its parent (or gone): a value that came
     down through an unrelated process (pytest, then torchrun's agent) must not end the rank."""
-    # faults.py loaded from its file: the package's import of Lightning is seconds per process
+    # faults/runs.py loaded from its file: the package's import of Lightning is seconds per process
     code = (
         "import importlib.util, os; "
-        f"spec = importlib.util.spec_from_file_location('faults', {str(ROOT / 'lightning_distmm' / 'faults.py')!r}); "
+        f"spec = importlib.util.spec_from_file_location('faults', {str(ROOT / 'lightning_distmm' / 'faults' / 'runs.py')!r}); "
         "import sys; faults = sys.modules['faults'] = importlib.util.module_from_spec(spec); "
         "spec.loader.exec_module(faults); "
         "print(faults.started_by_our_launcher(), faults.expected_parent() == os.getppid())"
