@@ -30,7 +30,7 @@ from typing import Any
 import hydra
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from torch.utils.data import DataLoader
 
 # runnable as ``python recipes/train.py`` from a checkout without installing the package
@@ -40,6 +40,7 @@ if str(_ROOT) not in sys.path:
 
 from lightning_distmm import DistMMStrategy, consolidated_state_dict  # noqa: E402
 from lightning_distmm.data.tokenizer import build_caption_tokenizer  # noqa: E402
+from lightning_distmm.models.bridges import recipe as weights  # noqa: E402
 from lightning_distmm.models.clip import CLIPModel, num_parameters, to_plain  # noqa: E402
 from lightning_distmm.models.metrics import format_metrics, retrieval_metrics  # noqa: E402
 
@@ -144,6 +145,50 @@ def check_text_vocab(cfg: DictConfig, datamodule: L.LightningDataModule) -> None
             )
 
 
+def command_line_overrides() -> list[str]:
+    """This job's command-line overrides (Hydra's task overrides; empty outside a Hydra job)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def initial_model(cfg: DictConfig) -> CLIPModel:
+    """The module to train: ``cfg.model`` built afresh, or with ``init=`` the weights it names.
+
+    With ``init`` the model config becomes the weights' own (so the data's image size and context
+    length, the vocabulary check and the evaluation module follow it) and the optimiser takes
+    ``optim.finetune``'s values for the keys the command line does not set. Every rank loads them.
+    """
+    optim = to_plain(cfg.optim)
+    if not cfg.get("init"):
+        return CLIPModel(cfg.model, {k: v for k, v in optim.items() if k != "finetune"})
+    try:
+        spec = weights.parse_init(str(cfg.init))
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(str(e)) from None
+    optim, changed = weights.finetune_optim(optim, command_line_overrides())
+    model = weights.load_init(spec, optim)
+    with open_dict(cfg):
+        cfg.model = OmegaConf.create(model.model_cfg)
+        cfg.optim = OmegaConf.create(optim)
+    fine = ", ".join(f"optim.{k}={v}" for k, v in changed.items()) or "the optimiser as configured"
+    rank_zero_info(f"init: {spec.describe()}; model {cfg.model.name}; fine-tuning with {fine}")
+    return model
+
+
+def export_folders(cfg: DictConfig) -> dict[str, str]:
+    """``export.<format>`` entries that are set, as absolute paths (relative to where the command ran)."""
+    folders = {k: v for k, v in to_plain(cfg.get("export") or {}).items() if v}
+    return {k: hydra.utils.to_absolute_path(str(v)) for k, v in folders.items()}
+
+
+def check_exportable(model: CLIPModel, folders: dict[str, str]) -> None:
+    """Refuse, before training, a model that ``export.<format>`` could not write at the end."""
+    problems = weights.export_problems(model, list(folders))
+    if problems:
+        raise SystemExit("cannot export after training, so not training: " + " | ".join(problems))
+
+
 def evaluation_module(trainer: L.Trainer, model: CLIPModel, cfg: DictConfig) -> CLIPModel | None:
     """A module with every tower's trained weights on global rank 0 (None on other ranks).
 
@@ -213,12 +258,14 @@ def main(cfg: DictConfig) -> dict[str, float] | None:
     prepare_hydra_relaunch()
     L.seed_everything(int(cfg.seed), workers=True)
 
+    model = initial_model(cfg)  # before the data: with init= the model config is the weights'
+    exports = export_folders(cfg)
+    check_exportable(model, exports)
     trainer_kwargs = trainer_arguments(cfg)
     strategy = build_strategy(cfg.strategy, trainer_kwargs)
     datamodule = build_data(cfg, per_process_batch(cfg, trainer_kwargs))
     check_text_vocab(cfg, datamodule)
     settle_max_epochs(trainer_kwargs, datamodule)
-    model = CLIPModel(cfg.model, cfg.optim)
 
     callbacks = [*(trainer_kwargs.pop("callbacks", None) or []), *instantiate_group(cfg.get("callbacks"))]
     loggers = instantiate_group(cfg.get("logger"))
@@ -252,8 +299,13 @@ def main(cfg: DictConfig) -> dict[str, float] | None:
         rank_zero_info(f"zero-shot top1 = {logged['val/zeroshot/top1']:.3f} (chance {chance:.3f})")
     if logged.get("val/retrieval/n"):
         rank_zero_info(retrieval_line(logged, "val/retrieval/"))
+    # the trained weights in one module on global rank 0 (collective under distmm: every rank calls)
+    eval_model = evaluation_module(trainer, model, cfg) if cfg.eval.enabled or exports else None
     if cfg.eval.enabled:
-        evaluate(trainer, model, datamodule, cfg, out_dir, fit_seconds, train_loss)
+        evaluate(trainer, eval_model, datamodule, cfg, out_dir, fit_seconds, train_loss)
+    if exports and eval_model is not None:
+        for fmt, folder in weights.export(eval_model, exports).items():
+            print(f"exported {fmt}: {folder}", flush=True)
     release_process_group(launched_here)
     return optimized_metric(trainer, cfg.get("optimized_metric"))
 
@@ -281,15 +333,15 @@ def optimized_metric(trainer: L.Trainer, name: str | None) -> float | None:
 
 def evaluate(
     trainer: L.Trainer,
-    model: CLIPModel,
+    eval_model: CLIPModel | None,
     datamodule: L.LightningDataModule,
     cfg: DictConfig,
     out_dir: Path,
     fit_seconds: float,
     train_loss: Any = None,
 ) -> dict[str, float] | None:
-    """Held-out retrieval on global rank 0; prints it and writes ``metrics.json`` (collective: all ranks call)."""
-    eval_model = evaluation_module(trainer, model, cfg)
+    """Held-out retrieval on global rank 0 with ``eval_model`` (:func:`evaluation_module`'s); prints it
+    and writes ``metrics.json``."""
     if trainer.global_rank != 0 or eval_model is None:
         return None
     held_out = getattr(datamodule, "retrieval_dataset", None) or datamodule.val_dataset

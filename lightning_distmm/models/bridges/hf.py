@@ -56,7 +56,7 @@ def to_hf(model: CLIPModel) -> Any:
         text_config=text_config,
         vision_config=vision_config,
         projection_dim=embed_dim,
-        logit_scale_init_value=float(model.logit_scale),
+        logit_scale_init_value=float(model.logit_scale.detach()),
     )
     hf = HFCLIPModel(config)
     s = model.state_dict()

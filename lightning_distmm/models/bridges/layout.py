@@ -199,7 +199,8 @@ def _text_to_ours(t: dict[str, Any], p: str = "text.", m: str | None = None) -> 
 
 
 def _plain(state: Mapping[str, Tensor]) -> State:
-    return {k: v.detach().cpu().clone().contiguous() for k, v in state.items()}
+    """Detached CPU copies; meta tensors (a model built on the meta device) stay meta: shapes only."""
+    return {k: v.detach() if v.is_meta else v.detach().cpu().clone().contiguous() for k, v in state.items()}
 
 
 def _load_exact(
