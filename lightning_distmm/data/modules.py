@@ -19,6 +19,7 @@ from lightning_distmm.data.fields import FieldDataset
 from lightning_distmm.data.pairs import CsvPairs, ImageFolderPairs
 from lightning_distmm.data.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, CaptionTokenizer, pair_preprocessing
 from lightning_distmm.data.shuffle import seeded_shuffle
+from lightning_distmm.data.skipping import SkipBadSamples
 
 
 class FieldSubset(FieldDataset):
@@ -90,6 +91,8 @@ class PairsDataModule(L.LightningDataModule):
         tokenizer: a local tokenizer directory or ``tokenizer.json`` (None: the embedded tokenizer).
         context_length: token width.
         batch_size: the global batch; val_batch_size, num_workers, shuffle: as for any DataModule.
+        skip_bad_samples: replace a sample that cannot be decoded by the next one that can, logging
+            and counting it (:mod:`lightning_distmm.data.skipping`); off: the first one ends the run, named.
     """
 
     def __init__(
@@ -112,6 +115,7 @@ class PairsDataModule(L.LightningDataModule):
         val_batch_size: int | None = None,
         num_workers: int = 0,
         shuffle: bool = True,
+        skip_bad_samples: bool = False,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -143,6 +147,9 @@ class PairsDataModule(L.LightningDataModule):
             val_size = held
             self.train_dataset = FieldSubset(train, range(n - val_size))
             self.val_dataset = FieldSubset(train, range(n - val_size, n))
+        if skip_bad_samples:
+            self.train_dataset = SkipBadSamples(self.train_dataset)
+            self.val_dataset = SkipBadSamples(self.val_dataset)
         self.retrieval_dataset = self.val_dataset
 
     def tokenize(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
