@@ -189,6 +189,42 @@ def check_exportable(model: CLIPModel, folders: dict[str, str]) -> None:
         raise SystemExit("cannot export after training, so not training: " + " | ".join(problems))
 
 
+def zero_shot_callback(cfg: DictConfig, datamodule: L.LightningDataModule) -> L.Callback | None:
+    """With ``zeroshot.folder``: ``ZeroShotClassification`` over that class folder, its images read with
+    the datamodule's eval transform (or one from ``data``'s size and CLIP's statistics) and its
+    prompts tokenized as the captions are."""
+    zcfg = cfg.get("zeroshot") or {}
+    if not zcfg.get("folder"):
+        return None
+    from lightning_distmm.data.class_folder import ClassFolder, templates
+    from lightning_distmm.data.preprocess import CaptionTokenizer, pair_preprocessing
+    from lightning_distmm.models.evaluation import ZeroShotClassification
+
+    transform = getattr(datamodule, "image_transform", None)
+    if transform is None:
+        data = cfg.data
+        keys = {k: to_plain(data[k]) for k in ("mean", "std", "interpolation") if data.get(k) is not None}
+        transform, _ = pair_preprocessing(int(cfg.model.towers.image.img_size), **keys)
+    tokenize = getattr(datamodule, "tokenize", None)
+    if tokenize is None:
+        text = cfg.model.towers.get("text", {})
+        tokenize = CaptionTokenizer(cfg.data.get("tokenizer"), int(text.get("context_length", 77))).batch
+    classnames = zcfg.get("classnames")
+    classnames = to_plain(classnames) if isinstance(classnames, ListConfig) else classnames
+    if isinstance(classnames, str):
+        classnames = hydra.utils.to_absolute_path(classnames)
+    folder = ClassFolder(hydra.utils.to_absolute_path(str(zcfg.folder)), classnames, transform)
+    prompts = templates(to_plain(zcfg.get("templates", "simple")))
+    rank_zero_info(f"zero-shot: {folder}, {len(prompts)} templates (e.g. {prompts[0].format(folder.classnames[0])!r})")
+    return ZeroShotClassification(
+        dataset=folder,
+        classnames=folder.classnames,
+        templates=prompts,
+        tokenize=tokenize,
+        ks=[int(k) for k in zcfg.get("ks", [1, 5])],
+    )
+
+
 def evaluation_module(trainer: L.Trainer, model: CLIPModel, cfg: DictConfig) -> CLIPModel | None:
     """A module with every tower's trained weights on global rank 0 (None on other ranks).
 
@@ -268,6 +304,9 @@ def main(cfg: DictConfig) -> dict[str, float] | None:
     settle_max_epochs(trainer_kwargs, datamodule)
 
     callbacks = [*(trainer_kwargs.pop("callbacks", None) or []), *instantiate_group(cfg.get("callbacks"))]
+    zero_shot = zero_shot_callback(cfg, datamodule)
+    if zero_shot is not None:
+        callbacks.append(zero_shot)
     loggers = instantiate_group(cfg.get("logger"))
     if loggers:
         trainer_kwargs["logger"] = loggers

@@ -124,6 +124,7 @@ class PairsDataModule(L.LightningDataModule):
         transform, self.text = pair_preprocessing(
             image_size, mean, std, interpolation, crop_pct, tokenizer, context_length
         )
+        self.image_transform = transform  # also what a class folder for zero-shot is read with
         common: dict[str, Any] = {"transform": transform, "tokenizer": self.text}
 
         def open_pairs(where: str) -> FieldDataset:
