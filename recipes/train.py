@@ -21,14 +21,18 @@ config and shares one output directory. Only global rank 0 prints and writes ``m
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import hydra
 import lightning as L
+import torch
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from torch.utils.data import DataLoader
@@ -43,6 +47,7 @@ from lightning_distmm.data.tokenizer import build_caption_tokenizer  # noqa: E40
 from lightning_distmm.models.bridges import recipe as weights  # noqa: E402
 from lightning_distmm.models.clip import CLIPModel, num_parameters, to_plain  # noqa: E402
 from lightning_distmm.models.metrics import format_metrics, retrieval_metrics  # noqa: E402
+from lightning_distmm.models.progress import progress_bar  # noqa: E402
 
 SINGLE, DDP = "single", "ddp"
 
@@ -52,6 +57,7 @@ def build_strategy(scfg: DictConfig, trainer_kwargs: dict[str, Any]) -> Any:
     """``Trainer(strategy=...)`` from the strategy config; may adjust ``trainer_kwargs`` (devices)."""
     name = scfg.name
     if name == SINGLE:
+        set_threads(scfg, trainer_kwargs.get("devices"))
         trainer_kwargs["devices"] = int(scfg.get("devices", 1))
         trainer_kwargs["num_nodes"] = 1
         return "auto"
@@ -143,6 +149,59 @@ def check_text_vocab(cfg: DictConfig, datamodule: L.LightningDataModule) -> None
                 f" at the first batch; set model.towers.{name}.vocab_size={vocab} (or more), or use a tokenizer"
                 " of that size"
             )
+
+
+#: what the recipe prints, also written to Hydra's job log file (train.log), not printed twice
+_REPORT = logging.getLogger("recipes.train.report")
+
+
+def log_to_hydra_files() -> None:
+    """Hydra's job log (``<run dir>/train.log``) stayed empty: Lightning's logger does not propagate
+    to the root logger Hydra's file handler sits on. Hand that handler to Lightning's logger and to
+    the recipe's report too (the console keeps Lightning's own handler)."""
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    _REPORT.setLevel(logging.INFO)
+    _REPORT.propagate = False
+    for logger in (logging.getLogger("lightning.pytorch"), _REPORT):
+        for handler in files:
+            if handler not in logger.handlers:
+                logger.addHandler(handler)
+
+
+def report(text: str) -> None:
+    """Print ``text`` (global rank 0 calls it) and write it to the job log."""
+    print(text, flush=True)
+    _REPORT.info(text)
+
+
+def parameter_line(cfg: DictConfig, model: CLIPModel, trainer_kwargs: dict[str, Any], out_dir: Path) -> str:
+    """What is trained, where: parameters per tower (and CoCa's decoder), strategy, devices, threads."""
+    parts = [f"{name} {num_parameters(getattr(model, attr)):,}" for name, attr in model._tower_attrs.items()]
+    if getattr(model, "decoder", None) is not None:
+        parts.append(f"decoder {num_parameters(model.decoder):,}")
+    return (
+        f"model {cfg.model.name}: {num_parameters(model):,} parameters ({', '.join(parts)});"
+        f" strategy {cfg.strategy.name}, devices {trainer_kwargs.get('devices')}, global batch {cfg.data.batch_size}"
+        + (f", {torch.get_num_threads()} torch threads" if cfg.strategy.name == SINGLE else "")
+        + f"; output {out_dir}"
+    )
+
+
+def set_threads(scfg: DictConfig, configured_devices: Any) -> None:
+    """One process (``strategy=single``): torch threads as Lightning's DDP sets them per process, for the
+    processes this config's multi-process run starts (``trainer.devices``), unless ``OMP_NUM_THREADS``
+    or ``strategy.threads`` says otherwise: a one-process run then computes with what each rank of
+    the run it is compared with has (on a loaded CPU, more OpenMP threads than free cores spin and wait)."""
+    threads = scfg.get("threads")
+    if threads is None:
+        if "OMP_NUM_THREADS" in os.environ:
+            return
+        processes = configured_devices if isinstance(configured_devices, int) and configured_devices > 0 else 1
+        threads = max(
+            1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1) // processes
+        )
+    torch.set_num_threads(int(threads))
+    os.environ["OMP_NUM_THREADS"] = str(int(threads))
 
 
 def command_line_overrides() -> list[str]:
@@ -292,6 +351,7 @@ def main(cfg: DictConfig) -> dict[str, float] | None:
     out_dir = Path(cfg.out_dir)
     launched_here = "LOCAL_RANK" not in os.environ  # this process will start the other ranks (if any)
     prepare_hydra_relaunch()
+    log_to_hydra_files()
     L.seed_everything(int(cfg.seed), workers=True)
 
     model = initial_model(cfg)  # before the data: with init= the model config is the weights'
@@ -308,15 +368,14 @@ def main(cfg: DictConfig) -> dict[str, float] | None:
     if zero_shot is not None:
         callbacks.append(zero_shot)
     loggers = instantiate_group(cfg.get("logger"))
-    if loggers:
-        trainer_kwargs["logger"] = loggers
+    # logger: null means none (Lightning would otherwise write lightning_logs/ with its default one)
+    trainer_kwargs["logger"] = loggers or trainer_kwargs.get("logger") or False
+    if trainer_kwargs["logger"] is False:  # the callbacks log for loggers; none is configured on purpose
+        warnings.filterwarnings("ignore", message=r".*but have no logger configured.*")
+    if trainer_kwargs.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
+        callbacks.append(progress_bar())  # right for max_steps and streams, no v_num
     trainer = L.Trainer(**trainer_kwargs, strategy=strategy, callbacks=callbacks, default_root_dir=str(out_dir))
-    rank_zero_info(
-        f"model {cfg.model.name}: {num_parameters(model):,} parameters"
-        f" (image {num_parameters(model.visual):,}, text {num_parameters(model.text):,});"
-        f" strategy {cfg.strategy.name}, devices {trainer_kwargs.get('devices')}, global batch {cfg.data.batch_size};"
-        f" output {out_dir}"
-    )
+    rank_zero_info(parameter_line(cfg, model, trainer_kwargs, out_dir))
     start = time.time()
     ckpt_path = cfg.get("ckpt_path")
     trainer.fit(model, datamodule=datamodule, ckpt_path=hydra.utils.to_absolute_path(ckpt_path) if ckpt_path else None)
@@ -344,7 +403,7 @@ def main(cfg: DictConfig) -> dict[str, float] | None:
         evaluate(trainer, eval_model, datamodule, cfg, out_dir, fit_seconds, train_loss)
     if exports and eval_model is not None:
         for fmt, folder in weights.export(eval_model, exports).items():
-            print(f"exported {fmt}: {folder}", flush=True)
+            report(f"exported {fmt}: {folder}")
     release_process_group(launched_here)
     return optimized_metric(trainer, cfg.get("optimized_metric"))
 
@@ -385,7 +444,7 @@ def evaluate(
         return None
     held_out = getattr(datamodule, "retrieval_dataset", None) or datamodule.val_dataset
     metrics = retrieval_metrics(eval_model, DataLoader(held_out, batch_size=int(cfg.eval.batch_size)))
-    print(format_metrics(metrics), flush=True)
+    report(format_metrics(metrics))
     record = {
         **metrics,
         "train/loss": float(train_loss) if train_loss is not None else None,
@@ -398,7 +457,7 @@ def evaluate(
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "metrics.json").write_text(json.dumps(record, indent=2))
-    print(f"wrote {out_dir / 'metrics.json'}", flush=True)
+    report(f"wrote {out_dir / 'metrics.json'}")
     return metrics
 
 

@@ -158,6 +158,10 @@ def test_init_train_export_round_trip_through_the_recipe(tmp_path):
     assert proc.returncode == 0, log[-4000:]
     assert "fine-tuning with optim.lr=1e-05, optim.warmup_steps=20" in log
     assert f"exported open_clip: {out_oc}" in log and f"exported hf: {out_hf}" in log
+    # logger: null (the default) writes no lightning_logs/; Hydra's train.log holds what was said
+    assert not (run / "lightning_logs").exists() and not (tmp_path / "lightning_logs").exists()
+    job_log = (run / "train.log").read_text()
+    assert "init: open_clip weights" in job_log and "model open_clip:" in job_log and "exported hf:" in job_log
 
     ours = from_open_clip(out_oc / "open_clip_model.safetensors", out_oc / "open_clip_config.json").eval()
     moved = max((a - b).abs().max().item() for a, b in zip(ours.state_dict().values(), start.state_dict().values()))
