@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import tempfile
 import threading
 from collections.abc import Callable, Generator, Mapping
@@ -128,6 +129,8 @@ class DistMMStrategy(ModelParallelStrategy):
         self._noted_batches: set[int] = set()
         self._failure_grace = failure_grace
         self._peer_watch: faults.PeerFailureWatch | None = None
+        #: this rank's last line once it is failing (what a later clean-up SIGTERM repeats)
+        self._last_words: str | None = None
 
     # ------------------------------------------------------------------ launch
     @override
@@ -171,6 +174,7 @@ class DistMMStrategy(ModelParallelStrategy):
             self._watchdog.start()
         self._relay = faults.ErrorRelay(self._failure_folder(), self.global_rank)
         self._relay.register()
+        seam.before_observer_ends_job(self._launcher_last_words)  # the popen launcher: its last words
         if self._failure_grace is not None and self._peer_watch is None:
             grace = self._failure_grace.total_seconds()
             self._peer_watch = faults.PeerFailureWatch(self._relay, self.world_size, grace=grace)
@@ -190,6 +194,18 @@ class DistMMStrategy(ModelParallelStrategy):
         # at this process's exit, gloo's workers finish with the interpreter before it finalises
         # (a worker freeing a tensor then would abort a rank whose work succeeded: docs/runtime.md)
         settle_collectives_at_exit()
+
+    def _launcher_last_words(self, ended: list[tuple[int, int | None]]) -> None:
+        """Said by a popen launcher before Lightning's observer SIGKILLs it and its ranks (a rank ended
+        badly): the recorded root cause, or which rank ended how. Its ranks are the next global ranks."""
+        relay = self._relay
+        line = faults.launcher_last_words(
+            [(self.global_rank + i, code) for i, code in ended],
+            lambda: relay.first(wait=2.0) if relay is not None else None,
+        )
+        if line is not None:
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
 
     def _recorded_cause(self) -> str | None:
         """The root cause other ranks recorded, if any (what a rank says when its launcher is gone)."""
@@ -404,7 +420,8 @@ class DistMMStrategy(ModelParallelStrategy):
         """
         if threading.current_thread() is threading.main_thread():
             forward = getattr(self._launcher, "kill", None)  # the launcher passes it on to its ranks
-            signal.signal(signal.SIGTERM, faults.preemption_handler(self.global_rank, forward))
+            ended = lambda: self._last_words  # noqa: E731 - a failing rank's cause: a later SIGTERM is clean-up
+            signal.signal(signal.SIGTERM, faults.preemption_handler(self.global_rank, forward, ended))
 
     # ------------------------------------------------------------------ step
     @override
@@ -456,6 +473,8 @@ class DistMMStrategy(ModelParallelStrategy):
         first = self._first_failure(exception)
         if self._relay is not None:
             self._relay.finish(self.world_size)
+        mine = f"rank {self.global_rank}: {type(exception).__name__}: {exception}"
+        self._last_words = f"distmm: {first or mine}"
         if first is not None and not first.startswith(f"rank {self.global_rank}:"):
             raise DistMMRankFailure(f"distmm: {first}") from exception
 
