@@ -163,6 +163,9 @@ def log_to_hydra_files() -> None:
     _REPORT.setLevel(logging.INFO)
     _REPORT.propagate = False
     for logger in (logging.getLogger("lightning.pytorch"), _REPORT):
+        for handler in list(logger.handlers):  # a sweep's earlier job's file: not this job's
+            if isinstance(handler, logging.FileHandler) and handler not in files:
+                logger.removeHandler(handler)
         for handler in files:
             if handler not in logger.handlers:
                 logger.addHandler(handler)

@@ -16,6 +16,7 @@ import torch
 import yaml
 
 from lightning_distmm.models.bridges import from_open_clip, open_clip_compatible, save_hf, save_open_clip, to_open_clip
+from lightning_distmm.models.bridges.layout import FINETUNE_OPTIM
 from lightning_distmm.models.bridges.recipe import export_problems, finetune_optim, load_init, parse_init
 from lightning_distmm.models.clip import CLIP_TINY, CLIPModel
 from lightning_distmm.planner.config import CONF_DIR
@@ -120,6 +121,7 @@ def test_init_loads_open_clip_and_hugging_face_weights_with_their_features(tmp_p
     from_oc = load_init(parse_init(f"open_clip:{save_open_clip(source, tmp_path / 'oc')}"))
     from_hf = load_init(parse_init(f"hf:{save_hf(source, tmp_path / 'hf')}"))
     for loaded in (from_oc, from_hf):
+        assert (loaded.optim_cfg["lr"], loaded.optim_cfg["warmup_steps"]) == (1e-5, 20)  # fine-tuning, not 3e-3
         got = _features(loaded, batch)
         for tower in ("image", "text"):
             assert (got[tower] - want[tower]).abs().max() <= 1e-6
@@ -133,6 +135,7 @@ def test_fine_tuning_defaults_replace_the_from_scratch_ones_unless_the_command_l
     assert out["lr"] == 5e-5 and out["warmup_steps"] == 20 and changed == {"warmup_steps": 20}
     shipped = yaml.safe_load((CONF_DIR / "optim" / "adamw.yaml").read_text())
     assert shipped["finetune"]["lr"] < shipped["lr"] and shipped["finetune"]["warmup_steps"] < shipped["warmup_steps"]
+    assert shipped["finetune"] == FINETUNE_OPTIM  # the recipe's and the bridges' defaults are one
 
 
 @pytest.mark.slow
