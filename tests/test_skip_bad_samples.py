@@ -116,3 +116,20 @@ def test_distmm_skips_what_one_process_skips_with_towers_on_separate_ranks(tmp_p
         assert json.loads((tmp_path / "count.json").read_text()) == 5.0
 
     in_subprocess(run)
+
+
+def test_held_out_data_resolves_eagerly_so_every_tower_reads_the_same_sample():
+    """The evaluation callbacks load each tower's fields on its own rank with no exchange: an eager
+    dataset maps index 3 (a bad image) to 5 for the caption too, and Retrieval runs over it."""
+    from distmm_testing import TinyCLIP
+
+    from lightning_distmm.models.evaluation import Retrieval
+
+    held_out = SkipBadSamples(DamagedPairs(64), eager=True)
+    text = held_out.load(3, ["input_ids"])["input_ids"]
+    assert torch.equal(text, PairData(64).load(5, ["input_ids"])["input_ids"])  # not sample 3's caption
+    assert held_out.skipped == 4  # 3, 4, 17, 40: each met once by the scan
+    metrics = Retrieval(held_out, ks=[1]).evaluate(TinyCLIP())
+    resolved = [5 if i in (3, 4) else i + 1 if i in (17, 40) else i for i in range(64)]
+    captions = {tuple(PairData(64).load(j, ["input_ids"])["input_ids"].tolist()) for j in resolved}
+    assert metrics["n"] == 64 and metrics["unique"] == len(captions)

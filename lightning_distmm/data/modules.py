@@ -150,7 +150,7 @@ class PairsDataModule(L.LightningDataModule):
             self.val_dataset = FieldSubset(train, range(n - val_size, n))
         if skip_bad_samples:
             self.train_dataset = SkipBadSamples(self.train_dataset)
-            self.val_dataset = SkipBadSamples(self.val_dataset)
+            self.val_dataset = SkipBadSamples(self.val_dataset, eager=True)  # the callbacks load per rank
         self.retrieval_dataset = self.val_dataset
 
     def tokenize(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
