@@ -133,3 +133,57 @@ def test_held_out_data_resolves_eagerly_so_every_tower_reads_the_same_sample():
     resolved = [5 if i in (3, 4) else i + 1 if i in (17, 40) else i for i in range(64)]
     captions = {tuple(PairData(64).load(j, ["input_ids"])["input_ids"].tolist()) for j in resolved}
     assert metrics["n"] == 64 and metrics["unique"] == len(captions)
+
+
+def _shards_with_damaged_images(folder: Path, n: int, bad: set[int]) -> None:
+    """One shard of ``n`` samples (8x8 noise PNGs, captions of test_webdataset's words); ``bad`` truncated."""
+    import io
+
+    import numpy as np
+    import webdataset as wds
+    from PIL import Image
+    from test_webdataset import _caption
+
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    with wds.TarWriter(str(folder / "shard-000000.tar")) as sink:
+        for i in range(n):
+            encoded = io.BytesIO()
+            Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(encoded, format="PNG")
+            data = encoded.getvalue()
+            sink.write(
+                {"__key__": f"s{i:04d}", "png": data[: len(data) // 2] if i in bad else data, "txt": _caption(i)}
+            )
+
+
+@pytest.mark.slow
+def test_a_stream_skips_the_same_rows_under_distmm_as_in_one_process(tmp_path):
+    """WebDataset shards with 3 damaged images, shuffled; image on ranks 0 and 1 (4 rows each of 8),
+    text on rank 2: a bad row is replaced by its batch's next good row, which may be another rank's,
+    and the weights and losses equal one process's (``SkipBadRows``)."""
+    from test_webdataset import PLAN3, _tiny
+
+    from lightning_distmm.data import WebDatasetPairs
+    from lightning_distmm.data.skipping import SkipBadRows
+
+    _shards_with_damaged_images(tmp_path / "s", 40, {2, 9, 21})
+
+    def data() -> DataLoader:
+        ds = WebDatasetPairs(tmp_path / "s", shuffle=True, shuffle_buffer=6, seed=5, skip_bad_samples=True, **_tiny())
+        return DataLoader(ds, batch_size=8, drop_last=True, collate_fn=SkipBadRows(ds))
+
+    def run() -> None:
+        L.seed_everything(0)
+        reference = TinyCLIP("sgd", lr=0.05)
+        module, initial = copy.deepcopy(reference), copy.deepcopy(reference)
+        ref_data = data()
+        run_reference(reference, ref_data, 5, str(tmp_path / "ref.json"))
+        skipped = ref_data.dataset.skipped
+        counts = [SkippedSamples(), SkipCountRecorder(str(tmp_path / "count.json"))]
+        run_distmm(module, PLAN3, 3, data(), 5, str(tmp_path / "dist.json"), callbacks=counts)
+        assert max_param_diff(reference, module) <= 1e-5
+        assert read_losses(tmp_path / "dist.json") == pytest.approx(read_losses(tmp_path / "ref.json"), abs=1e-5)
+        assert max_param_diff(reference, initial) > 1e-3
+        assert skipped == 3 and json.loads((tmp_path / "count.json").read_text()) == 3.0  # all in 40 samples
+
+    in_subprocess(run)

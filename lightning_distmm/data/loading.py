@@ -31,7 +31,7 @@ from lightning_distmm.core.layout import GLOBAL_BATCH_KEY, RankLayout
 from lightning_distmm.data.checks import prebatched_message
 from lightning_distmm.data.fields import load_fields
 from lightning_distmm.data.sampling import RankBatchSampler
-from lightning_distmm.data.skipping import SkipBadSamples, resolve_rows
+from lightning_distmm.data.skipping import SkipBadSamples, resolve_rows, resolve_stream_rows
 from lightning_distmm.data.stream_sources import as_stream
 from lightning_distmm.data.streaming import StreamBatchSampler, StreamFieldSubset
 
@@ -57,10 +57,11 @@ class FieldSubsetDataset(Dataset):
 
 class _Pending:
     """A batch whose rows may hold :class:`~lightning_distmm.data.skipping.BadSample`: collated in the
-    main process once the ranks agree on them."""
+    main process once the ranks agree on them. ``rows``: ``(index or row, sample)``; ``batch``: a
+    stream's raw global batch (replacements are decoded from it)."""
 
-    def __init__(self, rows: list[tuple[int, Any]], n: int):
-        self.rows, self.n = rows, n
+    def __init__(self, rows: list[tuple[int, Any]], n: int, batch: list[Any] | None = None):
+        self.rows, self.n, self.batch = rows, n, batch
 
 
 class _CollateWithGlobalBatch:
@@ -70,7 +71,8 @@ class _CollateWithGlobalBatch:
 
     def __call__(self, items: list[tuple[Any, int]]) -> Any:
         if self.pending:
-            return _Pending([row for row, _ in items], int(items[0][1]))
+            batch = next((row[2] for row, _ in items if len(row) > 2 and row[2] is not None), None)
+            return _Pending([(row[0], row[1]) for row, _ in items], int(items[0][1]), batch)
         return self.collate([sample for sample, _ in items], int(items[0][1]))
 
     def collate(self, samples: list[Any], n: int) -> Any:
@@ -114,6 +116,7 @@ class DistMMDataLoader(DataLoader):
         self.layout = layout
         generators = [source.generator] if source.generator is not None else []
         dataset: Dataset
+        stream = None
         if isinstance(source.dataset, IterableDataset):
             # a stream: every rank reads it and cuts the same global batches (data/streaming.py)
             stream = as_stream(source.dataset)
@@ -125,7 +128,10 @@ class DistMMDataLoader(DataLoader):
         else:
             sampler = RankBatchSampler(source.batch_sampler, layout, progress, generators, group)
             dataset = FieldSubsetDataset(source.dataset, layout.fields)
-        self.skipping = isinstance(source.dataset, SkipBadSamples)
+        self.stream = stream
+        self.skipping = isinstance(source.dataset, SkipBadSamples) or (
+            self.stream is not None and self.stream.__dict__.get("skip_bad_samples") is True
+        )
         self.group = group
         kwargs: dict[str, Any] = dict(
             batch_sampler=sampler,
@@ -158,7 +164,11 @@ class DistMMDataLoader(DataLoader):
         collate = self.collate_fn
         assert isinstance(collate, _CollateWithGlobalBatch)
         for pending in batches:
-            samples = resolve_rows(pending.rows, self.source.dataset, self.layout.fields, self.group)
+            if self.stream is not None:
+                assert pending.batch is not None
+                samples = resolve_stream_rows(pending.rows, pending.batch, self.stream, self.layout.fields, self.group)
+            else:
+                samples = resolve_rows(pending.rows, self.source.dataset, self.layout.fields, self.group)
             yield collate.collate(samples, pending.n)
 
     def state_dict(self) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from lightning_distmm.data.fields import FieldDataset
 from lightning_distmm.data.pairs import CsvPairs, ImageFolderPairs
 from lightning_distmm.data.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, CaptionTokenizer, pair_preprocessing
 from lightning_distmm.data.shuffle import seeded_shuffle
-from lightning_distmm.data.skipping import SkipBadSamples
+from lightning_distmm.data.skipping import SkipBadRows, SkipBadSamples
 
 
 class FieldSubset(FieldDataset):
@@ -63,12 +63,14 @@ class StreamPairsDataModule(L.LightningDataModule):
         split = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self.trainer else None
         if split and int(split.get("num_replicas", 1)) > 1:  # DDP: each replica its rows of the global batch
             self.train_dataset.split_replicas(int(split["rank"]), int(split["num_replicas"]), self.batch_size)
+        skipping = self.train_dataset.__dict__.get("skip_bad_samples") is True
         return DataLoader(
             self.train_dataset,
             batch_size=self.batch_size,
             drop_last=True,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
+            collate_fn=SkipBadRows(self.train_dataset) if skipping else None,  # one process: bad rows replaced
         )
 
     def val_dataloader(self) -> DataLoader | list:
