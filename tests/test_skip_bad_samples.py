@@ -187,3 +187,29 @@ def test_a_stream_skips_the_same_rows_under_distmm_as_in_one_process(tmp_path):
         assert skipped == 3 and json.loads((tmp_path / "count.json").read_text()) == 3.0  # all in 40 samples
 
     in_subprocess(run)
+
+
+def test_a_litdata_folder_skips_a_damaged_item_in_one_process(tmp_path):
+    """LitDataPairs marks the item it cannot decode and the DataModule's collate gives the row the
+    batch's next good one (distmm exchanges failing rows as for WebDataset: the stream code is shared)."""
+    pytest.importorskip("litdata")
+    import io
+
+    from litdata.streaming.writer import BinaryWriter
+    from PIL import Image
+
+    from lightning_distmm.data.litdata_pairs import LitDataDataModule
+
+    writer = BinaryWriter(str(tmp_path / "lit"), chunk_size=8)
+    for i in range(16):
+        encoded = io.BytesIO()
+        Image.new("RGB", (8, 8), (10 * i, 0, 0)).save(encoded, format="PNG")
+        data = encoded.getvalue()
+        writer[i] = {"image": data[: len(data) // 2] if i == 5 else data, "caption": f"a {CAPTIONS[i % 12]}"}
+    writer.done()
+    writer.merge(1)
+    dm = LitDataDataModule(str(tmp_path / "lit"), shuffle=False, image_size=8, context_length=8, batch_size=8,
+                           skip_bad_samples=True)  # fmt: skip
+    first, second = list(dm.train_dataloader())
+    assert first["caption"] == [f"a {CAPTIONS[i]}" for i in (0, 1, 2, 3, 4, 6, 6, 7)]  # row 5 took row 6
+    assert second["caption"][0] == f"a {CAPTIONS[8]}" and dm.train_dataset.skipped == 1
