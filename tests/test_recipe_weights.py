@@ -190,3 +190,23 @@ def test_init_train_export_round_trip_through_the_recipe(tmp_path):
     again = retrieval_metrics(ours, torch.utils.data.DataLoader(held_out, batch_size=256))
     assert again["image->text/top1"] == printed["image->text/top1"]
     assert again["text->image/top1"] == printed["text->image/top1"]
+
+
+@pytest.mark.slow
+def test_init_by_open_clip_arch_name_loads_a_real_vit_b32_checkpoint(tmp_path):
+    """``init=open_clip:ViT-B-32:<file>``: open_clip's own ViT-B-32 (random weights, nothing downloaded)
+    saved as a checkpoint file loads with open_clip's features (<= 1e-5) and fine-tuning defaults."""
+    torch.manual_seed(0)
+    oc = open_clip.create_model("ViT-B-32").eval()
+    torch.save(oc.state_dict(), tmp_path / "ViT-B-32.pt")
+    model = load_init(parse_init(f"open_clip:ViT-B-32:{tmp_path / 'ViT-B-32.pt'}")).eval()
+    assert model.optim_cfg["lr"] == 1e-5 and model.model_cfg["towers"]["text"]["vocab_size"] == 49408
+    tokenizer = open_clip.get_tokenizer("ViT-B-32")
+    ids = tokenizer(["a photo of a cat", "a diagram of the digit seven"])
+    mask = (ids != 0).long()
+    images = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want_image, want_text = oc.encode_image(images), oc.encode_text(ids)
+        got = model.encode({"image": images, "input_ids": ids, "attention_mask": mask})
+    assert (got["image"] - want_image).abs().max() <= 1e-5
+    assert (got["text"] - want_text).abs().max() <= 1e-5
