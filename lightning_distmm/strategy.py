@@ -174,6 +174,7 @@ class DistMMStrategy(ModelParallelStrategy):
             self._watchdog.start()
         self._relay = faults.ErrorRelay(self._failure_folder(), self.global_rank)
         self._relay.register()
+        self._last_words = None  # a new trainer call: no failure of this one yet
         seam.before_observer_ends_job(self._launcher_last_words)  # the popen launcher: its last words
         if self._failure_grace is not None and self._peer_watch is None:
             grace = self._failure_grace.total_seconds()
