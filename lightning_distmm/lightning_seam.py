@@ -372,3 +372,30 @@ def random_state_kept(device: torch.device) -> Generator[None, None, None]:
         torch.set_rng_state(states[2])
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
+
+
+def before_observer_ends_job(say: Callable[[list[tuple[int, int | None]]], None]) -> bool:
+    """Have ``say((child index + 1, return code) ...)`` run before Lightning's child-process observer
+    (the subprocess launcher's thread in this process) kills every process, this one included, with
+    SIGKILL when a child ended badly; False when this process has no such observer.
+
+    ``_ChildProcessObserver`` and its ``_terminate_all`` / ``_child_processes`` are private.
+    """
+    import threading
+
+    from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+
+    for thread in threading.enumerate():
+        if isinstance(thread, _ChildProcessObserver) and not getattr(thread, "_distmm_last_words", False):
+            original = thread._terminate_all
+
+            def terminate_all(observer: Any = thread, end: Callable[[], None] = original) -> None:
+                try:
+                    say([(i + 1, p.returncode) for i, p in enumerate(observer._child_processes)])
+                finally:
+                    end()
+
+            thread._terminate_all = terminate_all  # type: ignore[method-assign]
+            thread._distmm_last_words = True  # type: ignore[attr-defined]
+            return True
+    return False

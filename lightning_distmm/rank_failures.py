@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -46,6 +47,8 @@ class RankFailures:
         self.relay: faults.ErrorRelay | None = None
         self.watchdog: faults.ParentWatchdog | None = None
         self.peer_watch: faults.PeerFailureWatch | None = None
+        #: this rank's last line once it is failing (what a later clean-up SIGTERM repeats)
+        self.last_words: str | None = None
 
     def start(self, rank: int, world_size: int, started_by_launcher: bool) -> None:
         """Before joining the process group (the first thing that can hang)."""
@@ -55,6 +58,8 @@ class RankFailures:
             self.watchdog.start()
         self.relay = faults.ErrorRelay(failure_folder(), rank)
         self.relay.register()
+        self.last_words = None  # a new trainer call: no failure of this one yet
+        seam.before_observer_ends_job(self.launcher_last_words)  # the popen launcher: its last words
         if self.grace is not None and self.peer_watch is None:
             self.peer_watch = faults.PeerFailureWatch(self.relay, world_size, grace=self.grace.total_seconds())
             self.peer_watch.start()
@@ -80,17 +85,33 @@ class RankFailures:
         found = self.relay.first(wait=2.0) if self.relay is not None else None
         return found.describe() if found is not None and found.rank != self.rank else None
 
+    def launcher_last_words(self, ended: list[tuple[int, int | None]]) -> None:
+        """Said by a popen launcher before Lightning's observer SIGKILLs it and its ranks (a rank ended
+        badly): the recorded root cause, or which rank ended how. Its ranks are the next global ranks."""
+        relay = self.relay
+        line = faults.launcher_last_words(
+            [(self.rank + i, code) for i, code in ended],
+            lambda: relay.first(wait=2.0) if relay is not None else None,
+        )
+        if line is not None:
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+
     def handle_preemption(self, forward: Callable[..., object] | None) -> None:
         """SIGTERM ends this rank at once, with an error every other rank reports; ``forward``: the
-        launcher's way of passing the signal on to its ranks."""
+        launcher's way of passing the signal on to its ranks. A rank already failing repeats its
+        cause instead (the SIGTERM is then a launcher's clean-up, not a cause)."""
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, faults.preemption_handler(self.rank, forward))
+            ended = lambda: self.last_words  # noqa: E731
+            signal.signal(signal.SIGTERM, faults.preemption_handler(self.rank, forward, ended))
 
     def on_exception(self, exception: BaseException, world_size: int) -> None:
         """Record this rank's error and raise the job's first one if it is another rank's."""
         first = self._first_failure(exception)
         if self.relay is not None:
             self.relay.finish(world_size)
+        mine = f"rank {self.rank}: {type(exception).__name__}: {exception}"
+        self.last_words = f"distmm: {first or mine}"
         if first is not None and not first.startswith(f"rank {self.rank}:"):
             raise DistMMRankFailure(f"distmm: {first}") from exception
 

@@ -21,16 +21,20 @@ config and shares one output directory. Only global rank 0 prints and writes ``m
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import hydra
 import lightning as L
+import torch
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.utilities import rank_zero_info
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from torch.utils.data import DataLoader
 
 # runnable as ``python recipes/train.py`` from a checkout without installing the package
@@ -40,8 +44,10 @@ if str(_ROOT) not in sys.path:
 
 from lightning_distmm import DistMMStrategy, consolidated_state_dict  # noqa: E402
 from lightning_distmm.data.tokenizer import build_caption_tokenizer  # noqa: E402
+from lightning_distmm.models.bridges import recipe as weights  # noqa: E402
 from lightning_distmm.models.clip import CLIPModel, num_parameters, to_plain  # noqa: E402
 from lightning_distmm.models.metrics import format_metrics, retrieval_metrics  # noqa: E402
+from lightning_distmm.models.progress import progress_bar  # noqa: E402
 
 SINGLE, DDP = "single", "ddp"
 
@@ -51,6 +57,7 @@ def build_strategy(scfg: DictConfig, trainer_kwargs: dict[str, Any]) -> Any:
     """``Trainer(strategy=...)`` from the strategy config; may adjust ``trainer_kwargs`` (devices)."""
     name = scfg.name
     if name == SINGLE:
+        set_threads(scfg, trainer_kwargs.get("devices"))
         trainer_kwargs["devices"] = int(scfg.get("devices", 1))
         trainer_kwargs["num_nodes"] = 1
         return "auto"
@@ -144,6 +151,142 @@ def check_text_vocab(cfg: DictConfig, datamodule: L.LightningDataModule) -> None
             )
 
 
+#: what the recipe prints, also written to Hydra's job log file (train.log), not printed twice
+_REPORT = logging.getLogger("recipes.train.report")
+
+
+def log_to_hydra_files() -> None:
+    """Hydra's job log (``<run dir>/train.log``) stayed empty: Lightning's logger does not propagate
+    to the root logger Hydra's file handler sits on. Hand that handler to Lightning's logger and to
+    the recipe's report too (the console keeps Lightning's own handler)."""
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    _REPORT.setLevel(logging.INFO)
+    _REPORT.propagate = False
+    for logger in (logging.getLogger("lightning.pytorch"), _REPORT):
+        for handler in list(logger.handlers):  # a sweep's earlier job's file: not this job's
+            if isinstance(handler, logging.FileHandler) and handler not in files:
+                logger.removeHandler(handler)
+        for handler in files:
+            if handler not in logger.handlers:
+                logger.addHandler(handler)
+
+
+def report(text: str) -> None:
+    """Print ``text`` (global rank 0 calls it) and write it to the job log."""
+    print(text, flush=True)
+    _REPORT.info(text)
+
+
+def parameter_line(cfg: DictConfig, model: CLIPModel, trainer_kwargs: dict[str, Any], out_dir: Path) -> str:
+    """What is trained, where: parameters per tower (and CoCa's decoder), strategy, devices, threads."""
+    parts = [f"{name} {num_parameters(getattr(model, attr)):,}" for name, attr in model._tower_attrs.items()]
+    if getattr(model, "decoder", None) is not None:
+        parts.append(f"decoder {num_parameters(model.decoder):,}")
+    return (
+        f"model {cfg.model.name}: {num_parameters(model):,} parameters ({', '.join(parts)});"
+        f" strategy {cfg.strategy.name}, devices {trainer_kwargs.get('devices')}, global batch {cfg.data.batch_size}"
+        + (f", {torch.get_num_threads()} torch threads" if cfg.strategy.name == SINGLE else "")
+        + f"; output {out_dir}"
+    )
+
+
+def set_threads(scfg: DictConfig, configured_devices: Any) -> None:
+    """One process (``strategy=single``): torch threads as Lightning's DDP sets them per process, for the
+    processes this config's multi-process run starts (``trainer.devices``), unless ``OMP_NUM_THREADS``
+    or ``strategy.threads`` says otherwise: a one-process run then computes with what each rank of
+    the run it is compared with has (on a loaded CPU, more OpenMP threads than free cores spin and wait)."""
+    threads = scfg.get("threads")
+    if threads is None:
+        if "OMP_NUM_THREADS" in os.environ:
+            return
+        processes = configured_devices if isinstance(configured_devices, int) and configured_devices > 0 else 1
+        threads = max(
+            1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1) // processes
+        )
+    torch.set_num_threads(int(threads))
+    os.environ["OMP_NUM_THREADS"] = str(int(threads))
+
+
+def command_line_overrides() -> list[str]:
+    """This job's command-line overrides (Hydra's task overrides; empty outside a Hydra job)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def initial_model(cfg: DictConfig) -> CLIPModel:
+    """The module to train: ``cfg.model`` built afresh, or with ``init=`` the weights it names.
+
+    With ``init`` the model config becomes the weights' own (so the data's image size and context
+    length, the vocabulary check and the evaluation module follow it) and the optimiser takes
+    ``optim.finetune``'s values for the keys the command line does not set. Every rank loads them.
+    """
+    optim = to_plain(cfg.optim)
+    if not cfg.get("init"):
+        return CLIPModel(cfg.model, {k: v for k, v in optim.items() if k != "finetune"})
+    try:
+        spec = weights.parse_init(str(cfg.init))
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(str(e)) from None
+    optim, changed = weights.finetune_optim(optim, command_line_overrides())
+    model = weights.load_init(spec, optim)
+    with open_dict(cfg):
+        cfg.model = OmegaConf.create(model.model_cfg)
+        cfg.optim = OmegaConf.create(optim)
+    fine = ", ".join(f"optim.{k}={v}" for k, v in changed.items()) or "the optimiser as configured"
+    rank_zero_info(f"init: {spec.describe()}; model {cfg.model.name}; fine-tuning with {fine}")
+    return model
+
+
+def export_folders(cfg: DictConfig) -> dict[str, str]:
+    """``export.<format>`` entries that are set, as absolute paths (relative to where the command ran)."""
+    folders = {k: v for k, v in to_plain(cfg.get("export") or {}).items() if v}
+    return {k: hydra.utils.to_absolute_path(str(v)) for k, v in folders.items()}
+
+
+def check_exportable(model: CLIPModel, folders: dict[str, str]) -> None:
+    """Refuse, before training, a model that ``export.<format>`` could not write at the end."""
+    problems = weights.export_problems(model, list(folders))
+    if problems:
+        raise SystemExit("cannot export after training, so not training: " + " | ".join(problems))
+
+
+def zero_shot_callback(cfg: DictConfig, datamodule: L.LightningDataModule) -> L.Callback | None:
+    """With ``zeroshot.folder``: ``ZeroShotClassification`` over that class folder, its images read with
+    the datamodule's eval transform (or one from ``data``'s size and CLIP's statistics) and its
+    prompts tokenized as the captions are."""
+    zcfg = cfg.get("zeroshot") or {}
+    if not zcfg.get("folder"):
+        return None
+    from lightning_distmm.data.class_folder import ClassFolder, templates
+    from lightning_distmm.data.preprocess import CaptionTokenizer, pair_preprocessing
+    from lightning_distmm.models.evaluation import ZeroShotClassification
+
+    transform = getattr(datamodule, "image_transform", None)
+    if transform is None:
+        data = cfg.data
+        keys = {k: to_plain(data[k]) for k in ("mean", "std", "interpolation") if data.get(k) is not None}
+        transform, _ = pair_preprocessing(int(cfg.model.towers.image.img_size), **keys)
+    tokenize = getattr(datamodule, "tokenize", None)
+    if tokenize is None:
+        text = cfg.model.towers.get("text", {})
+        tokenize = CaptionTokenizer(cfg.data.get("tokenizer"), int(text.get("context_length", 77))).batch
+    classnames = zcfg.get("classnames")
+    classnames = to_plain(classnames) if isinstance(classnames, ListConfig) else classnames
+    if isinstance(classnames, str):
+        classnames = hydra.utils.to_absolute_path(classnames)
+    folder = ClassFolder(hydra.utils.to_absolute_path(str(zcfg.folder)), classnames, transform)
+    prompts = templates(to_plain(zcfg.get("templates", "simple")))
+    rank_zero_info(f"zero-shot: {folder}, {len(prompts)} templates (e.g. {prompts[0].format(folder.classnames[0])!r})")
+    return ZeroShotClassification(
+        dataset=folder,
+        classnames=folder.classnames,
+        templates=prompts,
+        tokenize=tokenize,
+        ks=[int(k) for k in zcfg.get("ks", [1, 5])],
+    )
+
+
 def evaluation_module(trainer: L.Trainer, model: CLIPModel, cfg: DictConfig) -> CLIPModel | None:
     """A module with every tower's trained weights on global rank 0 (None on other ranks).
 
@@ -211,26 +354,31 @@ def main(cfg: DictConfig) -> dict[str, float] | None:
     out_dir = Path(cfg.out_dir)
     launched_here = "LOCAL_RANK" not in os.environ  # this process will start the other ranks (if any)
     prepare_hydra_relaunch()
+    log_to_hydra_files()
     L.seed_everything(int(cfg.seed), workers=True)
 
+    model = initial_model(cfg)  # before the data: with init= the model config is the weights'
+    exports = export_folders(cfg)
+    check_exportable(model, exports)
     trainer_kwargs = trainer_arguments(cfg)
     strategy = build_strategy(cfg.strategy, trainer_kwargs)
     datamodule = build_data(cfg, per_process_batch(cfg, trainer_kwargs))
     check_text_vocab(cfg, datamodule)
     settle_max_epochs(trainer_kwargs, datamodule)
-    model = CLIPModel(cfg.model, cfg.optim)
 
     callbacks = [*(trainer_kwargs.pop("callbacks", None) or []), *instantiate_group(cfg.get("callbacks"))]
+    zero_shot = zero_shot_callback(cfg, datamodule)
+    if zero_shot is not None:
+        callbacks.append(zero_shot)
     loggers = instantiate_group(cfg.get("logger"))
-    if loggers:
-        trainer_kwargs["logger"] = loggers
+    # logger: null means none (Lightning would otherwise write lightning_logs/ with its default one)
+    trainer_kwargs["logger"] = loggers or trainer_kwargs.get("logger") or False
+    if trainer_kwargs["logger"] is False:  # the callbacks log for loggers; none is configured on purpose
+        warnings.filterwarnings("ignore", message=r".*but have no logger configured.*")
+    if trainer_kwargs.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
+        callbacks.append(progress_bar())  # right for max_steps and streams, no v_num
     trainer = L.Trainer(**trainer_kwargs, strategy=strategy, callbacks=callbacks, default_root_dir=str(out_dir))
-    rank_zero_info(
-        f"model {cfg.model.name}: {num_parameters(model):,} parameters"
-        f" (image {num_parameters(model.visual):,}, text {num_parameters(model.text):,});"
-        f" strategy {cfg.strategy.name}, devices {trainer_kwargs.get('devices')}, global batch {cfg.data.batch_size};"
-        f" output {out_dir}"
-    )
+    rank_zero_info(parameter_line(cfg, model, trainer_kwargs, out_dir))
     start = time.time()
     ckpt_path = cfg.get("ckpt_path")
     trainer.fit(model, datamodule=datamodule, ckpt_path=hydra.utils.to_absolute_path(ckpt_path) if ckpt_path else None)
@@ -252,8 +400,13 @@ def main(cfg: DictConfig) -> dict[str, float] | None:
         rank_zero_info(f"zero-shot top1 = {logged['val/zeroshot/top1']:.3f} (chance {chance:.3f})")
     if logged.get("val/retrieval/n"):
         rank_zero_info(retrieval_line(logged, "val/retrieval/"))
+    # the trained weights in one module on global rank 0 (collective under distmm: every rank calls)
+    eval_model = evaluation_module(trainer, model, cfg) if cfg.eval.enabled or exports else None
     if cfg.eval.enabled:
-        evaluate(trainer, model, datamodule, cfg, out_dir, fit_seconds, train_loss)
+        evaluate(trainer, eval_model, datamodule, cfg, out_dir, fit_seconds, train_loss)
+    if exports and eval_model is not None:
+        for fmt, folder in weights.export(eval_model, exports).items():
+            report(f"exported {fmt}: {folder}")
     release_process_group(launched_here)
     return optimized_metric(trainer, cfg.get("optimized_metric"))
 
@@ -281,20 +434,20 @@ def optimized_metric(trainer: L.Trainer, name: str | None) -> float | None:
 
 def evaluate(
     trainer: L.Trainer,
-    model: CLIPModel,
+    eval_model: CLIPModel | None,
     datamodule: L.LightningDataModule,
     cfg: DictConfig,
     out_dir: Path,
     fit_seconds: float,
     train_loss: Any = None,
 ) -> dict[str, float] | None:
-    """Held-out retrieval on global rank 0; prints it and writes ``metrics.json`` (collective: all ranks call)."""
-    eval_model = evaluation_module(trainer, model, cfg)
+    """Held-out retrieval on global rank 0 with ``eval_model`` (:func:`evaluation_module`'s); prints it
+    and writes ``metrics.json``."""
     if trainer.global_rank != 0 or eval_model is None:
         return None
     held_out = getattr(datamodule, "retrieval_dataset", None) or datamodule.val_dataset
     metrics = retrieval_metrics(eval_model, DataLoader(held_out, batch_size=int(cfg.eval.batch_size)))
-    print(format_metrics(metrics), flush=True)
+    report(format_metrics(metrics))
     record = {
         **metrics,
         "train/loss": float(train_loss) if train_loss is not None else None,
@@ -307,7 +460,7 @@ def evaluate(
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "metrics.json").write_text(json.dumps(record, indent=2))
-    print(f"wrote {out_dir / 'metrics.json'}", flush=True)
+    report(f"wrote {out_dir / 'metrics.json'}")
     return metrics
 
 

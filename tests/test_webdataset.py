@@ -458,7 +458,7 @@ def test_make_shards_and_the_clip_wds_experiment(tmp_path):
     kwargs = {"max_steps": 5, "max_epochs": None}
     train.settle_max_epochs(kwargs, dm)
     assert kwargs["max_epochs"] == 3  # 2 batches of 4 an epoch
-    assert {type(c).__name__ for c in train.instantiate_group(cfg.callbacks)} == {"Retrieval", "Throughput"}
+    assert {type(c).__name__ for c in train.instantiate_group(cfg.callbacks)} >= {"Retrieval", "Throughput"}
 
 
 def test_a_failing_pipe_and_a_missing_caption_are_named(tmp_path):

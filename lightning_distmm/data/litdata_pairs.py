@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 
 from lightning_distmm.data.fields import FieldDataset
 from lightning_distmm.data.litdata_stream import LitDataStream, LitIndex
+from lightning_distmm.data.skipping import SkipBadSamples
 from lightning_distmm.data.modules import StreamPairsDataModule
 from lightning_distmm.data.pairs import PairDecoding
 from lightning_distmm.data.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, pair_preprocessing
@@ -38,6 +39,8 @@ class LitDataPairs(PairDecoding, FieldStream):
         shuffle, seed: LitData's (``StreamingDataset(input_dir, shuffle=..., seed=...)``).
         image_key, caption_key: the item's fields holding the encoded image and the caption.
         transform, tokenizer, context_length, decode_log: see :class:`~lightning_distmm.data.pairs.PairDecoding`.
+        skip_bad_samples: a bad item is replaced by the next row of its global batch that decodes
+            (:mod:`lightning_distmm.data.skipping`; one process: ``collate_fn=SkipBadRows(dataset)``).
     """
 
     def __init__(
@@ -51,8 +54,11 @@ class LitDataPairs(PairDecoding, FieldStream):
         tokenizer: Any = None,
         context_length: int = 77,
         decode_log: str | os.PathLike | None = None,
+        skip_bad_samples: bool = False,
     ):
         import litdata
+
+        self.skip_bad_samples, self.skipped = bool(skip_bad_samples), 0
 
         PairDecoding.__init__(self, transform, tokenizer, context_length, decode_log)
         self.image_key, self.caption_key = image_key, caption_key
@@ -104,6 +110,7 @@ class LitDataDataModule(StreamPairsDataModule):
         image_size, mean, std, interpolation, crop_pct, tokenizer, context_length: the transform and
             tokenizer (as :class:`~lightning_distmm.data.modules.PairsDataModule`).
         batch_size: the global batch; val_batch_size, num_workers: as for any DataModule.
+        skip_bad_samples: replace an item that cannot be decoded (see :class:`LitDataPairs`), log and count it.
     """
 
     def __init__(
@@ -124,6 +131,7 @@ class LitDataDataModule(StreamPairsDataModule):
         batch_size: int = 64,
         val_batch_size: int | None = None,
         num_workers: int = 0,
+        skip_bad_samples: bool = False,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -136,8 +144,10 @@ class LitDataDataModule(StreamPairsDataModule):
         common: dict[str, Any] = dict(
             image_key=image_key, caption_key=caption_key, transform=transform, tokenizer=self.text
         )
-        self.train_dataset = LitDataPairs(train, shuffle=shuffle, seed=seed, **common)
+        self.train_dataset = LitDataPairs(train, shuffle=shuffle, seed=seed, skip_bad_samples=skip_bad_samples, **common)
         self.val_dataset = None if val is None else LitDataPairs(val, shuffle=False, **common).in_memory()
+        if skip_bad_samples and self.val_dataset is not None:
+            self.val_dataset = SkipBadSamples(self.val_dataset, eager=True)  # the callbacks load per rank
         probe = self.val_dataset if self.val_dataset is not None else self.train_dataset.in_memory()
         self.check_captions(probe, f"{val} (the held-out folder)" if val is not None else f"{train} (the training folder)")
 

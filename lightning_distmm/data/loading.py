@@ -31,12 +31,15 @@ from lightning_distmm.core.layout import GLOBAL_BATCH_KEY, RankLayout
 from lightning_distmm.data.checks import prebatched_message
 from lightning_distmm.data.fields import load_fields
 from lightning_distmm.data.sampling import RankBatchSampler
+from lightning_distmm.data.skipping import SkipBadSamples, resolve_rows, resolve_stream_rows
 from lightning_distmm.data.stream_sources import as_stream
 from lightning_distmm.data.streaming import StreamBatchSampler, StreamFieldSubset
 
 
 class FieldSubsetDataset(Dataset):
-    """Loads only ``fields`` of each requested sample; carries the global batch size along."""
+    """Loads only ``fields`` of each requested sample; carries the global batch size along. Over a
+    :class:`SkipBadSamples` it hands on ``(index, sample or BadSample)``: the ranks agree on the bad
+    rows in the main process (:func:`~lightning_distmm.data.skipping.resolve_rows`)."""
 
     def __init__(self, dataset: Any, fields: Sequence[str]):
         self.dataset = dataset
@@ -44,25 +47,43 @@ class FieldSubsetDataset(Dataset):
 
     def __getitem__(self, item: tuple[int, int]) -> tuple[Any, int]:
         index, n = item
+        if isinstance(self.dataset, SkipBadSamples):
+            return (index, self.dataset.try_load(index, self.fields)), n
         return load_fields(self.dataset, index, self.fields), n
 
     def __len__(self) -> int:
         return len(self.dataset)
 
 
+class _Pending:
+    """A batch whose rows may hold :class:`~lightning_distmm.data.skipping.BadSample`: collated in the
+    main process once the ranks agree on them. ``rows``: ``(index or row, sample)``; ``batch``: a
+    stream's raw global batch (replacements are decoded from it)."""
+
+    def __init__(self, rows: list[tuple[int, Any]], n: int, batch: list[Any] | None = None):
+        self.rows, self.n, self.batch = rows, n, batch
+
+
 class _CollateWithGlobalBatch:
-    def __init__(self, collate_fn: Callable[[list[Any]], Any]):
+    def __init__(self, collate_fn: Callable[[list[Any]], Any], pending: bool = False):
         self.collate_fn = collate_fn
+        self.pending = pending
 
     def __call__(self, items: list[tuple[Any, int]]) -> Any:
-        batch = self.collate_fn([sample for sample, _ in items])
+        if self.pending:
+            batch = next((row[2] for row, _ in items if len(row) > 2 and row[2] is not None), None)
+            return _Pending([(row[0], row[1]) for row, _ in items], int(items[0][1]), batch)
+        return self.collate([sample for sample, _ in items], int(items[0][1]))
+
+    def collate(self, samples: list[Any], n: int) -> Any:
+        batch = self.collate_fn(samples)
         if not isinstance(batch, dict):
             raise TypeError(
                 f"distmm needs batches that are dicts keyed by field name, the collate_fn gave {type(batch).__name__}"
             )
         # a Python number, not a tensor: Lightning moves tensors to the device, and reading one back
         # (the executor and the log's batch size, every step) would wait for the device each time
-        batch[GLOBAL_BATCH_KEY] = int(items[0][1])
+        batch[GLOBAL_BATCH_KEY] = n
         return batch
 
 
@@ -95,6 +116,7 @@ class DistMMDataLoader(DataLoader):
         self.layout = layout
         generators = [source.generator] if source.generator is not None else []
         dataset: Dataset
+        stream = None
         if isinstance(source.dataset, IterableDataset):
             # a stream: every rank reads it and cuts the same global batches (data/streaming.py)
             stream = as_stream(source.dataset)
@@ -106,10 +128,15 @@ class DistMMDataLoader(DataLoader):
         else:
             sampler = RankBatchSampler(source.batch_sampler, layout, progress, generators, group)
             dataset = FieldSubsetDataset(source.dataset, layout.fields)
+        self.stream = stream
+        self.skipping = isinstance(source.dataset, SkipBadSamples) or (
+            self.stream is not None and self.stream.__dict__.get("skip_bad_samples") is True
+        )
+        self.group = group
         kwargs: dict[str, Any] = dict(
             batch_sampler=sampler,
             num_workers=source.num_workers,
-            collate_fn=_CollateWithGlobalBatch(source.collate_fn),
+            collate_fn=_CollateWithGlobalBatch(source.collate_fn, pending=self.skipping),
             pin_memory=source.pin_memory,
             timeout=source.timeout,
             worker_init_fn=source.worker_init_fn,
@@ -128,7 +155,21 @@ class DistMMDataLoader(DataLoader):
 
     def __iter__(self) -> Any:
         self.rank_sampler.before_iter()
+        if self.skipping:
+            return self._resolved(super().__iter__())
         return super().__iter__()
+
+    def _resolved(self, batches: Any) -> Any:
+        """Skip mode: the ranks agree on the rows none of them may train on, then collate."""
+        collate = self.collate_fn
+        assert isinstance(collate, _CollateWithGlobalBatch)
+        for pending in batches:
+            if self.stream is not None:
+                assert pending.batch is not None
+                samples = resolve_stream_rows(pending.rows, pending.batch, self.stream, self.layout.fields, self.group)
+            else:
+                samples = resolve_rows(pending.rows, self.source.dataset, self.layout.fields, self.group)
+            yield collate.collate(samples, pending.n)
 
     def state_dict(self) -> dict[str, Any]:
         """The data position: ``{"epoch", "samples"}`` trained, and the RNG states of the epoch's order."""

@@ -19,6 +19,7 @@ from lightning_distmm.data.fields import FieldDataset
 from lightning_distmm.data.pairs import CsvPairs, ImageFolderPairs
 from lightning_distmm.data.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, CaptionTokenizer, pair_preprocessing
 from lightning_distmm.data.shuffle import seeded_shuffle
+from lightning_distmm.data.skipping import SkipBadRows, SkipBadSamples
 
 
 class FieldSubset(FieldDataset):
@@ -62,12 +63,14 @@ class StreamPairsDataModule(L.LightningDataModule):
         split = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self.trainer else None
         if split and int(split.get("num_replicas", 1)) > 1:  # DDP: each replica its rows of the global batch
             self.train_dataset.split_replicas(int(split["rank"]), int(split["num_replicas"]), self.batch_size)
+        skipping = self.train_dataset.__dict__.get("skip_bad_samples") is True
         return DataLoader(
             self.train_dataset,
             batch_size=self.batch_size,
             drop_last=True,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
+            collate_fn=SkipBadRows(self.train_dataset) if skipping else None,  # one process: bad rows replaced
         )
 
     def val_dataloader(self) -> DataLoader | list:
@@ -90,6 +93,8 @@ class PairsDataModule(L.LightningDataModule):
         tokenizer: a local tokenizer directory or ``tokenizer.json`` (None: the embedded tokenizer).
         context_length: token width.
         batch_size: the global batch; val_batch_size, num_workers, shuffle: as for any DataModule.
+        skip_bad_samples: replace a sample that cannot be decoded by the next one that can, logging
+            and counting it (:mod:`lightning_distmm.data.skipping`); off: the first one ends the run, named.
     """
 
     def __init__(
@@ -112,6 +117,7 @@ class PairsDataModule(L.LightningDataModule):
         val_batch_size: int | None = None,
         num_workers: int = 0,
         shuffle: bool = True,
+        skip_bad_samples: bool = False,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -120,6 +126,7 @@ class PairsDataModule(L.LightningDataModule):
         transform, self.text = pair_preprocessing(
             image_size, mean, std, interpolation, crop_pct, tokenizer, context_length
         )
+        self.image_transform = transform  # also what a class folder for zero-shot is read with
         common: dict[str, Any] = {"transform": transform, "tokenizer": self.text}
 
         def open_pairs(where: str) -> FieldDataset:
@@ -143,6 +150,9 @@ class PairsDataModule(L.LightningDataModule):
             val_size = held
             self.train_dataset = FieldSubset(train, range(n - val_size))
             self.val_dataset = FieldSubset(train, range(n - val_size, n))
+        if skip_bad_samples:
+            self.train_dataset = SkipBadSamples(self.train_dataset)
+            self.val_dataset = SkipBadSamples(self.val_dataset, eager=True)  # the callbacks load per rank
         self.retrieval_dataset = self.val_dataset
 
     def tokenize(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:

@@ -220,9 +220,12 @@ class RankBatchSampler(Sampler[list[tuple[int, int]]]):
         for indices in self._global_batches(p):
             n = len(indices)
             p.ends.append((p.ends[-1] if p.ends else p.skip) + n)
-            rows = self.layout.batch(n).rows
-            yield [(indices[r], n) for r in rows]
+            yield self._rows(indices, self.layout.batch(n).rows, n)
         p.exhausted = True
+
+    def _rows(self, batch: list[Any], rows: Sequence[int], n: int) -> list[Any]:
+        """What this rank's DataLoader is handed for its ``rows`` of the global ``batch``."""
+        return [(batch[r], n) for r in rows]
 
     def _start_pass(self) -> _Pass:
         if self._iter_rng is None:  # iterated directly, not through DistMMDataLoader.__iter__

@@ -32,6 +32,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from lightning_distmm.core.layout import RankLayout
 from lightning_distmm.data.agreement import StreamAgreement, declared_rank_independent, explicit_key, key_of
+from lightning_distmm.data.skipping import StreamRow, decode_or_mark
 from lightning_distmm.data.sampling import DataPositionError, RankBatchSampler, _distributed
 
 
@@ -107,9 +108,10 @@ class FieldStream(IterableDataset):
         if self._replicas is not None:
             samples = _replica_rows(samples, *self._replicas)
         info = get_worker_info()
+        skip = self.__dict__.get("skip_bad_samples") is True  # bad samples marked; the collate replaces them
         for i, sample in enumerate(samples):
             if info is None or i % info.num_workers == info.id:
-                yield self.decode(sample, self.fields)
+                yield decode_or_mark(self, sample, self.fields) if skip else self.decode(sample, self.fields)
 
     def __len__(self) -> int:
         n = self.epoch_length()
@@ -279,6 +281,12 @@ class StreamBatchSampler(RankBatchSampler):
     def _epoch_samples(self) -> int | None:
         return self.batch_sampler.epoch_samples()
 
+    def _rows(self, batch: list[Any], rows: Sequence[int], n: int) -> list[Any]:
+        if self.stream.__dict__.get("skip_bad_samples") is not True:
+            return super()._rows(batch, rows, n)
+        # skip mode: a bad row's replacement may be any row of the batch, so the batch goes along (once)
+        return [(StreamRow(batch[r], r, batch if i == 0 else None), n) for i, r in enumerate(rows)]
+
     def _global_batches(self, p: Any) -> Iterator[list[Any]]:
         batches = self.batch_sampler.batches(p.epoch, p.skip)
         if self.agreement is None or not _distributed(self.group):
@@ -297,6 +305,8 @@ class StreamFieldSubset(Dataset):
 
     def __getitem__(self, item: tuple[Any, int]) -> tuple[Any, int]:
         sample, n = item
+        if isinstance(sample, StreamRow):  # skip mode: the ranks agree on bad rows in the main process
+            return (sample.row, decode_or_mark(self.stream, sample.raw, self.fields), sample.batch), n
         return self.stream.decode(sample, self.fields), n
 
 

@@ -35,6 +35,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_distmm.data.fields import FieldDataset
+from lightning_distmm.data.skipping import SkipBadSamples
 from lightning_distmm.data.modules import StreamPairsDataModule
 from lightning_distmm.data.pairs import PairDecoding
 from lightning_distmm.data.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, pair_preprocessing
@@ -107,6 +108,9 @@ class WebDatasetPairs(PairDecoding, FieldStream):
             leaves ``pipe:`` streams without a length.
         transform, tokenizer, context_length, decode_log: as for
             :class:`~lightning_distmm.data.pairs.PairDataset`.
+        skip_bad_samples: a sample that cannot be decoded is replaced by the next row of its global
+            batch that can (:mod:`lightning_distmm.data.skipping`; iterated in one process, batch it
+            with ``collate_fn=SkipBadRows(dataset)``); ``skipped`` counts them.
     """
 
     def __init__(
@@ -122,8 +126,10 @@ class WebDatasetPairs(PairDecoding, FieldStream):
         tokenizer: Any = None,
         context_length: int = 77,
         decode_log: str | os.PathLike | None = None,
+        skip_bad_samples: bool = False,
     ):
         self.urls = shard_urls(urls)
+        self.skip_bad_samples, self.skipped = bool(skip_bad_samples), 0
         keys = image_key.split(";") if isinstance(image_key, str) else list(image_key)
         self.image_keys = tuple(k.lower().lstrip(".") for k in keys)
         self.caption_key = caption_key.lower().lstrip(".")
@@ -305,6 +311,7 @@ class WebDatasetDataModule(StreamPairsDataModule):
         image_size, mean, std, interpolation, crop_pct, tokenizer, context_length: the transform and
             tokenizer (as :class:`~lightning_distmm.data.modules.PairsDataModule`).
         batch_size: the global batch; val_batch_size, num_workers: as for any DataModule.
+        skip_bad_samples: replace a sample that cannot be decoded (see :class:`WebDatasetPairs`), log and count it.
     """
 
     def __init__(
@@ -327,6 +334,7 @@ class WebDatasetDataModule(StreamPairsDataModule):
         batch_size: int = 64,
         val_batch_size: int | None = None,
         num_workers: int = 0,
+        skip_bad_samples: bool = False,
     ):
         super().__init__()
         self.save_hyperparameters()
@@ -344,9 +352,12 @@ class WebDatasetDataModule(StreamPairsDataModule):
             seed=seed,
             length=length,
             tokenizer=self.text,
+            skip_bad_samples=skip_bad_samples,
             **common,
         )
         self.val_dataset = None if val is None else WebDatasetPairs(val, tokenizer=self.text, **common).in_memory()
+        if skip_bad_samples and self.val_dataset is not None:
+            self.val_dataset = SkipBadSamples(self.val_dataset, eager=True)  # the callbacks load per rank
         probe = self.val_dataset if self.val_dataset is not None else self.train_dataset.in_memory(limit=64)
         self.check_captions(
             probe,

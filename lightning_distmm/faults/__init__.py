@@ -35,6 +35,7 @@ from lightning_distmm.faults.watch import (
     PeerFailureWatch,
     Preempted,
     dies_with_parent,
+    launcher_last_words,
     preemption_handler,
 )
 
@@ -52,6 +53,7 @@ __all__ = [
     "ensure_run_id",
     "expected_parent",
     "is_consequence",
+    "launcher_last_words",
     "note_launcher",
     "pid_alive",
     "preemption_handler",

@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from lightning_distmm.faults.records import ErrorRelay, FailureRecord, earliest_cause
 from lightning_distmm.faults.runs import expected_parent
@@ -54,15 +54,48 @@ def dies_with_parent(sig: int = signal.SIGKILL) -> Iterator[None]:
 _PR_SET_PDEATHSIG = 1
 
 
-def preemption_handler(rank: int, forward: Callable[[int], None] | None = None) -> Callable[..., None]:
-    """A SIGTERM handler: pass the signal on (a launcher to the ranks it started), then end this rank."""
+def preemption_handler(
+    rank: int, forward: Callable[[int], None] | None = None, ended: Callable[[], str | None] | None = None
+) -> Callable[..., None]:
+    """A SIGTERM handler: pass the signal on (a launcher to the ranks it started), then end this rank.
+
+    ``ended`` gives the root cause this rank already reported, if it is failing: the SIGTERM is
+    then the launcher's clean-up (torchrun's, a spawn parent's), not a cause, and must not become
+    the rank's last line: the rank repeats its cause and exits at once.
+    """
 
     def handler(signum: int, frame: object) -> None:
         if forward is not None:
             forward(signum)
+        cause = ended() if ended is not None else None
+        if cause is not None:
+            sys.stderr.write(f"{cause}\n")
+            sys.stderr.flush()
+            os._exit(1)
         raise Preempted(f"rank {rank} received {signal.Signals(signum).name} (preemption or a stop request)")
 
     return handler
+
+
+def launcher_last_words(
+    ended: Iterable[tuple[int, int | None]], cause: Callable[[], FailureRecord | None]
+) -> str | None:
+    """What a launcher says when a rank it started ended badly and the launcher is about to end the
+    job (Lightning's process observer kills it with SIGKILL, leaving no word otherwise): the root
+    cause the ranks recorded, or which rank ended how. ``ended``: ``(global rank, return code)``."""
+    failed = [(rank, code) for rank, code in ended if code]
+    if not failed:
+        return None
+    found = cause()
+    if found is not None:
+        return f"distmm: {found.describe()} (the launcher ends the job)"
+    rank, code = failed[0]
+    assert code is not None
+    how = f"was ended by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    return (
+        f"distmm: rank {rank} {how} without recording an error (a signal from outside, the out-of-memory"
+        " killer, a crash); the launcher ends the job"
+    )
 
 
 class PeerFailureWatch(threading.Thread):

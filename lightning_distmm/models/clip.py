@@ -421,10 +421,47 @@ class CLIPModel(DistMMMixin, L.LightningModule):
         """The configured loss (``loss``: clip | siglip | coca) over the whole batch's image and text features."""
         logit_scale = self.logit_scale.clamp(0.0, MAX_LOGIT_SCALE)
         if self.coca is not None:
-            return coca.coca_loss(self.coca, self.decoder, features, logit_scale)
+            contrastive, caption = coca.coca_terms(self.coca, self.decoder, features, logit_scale)
+            if self._loss_parts is not None:  # inside a step: its terms are logged after it
+                for key, value in (("contrastive_loss", contrastive), ("caption_loss", caption)):
+                    self._loss_parts[key] = self._loss_parts.get(key, 0.0) + value.detach()
+            return self.coca.contrastive_weight * contrastive + self.coca.caption_weight * caption
         if self.loss_name == "siglip":
             return siglip_loss(features["image"], features["text"], logit_scale, self.logit_bias)
         return clip_loss(features["image"], features["text"], logit_scale)
+
+    # ------------------------------------------------------------------ CoCa's two terms, logged apart
+    #: the unweighted loss terms of the current step (CoCa only; None outside a step)
+    _loss_parts: dict[str, Any] | None = None
+
+    def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> Tensor:
+        return self._step_with_parts(super().training_step, "train", batch, batch_idx)
+
+    def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> Tensor:
+        return self._step_with_parts(super().validation_step, "val", batch, batch_idx)
+
+    def _step_with_parts(self, step: Any, stage: str, batch: Mapping[str, Any], batch_idx: int) -> Tensor:
+        """The mixin's step; for CoCa also ``<stage>/contrastive_loss`` and ``<stage>/caption_loss``.
+
+        Under distmm each batch-sync rank holds its rows' share of each term (the others none): the
+        logged value is their sum over the ranks; elsewhere (one process, DDP) the mean, as the loss's.
+        """
+        if self.coca is None:
+            return step(batch, batch_idx)
+        self._loss_parts = {}
+        try:
+            loss = step(batch, batch_idx)
+            parts = self._loss_parts
+        finally:
+            self._loss_parts = None
+        keys = ("contrastive_loss", "caption_loss")
+        values = torch.stack([torch.as_tensor(parts.get(k, 0.0), device=loss.device).float() for k in keys])
+        if self._distmm_runner is not None and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(values)  # the ranks' shares: the whole batch's terms, on every rank
+        for key, value in zip(keys, values):
+            # equal on every rank under distmm; one process / DDP: as the loss is logged
+            self.log(f"{stage}/{key}", value, sync_dist=stage == "val", batch_size=self.global_batch_size(batch))
+        return loss
 
     def embedding(self, tower: str, features: Tensor) -> Tensor:
         """The embedding retrieval and zero-shot compare: the features, or the embedding in CoCa's packed rows."""

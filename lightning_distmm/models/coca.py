@@ -265,13 +265,21 @@ def coca_loss(
     The decoder runs on this process's rows only (all of them in one process): each caption row is
     a sum over its own tokens, so the rows split over the batch-sync ranks exactly.
     """
+    contrastive, caption = coca_terms(spec, decoder, features, logit_scale)
+    return spec.contrastive_weight * contrastive + spec.caption_weight * caption
+
+
+def coca_terms(
+    spec: CoCaSpec, decoder: MultimodalDecoder, features: Mapping[str, Tensor], logit_scale: Tensor
+) -> tuple[Tensor, Tensor]:
+    """``(clip_loss, caption_loss)`` before weighting: this process's rows' share of each (all rows in
+    one process), so the sums over the batch-sync ranks are the whole batch's terms."""
     image, text = features["image"], unpack_text(features["text"], spec.embed_dim, spec.text_width, spec.digits)
     contrastive = clip_loss(image[:, 0], text.embedding, logit_scale)
     rows = local_rows(image.shape[0])
     labels = text.ids[:, 1:]  # teacher forcing: the state of token t predicts token t + 1
     logits = decoder(image[rows, 1:], text.tokens[rows, :-1])
-    caption = caption_loss(logits, labels, pad_id=spec.pad_id)
-    return spec.contrastive_weight * contrastive + spec.caption_weight * caption
+    return contrastive, caption_loss(logits, labels, pad_id=spec.pad_id)
 
 
 __all__ = [
@@ -284,6 +292,7 @@ __all__ = [
     "check_towers",
     "coca_loss",
     "coca_spec",
+    "coca_terms",
     "embedding",
     "id_digits",
     "pack_text",

@@ -22,6 +22,12 @@ the batch's own length otherwise, which is right for one process and for DDP), s
 
     callbacks = [Throughput()]                                      # or:
     callbacks = [ThroughputMonitor(batch_size_fn=per_device_share)]  # needs a logger; logs every log_every_n_steps
+
+Not both: they log the same key, ``train/samples_per_sec`` (each would overwrite the other's), so
+:class:`Throughput` refuses to run beside a ``ThroughputMonitor``. ``ThroughputMonitor``'s global
+``batches_per_sec`` is ``device/batches_per_sec x world_size``; under distmm every rank steps through
+every global batch, so it reads ``world_size`` times the step rate: the step rate is its
+``device/batches_per_sec`` (or ``1 / train/step_time`` here).
 """
 
 from __future__ import annotations
@@ -95,6 +101,15 @@ class Throughput(L.Callback):
         self._t0: float | None = None
         #: the last step's values, also for inspection: samples (global), seconds, samples/s
         self.last: dict[str, float] = {}
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        from lightning.pytorch.callbacks import ThroughputMonitor
+
+        if any(isinstance(c, ThroughputMonitor) for c in trainer.callbacks):
+            raise ValueError(
+                "Throughput and Lightning's ThroughputMonitor both log train/samples_per_sec, so one would overwrite"
+                " the other's: keep one (the recipe: callbacks.throughput=null to keep ThroughputMonitor)"
+            )
 
     # ------------------------------------------------------------------ timing
     def _runtime(self, trainer: L.Trainer) -> Any:

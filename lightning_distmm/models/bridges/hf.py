@@ -18,6 +18,7 @@ from lightning_distmm.models.bridges.layout import (
     _text_to_ours,
     _vit_from_ours,
     _vit_to_ours,
+    finetune_defaults,
 )
 from lightning_distmm.models.clip import CLIPModel
 
@@ -56,7 +57,7 @@ def to_hf(model: CLIPModel) -> Any:
         text_config=text_config,
         vision_config=vision_config,
         projection_dim=embed_dim,
-        logit_scale_init_value=float(model.logit_scale),
+        logit_scale_init_value=float(model.logit_scale.detach()),
     )
     hf = HFCLIPModel(config)
     s = model.state_dict()
@@ -92,7 +93,8 @@ def save_hf(model: CLIPModel, folder: str | Path) -> Path:
 
 
 def from_hf(source: Any, optim: Mapping[str, Any] | None = None) -> CLIPModel:
-    """A :class:`CLIPModel` holding a Hugging Face ``CLIPModel`` (an object, or a local folder)."""
+    """A :class:`CLIPModel` holding a Hugging Face ``CLIPModel`` (an object, or a local folder); ``optim``'s
+    unset keys take fine-tuning's lr and warmup (:data:`~.layout.FINETUNE_OPTIM`)."""
     if isinstance(source, str | Path):
         from transformers import CLIPModel as HFCLIPModel
 
@@ -124,7 +126,7 @@ def from_hf(source: Any, optim: Mapping[str, Any] | None = None) -> CLIPModel:
             },
         },
     }  # fmt: skip
-    model = CLIPModel(cfg, optim)
+    model = CLIPModel(cfg, finetune_defaults(optim))
     s = source.state_dict()
     vit = {
         "embed": {

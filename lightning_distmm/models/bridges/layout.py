@@ -29,6 +29,16 @@ _VIT_DEFAULTS = {"pre_norm": False, "norm_eps": 1e-6, "head_bias": True}
 
 State = dict[str, Tensor]
 
+#: the optimiser settings a model loaded from trained weights starts with (over ``DEFAULT_OPTIM``'s
+#: from-scratch lr 3e-3 and warmup 100): open_clip users fine-tune at 1e-5 - 5e-5 with a short warmup;
+#: ``conf/optim/adamw.yaml``'s ``finetune`` block is the recipe's copy
+FINETUNE_OPTIM: dict[str, Any] = {"lr": 1e-5, "warmup_steps": 20}
+
+
+def finetune_defaults(optim: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``optim`` for a model loaded from trained weights: :data:`FINETUNE_OPTIM` unless ``optim`` sets them."""
+    return {**FINETUNE_OPTIM, **dict(optim or {})}
+
 
 def open_clip_compatible(model_cfg: Mapping[str, Any]) -> dict[str, Any]:
     """``model_cfg`` with its ViT configured as CLIP's (the layout open_clip and HF use) and the text
@@ -199,7 +209,8 @@ def _text_to_ours(t: dict[str, Any], p: str = "text.", m: str | None = None) -> 
 
 
 def _plain(state: Mapping[str, Tensor]) -> State:
-    return {k: v.detach().cpu().clone().contiguous() for k, v in state.items()}
+    """Detached CPU copies; meta tensors (a model built on the meta device) stay meta: shapes only."""
+    return {k: v.detach() if v.is_meta else v.detach().cpu().clone().contiguous() for k, v in state.items()}
 
 
 def _load_exact(

@@ -23,6 +23,7 @@ from lightning_distmm.models.bridges.layout import (
     _text_to_ours,
     _vit_from_ours,
     _vit_to_ours,
+    finetune_defaults,
 )
 from lightning_distmm.models.clip import CLIPModel
 
@@ -264,11 +265,12 @@ def from_open_clip(
             a ``{"state_dict": ...}`` training checkpoint and DDP's ``module.`` prefix are accepted).
         arch: open_clip's model config: a mapping, a JSON file (``open_clip_config.json`` or a
             ``model_configs/*.json``), or an arch name (``"ViT-B-32"``, open_clip installed).
-        optim: the optimiser config for further training.
+        optim: the optimiser config for further training (unset keys: fine-tuning's lr 1e-5 and 20
+            warmup steps, :data:`~.layout.FINETUNE_OPTIM`, then ``DEFAULT_OPTIM``'s).
     """
     cfg = from_open_clip_config(_open_clip_cfg(arch), name=str(arch) if isinstance(arch, str) else "open_clip")
     s = dict(_read_state(state) if isinstance(state, str | Path) else state)
-    model = CLIPModel(cfg, optim)
+    model = CLIPModel(cfg, finetune_defaults(optim))
     vit, text = _from_open_clip_state(s)
     text_state = _text_to_ours(text, m=_hf_text_prefix(model.state_dict()))
     ours = {**_vit_to_ours(vit), **text_state, **_scalars(s)}
