@@ -42,7 +42,9 @@ def templates(spec: str | Sequence[str]) -> tuple[str, ...]:
             try:
                 from open_clip.zero_shot_metadata import OPENAI_IMAGENET_TEMPLATES
             except ImportError as e:
-                raise ImportError("templates='openai' reads open_clip's list: install open_clip, or pass 'simple'") from e
+                raise ImportError(
+                    "templates='openai' reads open_clip's list: install open_clip, or pass 'simple'"
+                ) from e
             return tuple(t("{}") for t in OPENAI_IMAGENET_TEMPLATES)
         spec = [spec]
     out = tuple(str(t) for t in spec)

@@ -18,16 +18,12 @@ from collections.abc import Iterable, Iterator, Sequence
 from io import BytesIO
 from typing import Any
 
-import lightning as L
-import torch
-from torch.utils.data import DataLoader
-
 from lightning_distmm.data.fields import FieldDataset
 from lightning_distmm.data.litdata_stream import LitDataStream, LitIndex
-from lightning_distmm.data.skipping import SkipBadSamples
 from lightning_distmm.data.modules import StreamPairsDataModule
 from lightning_distmm.data.pairs import PairDecoding
 from lightning_distmm.data.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, pair_preprocessing
+from lightning_distmm.data.skipping import SkipBadSamples
 from lightning_distmm.data.streaming import FieldStream
 
 
@@ -144,12 +140,16 @@ class LitDataDataModule(StreamPairsDataModule):
         common: dict[str, Any] = dict(
             image_key=image_key, caption_key=caption_key, transform=transform, tokenizer=self.text
         )
-        self.train_dataset = LitDataPairs(train, shuffle=shuffle, seed=seed, skip_bad_samples=skip_bad_samples, **common)
+        self.train_dataset = LitDataPairs(
+            train, shuffle=shuffle, seed=seed, skip_bad_samples=skip_bad_samples, **common
+        )
         self.val_dataset = None if val is None else LitDataPairs(val, shuffle=False, **common).in_memory()
         if skip_bad_samples and self.val_dataset is not None:
             self.val_dataset = SkipBadSamples(self.val_dataset, eager=True)  # the callbacks load per rank
         probe = self.val_dataset if self.val_dataset is not None else self.train_dataset.in_memory()
-        self.check_captions(probe, f"{val} (the held-out folder)" if val is not None else f"{train} (the training folder)")
+        self.check_captions(
+            probe, f"{val} (the held-out folder)" if val is not None else f"{train} (the training folder)"
+        )
 
 
 __all__ = ["LitDataDataModule", "LitDataPairs"]

@@ -253,7 +253,9 @@ class SkippedSamples(L.Callback):
 
 
 def _skips(obj: Any) -> bool:
-    return isinstance(obj, SkipBadSamples) or (not isinstance(obj, type) and obj.__dict__.get("skip_bad_samples") is True)
+    return isinstance(obj, SkipBadSamples) or (
+        not isinstance(obj, type) and obj.__dict__.get("skip_bad_samples") is True
+    )
 
 
 def skipping_dataset(trainer: L.Trainer) -> Any:

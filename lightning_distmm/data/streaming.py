@@ -32,8 +32,8 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from lightning_distmm.core.layout import RankLayout
 from lightning_distmm.data.agreement import StreamAgreement, declared_rank_independent, explicit_key, key_of
-from lightning_distmm.data.skipping import StreamRow, decode_or_mark
 from lightning_distmm.data.sampling import DataPositionError, RankBatchSampler, _distributed
+from lightning_distmm.data.skipping import StreamRow, decode_or_mark
 
 
 class FieldStream(IterableDataset):

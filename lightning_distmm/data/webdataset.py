@@ -29,16 +29,13 @@ from pathlib import Path
 from typing import Any, NamedTuple
 from urllib.parse import urlparse
 
-import lightning as L
-import torch
 from torch import Tensor
-from torch.utils.data import DataLoader
 
 from lightning_distmm.data.fields import FieldDataset
-from lightning_distmm.data.skipping import SkipBadSamples
 from lightning_distmm.data.modules import StreamPairsDataModule
 from lightning_distmm.data.pairs import PairDecoding
 from lightning_distmm.data.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, pair_preprocessing
+from lightning_distmm.data.skipping import SkipBadSamples
 from lightning_distmm.data.streaming import FieldStream, skip_samples
 from lightning_distmm.data.tarstream import tar_members
 
