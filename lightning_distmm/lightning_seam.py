@@ -134,15 +134,11 @@ class ConsolidatingLauncher(_MultiProcessingLauncher):
         directory (a forked rank inherits the parent's scratch one).
 
         When the work is done, every rank waits for the others (a barrier), drops what refers to the
-        towers' process groups (``release``: their DeviceMeshes) and destroys the default group, which
-        ends the gloo threads and the store with it. Then the rank ends as a forked rank does, without
-        the interpreter's finalisation: what is left (a tensor-parallel or sharded module's DTensors
-        keep their meshes, so their groups, alive) would otherwise live into finalisation, where a
-        gloo worker that frees a tensor must take the interpreter lock and CPython ends it instead,
-        aborting a rank whose work had succeeded (``terminate called without an active exception``,
-        SIGABRT; :mod:`lightning_distmm.parallel.exit_settle` has the whole story). A rank whose work
-        raised ends the same way with code 1 (its collectives may still be running). The exit hook
-        is registered first, so it runs after every ``atexit`` handler the run itself registered."""
+        towers' process groups (``release``: their DeviceMeshes) and destroys the default group. Then
+        the rank ends as a forked rank does, without the interpreter's finalisation, where a gloo
+        worker freeing a tensor would abort a rank whose work succeeded (docs/runtime.md, "Why a
+        finished rank aborted"). A rank whose work raised ends the same way with code 1. The exit
+        hook is registered first, so it runs after every ``atexit`` handler the run registered."""
         if self._temp_dir is not None:
             tempfile.tempdir = self._temp_dir
         done = _RankEnd()
