@@ -1,4 +1,5 @@
-"""The plan of a run the user gave no plan file for: ``"default"``, ``"auto"`` or ``"colocated"``.
+"""The plan of a run: a plan given (a Plan, a YAML file) or chosen at setup (``"default"``,
+``"auto"``, ``"colocated"``), and the checks of the run's settings against it.
 
 Rank 0 prices (or measures and prices) and the strategy broadcasts what it chose, so every rank
 runs the same plan: :func:`choose_on_rank0` returns the plan as a dictionary, the line to log and,
@@ -10,8 +11,10 @@ the device, the precision) is gathered by the strategy into a :class:`LiveJob`.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -103,4 +106,62 @@ def auto_choice(job: LiveJob) -> Plan:
     )
 
 
-__all__ = ["LiveJob", "check_nodes_for_auto", "choose_on_rank0"]
+#: what ``DistMMStrategy(plan=...)`` takes
+PlanSpec = Plan | str | os.PathLike | None
+
+
+def parse_plan_spec(plan: PlanSpec) -> Plan | str:
+    """``DistMMStrategy(plan=...)``: a Plan, or the name of a plan chosen at setup."""
+    if plan is None:
+        return "default"
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, Mapping):
+        return Plan.from_dict(plan)
+    text = os.fspath(plan)
+    if text in ("default", "colocated", "auto"):
+        return text
+    if not Path(text).is_file():
+        raise FileNotFoundError(
+            f"plan file {text!r} does not exist (plan= takes a Plan, a YAML path, 'default' or 'colocated')"
+        )
+    return Plan.from_yaml(Path(text))
+
+
+def check_precision(plugin: object) -> None:
+    """Refuse a precision that scales the loss (``precision="16-mixed"``): its ``GradScaler`` looks for
+    overflowed gradients among this rank's own, so under a distmm plan a rank that holds only the
+    image tower skips a step that the text rank takes; the loss scales diverge and replicated
+    parameters (``logit_scale``) drift apart. Lightning refuses ``16-mixed`` for
+    ``ModelParallelStrategy`` instances only, so ``strategy="distmm"`` (a string) got past it."""
+    if getattr(plugin, "scaler", None) is None:
+        return
+    precision = getattr(plugin, "precision", type(plugin).__name__)
+    raise ValueError(
+        f"strategy='distmm' does not support precision={precision!r} (a loss scaler): its GradScaler decides"
+        f" per rank whether the gradients overflowed, and each distmm rank holds different towers, so ranks"
+        f" would skip different steps and their parameters drift apart. Use precision='bf16-mixed' (no loss"
+        f" scaling needed; FSDP-sharded towers reduce their gradients in fp32) or '32-true'"
+    )
+
+
+def check_loss_semantics(plan: Plan, module: Any) -> None:
+    """The plan's number of sync groups changes the loss; the module must have asked for that loss."""
+    if plan.sync_groups != module.sync_groups:
+        raise PlanError(
+            f"the plan's schedule computes the loss over {plan.sync_groups} sync group(s) (each with its own negatives)"
+            f" but {type(module).__name__}.sync_groups is {module.sync_groups}; set sync_groups = {plan.sync_groups} on the"
+            f" module to train with that loss (the single-process reference then computes the same), or choose"
+            f" {'another schedule' if plan.sync_groups > 1 else 'schedule: distmm'}"
+        )
+
+
+__all__ = [
+    "LiveJob",
+    "PlanSpec",
+    "check_loss_semantics",
+    "check_nodes_for_auto",
+    "check_precision",
+    "choose_on_rank0",
+    "parse_plan_spec",
+]

@@ -17,14 +17,12 @@ starts the batch (``on_train_batch_start``: does Lightning zero the gradients af
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -37,23 +35,28 @@ from lightning_distmm import checkpoint as ckpt
 from lightning_distmm import faults
 from lightning_distmm import lightning_seam as seam
 from lightning_distmm.core.plan import Plan, PlanError
-from lightning_distmm.data.checks import check_dataloader
-from lightning_distmm.data.loading import DistMMDataLoader
+from lightning_distmm.data.loading import rank_loader
 from lightning_distmm.mixin import DistMMMixin
 from lightning_distmm.parallel.deferred import deferred_init
 from lightning_distmm.parallel.executor import RankRuntime
 from lightning_distmm.parallel.exit_settle import settle_collectives_at_exit
-from lightning_distmm.parallel.fsdp import mixed_precision_policy
-from lightning_distmm.parallel.groups import build_topology
+from lightning_distmm.parallel.groups import nodes_of_ranks
 from lightning_distmm.parallel.host_allocator import keep_freed_host_memory
-from lightning_distmm.parallel.runner import StepRunner
-from lightning_distmm.plan_choice import LiveJob, check_nodes_for_auto, choose_on_rank0
+from lightning_distmm.parallel.runner import StepRunner, start_runner
+from lightning_distmm.plan_choice import (
+    LiveJob,
+    PlanSpec,
+    check_loss_semantics,
+    check_nodes_for_auto,
+    check_precision,
+    choose_on_rank0,
+    parse_plan_spec,
+)
 from lightning_distmm.rank_failures import RankFailures, after_ranks_ended
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
 
-PlanSpec = Plan | str | os.PathLike | None
 
 #: how long a collective may wait before it fails: long enough for a slow checkpoint write, short
 #: enough that a stalled rank ends the job in minutes, not Lightning's default half hour
@@ -84,9 +87,9 @@ class DistMMStrategy(ModelParallelStrategy):
             every this many global batches (and on each epoch's first, and at its end): one all-gather
             of three integers (:mod:`lightning_distmm.data.agreement`). A dataset declared with
             :func:`lightning_distmm.data.rank_independent` is not checked.
-        failure_grace: how long a rank waits, blocked, after another rank of its host recorded an error
-            or died, before it ends itself with that rank's error (NCCL, unlike gloo, leaves it in the
-            collective until the timeout; :class:`~lightning_distmm.faults.PeerFailureWatch`).
+        failure_grace: how long a rank waits, blocked, after another rank recorded an error (or one of
+            its host died), before it ends itself with that rank's error (NCCL, unlike gloo, leaves it
+            in the collective until the timeout; :class:`~lightning_distmm.faults.PeerFailureWatch`).
             ``None``: wait for the collective timeout.
     """
 
@@ -112,7 +115,7 @@ class DistMMStrategy(ModelParallelStrategy):
         self._stream_check_every = int(stream_check_every)
         self._bucket_cap_mb = float(bucket_cap_mb)
         self._reuse_host_memory = reuse_host_memory
-        self._plan_spec = _parse_plan_spec(plan)
+        self._plan_spec = parse_plan_spec(plan)
         self._start_method = start_method
         self.plan: Plan | None = self._plan_spec if isinstance(self._plan_spec, Plan) else None
         self.runtime: RankRuntime | None = None
@@ -120,15 +123,15 @@ class DistMMStrategy(ModelParallelStrategy):
         self.runner: StepRunner | None = None
         #: each rank's first error, readable by every rank after any rank's death (docs/runtime.md)
         self.failures = RankFailures(failure_grace)
-        #: DataLoader batch sizes whose split of the plan's replica batches was already stated
-        self._noted_batches: set[int] = set()
+        #: what was already said about the DataLoaders' batches (once each)
+        self._noted: set[str] = set()
 
     # ------------------------------------------------------------------ launch
     @override
     def _configure_launcher(self) -> None:
         # the first hook Lightning calls with the precision plugin in place, when the Trainer is built
         # (in the launching process and on every rank that builds it: all refuse alike)
-        _check_precision(self.precision_plugin)
+        check_precision(self.precision_plugin)
         assert self.cluster_environment is not None
         if self._start_method != "popen" or not self.cluster_environment.creates_processes_externally:
             # this process starts the ranks (popen's rank 0, the spawn/fork parent): a fresh run id
@@ -180,12 +183,12 @@ class DistMMStrategy(ModelParallelStrategy):
         if self.root_device.type == "cpu" and self._reuse_host_memory:
             keep_freed_host_memory()
         towers = module.tower_specs()
-        nodes = self._nodes_of_ranks()
+        nodes = nodes_of_ranks(int(self.node_rank), self.world_size)
         if self.plan is None:
             self.plan = self._resolve_plan(trainer, module, nodes)
         self.plan.check_world(self.world_size)
         self.plan.check_towers(list(towers))
-        _check_loss_semantics(self.plan, module)
+        check_loss_semantics(self.plan, module)
         rank_zero_info(f"distmm {self.plan.table()}")
         if any(t.sharded for t in self.plan.towers.values()):
             # FSDP2 under torch.inference_mode (Lightning's standalone evaluation off gloo) makes its
@@ -193,10 +196,8 @@ class DistMMStrategy(ModelParallelStrategy):
             seam.evaluate_without_inference_mode(trainer)
 
         precision = getattr(self.precision_plugin, "precision", None)
-        topology = build_topology(self.plan, self.root_device.type, nodes, mixed_precision_policy(precision))
-        self.runtime = RankRuntime(module, self.plan, topology, self.root_device, bucket_cap_mb=self._bucket_cap_mb)
-        self.runtime.prepare_local_towers()
-        self.runner = StepRunner(self.runtime)
+        self.runner = start_runner(module, self.plan, nodes, self.root_device, precision, self._bucket_cap_mb)
+        self.runtime = self.runner.runtime
         module._distmm_runner = self.runner
 
         self.model = self.precision_plugin.convert_module(self.model)
@@ -211,13 +212,6 @@ class DistMMStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             seam.optimizers_to_device(self.optimizers, self.root_device)
-
-    def _nodes_of_ranks(self) -> list[int]:
-        """The node of every global rank, as the launcher numbers them (torchrun's GROUP_RANK,
-        SLURM's node id): what HSDP's rows and node-aware placement go by."""
-        nodes: list[int] = [0] * self.world_size
-        torch.distributed.all_gather_object(nodes, int(self.node_rank))
-        return nodes
 
     def _resolve_plan(self, trainer: pl.Trainer, module: DistMMMixin, nodes: list[int]) -> Plan:
         """``"default"``, ``"auto"`` or ``"colocated"``: rank 0 chooses (:mod:`lightning_distmm.plan_choice`),
@@ -281,23 +275,20 @@ class DistMMStrategy(ModelParallelStrategy):
         if not isinstance(dataloader, DataLoader) or self.runtime is None:
             return dataloader
         assert self.plan is not None
-        # every rank checks every tower, so a bad dataset fails everywhere at once, before training
-        check_dataloader(
+        return rank_loader(
             dataloader,
+            self.plan,
+            self.runtime.layout,
             {name: tower.fields for name, tower in self.runtime.towers.items()},
-            {name: t.dp for name, t in self.plan.towers.items()},
-            self.plan.sync_groups,
+            progress=self._batches_done,
+            check_every=self._stream_check_every,
+            note=self._note_once,
         )
-        batch_size = getattr(dataloader.batch_sampler, "batch_size", None)
-        if batch_size is not None:
-            self.plan.check_global_batch(batch_size)
-            note = self.plan.batch_note(batch_size)
-            if note is not None and batch_size not in self._noted_batches:
-                self._noted_batches.add(batch_size)
-                rank_zero_info(f"distmm: {note}")
-        return DistMMDataLoader(
-            dataloader, self.runtime.layout, progress=self._batches_done, check_every=self._stream_check_every
-        )
+
+    def _note_once(self, line: str) -> None:
+        if line not in self._noted:
+            self._noted.add(line)
+            rank_zero_info(f"distmm: {line}")
 
     def _batches_done(self) -> int:
         return seam.batches_processed(self.lightning_module.trainer if self.lightning_module is not None else None)
@@ -381,48 +372,3 @@ class DistMMStrategy(ModelParallelStrategy):
         path = Path(self.broadcast(checkpoint_path))
         ckpt.check_plan_change(path, self.plan)  # on every rank: all fail together
         return ckpt.load_sharded(path, self.lightning_module, self.optimizers, weights_only=weights_only)
-
-
-def _parse_plan_spec(plan: PlanSpec) -> Plan | str:
-    if plan is None:
-        return "default"
-    if isinstance(plan, Plan):
-        return plan
-    if isinstance(plan, Mapping):
-        return Plan.from_dict(plan)
-    text = os.fspath(plan)
-    if text in ("default", "colocated", "auto"):
-        return text
-    if not Path(text).is_file():
-        raise FileNotFoundError(
-            f"plan file {text!r} does not exist (plan= takes a Plan, a YAML path, 'default' or 'colocated')"
-        )
-    return Plan.from_yaml(Path(text))
-
-
-def _check_precision(plugin: object) -> None:
-    """Refuse a precision that scales the loss (``precision="16-mixed"``): its ``GradScaler`` looks for
-    overflowed gradients among this rank's own, so under a distmm plan a rank that holds only the
-    image tower skips a step that the text rank takes; the loss scales diverge and replicated
-    parameters (``logit_scale``) drift apart. Lightning refuses ``16-mixed`` for
-    ``ModelParallelStrategy`` instances only, so ``strategy="distmm"`` (a string) got past it."""
-    if getattr(plugin, "scaler", None) is None:
-        return
-    precision = getattr(plugin, "precision", type(plugin).__name__)
-    raise ValueError(
-        f"strategy='distmm' does not support precision={precision!r} (a loss scaler): its GradScaler decides"
-        f" per rank whether the gradients overflowed, and each distmm rank holds different towers, so ranks"
-        f" would skip different steps and their parameters drift apart. Use precision='bf16-mixed' (no loss"
-        f" scaling needed; FSDP-sharded towers reduce their gradients in fp32) or '32-true'"
-    )
-
-
-def _check_loss_semantics(plan: Plan, module: DistMMMixin) -> None:
-    """The plan's number of sync groups changes the loss; the module must have asked for that loss."""
-    if plan.sync_groups != module.sync_groups:
-        raise PlanError(
-            f"the plan's schedule computes the loss over {plan.sync_groups} sync group(s) (each with its own negatives)"
-            f" but {type(module).__name__}.sync_groups is {module.sync_groups}; set sync_groups = {plan.sync_groups} on the"
-            f" module to train with that loss (the single-process reference then computes the same), or choose"
-            f" {'another schedule' if plan.sync_groups > 1 else 'schedule: distmm'}"
-        )

@@ -22,13 +22,14 @@ with an offset instead of trusting it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lightning_distmm.core.layout import GLOBAL_BATCH_KEY, RankLayout
-from lightning_distmm.data.checks import prebatched_message
+from lightning_distmm.core.plan import Plan
+from lightning_distmm.data.checks import check_dataloader, prebatched_message
 from lightning_distmm.data.fields import load_fields
 from lightning_distmm.data.sampling import RankBatchSampler
 from lightning_distmm.data.skipping import SkipBadSamples, resolve_rows, resolve_stream_rows
@@ -177,3 +178,28 @@ class DistMMDataLoader(DataLoader):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.rank_sampler.load_state_dict(state)
+
+
+def rank_loader(
+    dataloader: DataLoader,
+    plan: Plan,
+    layout: RankLayout,
+    fields: Mapping[str, Sequence[str]],
+    progress: Callable[[], int],
+    check_every: int,
+    note: Callable[[str], None],
+) -> DistMMDataLoader:
+    """The rank's loader over the user's ``dataloader`` for ``plan`` (``Strategy.process_dataloader``).
+
+    Every rank checks every tower's fields, so a bad dataset fails everywhere at once, before
+    training; a batch size the plan's global batch does not match is refused, and one it splits
+    differently from the plan's replica batches is stated (``note``).
+    """
+    check_dataloader(dataloader, fields, {name: t.dp for name, t in plan.towers.items()}, plan.sync_groups)
+    batch_size = getattr(dataloader.batch_sampler, "batch_size", None)
+    if batch_size is not None:
+        plan.check_global_batch(batch_size)
+        said = plan.batch_note(batch_size)
+        if said is not None:
+            note(said)
+    return DistMMDataLoader(dataloader, layout, progress=progress, check_every=check_every)

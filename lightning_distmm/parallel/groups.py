@@ -55,6 +55,14 @@ class TowerGroups:
         return self.mesh.get_group("dp")
 
 
+def nodes_of_ranks(node_rank: int, world_size: int) -> list[int]:
+    """The node of every global rank, as the launcher numbers them (torchrun's GROUP_RANK, SLURM's
+    node id): what HSDP's rows and node-aware placement go by. Collective."""
+    nodes: list[int] = [0] * world_size
+    dist.all_gather_object(nodes, node_rank)
+    return nodes
+
+
 @dataclass
 class Topology:
     """This rank's view of every group a plan needs (:func:`build_topology`)."""

@@ -11,15 +11,36 @@ Outside a training batch (validation, ``trainer.validate``) a call gets a step o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import Tensor
 
+from lightning_distmm.core.plan import Plan
 from lightning_distmm.parallel.executor import RankRuntime
+from lightning_distmm.parallel.fsdp import mixed_precision_policy
+from lightning_distmm.parallel.groups import build_topology
 from lightning_distmm.parallel.step import StepState
 from lightning_distmm.tower import TowerModule
+
+
+def start_runner(
+    module: TowerModule,
+    plan: Plan,
+    nodes: Sequence[int],
+    device: torch.device,
+    precision: str | None,
+    bucket_cap_mb: float,
+) -> StepRunner:
+    """This rank's runtime for ``plan``: every group built (:func:`~lightning_distmm.parallel.groups.build_topology`),
+    the local towers prepared (remote ones released, pipeline stages cut, TP and FSDP applied), and
+    the runner the module calls. Collective: every rank calls it with the same plan."""
+    topology = build_topology(plan, device.type, nodes, mixed_precision_policy(precision))
+    runtime = RankRuntime(module, plan, topology, device, bucket_cap_mb=bucket_cap_mb)
+    runtime.prepare_local_towers()
+    return StepRunner(runtime)
 
 
 class StepRunner:
@@ -74,4 +95,4 @@ class StepRunner:
         return self.runtime.clip_grad_norm_(max_norm, norm_type)
 
 
-__all__ = ["StepRunner"]
+__all__ = ["StepRunner", "start_runner"]
