@@ -54,6 +54,7 @@ from lightning_distmm.core.schedule import (
 )
 from lightning_distmm.interaction import row_share
 from lightning_distmm.parallel import deferred
+from lightning_distmm.parallel.context_parallel import feature_grad_scale
 from lightning_distmm.parallel.exchange import (
     FeatureSpec,
     GatherSlot,
@@ -371,7 +372,10 @@ class RankRuntime:
         feature_grad = run.feature_grads.pop((ins.tower, ins.mb), None)
         buckets = self.gradients.buckets(ins.tower) if last and run.sums is not None else None
         group = self.p2p_groups.get((ins.tower, "grad"))
-        g_out = recv_tensor(ins.recv_from, self.device, group) if ins.recv_from is not None else feature_grad
+        if ins.recv_from is not None:
+            g_out = recv_tensor(ins.recv_from, self.device, group)
+        else:  # the cp ranks all run the head: each backpropagates 1/cp (parallel/context_parallel.py)
+            g_out = feature_grad_scale(feature_grad, self.plan.towers[ins.tower].cp)
         start = time.perf_counter()
         if micro.output is None:  # cached: recompute the stage from its saved input, same RNG
             x_in = micro.input.requires_grad_(True) if micro.input is not None else None

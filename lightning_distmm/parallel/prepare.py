@@ -20,6 +20,7 @@ from torch import nn
 from lightning_distmm.core.layout import RankLayout
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.core.schedule import stage_neighbours
+from lightning_distmm.parallel.context_parallel import apply_cp, check_cp
 from lightning_distmm.parallel.fsdp import apply_fsdp
 from lightning_distmm.parallel.groups import TowerGroups
 from lightning_distmm.parallel.pipeline import Stage, owned_names, release_unowned, tower_stages
@@ -77,10 +78,18 @@ def parallelize_local_towers(
     stages: Mapping[str, Stage] | None = None,
 ) -> None:
     """Shard the local towers that the plan gives tensor parallelism (tp > 1) over their tp mesh (a
-    pipelined tower: its stage's blocks)."""
+    pipelined tower: its stage's blocks), then split the sequence of those with context parallelism
+    (cp > 1) over their cp ranks."""
     for name, tower in plan.towers.items():  # every rank checks every tower: fail together
         if tower.tp > 1:
             check_tp(towers[name].module, tower.tp, name)
+        if tower.cp > 1:
+            check_cp(towers[name].module, tower.cp, tower.tp, name, tower.pp)
+        if tower.sp:
+            raise ValueError(
+                f"tower {name!r}: sp: true (sequence parallelism with TP) is planned and validated but not built yet;"
+                " set sp: false (or use cp to split the sequence)"
+            )
     for name in layout.local_towers:
         if plan.towers[name].tp > 1:
             stage = (stages or {}).get(name)
@@ -89,6 +98,9 @@ def parallelize_local_towers(
             else:
                 mine = {id(m) for top in stage.modules for m in top.modules()}
                 apply_tp(towers[name].module, groups[name].mesh["tp"], lambda block: id(block) in mine)
+        if plan.towers[name].cp > 1:
+            mesh = groups[name].mesh
+            apply_cp(towers[name].module, mesh.get_group("cp"), plan.towers[name].cp, mesh.get_local_rank("cp"))
 
 
 def shard_local_towers(

@@ -1,0 +1,370 @@
+"""Context parallelism for the towers: each row's tokens split over the ``cp`` ranks of a replica.
+
+Applied from outside, like tensor parallelism; the towers stay plain timm / transformers modules
+(same parameter names, same state dict). The scheme is DeepSpeed-Ulysses:
+
+* **split**: right after the embeddings (timm ViT: the output of ``norm_pre``, after the patch and
+  position embedding and the class / register tokens; transformers CLIP text: the input of the
+  first encoder layer) the ``[B, S, D]`` tokens are padded to a multiple of ``cp`` and rank ``r``
+  keeps tokens ``[r*S/cp, (r+1)*S/cp)``. Everything per token (norms, MLPs, residuals, dropout)
+  then runs on the local chunk only.
+* **attention**: q, k, v are projected on the local tokens, then one all-to-all turns
+  ``[B, S/cp, H, d]`` (every head, some tokens) into ``[B, S, H/cp, d]`` (some heads, every token);
+  attention is computed exactly per head over the whole sequence (padded keys masked; the text
+  tower's causal and padding masks are the whole-sequence masks the model builds anyway), and a
+  second all-to-all returns ``[B, S/cp, H, d]`` before the output projection. Needs the (local)
+  head count to divide by ``cp``; the sequence is padded, so any length works.
+* **gather**: after the final norm the chunks are all-gathered (padding dropped), so pooling (class
+  token, mean, EOS) and the head see the whole sequence; its backward reduce-scatters.
+
+Gradients. The cp ranks of a replica run the post-gather part (pooling, head) on the same input,
+so the feature gradient each of them backpropagates is scaled by ``1 / cp``
+(:func:`feature_grad_scale`): the head's gradients then sum to the true one over the cp ranks, and
+the gather's reduce-scatter gives each chunk exactly its gradient. Every parameter's gradient is a
+partial sum over this rank's tokens; the runtime sums it over the replicas and cp ranks together
+(``TowerGroups.sum_mesh``), in the same buckets as data parallelism.
+
+Why Ulysses and not ring attention: two all-to-alls per layer whose volume does not grow with
+``cp``, attention itself left to ``scaled_dot_product_attention`` (any mask, exact), and nothing to
+merge; a ring of key/value blocks would allow ``cp`` beyond the head count but needs an online
+softmax merge and ``cp - 1`` steps per layer. Ulysses needs heads divisible by ``cp * tp``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class SequenceSplit:
+    """One tower's split on this rank: the cp group, this rank's chunk, the true sequence length."""
+
+    group: dist.ProcessGroup
+    cp: int
+    rank: int
+    #: tokens before padding: fixed for a ViT, set by the split of each forward for a text tower
+    length: int | None = None
+
+    def padded(self, length: int) -> int:
+        return -(-length // self.cp) * self.cp
+
+    def key_mask(self, padded: int, device: torch.device) -> Tensor | None:
+        """``[1, 1, 1, padded]`` bools, True for real keys (None when nothing is padded)."""
+        assert self.length is not None
+        if padded == self.length:
+            return None
+        return (torch.arange(padded, device=device) < self.length)[None, None, None]
+
+
+def _all_to_all(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """``x[j]`` goes to rank ``j``; ``out[i]`` came from rank ``i`` (dim 0 has the group's size)."""
+    x = x.contiguous()
+    out = torch.empty_like(x)  # after contiguous(): empty_like keeps a permuted input's strides
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def _seq_to_heads(x: Tensor, cp: int, group: dist.ProcessGroup) -> Tensor:
+    """``[B, s, G, H, d]`` (local tokens, every head) -> ``[B, cp*s, G, H/cp, d]`` (every token, own heads)."""
+    b, s, g, h, d = x.shape
+    send = x.reshape(b, s, g, cp, h // cp, d).permute(3, 0, 1, 2, 4, 5)  # [dest, B, s, G, h/cp, d]
+    got = _all_to_all(send, group)  # [source chunk, B, s, G, h/cp, d]
+    return got.permute(1, 0, 2, 3, 4, 5).reshape(b, cp * s, g, h // cp, d)
+
+
+def _heads_to_seq(x: Tensor, cp: int, group: dist.ProcessGroup) -> Tensor:
+    """The inverse of :func:`_seq_to_heads`."""
+    b, n, g, h, d = x.shape
+    send = x.reshape(b, cp, n // cp, g, h, d).permute(1, 0, 2, 3, 4, 5)  # [dest chunk, B, s, G, h, d]
+    got = _all_to_all(send, group)  # [source head group, B, s, G, h, d]
+    return got.permute(1, 2, 3, 0, 4, 5).reshape(b, n // cp, g, cp * h, d)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, cp: int, group: dist.ProcessGroup) -> Tensor:
+        ctx.cp, ctx.group = cp, group
+        return _seq_to_heads(x, cp, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return _heads_to_seq(grad, ctx.cp, ctx.group), None, None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, cp: int, group: dist.ProcessGroup) -> Tensor:
+        ctx.cp, ctx.group = cp, group
+        return _heads_to_seq(x, cp, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return _seq_to_heads(grad, ctx.cp, ctx.group), None, None
+
+
+class _Split(torch.autograd.Function):
+    """Pad ``[B, S, D]`` to a multiple of cp and keep this rank's chunk; backward puts its gradient in place."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, split: SequenceSplit) -> Tensor:
+        ctx.shape = x.shape
+        padded = split.padded(x.shape[1])
+        ctx.chunk = chunk = padded // split.cp
+        x = F.pad(x, (0, 0, 0, padded - x.shape[1])) if padded != x.shape[1] else x
+        ctx.start = split.rank * chunk
+        return x[:, ctx.start : ctx.start + chunk].contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        full = grad.new_zeros(ctx.shape[0], max(ctx.shape[1], ctx.start + ctx.chunk), *ctx.shape[2:])
+        full[:, ctx.start : ctx.start + ctx.chunk] = grad
+        return full[:, : ctx.shape[1]], None
+
+
+class _Gather(torch.autograd.Function):
+    """All-gather the chunks into ``[B, S, D]`` (padding dropped); backward reduce-scatters."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, split: SequenceSplit) -> Tensor:
+        ctx.split, ctx.shape = split, x.shape
+        out = x.new_empty(split.cp * x.shape[0], *x.shape[1:])
+        _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        _all_gather(out, x.contiguous(), group=split.group)
+        b, s = x.shape[:2]
+        full = out.view(split.cp, *x.shape).transpose(0, 1).reshape(b, split.cp * s, *x.shape[2:])
+        assert split.length is not None
+        return full[:, : split.length]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        split, (b, s) = ctx.split, ctx.shape[:2]
+        padded = grad.new_zeros(b, split.cp * s, *grad.shape[2:])
+        padded[:, : grad.shape[1]] = grad
+        send = padded.reshape(b, split.cp, s, *grad.shape[2:]).transpose(0, 1).reshape(split.cp * b, s, *grad.shape[2:])
+        out = grad.new_empty(ctx.shape)
+        _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        _reduce_scatter(out, send.contiguous(), op=dist.ReduceOp.SUM, group=split.group)
+        return out, None
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, scale: float) -> Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad * ctx.scale, None
+
+
+def feature_grad_scale(grad: Tensor, cp: int) -> Tensor:
+    """The feature gradient a cp rank backpropagates: ``1 / cp`` of it (see the module's docstring)."""
+    return grad if cp == 1 else grad / cp
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, dropout: float, scale: float | None) -> Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout, scale=scale)
+
+
+@functools.cache
+def _vit_attention_class() -> type[nn.Module]:
+    from timm.models.vision_transformer import Attention
+
+    class ContextParallelAttention(Attention):
+        """timm's ``Attention`` with Ulysses all-to-alls around the attention; same parameters."""
+
+        _distmm_cp: SequenceSplit
+
+        def forward(self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
+            if attn_mask is not None or is_causal:
+                raise ValueError("context parallelism of a timm ViT supports no attention mask or causal ViT")
+            split = self._distmm_cp
+            b, s, _ = x.shape
+            gate = self.gate(x).sigmoid() if self.gate is not None else None
+            qkv = self.qkv(x).reshape(b, s, 3, self.num_heads, self.head_dim)
+            qkv = _SeqToHeads.apply(qkv, split.cp, split.group)
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # [B, H/cp, S, d]
+            q, k = self.q_norm(q), self.k_norm(k)
+            allowed = split.key_mask(q.shape[2], q.device)
+            out = _attend(q, k, v, allowed, self.attn_drop.p if self.training else 0.0, None)
+            out = _HeadsToSeq.apply(out.transpose(1, 2).unsqueeze(2), split.cp, split.group)  # [B, s, 1, H, d]
+            x = self.norm(out.reshape(b, s, self.attn_dim))
+            if gate is not None:
+                x = x * gate
+            return self.proj_drop(self.proj(x))
+
+    return ContextParallelAttention
+
+
+@functools.cache
+def _clip_attention_class() -> type[nn.Module]:
+    from transformers.models.clip.modeling_clip import CLIPAttention
+
+    class ContextParallelCLIPAttention(CLIPAttention):
+        """transformers' ``CLIPAttention`` with Ulysses all-to-alls; same parameters."""
+
+        _distmm_cp: SequenceSplit
+
+        def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, **kwargs: Any) -> Any:
+            split = self._distmm_cp
+            b, s, _ = hidden_states.shape
+            qkv = [
+                proj(hidden_states).view(b, s, 1, -1, self.head_dim) for proj in (self.q_proj, self.k_proj, self.v_proj)
+            ]
+            q, k, v = _SeqToHeads.apply(torch.cat(qkv, 2), split.cp, split.group).permute(2, 0, 3, 1, 4).unbind(0)
+            n = q.shape[2]
+            allowed = _text_mask(attention_mask, kwargs.get("is_causal", self.is_causal), split, n, q.device)
+            out = _attend(q, k, v, allowed, self.dropout if self.training else 0.0, self.scale)
+            out = _HeadsToSeq.apply(out.transpose(1, 2).unsqueeze(2), split.cp, split.group)
+            return self.out_proj(out.reshape(b, s, -1)), None
+
+    return ContextParallelCLIPAttention
+
+
+def _text_mask(mask: Tensor | None, causal: bool, split: SequenceSplit, padded: int, device: torch.device) -> Tensor:
+    """The whole-sequence mask the model built (``[B, 1, S, S]``, bools or additive floats; None:
+    causal only), as bools over the padded length, padded keys masked."""
+    length = split.length
+    assert length is not None
+    if mask is None:
+        allowed = torch.ones(length, length, dtype=torch.bool, device=device)
+        allowed = torch.tril(allowed) if causal else allowed
+        allowed = allowed[None, None]
+    else:
+        allowed = mask if mask.dtype == torch.bool else mask == 0
+        if causal and mask.shape[-1] == length:
+            allowed = allowed & torch.tril(torch.ones(length, length, dtype=torch.bool, device=device))
+    if padded == length:
+        return allowed
+    out = torch.zeros(*allowed.shape[:2], padded, padded, dtype=torch.bool, device=device)
+    out[..., :length, :length] = allowed
+    out[..., length:, 0] = True  # padded queries (dropped later) attend to one real key: no empty row
+    return out
+
+
+def _split_output(split: SequenceSplit, static: bool) -> Any:
+    def hook(module: nn.Module, args: Any, output: Tensor) -> Tensor:
+        if static and output.shape[1] != split.length:
+            raise ValueError(
+                f"context parallelism: the ViT produced {output.shape[1]} tokens, not the {split.length} its"
+                " patch grid and prefix tokens give (dynamic image sizes and patch dropout are not supported)"
+            )
+        split.length = output.shape[1]
+        return _Split.apply(output, split)
+
+    return hook
+
+
+def _split_first_input(split: SequenceSplit) -> Any:
+    def hook(
+        module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if args:
+            split.length = args[0].shape[1]
+            return (_Split.apply(args[0], split), *args[1:]), kwargs
+        split.length = kwargs["hidden_states"].shape[1]
+        return args, {**kwargs, "hidden_states": _Split.apply(kwargs["hidden_states"], split)}
+
+    return hook
+
+
+def _gather_output(split: SequenceSplit) -> Any:
+    def hook(module: nn.Module, args: Any, output: Tensor) -> Tensor:
+        return _Gather.apply(output, split)
+
+    return hook
+
+
+def _text_layers(module: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """A transformers CLIP-style text encoder's ``encoder.layers`` and ``final_layer_norm``."""
+    for name, sub in module.named_modules():
+        if name.endswith("encoder.layers") or name == "encoder.layers":
+            owner = (
+                module.get_submodule(name[: -len("encoder.layers")].rstrip(".")) if name != "encoder.layers" else module
+            )
+            norm = getattr(owner, "final_layer_norm", None)
+            if norm is not None:
+                return sub, norm
+    return None
+
+
+def _heads(module: nn.Module) -> list[tuple[str, int]]:
+    """(where, head count) of every attention of a supported tower; raises for another family."""
+    blocks = getattr(module, "blocks", None)
+    if blocks is not None and hasattr(module, "patch_embed") and hasattr(module, "norm_pre"):
+        return [(f"blocks.{i}.attn", b.attn.num_heads) for i, b in enumerate(blocks)]
+    found = _text_layers(module)
+    if found is not None:
+        return [(f"encoder.layers.{i}.self_attn", layer.self_attn.num_heads) for i, layer in enumerate(found[0])]
+    raise ValueError(
+        f"no context-parallel plan for a {type(module).__name__} tower: supported are timm VisionTransformer and"
+        " transformers CLIP-style text encoders (encoder.layers + final_layer_norm); use cp=1 for this tower"
+    )
+
+
+def check_cp(module: nn.Module, cp: int, tp: int, tower: str, pp: int = 1) -> None:
+    """Raise, naming the tower and the rule, if ``module`` cannot be split ``cp`` ways: every attention's
+    heads must divide by ``cp * tp`` (Ulysses gives each cp rank whole heads of its tp shard). Needs only
+    the structure (meta is fine), so every rank checks every tower."""
+    where = f"tower {tower!r}, cp={cp}"
+    try:
+        heads = _heads(module)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+    for name, h in heads:
+        if h % (cp * tp):
+            raise ValueError(
+                f"{where}: {name} has {h} attention heads, which do not divide by cp*tp = {cp}*{tp} = {cp * tp}"
+                " (Ulysses all-to-all gives each cp rank whole heads): choose cp*tp dividing the head count"
+            )
+    vit = hasattr(module, "patch_embed")
+    if vit:
+        blocks = module.blocks  # type: ignore[union-attr]
+        from timm.models.vision_transformer import Attention
+
+        odd = [i for i, b in enumerate(blocks) if type(b.attn) not in (Attention, _vit_attention_class())]
+        if odd:
+            raise ValueError(f"{where}: blocks {odd} use an attention other than timm's Attention")
+        if getattr(module, "dynamic_img_size", False) or not isinstance(module.patch_drop, nn.Identity):
+            raise ValueError(f"{where}: dynamic image sizes and patch dropout change the sequence length per batch")
+    elif pp > 1:
+        raise ValueError(
+            f"{where}, pp={pp}: a text tower's later pipeline stages do not see the sequence length its split"
+            " records; use cp with pp=1 on text towers"
+        )
+
+
+def apply_cp(module: nn.Module, group: dist.ProcessGroup, cp: int, rank: int) -> nn.Module:
+    """Split a tower's sequence over the ``cp`` ranks of ``group`` (this rank is ``rank`` in it), in
+    place; idempotent (a second Trainer call finds it split)."""
+    if getattr(module, "_distmm_cp", None) is not None:
+        return module
+    split = SequenceSplit(group, cp, rank)
+    if hasattr(module, "patch_embed"):  # timm ViT: the tokens after norm_pre, gathered after norm
+        split.length = module.patch_embed.num_patches + module.num_prefix_tokens  # type: ignore[union-attr,operator]
+        module.norm_pre.register_forward_hook(_split_output(split, static=True))  # type: ignore[union-attr]
+        module.norm.register_forward_hook(_gather_output(split))  # type: ignore[union-attr]
+        for block in module.blocks:  # type: ignore[union-attr]
+            block.attn.__class__ = _vit_attention_class()
+            block.attn._distmm_cp = split
+    else:
+        layers, norm = _text_layers(module)  # type: ignore[misc]
+        cls = _clip_attention_class()
+        layers[0].register_forward_pre_hook(_split_first_input(split), with_kwargs=True)
+        norm.register_forward_hook(_gather_output(split))
+        for layer in layers:
+            layer.self_attn.__class__ = cls
+            layer.self_attn._distmm_cp = split
+    module._distmm_cp = split  # type: ignore[assignment]
+    return module
+
+
+__all__ = ["SequenceSplit", "apply_cp", "check_cp", "feature_grad_scale"]
