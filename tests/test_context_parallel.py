@@ -1,9 +1,84 @@
 """Context parallelism (cp) per tower: the plan's rules, and training equal to one process."""
 
 import pytest
-from distmm_testing import DeepCLIP, TinyCLIP, compare_with_reference
+from distmm_testing import DeepCLIP, TinyCLIP, TinyText, compare_with_reference
+from timm.models.vision_transformer import VisionTransformer
+from torch import nn
 
 import lightning_distmm as ldm
+from lightning_distmm.core import Plan, PlanError, TowerPlan
+from lightning_distmm.core.schedule import stage_neighbours, sync_ranks
+from lightning_distmm.parallel.context_parallel import check_cp
+
+
+def test_cp_and_sp_round_trip_through_yaml_and_show_in_the_table():
+    plan = Plan(4, {"image": {"ranks": [0, 1, 2, 3], "cp": 2, "tp": 2, "sp": True}, "text": {"ranks": [0], "cp": 1}})
+    again = Plan.from_yaml(plan.to_yaml())
+    assert again == plan and again.towers["image"].cp == 2 and again.towers["image"].sp
+    rows = {line.split()[0]: line.split() for line in plan.table().splitlines()[2:]}
+    head = plan.table().splitlines()[1].split()
+    assert rows["image"][head.index("cp")] == "2" and rows["image"][head.index("tp")] == "2+sp"
+    assert rows["text"][head.index("cp")] == "1" and rows["text"][head.index("tp")] == "1"
+
+
+def test_rank_layout_with_cp():
+    """A replica is pp stages of cp*tp ranks (tp innermost): the cp ranks of a stage share its rows,
+    the next stage's peer keeps the (cp, tp) coordinate, the features come from the first rank of the last stage."""
+    tower = TowerPlan(ranks=list(range(16)), cp=2, tp=2, pp=2)
+    assert tower.dp == 2 and tower.stage_width == 4 and tower.replica_ranks(1) == list(range(8, 16))
+    assert tower.replica_of(7) == 0 and tower.feature_rank(1) == 12
+    plan = Plan(16, {"image": tower})
+    assert stage_neighbours(plan, "image", 3) == (0, 0, None, 7)
+    assert stage_neighbours(plan, "image", 14) == (1, 1, 10, None)
+    assert sync_ranks(plan) == (4, 5, 6, 7, 12, 13, 14, 15)
+
+
+@pytest.mark.parametrize(
+    "tower, message",
+    [
+        ({"ranks": [0, 1, 2], "cp": 2}, r"tower 'image': 3 ranks do not divide into replicas of cp\*tp\*pp = 2\*1\*1"),
+        ({"ranks": [0, 1, 2], "cp": 0}, r"towers.image.cp: expected a positive int, got 0"),
+        ({"ranks": [0, 1, 2], "sp": "yes"}, r"towers.image.sp: expected true or false"),
+        ({"ranks": [0, 1, 2], "sp": True}, r"tower 'image': sp: true .* needs tp > 1 \(this tower has tp=1\)"),
+        ({"ranks": [0, 1], "cp": 2, "shard": "hybrid"}, r"tower 'image': cp=2 with shard: hybrid is not supported"),
+    ],
+)
+def test_plan_rules_name_the_tower_and_the_rule(tower, message):
+    with pytest.raises(PlanError, match=message):
+        Plan.from_dict({"world_size": len(tower["ranks"]), "towers": {"image": tower}})
+    if tower.get("cp", 1) >= 1 and isinstance(tower.get("sp", False), bool):  # built in Python too
+        with pytest.raises(PlanError, match=message.split(":")[0].replace("towers.image.", "")):
+            Plan(len(tower["ranks"]), {"image": TowerPlan(**tower)})
+
+
+def _vit(heads: int = 4, **kw) -> VisionTransformer:
+    return VisionTransformer(img_size=8, patch_size=4, embed_dim=16, depth=2, num_heads=heads, num_classes=8, **kw)
+
+
+@pytest.mark.parametrize(
+    "module, cp, tp, pp, message",
+    [
+        (
+            _vit(4),
+            8,
+            1,
+            1,
+            r"tower 'x', cp=8: blocks.0.attn has 4 attention heads, which do not divide by cp\*tp = 8\*1",
+        ),
+        (_vit(4), 2, 4, 1, r"do not divide by cp\*tp = 2\*4 = 8"),
+        (TinyText(), 4, 1, 1, r"encoder.layers.0.self_attn has 2 attention heads"),
+        (TinyText(), 2, 1, 2, r"tower 'x', cp=2, pp=2: a text tower's later pipeline stages"),
+        (_vit(4, dynamic_img_size=True), 2, 1, 1, "dynamic image sizes and patch dropout"),
+        (_vit(4, patch_drop_rate=0.5), 2, 1, 1, "dynamic image sizes and patch dropout"),
+        (nn.Linear(2, 2), 2, 1, 1, r"tower 'x', cp=2: no context-parallel plan for a Linear tower"),
+    ],
+)
+def test_module_checks_name_the_tower_and_the_rule(module, cp, tp, pp, message):
+    with pytest.raises(ValueError, match=message):
+        check_cp(module, cp, tp, "x", pp)
+    if "heads" in message:
+        check_cp(module, 2 if cp > 2 else 1, 1, "x", 1)  # a divisor passes
+
 
 CP_PLANS = {
     # TinyCLIP's ViT has 5 tokens (class + 4 patches): cp=2 pads them to 6 and masks the padded key
