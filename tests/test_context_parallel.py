@@ -9,6 +9,7 @@ import lightning_distmm as ldm
 from lightning_distmm.core import Plan, PlanError, TowerPlan
 from lightning_distmm.core.schedule import stage_neighbours, sync_ranks
 from lightning_distmm.parallel.context_parallel import check_cp
+from lightning_distmm.parallel.sequence_parallel import check_sp
 
 
 def test_cp_and_sp_round_trip_through_yaml_and_show_in_the_table():
@@ -106,6 +107,15 @@ CP_PLANS = {
         DeepCLIP,
         ldm.Plan(4, {"image": {"ranks": [0, 1, 2, 3], "cp": 4}, "text": {"ranks": [0, 1], "cp": 2}}),
     ),
+    # 5 tokens over tp=2: padded to 6; the norms, embeddings and head see 3 tokens per rank
+    "image-tp2+sp+text1": (
+        TinyCLIP,
+        ldm.Plan(3, {"image": {"ranks": [0, 1], "tp": 2, "sp": True}, "text": {"ranks": [2]}}),
+    ),
+    "image-dp2xtp2+sp+text-colocated": (
+        DeepCLIP,
+        ldm.Plan(4, {"image": {"ranks": [0, 1, 2, 3], "tp": 2, "sp": True}, "text": {"ranks": [0]}}),
+    ),
     "image-cp2xtp2+text-colocated": (
         DeepCLIP,
         ldm.Plan(4, {"image": {"ranks": [0, 1, 2, 3], "cp": 2, "tp": 2}, "text": {"ranks": [0]}}),
@@ -120,3 +130,18 @@ def test_context_parallel_towers_are_exact(name, optimizer, tmp_path):
     cls, plan = CP_PLANS[name]
     lr = 0.05 if optimizer == "sgd" else 0.01
     compare_with_reference(lambda: cls(optimizer, lr=lr), plan, plan.world_size, 8, 3, tmp_path).assert_exact()
+
+
+@pytest.mark.parametrize(
+    "module, cp, shard, message",
+    [
+        (TinyText(), 1, "none", r"tower 'x', tp=2, sp: true: sequence parallelism is built for timm VisionTransformer"),
+        (_vit(4), 2, "none", r"sp with cp=2 is not supported"),
+        (_vit(4), 1, "full", r"sp with shard: full is not supported"),
+        (_vit(4, patch_drop_rate=0.5), 1, "none", "patch dropout"),
+    ],
+)
+def test_sp_checks_name_the_tower_and_the_rule(module, cp, shard, message):
+    with pytest.raises(ValueError, match=message):
+        check_sp(module, "x", 2, cp, shard)
+    check_sp(_vit(4), "x", 2, 1, "none")

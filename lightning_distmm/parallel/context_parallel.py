@@ -129,10 +129,10 @@ class _Split(torch.autograd.Function):
 
 
 class _Gather(torch.autograd.Function):
-    """All-gather the chunks into ``[B, S, D]`` (padding dropped); backward reduce-scatters."""
+    """All-gather the chunks into ``[B, S, D]`` (padding dropped unless ``keep_padding``); backward reduce-scatters."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, split: SequenceSplit) -> Tensor:
+    def forward(ctx: Any, x: Tensor, split: SequenceSplit, keep_padding: bool = False) -> Tensor:
         ctx.split, ctx.shape = split, x.shape
         out = x.new_empty(split.cp * x.shape[0], *x.shape[1:])
         _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -140,10 +140,10 @@ class _Gather(torch.autograd.Function):
         b, s = x.shape[:2]
         full = out.view(split.cp, *x.shape).transpose(0, 1).reshape(b, split.cp * s, *x.shape[2:])
         assert split.length is not None
-        return full[:, : split.length]
+        return full if keep_padding else full[:, : split.length]
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         split, (b, s) = ctx.split, ctx.shape[:2]
         padded = grad.new_zeros(b, split.cp * s, *grad.shape[2:])
         padded[:, : grad.shape[1]] = grad
@@ -151,7 +151,7 @@ class _Gather(torch.autograd.Function):
         out = grad.new_empty(ctx.shape)
         _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         _reduce_scatter(out, send.contiguous(), op=dist.ReduceOp.SUM, group=split.group)
-        return out, None
+        return out, None, None
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -165,9 +165,16 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def feature_grad_scale(grad: Tensor, cp: int) -> Tensor:
-    """The feature gradient a cp rank backpropagates: ``1 / cp`` of it (see the module's docstring)."""
-    return grad if cp == 1 else grad / cp
+def head_copies(cp: int, tp: int, sp: bool) -> int:
+    """How many ranks of a stage run a tower's head on the same gathered tokens and sum its gradients:
+    the cp ranks, times the tp ranks under sequence parallelism."""
+    return cp * (tp if sp else 1)
+
+
+def feature_grad_scale(grad: Tensor, copies: int) -> Tensor:
+    """The feature gradient each of ``copies`` ranks (:func:`head_copies`) backpropagates: ``1 / copies``
+    of it (see the module's docstring)."""
+    return grad if copies == 1 else grad / copies
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, dropout: float, scale: float | None) -> Tensor:
@@ -179,24 +186,30 @@ def _vit_attention_class() -> type[nn.Module]:
     from timm.models.vision_transformer import Attention
 
     class ContextParallelAttention(Attention):
-        """timm's ``Attention`` with Ulysses all-to-alls around the attention; same parameters."""
+        """timm's ``Attention`` with Ulysses all-to-alls around the attention (``_distmm_cp``), padded
+        keys masked (``_distmm_keys``: the split that padded them, cp or sp); same parameters."""
 
-        _distmm_cp: SequenceSplit
+        _distmm_cp: SequenceSplit | None = None
+        _distmm_keys: SequenceSplit
 
         def forward(self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
             if attn_mask is not None or is_causal:
                 raise ValueError("context parallelism of a timm ViT supports no attention mask or causal ViT")
             split = self._distmm_cp
-            b, s, _ = x.shape
+            b = x.shape[0]
             gate = self.gate(x).sigmoid() if self.gate is not None else None
-            qkv = self.qkv(x).reshape(b, s, 3, self.num_heads, self.head_dim)
-            qkv = _SeqToHeads.apply(qkv, split.cp, split.group)
-            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # [B, H/cp, S, d]
+            qkv = self.qkv(x)  # sp: the qkv gathers the tokens, so its output has all of them
+            qkv = qkv.reshape(b, qkv.shape[1], 3, self.num_heads, self.head_dim)
+            if split is not None:
+                qkv = _SeqToHeads.apply(qkv, split.cp, split.group)
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # [B, heads here, S, d]
             q, k = self.q_norm(q), self.k_norm(k)
-            allowed = split.key_mask(q.shape[2], q.device)
+            allowed = self._distmm_keys.key_mask(q.shape[2], q.device)
             out = _attend(q, k, v, allowed, self.attn_drop.p if self.training else 0.0, None)
-            out = _HeadsToSeq.apply(out.transpose(1, 2).unsqueeze(2), split.cp, split.group)  # [B, s, 1, H, d]
-            x = self.norm(out.reshape(b, s, self.attn_dim))
+            out = out.transpose(1, 2).unsqueeze(2)  # [B, S, 1, heads here, d]
+            if split is not None:
+                out = _HeadsToSeq.apply(out, split.cp, split.group)  # [B, S/cp, 1, H, d]
+            x = self.norm(out.reshape(b, out.shape[1], -1))
             if gate is not None:
                 x = x * gate
             return self.proj_drop(self.proj(x))
@@ -354,7 +367,7 @@ def apply_cp(module: nn.Module, group: dist.ProcessGroup, cp: int, rank: int) ->
         module.norm.register_forward_hook(_gather_output(split))  # type: ignore[union-attr]
         for block in module.blocks:  # type: ignore[union-attr]
             block.attn.__class__ = _vit_attention_class()
-            block.attn._distmm_cp = split
+            block.attn._distmm_cp = block.attn._distmm_keys = split
     else:
         layers, norm = _text_layers(module)  # type: ignore[misc]
         cls = _clip_attention_class()
@@ -367,4 +380,4 @@ def apply_cp(module: nn.Module, group: dist.ProcessGroup, cp: int, rank: int) ->
     return module
 
 
-__all__ = ["SequenceSplit", "apply_cp", "check_cp", "feature_grad_scale"]
+__all__ = ["SequenceSplit", "apply_cp", "check_cp", "feature_grad_scale", "head_copies"]

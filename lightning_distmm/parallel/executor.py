@@ -54,7 +54,7 @@ from lightning_distmm.core.schedule import (
 )
 from lightning_distmm.interaction import row_share
 from lightning_distmm.parallel import deferred
-from lightning_distmm.parallel.context_parallel import feature_grad_scale
+from lightning_distmm.parallel.context_parallel import feature_grad_scale, head_copies
 from lightning_distmm.parallel.exchange import (
     FeatureSpec,
     GatherSlot,
@@ -374,8 +374,9 @@ class RankRuntime:
         group = self.p2p_groups.get((ins.tower, "grad"))
         if ins.recv_from is not None:
             g_out = recv_tensor(ins.recv_from, self.device, group)
-        else:  # the cp ranks all run the head: each backpropagates 1/cp (parallel/context_parallel.py)
-            g_out = feature_grad_scale(feature_grad, self.plan.towers[ins.tower].cp)
+        else:  # the cp (and sp) ranks all run the head: each backpropagates its share (parallel/context_parallel.py)
+            t = self.plan.towers[ins.tower]
+            g_out = feature_grad_scale(feature_grad, head_copies(t.cp, t.tp, t.sp))
         start = time.perf_counter()
         if micro.output is None:  # cached: recompute the stage from its saved input, same RNG
             x_in = micro.input.requires_grad_(True) if micro.input is not None else None

@@ -24,6 +24,7 @@ from lightning_distmm.parallel.context_parallel import apply_cp, check_cp
 from lightning_distmm.parallel.fsdp import apply_fsdp
 from lightning_distmm.parallel.groups import TowerGroups
 from lightning_distmm.parallel.pipeline import Stage, owned_names, release_unowned, tower_stages
+from lightning_distmm.parallel.sequence_parallel import apply_sp, check_sp
 from lightning_distmm.parallel.tensor_parallel import apply_tp, check_tp
 from lightning_distmm.tower import Tower
 
@@ -86,18 +87,18 @@ def parallelize_local_towers(
         if tower.cp > 1:
             check_cp(towers[name].module, tower.cp, tower.tp, name, tower.pp)
         if tower.sp:
-            raise ValueError(
-                f"tower {name!r}: sp: true (sequence parallelism with TP) is planned and validated but not built yet;"
-                " set sp: false (or use cp to split the sequence)"
-            )
+            check_sp(towers[name].module, name, tower.tp, tower.cp, tower.shard)
     for name in layout.local_towers:
-        if plan.towers[name].tp > 1:
+        tower = plan.towers[name]
+        if tower.tp > 1:
             stage = (stages or {}).get(name)
             if stage is None:
-                apply_tp(towers[name].module, groups[name].mesh["tp"], lambda block: True)
+                apply_tp(towers[name].module, groups[name].mesh["tp"], lambda block: True, tower.sp)
             else:
                 mine = {id(m) for top in stage.modules for m in top.modules()}
-                apply_tp(towers[name].module, groups[name].mesh["tp"], lambda block: id(block) in mine)
+                apply_tp(towers[name].module, groups[name].mesh["tp"], lambda block: id(block) in mine, tower.sp)
+            if tower.sp:
+                apply_sp(towers[name].module, groups[name].mesh["tp"])
         if plan.towers[name].cp > 1:
             mesh = groups[name].mesh
             apply_cp(towers[name].module, mesh.get_group("cp"), plan.towers[name].cp, mesh.get_local_rank("cp"))

@@ -1,0 +1,99 @@
+"""Sequence parallelism with tensor parallelism (Megatron-LM's scheme), for timm ViT towers (``sp: true``).
+
+Under plain TP every tensor-parallel rank holds the whole ``[B, S, D]`` residual stream: the
+LayerNorms, residual adds, dropouts and their saved activations are replicated ``tp`` times.
+With ``sp`` the stream between the tensor-parallel regions is split along the sequence:
+
+```
+tokens (after norm_pre) --split--> [B, S/tp, D] per tp rank
+  norm1 (local) -> all-gather -> qkv (column) -> attention (own heads, padded keys masked)
+       -> proj (row) -> reduce-scatter -> [B, S/tp, D] + residual
+  norm2 (local) -> all-gather -> fc1 (column) -> act -> fc2 (row) -> reduce-scatter -> + residual
+final norm (local) -> all-gather -> pooling, head (every tp rank)
+```
+
+An all-gather before and a reduce-scatter after each tensor-parallel region replace TP's
+all-reduce (the same bytes on a ring). ``fc1`` / ``proj`` / ``fc2`` use DTensor's
+``ColwiseParallel(input_layouts=Shard(1))`` / ``RowwiseParallel(output_layouts=Shard(1))``
+(:func:`lightning_distmm.parallel.tensor_parallel.apply_tp_vit` with ``sp``); the fused qkv's gather
+and the split / gather of the stream are this package's (:mod:`.context_parallel`), which pads the
+sequence to a multiple of ``tp`` (197 ViT tokens work).
+
+Gradients. The parameters TP leaves replicated (patch and position embedding, class token, every
+LayerNorm, the head) now see only this rank's tokens, so their gradients are partial sums: a
+gradient hook sums each over the tp group when its backward produces it (the tp ranks run the same
+graph, so in the same order). The head runs on every tp rank on the same gathered tokens, so the
+feature gradient is scaled by ``1 / tp`` (:func:`.context_parallel.head_copies`); the gather's
+reduce-scatter then gives every chunk exactly its gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from lightning_distmm.parallel.context_parallel import (
+    SequenceSplit,
+    _Gather,
+    _gather_output,
+    _split_output,
+    _vit_attention_class,
+)
+
+
+def check_sp(module: nn.Module, tower: str, tp: int, cp: int, shard: str) -> None:
+    """Raise, naming the tower and the rule, where ``sp: true`` cannot run (meta modules are fine)."""
+    where = f"tower {tower!r}, tp={tp}, sp: true"
+    if not (hasattr(module, "patch_embed") and hasattr(module, "norm_pre") and hasattr(module, "blocks")):
+        raise ValueError(
+            f"{where}: sequence parallelism is built for timm VisionTransformer towers; a {type(module).__name__}"
+            " tower runs tp without it (set sp: false) or splits its sequence with cp"
+        )
+    if cp > 1:
+        raise ValueError(f"{where}: sp with cp={cp} is not supported; choose one way to split the sequence")
+    if shard != "none":
+        raise ValueError(
+            f"{where}: sp with shard: {shard} is not supported (FSDP replaces the parameters whose partial"
+            " gradients sp sums over tp); use shard: none"
+        )
+    if getattr(module, "dynamic_img_size", False) or not isinstance(module.patch_drop, nn.Identity):
+        raise ValueError(f"{where}: dynamic image sizes and patch dropout change the sequence length per batch")
+
+
+def _sum_over(group: dist.ProcessGroup) -> Any:
+    def hook(grad: Tensor) -> Tensor:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
+        return grad
+
+    return hook
+
+
+def apply_sp(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Split a tensor-parallel ViT's residual stream along the sequence over the tp ``mesh`` (in place,
+    after :func:`~lightning_distmm.parallel.tensor_parallel.apply_tp` with ``sp=True``); idempotent."""
+    if getattr(module, "_distmm_sp", None) is not None:
+        return module
+    group, tp = mesh.get_group(), mesh.size()
+    split = SequenceSplit(group, tp, mesh.get_local_rank())
+    split.length = module.patch_embed.num_patches + module.num_prefix_tokens  # type: ignore[union-attr,operator]
+    module.norm_pre.register_forward_hook(_split_output(split, static=True))  # type: ignore[union-attr]
+    module.norm.register_forward_hook(_gather_output(split))  # type: ignore[union-attr]
+    for block in module.blocks:  # type: ignore[union-attr]
+        if any(p.is_meta for p in block.parameters()):
+            continue  # another pipeline stage's block
+        block.attn.__class__ = _vit_attention_class()
+        block.attn._distmm_cp, block.attn._distmm_keys = None, split
+        block.attn.qkv.gather_input = lambda x: _Gather.apply(x, split, True)
+    for p in module.parameters():
+        if p.requires_grad and not p.is_meta and not isinstance(p, DTensor):
+            p.register_hook(_sum_over(group))
+    module._distmm_sp = split  # type: ignore[assignment]
+    return module
+
+
+__all__ = ["apply_sp", "check_sp"]
