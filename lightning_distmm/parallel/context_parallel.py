@@ -128,30 +128,40 @@ class _Split(torch.autograd.Function):
         return full[:, : ctx.shape[1]], None
 
 
+def gather_tokens(x: Tensor, split: SequenceSplit) -> Tensor:
+    """All-gather every rank's ``[B, s, ...]`` chunk into ``[B, cp*s, ...]`` (padding kept)."""
+    out = x.new_empty(split.cp * x.shape[0], *x.shape[1:])
+    _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    _all_gather(out, x.contiguous(), group=split.group)
+    return out.view(split.cp, *x.shape).transpose(0, 1).reshape(x.shape[0], split.cp * x.shape[1], *x.shape[2:])
+
+
+def scatter_tokens(grad: Tensor, split: SequenceSplit) -> Tensor:
+    """The backward of :func:`gather_tokens`: sum ``[B, cp*s, ...]`` over the ranks, keep this rank's chunk."""
+    b, n = grad.shape[:2]
+    s = n // split.cp
+    send = grad.reshape(b, split.cp, s, *grad.shape[2:]).transpose(0, 1).reshape(split.cp * b, s, *grad.shape[2:])
+    out = grad.new_empty(b, s, *grad.shape[2:])
+    _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    _reduce_scatter(out, send.contiguous(), op=dist.ReduceOp.SUM, group=split.group)
+    return out
+
+
 class _Gather(torch.autograd.Function):
-    """All-gather the chunks into ``[B, S, D]`` (padding dropped unless ``keep_padding``); backward reduce-scatters."""
+    """All-gather the chunks into ``[B, S, D]`` (padding dropped); backward reduce-scatters."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, split: SequenceSplit, keep_padding: bool = False) -> Tensor:
+    def forward(ctx: Any, x: Tensor, split: SequenceSplit) -> Tensor:
         ctx.split, ctx.shape = split, x.shape
-        out = x.new_empty(split.cp * x.shape[0], *x.shape[1:])
-        _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        _all_gather(out, x.contiguous(), group=split.group)
-        b, s = x.shape[:2]
-        full = out.view(split.cp, *x.shape).transpose(0, 1).reshape(b, split.cp * s, *x.shape[2:])
         assert split.length is not None
-        return full if keep_padding else full[:, : split.length]
+        return gather_tokens(x, split)[:, : split.length]
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         split, (b, s) = ctx.split, ctx.shape[:2]
         padded = grad.new_zeros(b, split.cp * s, *grad.shape[2:])
         padded[:, : grad.shape[1]] = grad
-        send = padded.reshape(b, split.cp, s, *grad.shape[2:]).transpose(0, 1).reshape(split.cp * b, s, *grad.shape[2:])
-        out = grad.new_empty(ctx.shape)
-        _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        _reduce_scatter(out, send.contiguous(), op=dist.ReduceOp.SUM, group=split.group)
-        return out, None, None
+        return scatter_tokens(padded, split), None
 
 
 class _ScaleGrad(torch.autograd.Function):

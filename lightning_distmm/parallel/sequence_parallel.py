@@ -31,17 +31,20 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_distmm.parallel.context_parallel import (
     SequenceSplit,
-    _Gather,
     _gather_output,
     _split_output,
     _vit_attention_class,
+    gather_tokens,
+    scatter_tokens,
 )
 
 
@@ -62,6 +65,49 @@ def check_sp(module: nn.Module, tower: str, tp: int, cp: int, shard: str) -> Non
         )
     if getattr(module, "dynamic_img_size", False) or not isinstance(module.patch_drop, nn.Identity):
         raise ValueError(f"{where}: dynamic image sizes and patch dropout change the sequence length per batch")
+
+
+class _GatherLinear(torch.autograd.Function):
+    """``linear(all_gather(x), weight, bias)`` keeping only this rank's tokens ``x`` for backward, which
+    gathers them again (Megatron-LM's choice: the gathered input would be ``tp`` times the chunk); the
+    input gradient is reduce-scattered back to the chunks."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, split: SequenceSplit) -> Tensor:
+        ctx.split, ctx.bias = split, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(gather_tokens(x, split), weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None, None]:
+        x, weight = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1])
+        gw = gb = None
+        if ctx.needs_input_grad[1]:
+            full = gather_tokens(x, ctx.split)
+            gw = g2.t() @ full.reshape(-1, full.shape[-1])
+        if ctx.bias and ctx.needs_input_grad[2]:
+            gb = g2.sum(0)
+        return scatter_tokens(grad @ weight, ctx.split), gw, gb, None
+
+
+class _SeqColwise(nn.Module):
+    """``mlp.fc1`` under sequence parallelism: the weight and bias column-sharded (DTensors of the full
+    layer, ``Shard(0)``, as ``ColwiseParallel`` makes them), its input gathered by :class:`_GatherLinear`."""
+
+    def __init__(self, linear: nn.Linear, mesh: DeviceMesh, split: SequenceSplit):
+        super().__init__()
+        self.split = split
+        self.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), mesh, [Shard(0)]))
+        self.weight.requires_grad_(linear.weight.requires_grad)
+        self.bias = None
+        if linear.bias is not None:
+            self.bias = nn.Parameter(distribute_tensor(linear.bias.detach(), mesh, [Shard(0)]))
+            self.bias.requires_grad_(linear.bias.requires_grad)
+
+    def forward(self, x: Tensor) -> Tensor:
+        bias = self.bias.to_local() if self.bias is not None else None
+        return _GatherLinear.apply(x, self.weight.to_local(), bias, self.split)
 
 
 def _sum_over(group: dist.ProcessGroup) -> Any:
@@ -88,7 +134,8 @@ def apply_sp(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
             continue  # another pipeline stage's block
         block.attn.__class__ = _vit_attention_class()
         block.attn._distmm_cp, block.attn._distmm_keys = None, split
-        block.attn.qkv.gather_input = lambda x: _Gather.apply(x, split, True)
+        block.attn.qkv.gathered_linear = lambda x, w, b: _GatherLinear.apply(x, w, b, split)
+        block.mlp.fc1 = _SeqColwise(block.mlp.fc1, mesh, split)
     for p in module.parameters():
         if p.requires_grad and not p.is_meta and not isinstance(p, DTensor):
             p.register_hook(_sum_over(group))

@@ -94,8 +94,8 @@ class _FusedQKVColwise(nn.Module):
     gradient of that nested layout into the wrong rows (checked: a tp2 x fsdp2 bias gradient came
     back permuted, with rows lost). Replicated, FSDP shards it plainly on dim 0."""
 
-    #: sequence parallelism: the input is this rank's tokens, all-gathered here (backward reduce-scatters)
-    gather_input: Callable[[torch.Tensor], torch.Tensor] | None = None
+    #: sequence parallelism: ``(x, weight, bias) -> linear(all_gather(x))`` on this rank's tokens ``x``
+    gathered_linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
 
     def __init__(self, linear: nn.Linear, mesh: DeviceMesh):
         super().__init__()
@@ -113,10 +113,12 @@ class _FusedQKVColwise(nn.Module):
             self.bias.requires_grad_(linear.bias.requires_grad)  # type: ignore[union-attr]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.gather_input(x) if self.gather_input is not None else _CopyToTensorParallel.apply(x, self.group)
         bias = None
         if self.bias is not None:
             bias = _HeadRows.apply(self.bias.to_local(), self.tp_rank, self.tp, self.group)
+        if self.gathered_linear is not None:
+            return self.gathered_linear(x, self.weight.to_local(), bias)
+        x = _CopyToTensorParallel.apply(x, self.group)
         return F.linear(x, self.weight.to_local(), bias)
 
 
@@ -134,16 +136,15 @@ def apply_tp_vit(
 ) -> nn.Module:
     """Shard a timm VisionTransformer's blocks over the 1-D tensor-parallel ``mesh`` (in place); only the
     blocks ``held`` says this rank runs (another pipeline stage's blocks are left alone). ``sp``: the
-    blocks' inputs and outputs are this rank's tokens (sequence parallelism, Megatron-LM): ``mlp.fc1``
-    all-gathers them, ``attn.proj`` and ``mlp.fc2`` reduce-scatter instead of all-reducing (the qkv's
-    gather is installed by :func:`lightning_distmm.parallel.sequence_parallel.apply_sp`)."""
+    blocks' inputs and outputs are this rank's tokens (sequence parallelism, Megatron-LM): ``attn.proj``
+    and ``mlp.fc2`` reduce-scatter instead of all-reducing; ``mlp.fc1`` and the qkv's gathers are
+    installed by :func:`lightning_distmm.parallel.sequence_parallel.apply_sp`, which must follow)."""
     tp = mesh.size()
     tokens = Shard(1)
     styles = (
         {
             "attn.proj": RowwiseParallel(output_layouts=tokens),
-            "mlp.fc1": ColwiseParallel(input_layouts=tokens),
-            "mlp.fc2": RowwiseParallel(output_layouts=tokens),
+            "mlp.fc2": RowwiseParallel(output_layouts=tokens),  # mlp.fc1: apply_sp gathers its input itself
         }
         if sp
         else {"attn.proj": RowwiseParallel(), "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
