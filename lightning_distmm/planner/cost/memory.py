@@ -55,15 +55,23 @@ def gathered_layers_bytes(profile: TowerProfile, opts: CostOptions, tp: int) -> 
     return per_layer * (2 * pol.weights + (0 if profile.frozen else pol.grads))
 
 
-def act_per_sample(profile: TowerProfile, opts: CostOptions, tp: int, pp: int, mb: Any = 1.0) -> Any:
-    """Activation bytes kept for backward per sample on the heaviest stage."""
+def act_per_sample(
+    profile: TowerProfile, opts: CostOptions, tp: int, pp: int, mb: Any = 1.0, cp: int = 1, sp: bool = False
+) -> Any:
+    """Activation bytes kept for backward per sample on the heaviest stage.
+
+    ``cp``: each rank keeps its ``1/cp`` of every layer's tokens (attention probabilities too: its
+    ``heads/cp`` over the whole sequence, Ulysses); the embeddings and the head run on the whole
+    sequence. ``sp``: the activations TP replicates (LayerNorm inputs, the inputs of the gathered
+    linears, which keep only this rank's tokens) are divided by ``tp`` too."""
     if not profile.analytic:
         fit = profile.measured
         assert fit is not None
         mb = np.asarray(mb, dtype=float)
-        return (fit.act_bytes[0] + fit.act_bytes[1] * mb) / np.maximum(mb, 1.0)
+        return (fit.act_bytes[0] + fit.act_bytes[1] * mb) / np.maximum(mb, 1.0) / cp
     lay = profile.layer
-    per_layer = lay.act_rep + lay.act_split / tp + (0.0 if opts.flash_attention else lay.act_scores / tp)
+    rep = lay.act_rep / tp if sp else lay.act_rep
+    per_layer = (rep + lay.act_split / tp + (0.0 if opts.flash_attention else lay.act_scores / tp)) / cp
     ends = profile.pre.act_rep + profile.post.act_rep + (profile.pre.act_split + profile.post.act_split) / tp
     if pp > 1:
         ends = max(profile.pre.act_rep + profile.pre.act_split / tp, profile.post.act_rep + profile.post.act_split / tp)
