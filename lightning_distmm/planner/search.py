@@ -253,6 +253,8 @@ def tower_plan(choice: TowerChoice, ranks: Sequence[int]) -> TowerPlan:
         schedule=schedule,
         recompute=recompute,
         shard=choice.shard,
+        cp=choice.cp,
+        sp=choice.sp,
     )
 
 
@@ -266,7 +268,7 @@ def tower_choice(name: str, tower: TowerPlan, global_batch: int) -> TowerChoice:
     rb = tuple(tower.split(int(global_batch)))
     mb = min(tower.microbatch, max(rb)) if tower.microbatch else max(rb)
     schedule = cost_schedule(tower.schedule, tower.recompute)
-    return TowerChoice(name, len(tower.ranks), tower.tp, tower.pp, mb, schedule, rb, tower.shard)
+    return TowerChoice(name, len(tower.ranks), tower.tp, tower.pp, mb, schedule, rb, tower.shard, tower.cp, tower.sp)
 
 
 def plan_choices(plan: Plan, global_batch: int | None = None) -> tuple[dict[str, TowerChoice], dict[str, list[int]]]:

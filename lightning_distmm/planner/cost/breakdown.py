@@ -21,10 +21,12 @@ class TowerChoice:
     schedule: str
     replica_batch: tuple[int, ...]
     shard: str = "none"  # how the replicas hold the training state (cost.options.SHARDS)
+    cp: int = 1  # context parallelism: each replica's stages are cp x tp ranks splitting the tokens
+    sp: bool = False  # sequence parallelism with tp (Megatron-LM)
 
     @property
     def dp(self) -> int:
-        return self.n // (self.tp * self.pp)
+        return self.n // (self.tp * self.pp * self.cp)
 
     @property
     def max_batch(self) -> int:

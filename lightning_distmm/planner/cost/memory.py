@@ -90,15 +90,18 @@ def memory_per_device(
     loss_bytes: Any = 0.0,
     shard: str = "none",
     dp: Any = 1,
+    cp: int = 1,
+    sp: bool = False,
 ) -> dict[str, Any]:
     """Peak bytes on the busiest device of a replica: static (weights, grads, optimizer; sharded over
-    ``dp`` replicas as ``shard`` says), activations, loss."""
+    ``dp`` replicas as ``shard`` says, and their ``cp`` ranks), activations (:func:`act_per_sample`
+    with ``cp`` and ``sp``), loss."""
     mb = np.asarray(mb, dtype=float)
     K = np.asarray(K, dtype=float)
-    static = stage_params(profile, tp, pp) * static_per_param(profile, opts, shard, dp)
+    static = stage_params(profile, tp, pp) * static_per_param(profile, opts, shard, np.asarray(dp) * cp)
     if shard == "full":
         static = static + gathered_layers_bytes(profile, opts, tp)
-    aps = act_per_sample(profile, opts, tp, pp, mb)
+    aps = act_per_sample(profile, opts, tp, pp, mb, cp, sp)
     layer_act = aps / max(profile.layers // pp, 1)
     if profile.frozen:
         act = mb * layer_act * 2  # no-grad forward: a layer's input and output at a time
