@@ -197,7 +197,8 @@ def price_tower(
         compute=compute,
         # tensor- and context-parallel collectives of every microbatch's forward, backward and recompute
         tp_comm=sum(float(tpc_r[row[r]] + cpc_r[row[r]]) for r in mbs)
-        * (1 if p.frozen else 2 + (1 if recompute else 0)),
+        * (1 if p.frozen else 2 + (1 if recompute else 0))
+        + (0.0 if p.frozen or not c.sp else 0.5 * sum(float(tpc_r[row[r]]) for r in mbs)),  # sp's regather
         pp_comm=pp_critical,
         bubble=bubble,
         dp_allreduce=0.0,
