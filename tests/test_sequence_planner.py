@@ -62,3 +62,32 @@ def test_cp_and_sp_are_priced_and_round_trip():
     choices, ranks = plan_choices(cp, 16)
     back = tower_plan(choices["image"], ranks["image"])
     assert (back.tp, back.cp, back.sp, choices["image"].dp) == (1, 4, False, 2)
+
+
+def test_sequence_variants_follow_the_runtime_rules():
+    from lightning_distmm.planner.sequence import sequence_variants
+
+    profiles = _profiles()
+    image = sequence_variants(profiles["image"], TowerPlan(ranks=list(range(8))), 8)
+    assert {"cp": 2, "tp": 1, "sp": False} in image and {"cp": 1, "tp": 2, "sp": True} in image
+    assert all(v["cp"] * v["tp"] <= 8 and 16 % (v["cp"] * v["tp"]) == 0 for v in image)
+    assert not any(v["sp"] and v["cp"] > 1 for v in image)
+    sharded = sequence_variants(profiles["image"], TowerPlan(ranks=list(range(8)), shard="full"), 8)
+    assert not any(v["sp"] for v in sharded) and any(v["cp"] > 1 for v in sharded)
+    text = sequence_variants(profiles["text"], TowerPlan(ranks=list(range(8)), pp=2), 8)  # 12 heads
+    assert all(v["cp"] == 1 and not v["sp"] for v in text) and {v["tp"] for v in text} == {2, 4}
+
+
+def test_the_search_chooses_cp_when_the_batch_is_below_the_devices():
+    """ViT-L/14 at 448 px, 2 samples on 16 A100s: the image tower's 8 GPUs hold 2 replicas; the search
+    gives it tp4, the sequence pass cp2 x tp2 (predicted faster); off by default."""
+    from lightning_distmm.planner.search import make_plan
+
+    cfg = yaml.safe_load((CONF_DIR / "model" / "clip_vit_l14_448.yaml").read_text())
+    options = {"world_size": 16, "shards": ["none", "full"]}
+    plain, plain_report = make_plan(cfg, "a100_8x8", 2, options)
+    plan, report = make_plan(cfg, "a100_8x8", 2, {**options, "sequence": True})
+    assert all(t.cp == 1 for t in plain.towers.values()) and not plain_report.sequence_notes
+    assert plan.towers["image"].cp == 2 and report.step_time < plain_report.step_time
+    assert "cp=2" in report.sequence_notes[0] and "sequence: tower 'image'" in report.table()
+    assert "cp2" in report.table()
