@@ -116,6 +116,17 @@ CP_PLANS = {
         DeepCLIP,
         ldm.Plan(4, {"image": {"ranks": [0, 1, 2, 3], "tp": 2, "sp": True}, "text": {"ranks": [0]}}),
     ),
+    # the gradient cache replays the forward (and its all-to-alls) in backward; recompute likewise per block
+    "image-cp2-cached+text-cp2-recompute": (
+        TinyCLIP,
+        ldm.Plan(
+            4,
+            {
+                "image": {"ranks": [0, 1], "cp": 2, "microbatch": 3, "schedule": "cached"},
+                "text": {"ranks": [2, 3], "cp": 2, "recompute": True},
+            },
+        ),
+    ),
     "image-cp2xtp2+text-colocated": (
         DeepCLIP,
         ldm.Plan(4, {"image": {"ranks": [0, 1, 2, 3], "cp": 2, "tp": 2}, "text": {"ranks": [0]}}),

@@ -91,3 +91,15 @@ def test_the_search_chooses_cp_when_the_batch_is_below_the_devices():
     assert plan.towers["image"].cp == 2 and report.step_time < plain_report.step_time
     assert "cp=2" in report.sequence_notes[0] and "sequence: tower 'image'" in report.table()
     assert "cp2" in report.table()
+
+
+def test_the_placement_picture_lays_cp_replicas_out_as_the_runtime_does():
+    from lightning_distmm.planner.pictures import device_roles, heavy_links, placement_svg
+
+    plan = Plan(8, {"image": {"ranks": list(range(8)), "cp": 2, "tp": 2}, "text": {"ranks": list(range(8))}})
+    roles = device_roles(plan)
+    assert roles[3][0].label(plan.towers["image"]) == "rep 0 / cp 1 / tp 1"
+    assert roles[6][0].label(plan.towers["image"]) == "rep 1 / cp 1 / tp 0"
+    links = {(g.kind, g.ranks) for g in heavy_links(plan, 8) if g.tower == "image"}
+    assert ("tp", (2, 3)) in links and ("dp", (0, 2, 4, 6)) in links and ("dp", (1, 3, 5, 7)) in links
+    assert "cp 1" in placement_svg(plan, 8)
