@@ -181,10 +181,10 @@ def head_copies(cp: int, tp: int, sp: bool) -> int:
     return cp * (tp if sp else 1)
 
 
-def feature_grad_scale(grad: Tensor, copies: int) -> Tensor:
+def feature_grad_scale(grad: Tensor | None, copies: int) -> Tensor | None:
     """The feature gradient each of ``copies`` ranks (:func:`head_copies`) backpropagates: ``1 / copies``
     of it (see the module's docstring)."""
-    return grad if copies == 1 else grad / copies
+    return grad if copies == 1 or grad is None else grad / copies
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, dropout: float, scale: float | None) -> Tensor:
