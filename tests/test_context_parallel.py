@@ -156,3 +156,17 @@ def test_sp_checks_name_the_tower_and_the_rule(module, cp, shard, message):
     with pytest.raises(ValueError, match=message):
         check_sp(module, "x", 2, cp, shard)
     check_sp(_vit(4), "x", 2, 1, "none")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["image-dp2xcp2+text-colocated", "image-cp2xtp2+text-colocated", "image-tp2+sp+text1"])
+def test_clipping_counts_each_gradient_once(name):
+    """The global norm counts a cp group's (summed, identical) gradients once and sp's summed copies once."""
+    import tempfile
+    from pathlib import Path
+
+    cls, plan = CP_PLANS[name]
+    with tempfile.TemporaryDirectory() as tmp:
+        compare_with_reference(
+            lambda: cls("sgd", lr=0.05), plan, plan.world_size, 8, 3, Path(tmp), gradient_clip_val=0.05
+        ).assert_exact()
