@@ -182,3 +182,31 @@ def test_the_distmm_schedule_with_cp_and_pp_is_exact_for_its_grouped_loss(tmp_pa
         4, {"image": {"ranks": [0, 1, 2, 3], "cp": 2, "pp": 2, **wave}, "text": {"ranks": [0, 1], "cp": 2, **wave}}
     )
     compare_with_reference(lambda: GroupedDeepCLIP("adamw", lr=0.01), plan, 4, 10, 2, tmp_path).assert_exact()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["image-tp2+sp+text1", "image-cp2+text1"])
+def test_towers_built_on_meta_train_like_one_process(name, tmp_path):
+    """``trainer.init_module(empty_init=True)``: the tower is prepared on meta and materialised after,
+    with new Parameter objects; sp's tp sums must reach them (they are put on before each forward)."""
+    import lightning as L
+    from distmm_testing import LossRecorder, loader, max_param_diff, read_losses, run_reference, trainer_kwargs
+
+    cls, plan = CP_PLANS[name]
+    L.seed_everything(0)
+    reference = cls("sgd", lr=0.05)
+    run_reference(reference, loader(8), 3, str(tmp_path / "ref.json"))
+    trainer = L.Trainer(
+        devices=plan.world_size,
+        max_steps=3,
+        strategy=ldm.DistMMStrategy(plan=plan, start_method="fork"),
+        callbacks=[LossRecorder(str(tmp_path / "dist.json"))],
+        **trainer_kwargs(),
+    )
+    L.seed_everything(0)
+    with trainer.init_module(empty_init=True):
+        module = cls("sgd", lr=0.05)
+    assert module.visual.blocks[0].norm1.weight.is_meta
+    trainer.fit(module, loader(8))
+    assert max_param_diff(reference, module) <= 1e-5
+    assert read_losses(tmp_path / "dist.json") == pytest.approx(read_losses(tmp_path / "ref.json"), abs=1e-5)

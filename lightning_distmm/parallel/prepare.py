@@ -92,13 +92,13 @@ def parallelize_local_towers(
         tower = plan.towers[name]
         if tower.tp > 1:
             stage = (stages or {}).get(name)
-            if stage is None:
-                apply_tp(towers[name].module, groups[name].mesh["tp"], lambda block: True, tower.sp)
-            else:
+            held = lambda block: True  # noqa: E731
+            if stage is not None:
                 mine = {id(m) for top in stage.modules for m in top.modules()}
-                apply_tp(towers[name].module, groups[name].mesh["tp"], lambda block: id(block) in mine, tower.sp)
+                held = lambda block: id(block) in mine  # noqa: E731
+            apply_tp(towers[name].module, groups[name].mesh["tp"], held, tower.sp)
             if tower.sp:
-                apply_sp(towers[name].module, groups[name].mesh["tp"])
+                apply_sp(towers[name].module, groups[name].mesh["tp"], held)
         if plan.towers[name].cp > 1:
             mesh = groups[name].mesh
             apply_cp(towers[name].module, mesh.get_group("cp"), plan.towers[name].cp, mesh.get_local_rank("cp"))

@@ -29,6 +29,7 @@ reduce-scatter then gives every chunk exactly its gradient.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -119,9 +120,25 @@ def _sum_over(group: dist.ProcessGroup) -> Any:
     return hook
 
 
-def apply_sp(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+def _sums_before_forward(group: dist.ProcessGroup, owners: list[nn.Module]) -> Any:
+    """A forward pre-hook that puts the tp sum on each replicated parameter of ``owners`` (their own, not
+    their children's) that lacks it. At forward time, not once at preparation: a tower built on the
+    meta device gets new Parameter objects when it is materialised, after this module prepared it."""
+
+    def hook(module: nn.Module, args: Any) -> None:
+        for owner in owners:
+            for p in owner.parameters(recurse=False):
+                if p.requires_grad and not p.is_meta and not isinstance(p, DTensor) and not hasattr(p, "_distmm_sp"):
+                    p.register_hook(_sum_over(group))
+                    p._distmm_sp = True  # type: ignore[attr-defined]
+
+    return hook
+
+
+def apply_sp(module: nn.Module, mesh: DeviceMesh, held: Callable[[nn.Module], bool] = lambda block: True) -> nn.Module:
     """Split a tensor-parallel ViT's residual stream along the sequence over the tp ``mesh`` (in place,
-    after :func:`~lightning_distmm.parallel.tensor_parallel.apply_tp` with ``sp=True``); idempotent."""
+    after :func:`~lightning_distmm.parallel.tensor_parallel.apply_tp` with ``sp=True``), in the blocks
+    ``held`` says this rank runs (its pipeline stage's); idempotent."""
     if getattr(module, "_distmm_sp", None) is not None:
         return module
     group, tp = mesh.get_group(), mesh.size()
@@ -130,15 +147,18 @@ def apply_sp(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
     module.norm_pre.register_forward_hook(_split_output(split, static=True))  # type: ignore[union-attr]
     module.norm.register_forward_hook(_gather_output(split))  # type: ignore[union-attr]
     for block in module.blocks:  # type: ignore[union-attr]
-        if any(p.is_meta for p in block.parameters()):
+        if not held(block):
             continue  # another pipeline stage's block
         block.attn.__class__ = _vit_attention_class()
         block.attn._distmm_cp, block.attn._distmm_keys = None, split
         block.attn.qkv.gathered_linear = lambda x, w, b: _GatherLinear.apply(x, w, b, split)
         block.mlp.fc1 = _SeqColwise(block.mlp.fc1, mesh, split)
-    for p in module.parameters():
-        if p.requires_grad and not p.is_meta and not isinstance(p, DTensor):
-            p.register_hook(_sum_over(group))
+    # the parameters TP leaves replicated get partial gradients: each module puts the tp sum on its
+    # own before it runs (the tower's loose tensors, class token and position embedding, with patch_embed)
+    for sub in module.modules():
+        if sub is not module and any(True for _ in sub.parameters(recurse=False)):
+            sub.register_forward_pre_hook(_sums_before_forward(group, [sub]))
+    module.patch_embed.register_forward_pre_hook(_sums_before_forward(group, [module]))  # type: ignore[union-attr]
     module._distmm_sp = split  # type: ignore[assignment]
     return module
 
