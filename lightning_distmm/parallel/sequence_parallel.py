@@ -22,7 +22,8 @@ sequence to a multiple of ``tp`` (197 ViT tokens work).
 Gradients. The parameters TP leaves replicated (patch and position embedding, class token, every
 LayerNorm, the head) now see only this rank's tokens, so their gradients are partial sums: a
 gradient hook sums each over the tp group when its backward produces it (the tp ranks run the same
-graph, so in the same order). The head runs on every tp rank on the same gathered tokens, so the
+graph, so in the same order). The hooks are put on before each module's forward, not once here: a
+tower built on the meta device gets new Parameter objects when it is materialised. The head runs on every tp rank on the same gathered tokens, so the
 feature gradient is scaled by ``1 / tp`` (:func:`.context_parallel.head_copies`); the gather's
 reduce-scatter then gives every chunk exactly its gradient.
 """
