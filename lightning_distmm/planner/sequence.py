@@ -23,11 +23,14 @@ from lightning_distmm.planner.cluster import Cluster
 from lightning_distmm.planner.cost.breakdown import StepCost
 from lightning_distmm.planner.profile import TowerProfile
 
+#: the tower families the runtime splits over cp ranks (parallel/context_parallel.py)
+CP_ARCHS = ("vit", "clip_text")
+
 
 def sequence_variants(profile: TowerProfile, tower: TowerPlan, devices_per_node: int) -> list[dict[str, Any]]:
     """The (tp, cp, sp) a tower may take on its devices, the runtime's rules applied: ``cp * tp``
-    divides the heads and a replica's stage (inside a node); sp needs tp > 1, a ViT, no sharding,
-    no cp; cp on a text tower needs pp = 1; no cp with ``shard: hybrid``."""
+    divides the heads and a replica's stage (inside a node); cp on ViT and CLIP text towers only,
+    on a text tower with pp = 1, not with ``shard: hybrid``; sp needs tp > 1, a ViT, no sharding, no cp."""
     out = []
     n = len(tower.ranks)
     for cp in (1, 2, 4, 8):
@@ -35,7 +38,9 @@ def sequence_variants(profile: TowerProfile, tower: TowerPlan, devices_per_node:
             width = cp * tp
             if width > devices_per_node or n % (width * tower.pp) or profile.heads % width:
                 continue
-            if cp > 1 and (tower.shard == "hybrid" or (profile.arch != "vit" and tower.pp > 1)):
+            if cp > 1 and (
+                profile.arch not in CP_ARCHS or tower.shard == "hybrid" or (profile.arch != "vit" and tower.pp > 1)
+            ):
                 continue
             for sp in (False, True):
                 if sp and (tp == 1 or cp > 1 or profile.arch != "vit" or tower.shard != "none"):
