@@ -210,3 +210,63 @@ def test_towers_built_on_meta_train_like_one_process(name, tmp_path):
     trainer.fit(module, loader(8))
     assert max_param_diff(reference, module) <= 1e-5
     assert read_losses(tmp_path / "dist.json") == pytest.approx(read_losses(tmp_path / "ref.json"), abs=1e-5)
+
+
+def _tower_gradients_match(rank: int, world: int, port: int, kw: dict, out) -> None:  # type: ignore[no-untyped-def]
+    """One forked rank: the ViT ``kw`` split over ``world`` cp ranks against the same ViT whole."""
+    import copy
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from lightning_distmm.parallel.context_parallel import apply_cp, feature_grad_scale
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = VisionTransformer(img_size=8, patch_size=4, embed_dim=16, depth=1, num_heads=4, num_classes=8, **kw)
+        whole = copy.deepcopy(model)
+        images, grad = torch.randn(3, 3, 8, 8), torch.randn(3, 8)
+        expected = whole(images)
+        expected.backward(grad)
+        apply_cp(model, dist.group.WORLD, world, rank)
+        got = model(images)
+        got.backward(feature_grad_scale(grad, world))
+        worst = (got - expected).abs().max().item()
+        for (_, p), (_, q) in zip(model.named_parameters(), whole.named_parameters()):
+            dist.all_reduce(p.grad)  # the runtime's sum over the cp ranks
+            worst = max(worst, (p.grad - q.grad).abs().max().item())
+        out.put((rank, worst))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"reg_tokens": 2},  # class + 2 register tokens + 4 patches = 7, padded to 8
+        {"class_token": False, "global_pool": "map"},  # SigLIP's attention-pool head, 4 tokens
+        {"class_token": False, "reg_tokens": 1, "no_embed_class": True, "global_pool": "avg"},
+    ],
+    ids=["registers", "map-head", "avg-pool"],
+)
+def test_prefix_tokens_and_pooling_heads_are_exact_over_four_cp_ranks(kw):
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_tower_gradients_match, args=(r, 4, port, kw, out)) for r in range(4)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert sorted(results) == [0, 1, 2, 3] and max(results.values()) < 1e-5, results
