@@ -68,7 +68,6 @@ def _vit(heads: int = 4, **kw) -> VisionTransformer:
         ),
         (_vit(4), 2, 4, 1, r"do not divide by cp\*tp = 2\*4 = 8"),
         (TinyText(), 4, 1, 1, r"encoder.layers.0.self_attn has 2 attention heads"),
-        (TinyText(), 2, 1, 2, r"tower 'x', cp=2, pp=2: a text tower's later pipeline stages"),
         (_vit(4, dynamic_img_size=True), 2, 1, 1, "dynamic image sizes and patch dropout"),
         (_vit(4, patch_drop_rate=0.5), 2, 1, 1, "dynamic image sizes and patch dropout"),
         (nn.Linear(2, 2), 2, 1, 1, r"tower 'x', cp=2: no context-parallel plan for a Linear tower"),
@@ -99,6 +98,11 @@ CP_PLANS = {
     "image-cp2xpp2+text-colocated": (
         DeepCLIP,
         ldm.Plan(4, {"image": {"ranks": [0, 1, 2, 3], "cp": 2, "pp": 2, "microbatch": 4}, "text": {"ranks": [0]}}),
+    ),
+    # a pipelined text tower: the second stage takes the length from the whole-sequence mask it builds
+    "text-cp2xpp2+image-colocated": (
+        DeepCLIP,
+        ldm.Plan(4, {"image": {"ranks": [0]}, "text": {"ranks": [0, 1, 2, 3], "cp": 2, "pp": 2, "microbatch": 4}}),
     ),
     # padded captions (lengths 2..5 of 6): the causal and padding masks span the split, EOS pooling after the gather
     "text-cp2+image1": (TinyCLIP, ldm.Plan(3, {"image": {"ranks": [2]}, "text": {"ranks": [0, 1], "cp": 2}})),

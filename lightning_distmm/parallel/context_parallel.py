@@ -51,6 +51,8 @@ class SequenceSplit:
     rank: int
     #: tokens before padding: fixed for a ViT, set by the split of each forward for a text tower
     length: int | None = None
+    #: a pipelined text tower's later stages infer the length from what they receive: no padding there
+    pad: bool = True
 
     def padded(self, length: int) -> int:
         return -(-length // self.cp) * self.cp
@@ -239,6 +241,8 @@ def _clip_attention_class() -> type[nn.Module]:
         def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, **kwargs: Any) -> Any:
             split = self._distmm_cp
             b, s, _ = hidden_states.shape
+            if not split.pad:  # a pipelined tower: this stage may not have run the split
+                split.length = attention_mask.shape[-1] if attention_mask is not None else split.cp * s
             qkv = [
                 proj(hidden_states).view(b, s, 1, -1, self.head_dim) for proj in (self.q_proj, self.k_proj, self.v_proj)
             ]
@@ -290,11 +294,16 @@ def _split_first_input(split: SequenceSplit) -> Any:
     def hook(
         module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        x = args[0] if args else kwargs["hidden_states"]
+        split.length = x.shape[1]
+        if not split.pad and x.shape[1] % split.cp:
+            raise ValueError(
+                f"context parallelism of a pipelined text tower: {x.shape[1]} tokens do not divide by cp={split.cp}"
+                " (its later stages cannot know a padded length): pad the captions to a multiple of cp"
+            )
         if args:
-            split.length = args[0].shape[1]
-            return (_Split.apply(args[0], split), *args[1:]), kwargs
-        split.length = kwargs["hidden_states"].shape[1]
-        return args, {**kwargs, "hidden_states": _Split.apply(kwargs["hidden_states"], split)}
+            return (_Split.apply(x, split), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": _Split.apply(x, split)}
 
     return hook
 
@@ -336,7 +345,8 @@ def _heads(module: nn.Module) -> list[tuple[str, int]]:
 def check_cp(module: nn.Module, cp: int, tp: int, tower: str, pp: int = 1) -> None:
     """Raise, naming the tower and the rule, if ``module`` cannot be split ``cp`` ways: every attention's
     heads must divide by ``cp * tp`` (Ulysses gives each cp rank whole heads of its tp shard). Needs only
-    the structure (meta is fine), so every rank checks every tower."""
+    the structure (meta is fine), so every rank checks every tower. (A pipelined text tower's sequence
+    length is checked when it is split: it must divide by ``cp``, ``pp`` being > 1.)"""
     where = f"tower {tower!r}, cp={cp}"
     try:
         heads = _heads(module)
@@ -358,19 +368,15 @@ def check_cp(module: nn.Module, cp: int, tp: int, tower: str, pp: int = 1) -> No
             raise ValueError(f"{where}: blocks {odd} use an attention other than timm's Attention")
         if getattr(module, "dynamic_img_size", False) or not isinstance(module.patch_drop, nn.Identity):
             raise ValueError(f"{where}: dynamic image sizes and patch dropout change the sequence length per batch")
-    elif pp > 1:
-        raise ValueError(
-            f"{where}, pp={pp}: a text tower's later pipeline stages do not see the sequence length its split"
-            " records; use cp with pp=1 on text towers"
-        )
 
 
-def apply_cp(module: nn.Module, group: dist.ProcessGroup, cp: int, rank: int) -> nn.Module:
+def apply_cp(module: nn.Module, group: dist.ProcessGroup, cp: int, rank: int, pp: int = 1) -> nn.Module:
     """Split a tower's sequence over the ``cp`` ranks of ``group`` (this rank is ``rank`` in it), in
-    place; idempotent (a second Trainer call finds it split)."""
+    place; idempotent (a second Trainer call finds it split). A text tower cut into ``pp > 1`` stages
+    takes sequences that divide by ``cp`` (its later stages infer the length from what they receive)."""
     if getattr(module, "_distmm_cp", None) is not None:
         return module
-    split = SequenceSplit(group, cp, rank)
+    split = SequenceSplit(group, cp, rank, pad=pp == 1 or hasattr(module, "patch_embed"))
     if hasattr(module, "patch_embed"):  # timm ViT: the tokens after norm_pre, gathered after norm
         split.length = module.patch_embed.num_patches + module.num_prefix_tokens  # type: ignore[union-attr,operator]
         module.norm_pre.register_forward_hook(_split_output(split, static=True))  # type: ignore[union-attr]

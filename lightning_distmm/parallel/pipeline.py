@@ -122,7 +122,13 @@ def clip_text_stages(
                 x = text_model.embeddings(input_ids=rows[ids_field])  # type: ignore[operator]
             assert x is not None
             mask = rows[mask_field] if mask_field is not None else None
-            attn = create_causal_mask(config=text_model.config, inputs_embeds=x, attention_mask=mask, cache=None)
+            # the mask of the whole sequence: a stage of a context-parallel tower receives its share of the tokens
+            like = (
+                x
+                if mask is None or mask.shape[-1] == x.shape[1]
+                else x.new_empty(x.shape[0], mask.shape[-1], x.shape[2])
+            )
+            attn = create_causal_mask(config=text_model.config, inputs_embeds=like, attention_mask=mask, cache=None)
             for layer in layers[a:b]:
                 x = layer(x, attn, is_causal=True)
             if last:

@@ -99,9 +99,9 @@ def parallelize_local_towers(
             apply_tp(towers[name].module, groups[name].mesh["tp"], held, tower.sp)
             if tower.sp:
                 apply_sp(towers[name].module, groups[name].mesh["tp"], held)
-        if plan.towers[name].cp > 1:
+        if tower.cp > 1:
             mesh = groups[name].mesh
-            apply_cp(towers[name].module, mesh.get_group("cp"), plan.towers[name].cp, mesh.get_local_rank("cp"))
+            apply_cp(towers[name].module, mesh.get_group("cp"), tower.cp, mesh.get_local_rank("cp"), tower.pp)
 
 
 def shard_local_towers(
