@@ -24,10 +24,8 @@ the gather's reduce-scatter gives each chunk exactly its gradient. Every paramet
 partial sum over this rank's tokens; the runtime sums it over the replicas and cp ranks together
 (``TowerGroups.sum_mesh``), in the same buckets as data parallelism.
 
-Why Ulysses and not ring attention: two all-to-alls per layer whose volume does not grow with
-``cp``, attention itself left to ``scaled_dot_product_attention`` (any mask, exact), and nothing to
-merge; a ring of key/value blocks would allow ``cp`` beyond the head count but needs an online
-softmax merge and ``cp - 1`` steps per layer. Ulysses needs heads divisible by ``cp * tp``.
+Why Ulysses and not ring attention, and what it needs: docs/runtime.md, "Sequence and context
+parallelism" (heads divisible by ``cp * tp``; any length, padded).
 """
 
 from __future__ import annotations
@@ -53,6 +51,8 @@ class SequenceSplit:
     length: int | None = None
     #: a pipelined text tower's later stages infer the length from what they receive: no padding there
     pad: bool = True
+    #: the tower's name in the plan (for messages)
+    tower: str = ""
 
     def padded(self, length: int) -> int:
         return -(-length // self.cp) * self.cp
@@ -164,17 +164,6 @@ class _Gather(torch.autograd.Function):
         padded = grad.new_zeros(b, split.cp * s, *grad.shape[2:])
         padded[:, : grad.shape[1]] = grad
         return scatter_tokens(padded, split), None
-
-
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, scale: float) -> Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return grad * ctx.scale, None
 
 
 def head_copies(cp: int, tp: int, sp: bool) -> int:
@@ -298,7 +287,7 @@ def _split_first_input(split: SequenceSplit) -> Any:
         split.length = x.shape[1]
         if not split.pad and x.shape[1] % split.cp:
             raise ValueError(
-                f"context parallelism of a pipelined text tower: {x.shape[1]} tokens do not divide by cp={split.cp}"
+                f"tower {split.tower!r}, cp={split.cp}, pipelined: {x.shape[1]} tokens do not divide by cp={split.cp}"
                 " (its later stages cannot know a padded length): pad the captions to a multiple of cp"
             )
         if args:
@@ -370,13 +359,15 @@ def check_cp(module: nn.Module, cp: int, tp: int, tower: str, pp: int = 1) -> No
             raise ValueError(f"{where}: dynamic image sizes and patch dropout change the sequence length per batch")
 
 
-def apply_cp(module: nn.Module, group: dist.ProcessGroup, cp: int, rank: int, pp: int = 1) -> nn.Module:
+def apply_cp(
+    module: nn.Module, group: dist.ProcessGroup, cp: int, rank: int, pp: int = 1, tower: str = ""
+) -> nn.Module:
     """Split a tower's sequence over the ``cp`` ranks of ``group`` (this rank is ``rank`` in it), in
     place; idempotent (a second Trainer call finds it split). A text tower cut into ``pp > 1`` stages
     takes sequences that divide by ``cp`` (its later stages infer the length from what they receive)."""
     if getattr(module, "_distmm_cp", None) is not None:
         return module
-    split = SequenceSplit(group, cp, rank, pad=pp == 1 or hasattr(module, "patch_embed"))
+    split = SequenceSplit(group, cp, rank, pad=pp == 1 or hasattr(module, "patch_embed"), tower=tower)
     if hasattr(module, "patch_embed"):  # timm ViT: the tokens after norm_pre, gathered after norm
         split.length = module.patch_embed.num_patches + module.num_prefix_tokens  # type: ignore[union-attr,operator]
         module.norm_pre.register_forward_hook(_split_output(split, static=True))  # type: ignore[union-attr]

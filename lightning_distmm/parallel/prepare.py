@@ -101,7 +101,7 @@ def parallelize_local_towers(
                 apply_sp(towers[name].module, groups[name].mesh["tp"], held)
         if tower.cp > 1:
             mesh = groups[name].mesh
-            apply_cp(towers[name].module, mesh.get_group("cp"), tower.cp, mesh.get_local_rank("cp"), tower.pp)
+            apply_cp(towers[name].module, mesh.get_group("cp"), tower.cp, mesh.get_local_rank("cp"), tower.pp, name)
 
 
 def shard_local_towers(

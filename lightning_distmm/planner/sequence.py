@@ -29,8 +29,9 @@ CP_ARCHS = ("vit", "clip_text")
 
 def sequence_variants(profile: TowerProfile, tower: TowerPlan, devices_per_node: int) -> list[dict[str, Any]]:
     """The (tp, cp, sp) a tower may take on its devices, the runtime's rules applied: ``cp * tp``
-    divides the heads and a replica's stage (inside a node); cp on ViT and CLIP text towers only,
-    on a text tower with pp = 1, not with ``shard: hybrid``; sp needs tp > 1, a ViT, no sharding, no cp."""
+    divides the heads and a replica's stage (inside a node); cp on ViT and CLIP text towers only (a
+    pipelined text tower's length divisible by cp), not with ``shard: hybrid``; sp needs tp > 1, a
+    ViT, no sharding, no cp."""
     out = []
     n = len(tower.ranks)
     for cp in (1, 2, 4, 8):
@@ -39,7 +40,9 @@ def sequence_variants(profile: TowerProfile, tower: TowerPlan, devices_per_node:
             if width > devices_per_node or n % (width * tower.pp) or profile.heads % width:
                 continue
             if cp > 1 and (
-                profile.arch not in CP_ARCHS or tower.shard == "hybrid" or (profile.arch != "vit" and tower.pp > 1)
+                profile.arch not in CP_ARCHS
+                or tower.shard == "hybrid"
+                or (profile.arch != "vit" and tower.pp > 1 and profile.seq % cp)
             ):
                 continue
             for sp in (False, True):
