@@ -15,8 +15,10 @@ TP_PLAN = ldm.Plan(3, {"image": {"ranks": [0, 1], "tp": 2}, "text": {"ranks": [2
 PP_PLAN = ldm.Plan(3, {"image": {"ranks": [0, 1], "pp": 2, "microbatch": 4}, "text": {"ranks": [2]}})
 DISTMM = {"microbatch": 2, "schedule": "distmm"}
 DISTMM_PLAN = ldm.Plan(3, {"image": {"ranks": [0, 1], "pp": 2, **DISTMM}, "text": {"ranks": [2], **DISTMM}})
-PLANS = [PLAN, TP_PLAN, PP_PLAN, DISTMM_PLAN]
-IDS = ["dp", "image-tp2", "image-pp2", "image-pp2-distmm"]
+CP_PLAN = ldm.Plan(3, {"image": {"ranks": [0, 1], "cp": 2}, "text": {"ranks": [2]}})
+SP_PLAN = ldm.Plan(3, {"image": {"ranks": [0, 1], "tp": 2, "sp": True}, "text": {"ranks": [2]}})
+PLANS = [PLAN, TP_PLAN, PP_PLAN, DISTMM_PLAN, CP_PLAN, SP_PLAN]
+IDS = ["dp", "image-tp2", "image-pp2", "image-pp2-distmm", "image-cp2", "image-tp2-sp"]
 
 
 def model(plan: ldm.Plan, *args, **kwargs) -> DeepCLIP:

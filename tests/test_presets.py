@@ -71,3 +71,35 @@ def test_coca_pooler_is_modelled():
     plain = model_profiles(cfg)["image"]
     assert (with_pool.params - plain.params) / 1e6 == pytest.approx(2.76, abs=0.01)
     assert with_pool.flops_per_sample() > plain.flops_per_sample()
+
+
+# long-sequence presets (issue 20): our preset -> open_clip's config name and the change made to it
+LONG = {
+    "clip_vit_l14_448": ("ViT-L-14", "vision_cfg", {"image_size": 448}, (1025, 77)),
+    "clip_vit_l14_longtext": ("ViT-L-14", "text_cfg", {"context_length": 248}, (257, 248)),
+    "siglip_so400m_384": ("ViT-SO400M-14-SigLIP-384", None, {}, (729, 64)),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(LONG))
+def test_long_sequence_presets_match_open_clip(preset):
+    """Parameters per tower against open_clip (timm's vit_so400m_patch14_siglip_384 for SigLIP's image
+    tower) built on the meta device, and the sequence lengths the profiles give the planner."""
+    open_clip = pytest.importorskip("open_clip")
+    torch = pytest.importorskip("torch")
+    from open_clip.factory import get_model_config
+
+    name, part, change, (image_seq, text_seq) = LONG[preset]
+    cfg = dict(get_model_config(name))
+    if part is not None:
+        cfg[part] = {**cfg[part], **change}
+    custom = cfg.pop("custom_text", False)
+    with torch.device("meta"):
+        model = open_clip.CustomTextCLIP(**cfg) if custom else open_clip.CLIP(**cfg)
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    image = count(model.visual)
+    text = count(model.text) if custom else count(model) - image - model.logit_scale.numel()
+    ours = model_profiles(yaml.safe_load((CONF_DIR / "model" / f"{preset}.yaml").read_text()))
+    assert ours["image"].params == pytest.approx(image, rel=0.001), (preset, ours["image"].params, image)
+    assert ours["text"].params == pytest.approx(text, rel=0.001), (preset, ours["text"].params, text)
+    assert (ours["image"].seq, ours["text"].seq) == (image_seq, text_seq)

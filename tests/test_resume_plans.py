@@ -19,8 +19,13 @@ COLOCATED2 = ldm.Plan(2, {"image": {"ranks": [0, 1]}, "text": {"ranks": [0, 1]}}
 UNEVEN4 = ldm.Plan(4, {"image": {"ranks": [0, 1, 2], "replica_batch": [4, 2, 2]}, "text": {"ranks": [3]}})
 SEPARATE2 = ldm.Plan(2, {"image": {"ranks": [0]}, "text": {"ranks": [1]}})
 
+CP_SHARDED = ldm.Plan(4, {"image": {"ranks": [0, 1, 2, 3], "cp": 2, "shard": "full"}, "text": {"ranks": [0]}})
+TP_SP = ldm.Plan(4, {"image": {"ranks": [0, 1], "tp": 2, "sp": True}, "text": {"ranks": [2, 3], "cp": 2}})
+
 CHANGES = {
     "dp-to-sharded": (DP, IMAGE_SHARDED3),
+    "dp-to-cp2-sharded": (DP, CP_SHARDED),
+    "cp2-sharded-to-tp2-sp": (CP_SHARDED, TP_SP),
     "sharded-to-colocated": (BOTH_SHARDED, COLOCATED2),
     "4-ranks-to-2-ranks": (UNEVEN4, SEPARATE2),
 }

@@ -80,6 +80,11 @@ PLANS = {
             },
         ),
     ),
+    # context parallelism: FSDP over the 2 replicas x 2 cp ranks, a quarter of the tower on each rank
+    "image-dp2xcp2-sharded": (
+        DeepCLIP,
+        ldm.Plan(4, {"image": {"ranks": [0, 1, 2, 3], "cp": 2, "shard": "full"}, "text": {"ranks": [0, 2]}}),
+    ),
     # tensor parallelism inside each replica, FSDP across them (a qkv bias included)
     "image-tp2xfsdp2": (
         QKVBiasCLIP,

@@ -16,7 +16,15 @@ from typing import Any
 
 import yaml
 
-from lightning_distmm.core.plan_schema import SCHEDULES, SHARDS, PlanError, UniqueKeyLoader, check_types, is_int
+from lightning_distmm.core.plan_schema import (
+    SCHEDULES,
+    SHARDS,
+    PlanError,
+    UniqueKeyLoader,
+    check_sequence_split,
+    check_types,
+    is_int,
+)
 
 
 def sync_group_count(schedules: Mapping[str, str]) -> int | None:
@@ -54,9 +62,12 @@ def split_batch(n: int, weights: Sequence[int] | None, replicas: int) -> list[in
 class TowerPlan:
     """One tower's share of the machine.
 
-    ``ranks`` are laid out data-parallel outermost, then pipeline, then tensor-parallel innermost,
-    so replica ``i`` owns ``ranks[i*tp*pp:(i+1)*tp*pp]``. ``replica_batch`` gives each data-parallel
-    replica's samples for the nominal global batch (uneven allowed); ``None`` splits evenly.
+    ``ranks`` are laid out data-parallel outermost, then pipeline, then context-parallel, then
+    tensor-parallel innermost, so replica ``i`` owns ``ranks[i*w:(i+1)*w]`` with ``w = pp*cp*tp``
+    and each pipeline stage of a replica ``cp*tp`` consecutive ranks. The ``cp`` ranks of a stage
+    read the same rows and split the tokens of each row between them (docs/runtime.md, "Sequence
+    and context parallelism"). ``replica_batch`` gives each data-parallel replica's samples for the
+    nominal global batch (uneven allowed); ``None`` splits evenly.
     """
 
     ranks: list[int]
@@ -72,28 +83,40 @@ class TowerPlan:
     """Parameters, gradients and optimizer state over the tower's data-parallel ranks: ``none``
     (replicated), ``full`` (sharded over all replicas, FSDP) or ``hybrid`` (sharded over the replicas
     on one node, replicated across nodes, HSDP)."""
+    cp: int = 1
+    """Context parallelism: each row's token sequence split over ``cp`` ranks of the replica, attention
+    exact across the split (DeepSpeed-Ulysses all-to-all over heads: the heads must divide by
+    ``cp * tp``); gradients summed over the replicas and the cp ranks together."""
+    sp: bool = False
+    """Sequence parallelism with TP (Megatron-LM): the norm / dropout / residual regions sharded
+    along the sequence over the ``tp`` ranks instead of replicated; needs ``tp > 1``."""
 
     @property
     def sharded(self) -> bool:
         return self.shard != "none"
 
     @property
+    def stage_width(self) -> int:
+        """Ranks of one pipeline stage of a replica: its context- and tensor-parallel ranks (``cp * tp``)."""
+        return self.cp * self.tp
+
+    @property
     def dp(self) -> int:
-        return len(self.ranks) // (self.tp * self.pp)
+        return len(self.ranks) // (self.stage_width * self.pp)
 
     def replica_ranks(self, replica: int) -> list[int]:
-        width = self.tp * self.pp
+        width = self.stage_width * self.pp
         return self.ranks[replica * width : (replica + 1) * width]
 
     def feature_rank(self, replica: int) -> int:
-        """The rank that holds replica ``replica``'s output features: last pipeline stage, first tensor rank."""
-        return self.replica_ranks(replica)[(self.pp - 1) * self.tp]
+        """The rank that holds replica ``replica``'s output features: last pipeline stage, first cp and tensor rank."""
+        return self.replica_ranks(replica)[(self.pp - 1) * self.stage_width]
 
     def replica_of(self, rank: int) -> int | None:
         """The data-parallel replica that ``rank`` belongs to, or None if it does not run this tower."""
         if rank not in self.ranks:
             return None
-        return self.ranks.index(rank) // (self.tp * self.pp)
+        return self.ranks.index(rank) // (self.stage_width * self.pp)
 
     def split(self, n: int) -> list[int]:
         """Per-replica sample counts for a global batch of ``n``."""
@@ -132,14 +155,11 @@ class Plan:
                 raise PlanError(
                     f"{where} uses ranks {bad} outside the world of {self.world_size} ranks (0..{self.world_size - 1})"
                 )
-            for degree in ("tp", "pp"):
+            for degree in ("tp", "pp", "cp"):
                 value = getattr(t, degree)
                 if not is_int(value) or value < 1:
                     raise PlanError(f"{where}: {degree} must be a positive integer, got {value!r}")
-            if len(t.ranks) % (t.tp * t.pp):
-                raise PlanError(
-                    f"{where}: {len(t.ranks)} ranks do not divide into replicas of tp*pp = {t.tp}*{t.pp} = {t.tp * t.pp}"
-                )
+            check_sequence_split(where, t.cp, t.tp, t.pp, t.sp, t.shard, len(t.ranks))
             if t.schedule not in SCHEDULES:
                 raise PlanError(f"{where}: unknown schedule {t.schedule!r}; choose one of {', '.join(SCHEDULES)}")
             if not isinstance(t.recompute, bool):
@@ -328,7 +348,7 @@ class Plan:
 
     # ------------------------------------------------------------------ printout
     def table(self) -> str:
-        head = ("tower", "ranks", "dp", "tp", "pp", "shard", "replica batch", "microbatch", "schedule")
+        head = ("tower", "ranks", "dp", "cp", "tp", "pp", "shard", "replica batch", "microbatch", "schedule")
         rows = []
         for name, t in self.towers.items():
             batch = "+".join(map(str, t.replica_batch)) if t.replica_batch else "even"
@@ -337,7 +357,8 @@ class Plan:
                     name,
                     _ranks_str(t.ranks),
                     str(t.dp),
-                    str(t.tp),
+                    str(t.cp),
+                    str(t.tp) + ("+sp" if t.sp else ""),
                     str(t.pp),
                     t.shard,
                     batch,

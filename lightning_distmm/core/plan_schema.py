@@ -56,16 +56,38 @@ def check_types(data: Mapping[str, Any]) -> None:
             elif key == "replica_batch":
                 ok = value is None or (isinstance(value, list) and all(is_int(b) for b in value))
                 _expect(ok, path, f"{ints} or null", value)
-            elif key in ("tp", "pp"):
+            elif key in ("tp", "pp", "cp"):
                 _expect(is_int(value) and value >= 1, path, "a positive int", value)
             elif key == "microbatch":
                 _expect(value is None or (is_int(value) and value >= 1), path, "a positive int or null", value)
             elif key == "schedule":
                 _expect(isinstance(value, str), path, f"one of {', '.join(SCHEDULES)}", value)
-            elif key == "recompute":
+            elif key in ("recompute", "sp"):
                 _expect(isinstance(value, bool), path, "true or false", value)
             elif key == "shard":
                 _expect(isinstance(value, str), path, f"one of {', '.join(SHARDS)}", value)
+
+
+def check_sequence_split(where: str, cp: int, tp: int, pp: int, sp: Any, shard: str, ranks: int) -> None:
+    """The rules of a tower's context / sequence parallelism that the plan alone can check (the head
+    count and sequence length are checked against the module when the runtime prepares it)."""
+    if ranks % (cp * tp * pp):
+        raise PlanError(
+            f"{where}: {ranks} ranks do not divide into replicas of cp*tp*pp = {cp}*{tp}*{pp} = {cp * tp * pp}"
+            " (a replica is pp stages of cp*tp ranks)"
+        )
+    if not isinstance(sp, bool):
+        raise PlanError(f"{where}: sp must be true or false, got {sp!r}")
+    if sp and tp == 1:
+        raise PlanError(
+            f"{where}: sp: true shards along the sequence the regions that tensor parallelism replicates over its"
+            " tp ranks, so it needs tp > 1 (this tower has tp=1); set tp > 1 or use cp to split the sequence"
+        )
+    if cp > 1 and shard == "hybrid":
+        raise PlanError(
+            f"{where}: cp={cp} with shard: hybrid is not supported (HSDP would need a mesh of the replicas and"
+            " their cp ranks per node); use shard: full, which shards over the replicas and cp ranks together"
+        )
 
 
 class UniqueKeyLoader(yaml.SafeLoader):

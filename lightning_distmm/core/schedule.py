@@ -98,9 +98,9 @@ def stage_neighbours(plan: Plan, tower: str, rank: int) -> tuple[int, int, int |
     assert replica is not None
     ranks = t.replica_ranks(replica)
     pos = ranks.index(rank)
-    stage, tp = divmod(pos, t.tp)
-    prev = ranks[(stage - 1) * t.tp + tp] if stage > 0 else None
-    nxt = ranks[(stage + 1) * t.tp + tp] if stage < t.pp - 1 else None
+    stage, inner = divmod(pos, t.stage_width)  # inner: the (cp, tp) coordinate, kept from stage to stage
+    prev = ranks[(stage - 1) * t.stage_width + inner] if stage > 0 else None
+    nxt = ranks[(stage + 1) * t.stage_width + inner] if stage < t.pp - 1 else None
     return replica, stage, prev, nxt
 
 
@@ -109,7 +109,7 @@ def sync_ranks(plan: Plan) -> tuple[int, ...]:
     out: set[int] = set()
     for t in plan.towers.values():
         for replica in range(t.dp):
-            out.update(t.replica_ranks(replica)[(t.pp - 1) * t.tp :])
+            out.update(t.replica_ranks(replica)[(t.pp - 1) * t.stage_width :])
     return tuple(sorted(out))
 
 

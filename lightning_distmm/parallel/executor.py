@@ -52,6 +52,7 @@ from lightning_distmm.core.schedule import (
 )
 from lightning_distmm.interaction import row_share
 from lightning_distmm.parallel import deferred
+from lightning_distmm.parallel.context_parallel import feature_grad_scale, head_copies
 from lightning_distmm.parallel.exchange import (
     FeatureSpec,
     GatherSlot,
@@ -373,11 +374,11 @@ class RankRuntime:
         buckets = self.gradients.buckets(ins.tower) if last and run.sums is not None else None
         if buckets is not None:
             buckets.arm()
-        g_out = (
-            self.links.recv(ins.tower, "grad", ins.recv_from, self.device)
-            if ins.recv_from is not None
-            else feature_grad
-        )
+        if ins.recv_from is not None:
+            g_out = self.links.recv(ins.tower, "grad", ins.recv_from, self.device)
+        else:  # the cp (and sp) ranks all run the head: each backpropagates its share (parallel/context_parallel.py)
+            t = self.plan.towers[ins.tower]
+            g_out = feature_grad_scale(feature_grad, head_copies(t.cp, t.tp, t.sp))
         start = self._now()
         if micro.output is None:  # cached: recompute the stage from its saved input, same RNG
             x_in = micro.input.requires_grad_(True) if micro.input is not None else None

@@ -186,10 +186,10 @@ class RankGradients:
         one replica, or a sharded tower, which FSDP sums). Built once: their buffers are the
         gradients' storage on the steps whose sums are posted during the step."""
         tower = self.plan.towers[name]
-        if tower.dp == 1 or self.sharded(name) or not self.trainable(name):
+        if tower.dp * tower.cp == 1 or self.sharded(name) or not self.trainable(name):
             return None
         if name not in self._buckets:
-            group = None if tower.dp == self.world else self.groups[name].dp_group
+            group = None if tower.dp * tower.cp == self.world else self.groups[name].dp_group
             params = [p for p in self.tower_params[name].values() if p.requires_grad and not p.is_meta]
             self._buckets[name] = GradientBuckets(
                 params, group, int(self.bucket_cap_mb * 2**20), first_cap=FIRST_BUCKET_BYTES
@@ -214,7 +214,8 @@ class RankGradients:
         parameters: every rank; a tower's: its data-parallel replicas)."""
         out = [(p, self.world) for p in self.interaction_params.values()]
         for name in self.layout.local_towers:
-            out.extend((p, self.plan.towers[name].dp) for p in self.tower_params[name].values())
+            tower = self.plan.towers[name]
+            out.extend((p, tower.dp * tower.cp) for p in self.tower_params[name].values())
         return out
 
     def _grads_for(self, params: Mapping[str, nn.Parameter]) -> list[Tensor]:
@@ -232,10 +233,10 @@ class RankGradients:
         world_grads = self._grads_for(self.interaction_params)
         for name in self.layout.local_towers:
             tower = self.plan.towers[name]
-            if tower.dp == 1 or not self.trainable(name) or self.sharded(name):
+            if tower.dp * tower.cp == 1 or not self.trainable(name) or self.sharded(name):
                 continue
             grads = self._grads_for(self.tower_params[name])
-            if tower.dp == self.world:
+            if tower.dp * tower.cp == self.world:
                 world_grads.extend(grads)  # the replicas span the world: one collective for all
             else:
                 allreduce_sum(grads, self.groups[name].dp_group)
@@ -247,8 +248,8 @@ class RankGradients:
         """Clip by the norm of the gradient of the whole model, across all towers and ranks.
 
         Each tower's gradient is counted once, by its first replica: tensor-parallel shards by
-        every rank of that replica, replicated parameters by the first tensor-parallel rank of each
-        pipeline stage (stages hold different parameters); a sharded tower's (FSDP) shards by every
+        every rank of that replica's first cp rank, replicated parameters by the first tensor- and
+        context-parallel rank of each pipeline stage (stages hold different parameters); a sharded tower's (FSDP) shards by every
         rank holding a distinct one (each ``DTensor``'s rank at coordinate 0 of its replicated mesh
         dimensions); the interaction parameters once (by rank 0). Then every rank scales its own
         gradients.
@@ -264,9 +265,10 @@ class RankGradients:
                 continue
             if self.rank not in tower.replica_ranks(0):
                 continue
-            first_tp = tower.replica_ranks(0).index(self.rank) % tower.tp == 0
+            # position in the stage: (cp, tp); the cp ranks hold the same summed gradients, count the first
+            cp_rank, tp_rank = divmod(tower.replica_ranks(0).index(self.rank) % tower.stage_width, tower.tp)
             for p in self.tower_params[name].values():
-                if p.grad is not None and (is_sharded(p) or first_tp):
+                if p.grad is not None and cp_rank == 0 and (is_sharded(p) or tp_rank == 0):
                     counted.append(local(p.grad))
         if math.isinf(norm_type):
             part = torch.stack([g.detach().abs().max() for g in counted]).max() if counted else torch.zeros(())

@@ -8,10 +8,13 @@ links. The runtime receives the topology and creates no group of its own.
 One DeviceMesh per tower, over the ranks the plan gives it.
 
 Each tower's mesh has the dimensions ``("dp", "pp", "tp")`` (tensor-parallel innermost, as the
-plan lays ranks out): data-parallel gradient sums run on ``mesh.get_group("dp")`` and tensor
-parallelism shards over ``mesh["tp"]``. Pipeline stages do not use the mesh's ``pp`` groups: their
-sends and receives run in a group per stage pair and direction
-(:class:`lightning_distmm.parallel.pipeline.PipelineLinks`). Every rank constructs every tower's
+plan lays ranks out), ``("dp", "pp", "cp", "tp")`` for a tower with context parallelism:
+data-parallel gradient sums run on ``mesh.get_group("dp")`` and tensor parallelism shards over
+``mesh["tp"]``. With ``cp > 1`` every cp rank holds a partial gradient (its tokens' share), so the
+sums run over the replicas and the cp ranks together: :attr:`TowerGroups.sum_mesh`, a 1-D mesh of
+the ``dp * cp`` ranks of the same stage and tensor coordinate (FSDP shards over it too). Pipeline
+stages do not use the mesh's ``pp`` groups: their sends and receives run in a group per stage pair
+and direction (:class:`lightning_distmm.parallel.pipeline.PipelineLinks`). Every rank constructs every tower's
 mesh in the same order, as torch.distributed requires of group creation; a rank outside a tower
 simply has no coordinate in its mesh.
 
@@ -46,12 +49,17 @@ class TowerGroups:
     shard_mesh: DeviceMesh | None = None
     #: FSDP's MixedPrecisionPolicy for the tower (None: compute in the parameters' dtype)
     mp_policy: Any = None
+    #: cp > 1: the 1-D mesh of this rank's replicas x cp ranks (same stage and tp coordinate)
+    sum_mesh: DeviceMesh | None = None
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
-        """The data-parallel group of this rank's replica set, or None when this rank is not in the tower."""
+        """The group a tower's gradients are summed over (its replicas, and with ``cp > 1`` their cp
+        ranks too), or None when this rank is not in the tower."""
         if self.mesh.get_coordinate() is None:
             return None
+        if self.sum_mesh is not None:
+            return self.sum_mesh.get_group()
         return self.mesh.get_group("dp")
 
 
@@ -98,12 +106,24 @@ def build_tower_groups(
     """
     groups = {}
     for name, tower in plan.towers.items():
-        layout = torch.tensor(tower.ranks, dtype=torch.int).reshape(tower.dp, tower.pp, tower.tp)
-        mesh = DeviceMesh(device_type, layout, mesh_dim_names=("dp", "pp", "tp"))
+        layout = torch.tensor(tower.ranks, dtype=torch.int).reshape(tower.dp, tower.pp, tower.cp, tower.tp)
+        sum_mesh = None
+        if tower.cp == 1:
+            mesh = DeviceMesh(
+                device_type, layout.reshape(tower.dp, tower.pp, tower.tp), mesh_dim_names=("dp", "pp", "tp")
+            )
+        else:
+            mesh = DeviceMesh(device_type, layout, mesh_dim_names=("dp", "pp", "cp", "tp"))
+            # (pp, tp, dp*cp): the ranks that hold the same parameters and partial gradients of them
+            flat = layout.permute(1, 3, 0, 2).reshape(tower.pp, tower.tp, tower.dp * tower.cp)
+            both = DeviceMesh(device_type, flat, mesh_dim_names=("pp", "tp", "dp_cp"))
+            sum_mesh = both["dp_cp"] if both.get_coordinate() is not None else None
         shard_mesh = None
         if tower.sharded:
             rows = [hybrid_rows(name, tower, nodes, s) for s in range(tower.pp)] if tower.shard == "hybrid" else None
-            if rows is None or len(rows[0]) == 1:
+            if tower.cp > 1:
+                shard_mesh = sum_mesh  # None off the tower; plan validation refuses cp > 1 with hybrid
+            elif rows is None or len(rows[0]) == 1:
                 shard_mesh = mesh["dp"]
             elif tower.pp == 1:
                 shard_mesh = DeviceMesh(
@@ -120,7 +140,7 @@ def build_tower_groups(
                     device_type, torch.tensor(rows, dtype=torch.int), mesh_dim_names=("pp", "replicate", "shard")
                 )
                 shard_mesh = stages["replicate", "shard"] if stages.get_coordinate() is not None else None
-        groups[name] = TowerGroups(name, tower, mesh, shard_mesh, mp_policy if tower.sharded else None)
+        groups[name] = TowerGroups(name, tower, mesh, shard_mesh, mp_policy if tower.sharded else None, sum_mesh)
     return groups
 
 
@@ -143,7 +163,7 @@ def hybrid_rows(name: str, tower: TowerPlan, nodes: Sequence[int] | None, stage:
     shards along a row, replicates down a column); every node must hold the same number of them."""
     by_node: dict[int, list[int]] = {}
     for replica in range(tower.dp):
-        rank = tower.replica_ranks(replica)[stage * tower.tp]
+        rank = tower.replica_ranks(replica)[stage * tower.stage_width]
         by_node.setdefault(nodes[rank] if nodes is not None else 0, []).append(rank)
     sizes = {n: len(r) for n, r in by_node.items()}
     if len(set(sizes.values())) > 1:

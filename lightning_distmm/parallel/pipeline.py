@@ -125,7 +125,13 @@ def clip_text_stages(
                 x = text_model.embeddings(input_ids=rows[ids_field])  # type: ignore[operator]
             assert x is not None
             mask = rows[mask_field] if mask_field is not None else None
-            attn = create_causal_mask(config=text_model.config, inputs_embeds=x, attention_mask=mask, cache=None)
+            # the mask of the whole sequence: a stage of a context-parallel tower receives its share of the tokens
+            like = (
+                x
+                if mask is None or mask.shape[-1] == x.shape[1]
+                else x.new_empty(x.shape[0], mask.shape[-1], x.shape[2])
+            )
+            attn = create_causal_mask(config=text_model.config, inputs_embeds=like, attention_mask=mask, cache=None)
             for layer in layers[a:b]:
                 x = layer(x, attn, is_causal=True)
             if last:
@@ -203,9 +209,10 @@ def stage_pairs(plan: Plan) -> list[tuple[str, int, int]]:
     for name, tower in plan.towers.items():
         for replica in range(tower.dp if tower.pp > 1 else 0):
             ranks = tower.replica_ranks(replica)
+            width = tower.stage_width  # the cp x tp ranks of a stage, each sending to its peer of the next
             for stage in range(tower.pp - 1):
-                for t in range(tower.tp):
-                    pairs.append((name, ranks[stage * tower.tp + t], ranks[(stage + 1) * tower.tp + t]))
+                for t in range(width):
+                    pairs.append((name, ranks[stage * width + t], ranks[(stage + 1) * width + t]))
     return pairs
 
 

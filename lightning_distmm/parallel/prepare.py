@@ -20,9 +20,11 @@ from torch import nn
 from lightning_distmm.core.layout import RankLayout
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.core.schedule import stage_neighbours
+from lightning_distmm.parallel.context_parallel import apply_cp, check_cp
 from lightning_distmm.parallel.fsdp import apply_fsdp
 from lightning_distmm.parallel.groups import TowerGroups
 from lightning_distmm.parallel.pipeline import Stage, owned_names, release_unowned, tower_stages
+from lightning_distmm.parallel.sequence_parallel import apply_sp, check_sp
 from lightning_distmm.parallel.tensor_parallel import apply_tp, check_tp
 from lightning_distmm.tower import Tower
 
@@ -77,18 +79,29 @@ def parallelize_local_towers(
     stages: Mapping[str, Stage] | None = None,
 ) -> None:
     """Shard the local towers that the plan gives tensor parallelism (tp > 1) over their tp mesh (a
-    pipelined tower: its stage's blocks)."""
+    pipelined tower: its stage's blocks), then split the sequence of those with context parallelism
+    (cp > 1) over their cp ranks."""
     for name, tower in plan.towers.items():  # every rank checks every tower: fail together
         if tower.tp > 1:
             check_tp(towers[name].module, tower.tp, name)
+        if tower.cp > 1:
+            check_cp(towers[name].module, tower.cp, tower.tp, name, tower.pp)
+        if tower.sp:
+            check_sp(towers[name].module, name, tower.tp, tower.cp, tower.shard)
     for name in layout.local_towers:
-        if plan.towers[name].tp > 1:
+        tower = plan.towers[name]
+        if tower.tp > 1:
             stage = (stages or {}).get(name)
-            if stage is None:
-                apply_tp(towers[name].module, groups[name].mesh["tp"], lambda block: True)
-            else:
+            held = lambda block: True  # noqa: E731
+            if stage is not None:
                 mine = {id(m) for top in stage.modules for m in top.modules()}
-                apply_tp(towers[name].module, groups[name].mesh["tp"], lambda block: id(block) in mine)
+                held = lambda block: id(block) in mine  # noqa: E731
+            apply_tp(towers[name].module, groups[name].mesh["tp"], held, tower.sp)
+            if tower.sp:
+                apply_sp(towers[name].module, groups[name].mesh["tp"], held)
+        if tower.cp > 1:
+            mesh = groups[name].mesh
+            apply_cp(towers[name].module, mesh.get_group("cp"), tower.cp, mesh.get_local_rank("cp"), tower.pp, name)
 
 
 def shard_local_towers(

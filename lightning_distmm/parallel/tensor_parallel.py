@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import Placement
 
@@ -94,6 +94,9 @@ class _FusedQKVColwise(nn.Module):
     gradient of that nested layout into the wrong rows (checked: a tp2 x fsdp2 bias gradient came
     back permuted, with rows lost). Replicated, FSDP shards it plainly on dim 0."""
 
+    #: sequence parallelism: ``(x, weight, bias) -> linear(all_gather(x))`` on this rank's tokens ``x``
+    gathered_linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
+
     def __init__(self, linear: nn.Linear, mesh: DeviceMesh):
         super().__init__()
         placement = [strided_shard(0, split_factor=3)]
@@ -110,10 +113,12 @@ class _FusedQKVColwise(nn.Module):
             self.bias.requires_grad_(linear.bias.requires_grad)  # type: ignore[union-attr]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = _CopyToTensorParallel.apply(x, self.group)
         bias = None
         if self.bias is not None:
             bias = _HeadRows.apply(self.bias.to_local(), self.tp_rank, self.tp, self.group)
+        if self.gathered_linear is not None:
+            return self.gathered_linear(x, self.weight.to_local(), bias)
+        x = _CopyToTensorParallel.apply(x, self.group)
         return F.linear(x, self.weight.to_local(), bias)
 
 
@@ -126,10 +131,24 @@ def _holds_all(block: nn.Module) -> bool:
     return not any(p.is_meta for p in block.parameters())
 
 
-def apply_tp_vit(model: nn.Module, mesh: DeviceMesh, held: Callable[[nn.Module], bool] = _holds_all) -> nn.Module:
+def apply_tp_vit(
+    model: nn.Module, mesh: DeviceMesh, held: Callable[[nn.Module], bool] = _holds_all, sp: bool = False
+) -> nn.Module:
     """Shard a timm VisionTransformer's blocks over the 1-D tensor-parallel ``mesh`` (in place); only the
-    blocks ``held`` says this rank runs (another pipeline stage's blocks are left alone)."""
+    blocks ``held`` says this rank runs (another pipeline stage's blocks are left alone). ``sp``: the
+    blocks' inputs and outputs are this rank's tokens (sequence parallelism, Megatron-LM): ``attn.proj``
+    and ``mlp.fc2`` reduce-scatter instead of all-reducing; ``mlp.fc1`` and the qkv's gathers are
+    installed by :func:`lightning_distmm.parallel.sequence_parallel.apply_sp`, which must follow)."""
     tp = mesh.size()
+    tokens = Shard(1)
+    styles = (
+        {
+            "attn.proj": RowwiseParallel(output_layouts=tokens),
+            "mlp.fc2": RowwiseParallel(output_layouts=tokens),  # mlp.fc1: apply_sp gathers its input itself
+        }
+        if sp
+        else {"attn.proj": RowwiseParallel(), "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
+    )
     for i, block in enumerate(model.blocks):  # type: ignore[union-attr]
         attn = block.attn
         _check_heads(attn.num_heads, tp, f"blocks.{i}.attn")
@@ -140,9 +159,7 @@ def apply_tp_vit(model: nn.Module, mesh: DeviceMesh, held: Callable[[nn.Module],
         attn.qkv = _FusedQKVColwise(attn.qkv, mesh)
         attn.num_heads //= tp
         attn.attn_dim //= tp
-        parallelize_module(
-            block, mesh, {"attn.proj": RowwiseParallel(), "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()}
-        )
+        parallelize_module(block, mesh, styles)
     return model
 
 
@@ -201,7 +218,9 @@ def check_tp(module: nn.Module, tp: int, tower: str) -> None:
         raise ValueError(f"tower {tower!r}, tp={tp}: {err}") from None
 
 
-def apply_tp(module: nn.Module, mesh: DeviceMesh, held: Callable[[nn.Module], bool] = _holds_all) -> nn.Module:
+def apply_tp(
+    module: nn.Module, mesh: DeviceMesh, held: Callable[[nn.Module], bool] = _holds_all, sp: bool = False
+) -> nn.Module:
     """Shard a tower by its family: a timm ViT (``blocks[*].attn.qkv``) or a text encoder with ``encoder.layers``;
     only the blocks ``held`` says this rank runs (by default those not released to the meta device;
     a tower built on meta to be materialised later says which by its pipeline stage).
@@ -213,7 +232,12 @@ def apply_tp(module: nn.Module, mesh: DeviceMesh, held: Callable[[nn.Module], bo
         if module._distmm_tp_mesh != mesh:  # type: ignore[comparison-overlap]
             raise ValueError("this tower is already sharded over another tensor-parallel mesh")
         return module
-    apply_tp_vit(module, mesh, held) if _family(module) == "vit" else apply_tp_clip_text(module, mesh, held)
+    if _family(module) == "vit":
+        apply_tp_vit(module, mesh, held, sp)
+    elif sp:
+        raise ValueError(f"sp: true is built for timm ViT towers; a {type(module).__name__} tower runs tp without it")
+    else:
+        apply_tp_clip_text(module, mesh, held)
     module._distmm_tp_mesh = mesh  # type: ignore[assignment]
     return module
 

@@ -57,6 +57,8 @@ class PlannerOptions:
     recompute: bool = True
     shards: tuple[str, ...] = ("none",)
     baselines: tuple[str, ...] | None = None
+    #: after the search, offer each tower context / sequence parallelism on its devices (planner.sequence)
+    sequence: bool = False
     cost: CostOptions = field(default_factory=CostOptions)
 
     def __post_init__(self) -> None:

@@ -43,19 +43,22 @@ _SYNC = "#2E7D32"
 
 @dataclass(frozen=True)
 class Role:
-    """What one device does for one tower: its data-parallel replica, pipeline stage and
-    tensor-parallel shard."""
+    """What one device does for one tower: its data-parallel replica, pipeline stage,
+    tensor-parallel shard and context-parallel chunk of the tokens."""
 
     tower: str
     replica: int
     stage: int
     shard: int
+    chunk: int = 0
 
     def label(self, t: TowerPlan) -> str:
         """``rep 3``, then ``stage 1`` when the tower has stages and ``tp 0`` when it has shards."""
         parts = [f"rep {self.replica}"]
         if t.pp > 1:
             parts.append(f"stage {self.stage}")
+        if t.cp > 1:
+            parts.append(f"cp {self.chunk}")
         if t.tp > 1:
             parts.append(f"tp {self.shard}")
         return " / ".join(parts)
@@ -92,9 +95,9 @@ def device_roles(plan: Plan) -> dict[int, list[Role]]:
     out: dict[int, list[Role]] = {r: [] for r in range(plan.world_size)}
     for name, t in plan.towers.items():
         for pos, r in enumerate(t.ranks):
-            replica, within = divmod(pos, t.tp * t.pp)
-            stage, shard = divmod(within, t.tp)
-            out.setdefault(r, []).append(Role(name, replica, stage, shard))
+            replica, within = divmod(pos, t.stage_width * t.pp)
+            stage, inner = divmod(within, t.stage_width)  # inner: (cp, tp) coordinate, tp innermost
+            out.setdefault(r, []).append(Role(name, replica, stage, inner % t.tp, inner // t.tp))
     return out
 
 
@@ -103,10 +106,16 @@ def heavy_links(plan: Plan, devices_per_node: int) -> list[LinkGroup]:
     gradient all-reduce groups, each with the nodes it spans."""
     out: list[LinkGroup] = []
     for name, t in plan.towers.items():
-        width, reps = t.tp * t.pp, [t.replica_ranks(i) for i in range(t.dp)]
-        groups = [("tp", rep[s * t.tp : (s + 1) * t.tp], s) for rep in reps for s in range(t.pp)] if t.tp > 1 else []
-        groups += [("pp", [rep[k], rep[k + t.tp]], k % t.tp) for rep in reps for k in range(width - t.tp)]
-        groups += [("dp", [rep[k] for rep in reps], k) for k in range(width)] if t.dp > 1 else []
+        sw, reps = t.stage_width, [t.replica_ranks(i) for i in range(t.dp)]
+        width = sw * t.pp
+        lanes = [(s * sw + c * t.tp, s) for s in range(t.pp) for c in range(t.cp)]  # first rank of each tp group
+        groups = [("tp", rep[a : a + t.tp], s) for rep in reps for a, s in lanes] if t.tp > 1 else []
+        groups += [("pp", [rep[k], rep[k + sw]], k % sw) for rep in reps for k in range(width - sw)]
+        # gradient sums: a stage's tp lane over every replica and its cp ranks
+        sums = [
+            [rep[s * sw + c * t.tp + j] for rep in reps for c in range(t.cp)] for s in range(t.pp) for j in range(t.tp)
+        ]
+        groups += [("dp", g, k) for k, g in enumerate(sums)] if t.dp * t.cp > 1 else []
         for kind, ranks, lane in groups:
             nodes = tuple(sorted({r // devices_per_node for r in ranks}))
             out.append(LinkGroup(name, kind, tuple(ranks), nodes, lane))
@@ -122,7 +131,7 @@ def link_traffic(report: Report) -> dict[tuple[str, str], Traffic]:
     from lightning_distmm.planner.cost.step import link_bytes, rank_groups
 
     ev, opts, dpn = report.chosen, report.options.cost, report.cluster.devices_per_node
-    groups = {n: rank_groups(list(ev.ranks[n]), c.tp, c.pp) for n, c in ev.choices.items()}
+    groups = {n: rank_groups(list(ev.ranks[n]), c.tp, c.pp, c.cp) for n, c in ev.choices.items()}
     grads, _ = gradient_traffic(report.profiles, report.cluster, opts, ev.choices, groups)
     out: dict[tuple[str, str], Traffic] = {}
     for name, c in ev.choices.items():

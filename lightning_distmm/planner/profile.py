@@ -253,6 +253,26 @@ def _attn_pool(s: int, h: int, E: int, queries: int, heads: int) -> Block:
     )
 
 
+def _map_pool(s: int, h: int, heads: int, m: int) -> Block:
+    """timm's ``AttentionPoolLatent`` (SigLIP's ``map`` head): one learned latent attends to the ``s``
+    tokens (q, kv and output projections with biases), a LayerNorm and an MLP of width ``m``."""
+    params = h + 4 * h * h + 4 * h + 2 * h + 2 * h * m + m + h
+    return Block(
+        params=params,
+        gemms=(
+            Gemm(s, h, 2 * h, "rep"),
+            Gemm(1, h, h, "rep"),
+            Gemm(1, h, h, "rep"),
+            Gemm(1, h, m, "rep"),
+            Gemm(1, m, h, "rep"),
+        ),
+        attn=(Attn(1, s, h, heads),),
+        elem_rep=2.0 * s * h + 8.0 * h,
+        act_rep=float(s * h + 2 * s * h),
+        kernels=8,
+    )
+
+
 def _merge(a: Block, b: Block) -> Block:
     (arep, asplit), (brep, bsplit) = a.backward_elems(), b.backward_elems()
     return Block(
@@ -315,7 +335,9 @@ def tower_profile(
             boundary=float(s * h),
         )
         pool = cfg.get("attn_pool")
-        if pool:
+        if pool and "mlp_ratio" in pool:  # SigLIP's MAP head (timm AttentionPoolLatent)
+            post = _map_pool(s, h, int(pool.get("heads", heads)), int(h * float(pool["mlp_ratio"])))
+        elif pool:
             post = _attn_pool(s, h, E, int(pool.get("queries", 256)), int(pool.get("heads", 8)))
         else:
             post = Block(params=2 * h + h * E + E, gemms=(Gemm(1, h, E, "rep"),), elem_rep=2.0 * s * h, kernels=3)

@@ -31,6 +31,8 @@ class Report:
     options: PlannerOptions
     balance: Balance | None = None
     placement_scores: dict[str, float] = field(default_factory=dict)
+    #: what ``planner.sequence`` changed (planner.sequence.refine_sequence), one line per tower
+    sequence_notes: list[str] = field(default_factory=list)
 
     @property
     def step_time(self) -> float:
@@ -128,7 +130,7 @@ class Report:
                     name,
                     _count(self.profiles[name].params) + (" frozen" if self.profiles[name].frozen else ""),
                     str(ch.n),
-                    f"{ch.dp}/{ch.tp}/{ch.pp}",
+                    f"{ch.dp}/{ch.tp}/{ch.pp}" + (f" cp{ch.cp}" if ch.cp > 1 else "") + (" +sp" if ch.sp else ""),
                     batch,
                     f"{ch.microbatch} x{ch.K}",
                     ch.schedule,
@@ -152,6 +154,7 @@ class Report:
             f"batch sync (feature all-gather, loss, gradient scatter): {_ms(c.cost.sync['total'])}",
             f"predicted step time: {_ms(self.step_time)}  ({self.global_batch / self.step_time:,.0f} samples/s,"
             f" MFU {self.mfu:.1%})",
+            *(f"sequence: {note}" for note in self.sequence_notes),
         ]
         for name in BASELINES:
             if name not in self.baselines:

@@ -72,6 +72,7 @@ from lightning_distmm.planner.partition import (
 from lightning_distmm.planner.placement import place
 from lightning_distmm.planner.profile import TowerProfile, model_profiles
 from lightning_distmm.planner.report import Report
+from lightning_distmm.planner.sequence import refine_sequence
 
 
 def make_plan(
@@ -218,9 +219,16 @@ def make_plan(
     if not pool:
         raise InfeasibleError(_why_nothing(profiles, cl, co, space, D, G, opts))
     chosen = min(pool, key=lambda e: e.step_time)
-    solve = time.perf_counter() - t0
     plan = to_plan(chosen, D, G)
+    notes: list[str] = []
+    if opts.sequence:
+        plan, refined, notes = refine_sequence(plan, profiles, cl, lambda pl: price_plan(pl, profiles, cl, opts, G), G)
+        if notes:
+            choices, ranks = plan_choices(plan, G)
+            chosen = Evaluated(chosen.name, choices, ranks, refined)
+    solve = time.perf_counter() - t0
     report = Report(model_name, cl, G, plan, chosen, candidates, baselines, profiles, solve, opts, balance, scores)
+    report.sequence_notes = notes
     return plan, report
 
 
@@ -271,6 +279,8 @@ def tower_plan(choice: TowerChoice, ranks: Sequence[int]) -> TowerPlan:
         schedule=schedule,
         recompute=recompute,
         shard=choice.shard,
+        cp=choice.cp,
+        sp=choice.sp,
     )
 
 
@@ -284,7 +294,7 @@ def tower_choice(name: str, tower: TowerPlan, global_batch: int) -> TowerChoice:
     rb = tuple(tower.split(int(global_batch)))
     mb = min(tower.microbatch, max(rb)) if tower.microbatch else max(rb)
     schedule = cost_schedule(tower.schedule, tower.recompute)
-    return TowerChoice(name, len(tower.ranks), tower.tp, tower.pp, mb, schedule, rb, tower.shard)
+    return TowerChoice(name, len(tower.ranks), tower.tp, tower.pp, mb, schedule, rb, tower.shard, tower.cp, tower.sp)
 
 
 def plan_choices(plan: Plan, global_batch: int | None = None) -> tuple[dict[str, TowerChoice], dict[str, list[int]]]:

@@ -24,10 +24,12 @@ class TowerChoice:
     # under gpipe+recompute: how many of a stage's layers are recomputed (Megatron-LM's
     # --recompute-method block --recompute-num-layers N); None: all of them (the runtime's only form)
     recompute_layers: int | None = None
+    cp: int = 1  # context parallelism: each replica's stages are cp x tp ranks splitting the tokens
+    sp: bool = False  # sequence parallelism with tp (Megatron-LM)
 
     @property
     def dp(self) -> int:
-        return self.n // (self.tp * self.pp)
+        return self.n // (self.tp * self.pp * self.cp)
 
     @property
     def max_batch(self) -> int:

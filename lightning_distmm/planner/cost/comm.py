@@ -124,6 +124,24 @@ def tp_comm(
     return one * count * (profile.layers // pp)
 
 
+def cp_comm(
+    profile: TowerProfile, cluster: Cluster, opts: CostOptions, mb: Any, tp: int, cp: int, pp: int
+) -> np.ndarray:
+    """Seconds of context parallelism's all-to-alls (DeepSpeed-Ulysses) of one stage for one microbatch,
+    forward (backward equal): per attention, q/k/v to head-sharded (``3 s h / (cp tp)`` elements per
+    rank, ``(cp - 1) / cp`` of them leave it) and the output back (a third of that), plus the final
+    all-gather of the tokens. The cp group stays inside a node (``cp * tp`` ranks)."""
+    mb = np.asarray(mb, dtype=float)
+    if cp <= 1 or not profile.analytic:
+        return np.zeros_like(mb)
+    local = opts.bytes_el * mb * profile.seq * profile.width / (cp * tp)  # one [B, S/cp, h/tp] tensor
+    out = (cp - 1) / cp * local
+    per_attention = 2 * cluster.intra.latency + 4 * out / cluster.intra.effective
+    attentions = len(profile.layer.attn) * (profile.layers // pp)
+    gather = cluster.intra.latency + (cp - 1) * local * tp / cluster.intra.effective
+    return per_attention * attentions + gather
+
+
 def pp_comm(
     profile: TowerProfile, cluster: Cluster, opts: CostOptions, mb: Any, pp: int, cross_node: bool = False
 ) -> np.ndarray:
@@ -312,6 +330,7 @@ __all__ = [
     "allgather_time",
     "nic_share",
     "tp_comm",
+    "cp_comm",
     "pp_comm",
     "cross_attention_time",
     "compact_dp_allreduce",

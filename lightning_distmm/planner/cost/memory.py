@@ -57,16 +57,24 @@ def gathered_layers_bytes(profile: TowerProfile, opts: CostOptions, tp: int) -> 
     return per_layer * (2 * pol.weights + (0 if profile.frozen else pol.grads))
 
 
-def act_per_sample(profile: TowerProfile, opts: CostOptions, tp: int, pp: int, mb: Any = 1.0) -> Any:
-    """Activation bytes kept for backward per sample on the heaviest stage."""
+def act_per_sample(
+    profile: TowerProfile, opts: CostOptions, tp: int, pp: int, mb: Any = 1.0, cp: int = 1, sp: bool = False
+) -> Any:
+    """Activation bytes kept for backward per sample on the heaviest stage.
+
+    ``cp``: each rank keeps its ``1/cp`` of every layer's tokens (attention probabilities too: its
+    ``heads/cp`` over the whole sequence, Ulysses); the embeddings and the head run on the whole
+    sequence. ``sp``: the activations TP replicates (LayerNorm inputs, the inputs of the gathered
+    linears, which keep only this rank's tokens) are divided by ``tp`` too."""
     if not profile.analytic:
         fit = profile.measured
         assert fit is not None
         mb = np.asarray(mb, dtype=float)
-        return (fit.act_bytes[0] + fit.act_bytes[1] * mb) / np.maximum(mb, 1.0)
+        return (fit.act_bytes[0] + fit.act_bytes[1] * mb) / np.maximum(mb, 1.0) / cp
     lay = profile.layer
-    sp = tp if opts.sequence_parallel else 1  # sequence parallelism splits the replicated activations
-    per_layer = lay.act_rep / sp + lay.act_split / tp + (0.0 if opts.flash_attention else lay.act_scores / tp)
+    split_rep = sp or opts.sequence_parallel  # sequence parallelism splits the replicated activations
+    rep = lay.act_rep / tp if split_rep else lay.act_rep
+    per_layer = (rep + lay.act_split / tp + (0.0 if opts.flash_attention else lay.act_scores / tp)) / cp
     ends = profile.pre.act_rep + profile.post.act_rep + (profile.pre.act_split + profile.post.act_split) / tp
     if pp > 1:
         ends = max(profile.pre.act_rep + profile.pre.act_split / tp, profile.post.act_rep + profile.post.act_split / tp)
@@ -86,19 +94,22 @@ def memory_per_device(
     shard: str = "none",
     dp: Any = 1,
     recompute_layers: int | None = None,
+    cp: int = 1,
+    sp: bool = False,
 ) -> dict[str, Any]:
     """Peak bytes on the busiest device of a replica: static (weights, grads, optimizer; sharded over
-    ``dp`` replicas as ``shard`` says), activations, loss. ``recompute_layers`` (with
-    :data:`RECOMPUTE`): only that many of the stage's layers keep just their input (Megatron-LM's
-    block method); the others keep everything, as ``gpipe`` does."""
+    ``dp`` replicas as ``shard`` says, and their ``cp`` ranks), activations (:func:`act_per_sample`
+    with ``cp`` and ``sp``), loss. ``recompute_layers`` (with :data:`RECOMPUTE`): only that many of
+    the stage's layers keep just their input (Megatron-LM's block method); the others keep
+    everything, as ``gpipe`` does."""
     mb = np.asarray(mb, dtype=float)
     K = np.asarray(K, dtype=float)
-    static = stage_params(profile, tp, pp) * static_per_param(profile, opts, shard, dp)
+    static = stage_params(profile, tp, pp) * static_per_param(profile, opts, shard, np.asarray(dp) * cp)
     if shard in ("full", "hybrid"):
         static = static + gathered_layers_bytes(profile, opts, tp)
     elif shard == "zero2" and not profile.frozen:  # one layer's gradients before their reduce-scatter
         static = static + (profile.layer.params if profile.analytic else profile.params) / tp * opts.policy.grads
-    aps = act_per_sample(profile, opts, tp, pp, mb)
+    aps = act_per_sample(profile, opts, tp, pp, mb, cp, sp)
     layer_act = aps / max(profile.layers // pp, 1)
     if profile.frozen:
         act = mb * layer_act * 2  # no-grad forward: a layer's input and output at a time

@@ -35,6 +35,7 @@ from lightning_distmm.planner.cost.breakdown import StepCost, TowerChoice, Tower
 from lightning_distmm.planner.cost.comm import (
     batch_syncs,
     contrastive_features,
+    cp_comm,
     cross_attention_time,
     last_slot,
     pp_comm,
@@ -92,22 +93,28 @@ def recompute_fraction(profile: TowerProfile, choice: TowerChoice) -> float:
     return 1.0 if recomputes(choice.schedule) else 0.0
 
 
-def rank_groups(ranks: Sequence[int], tp: int, pp: int) -> dict[str, list[list[int]]]:
+def rank_groups(ranks: Sequence[int], tp: int, pp: int, cp: int = 1) -> dict[str, list[list[int]]]:
     """A tower's ranks as its replicas, tensor-parallel groups, stage boundaries (pairs of
-    neighbouring stages' first ranks) and data-parallel groups (one per stage and tp rank).
+    neighbouring stages' first ranks), data-parallel groups (one per stage and tp rank: the replicas
+    and their cp ranks, which sum gradients together) and context-parallel groups. A replica is
+    ``pp`` stages of ``cp * tp`` ranks, tp innermost (as :class:`lightning_distmm.core.plan.TowerPlan`).
     Cached (the planner prices the same layouts many times): the lists are read-only."""
-    return _rank_groups(tuple(ranks), tp, pp)
+    return _rank_groups(tuple(ranks), tp, pp, cp)
 
 
 @functools.lru_cache(maxsize=256)
-def _rank_groups(ranks: tuple[int, ...], tp: int, pp: int) -> dict[str, list[list[int]]]:
-    w = tp * pp
+def _rank_groups(ranks: tuple[int, ...], tp: int, pp: int, cp: int) -> dict[str, list[list[int]]]:
+    st = cp * tp
+    w = st * pp
     dp = len(ranks) // w
     replicas = [list(ranks[i * w : (i + 1) * w]) for i in range(dp)]
-    tp_groups = [r[p * tp : (p + 1) * tp] for r in replicas for p in range(pp)]
-    boundaries = [[r[p * tp], r[(p + 1) * tp]] for r in replicas for p in range(pp - 1)]
-    dp_groups = [[replicas[i][p * tp + j] for i in range(dp)] for p in range(pp) for j in range(tp)]
-    return {"replicas": replicas, "tp": tp_groups, "pp": boundaries, "dp": dp_groups}
+    tp_groups = [r[p * st + c * tp : p * st + (c + 1) * tp] for r in replicas for p in range(pp) for c in range(cp)]
+    boundaries = [[r[p * st], r[(p + 1) * st]] for r in replicas for p in range(pp - 1)]
+    dp_groups = [
+        [replicas[i][p * st + c * tp + j] for i in range(dp) for c in range(cp)] for p in range(pp) for j in range(tp)
+    ]
+    cp_groups = [[r[p * st + c * tp + j] for c in range(cp)] for r in replicas for p in range(pp) for j in range(tp)]
+    return {"replicas": replicas, "tp": tp_groups, "pp": boundaries, "dp": dp_groups, "cp": cp_groups}
 
 
 def _is_colocated(ranks: Mapping[str, Sequence[int]]) -> bool:
@@ -153,10 +160,14 @@ def price_tower(
     K = sum(counts)
     sizes = sorted(distinct | {mb})
     at = float(sizes[0]) if len(sizes) == 1 else np.asarray(sizes, dtype=float)  # (scalars are quicker)
-    fc_r, bc_r = (np.atleast_1d(x) for x in stage_compute(p, cluster, opts, at, c.tp, c.pp))
-    tpc_r = np.atleast_1d(tp_comm(p, cluster, opts, at, c.tp, c.pp, tp_cross))
-    ppc_r = np.atleast_1d(pp_comm(p, cluster, opts, at, c.pp, pp_cross))
-    fx_r, bx_r = fc_r + tpc_r, bc_r + tpc_r
+    # context parallelism: each cp rank computes 1/cp of the tokens (and of the attention), plus the
+    # all-to-alls; sequence parallelism: TP's bytes as all-gathers and reduce-scatters, one more
+    # all-gather per gathered linear in backward (its input is gathered again)
+    fc_r, bc_r = (np.atleast_1d(x) for x in stage_compute(p, cluster, opts, np.asarray(at) / c.cp, c.tp, c.pp))
+    tpc_r = np.atleast_1d(tp_comm(p, cluster, opts, np.asarray(at) / c.cp, c.tp, c.pp, tp_cross))
+    cpc_r = np.atleast_1d(cp_comm(p, cluster, opts, at, c.tp, c.cp, c.pp))
+    ppc_r = np.atleast_1d(pp_comm(p, cluster, opts, np.asarray(at) / c.cp, c.pp, pp_cross))
+    fx_r, bx_r = fc_r + tpc_r + cpc_r, bc_r + tpc_r * (1.5 if c.sp else 1.0) + cpc_r
     # partial (block) recomputation: the first ``recompute_layers`` of a stage's layers run their
     # forward again in the backward; priced as gpipe whose backward carries that share of the forward
     frac = recompute_fraction(p, c)
@@ -165,7 +176,7 @@ def price_tower(
         schedule = "gpipe"
         bc_r, bx_r = bc_r + frac * fc_r, bx_r + frac * fx_r
     if c.shard in LAYER_SHARDS:  # per-layer weight gathers and gradient scatters (compact packing estimate)
-        ag, agrs = shard_comm(p, cluster, opts, c.dp, c.tp, c.pp, c.shard)
+        ag, agrs = shard_comm(p, cluster, opts, c.dp * c.cp, c.tp, c.pp, c.shard)
         layers = p.layers // P
         fx_r, bx_r = sharded_stage(fx_r, ag, layers), sharded_stage(bx_r, agrs, layers)
     f_r = np.maximum(fx_r, ppc_r)
@@ -213,7 +224,7 @@ def price_tower(
     memory = {
         k: float(v)
         for k, v in memory_per_device(
-            p, opts, c.schedule, mb, K, c.max_batch, c.tp, c.pp, lb, c.shard, group, c.recompute_layers
+            p, opts, c.schedule, mb, K, c.max_batch, c.tp, c.pp, lb, c.shard, group, c.recompute_layers, c.cp, c.sp
         ).items()
     }
     if c.shard == "hybrid" and not hybrid_runs(groups["replicas"], c.tp, cluster.devices_per_node):
@@ -227,12 +238,14 @@ def price_tower(
         forward_phase=segments[0],
         backward_phase=sum(segments[1:]),
         compute=compute,
-        tp_comm=sum(float(tpc_r[row[r]]) for r in mbs) * (1 if p.frozen else 2 + again),
+        # tensor- and context-parallel collectives of every microbatch's forward, backward and recompute
+        tp_comm=sum(float(tpc_r[row[r]] + cpc_r[row[r]]) for r in mbs) * (1 if p.frozen else 2 + again)
+        + (0.0 if p.frozen or not c.sp else 0.5 * sum(float(tpc_r[row[r]]) for r in mbs)),  # sp's regather
         pp_comm=pp_critical,
         bubble=bubble,
         dp_allreduce=0.0,
         dp_exposed=0.0,
-        optimizer=optimizer_time(p, cluster, opts, c.tp, c.pp, c.shard, group),
+        optimizer=optimizer_time(p, cluster, opts, c.tp, c.pp, c.shard, group * c.cp),  # and their cp ranks
         cross_comm=cross * (1 if p.frozen else 2),
         memory=memory,
         bytes_intra=intra_b,
@@ -329,7 +342,7 @@ def evaluate_plan(
     sync = batch_syncs(cluster, opts, global_batch, embed, world, nodes, n_contrastive, groups)
     lb = loss_bytes(split_batch(global_batch, None, groups)[0], world, n_contrastive, opts, embed)
 
-    rank_sets = {name: rank_groups(list(ranks[name]), c.tp, c.pp) for name, c in choices.items()}
+    rank_sets = {name: rank_groups(list(ranks[name]), c.tp, c.pp, c.cp) for name, c in choices.items()}
     traffic, node_load = gradient_traffic(profiles, cluster, opts, choices, rank_sets)
     costs: dict[str, TowerCost] = {}
     details: dict[str, dict[str, Any]] = {}

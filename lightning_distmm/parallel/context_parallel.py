@@ -1,0 +1,390 @@
+"""Context parallelism for the towers: each row's tokens split over the ``cp`` ranks of a replica.
+
+Applied from outside, like tensor parallelism; the towers stay plain timm / transformers modules
+(same parameter names, same state dict). The scheme is DeepSpeed-Ulysses:
+
+* **split**: right after the embeddings (timm ViT: the output of ``norm_pre``, after the patch and
+  position embedding and the class / register tokens; transformers CLIP text: the input of the
+  first encoder layer) the ``[B, S, D]`` tokens are padded to a multiple of ``cp`` and rank ``r``
+  keeps tokens ``[r*S/cp, (r+1)*S/cp)``. Everything per token (norms, MLPs, residuals, dropout)
+  then runs on the local chunk only.
+* **attention**: q, k, v are projected on the local tokens, then one all-to-all turns
+  ``[B, S/cp, H, d]`` (every head, some tokens) into ``[B, S, H/cp, d]`` (some heads, every token);
+  attention is computed exactly per head over the whole sequence (padded keys masked; the text
+  tower's causal and padding masks are the whole-sequence masks the model builds anyway), and a
+  second all-to-all returns ``[B, S/cp, H, d]`` before the output projection. Needs the (local)
+  head count to divide by ``cp``; the sequence is padded, so any length works.
+* **gather**: after the final norm the chunks are all-gathered (padding dropped), so pooling (class
+  token, mean, EOS) and the head see the whole sequence; its backward reduce-scatters.
+
+Gradients. The cp ranks of a replica run the post-gather part (pooling, head) on the same input,
+so the feature gradient each of them backpropagates is scaled by ``1 / cp``
+(:func:`feature_grad_scale`): the head's gradients then sum to the true one over the cp ranks, and
+the gather's reduce-scatter gives each chunk exactly its gradient. Every parameter's gradient is a
+partial sum over this rank's tokens; the runtime sums it over the replicas and cp ranks together
+(``TowerGroups.sum_mesh``), in the same buckets as data parallelism.
+
+Why Ulysses and not ring attention, and what it needs: docs/runtime.md, "Sequence and context
+parallelism" (heads divisible by ``cp * tp``; any length, padded).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class SequenceSplit:
+    """One tower's split on this rank: the cp group, this rank's chunk, the true sequence length."""
+
+    group: dist.ProcessGroup
+    cp: int
+    rank: int
+    #: tokens before padding: fixed for a ViT, set by the split of each forward for a text tower
+    length: int | None = None
+    #: a pipelined text tower's later stages infer the length from what they receive: no padding there
+    pad: bool = True
+    #: the tower's name in the plan (for messages)
+    tower: str = ""
+
+    def padded(self, length: int) -> int:
+        return -(-length // self.cp) * self.cp
+
+    def key_mask(self, padded: int, device: torch.device) -> Tensor | None:
+        """``[1, 1, 1, padded]`` bools, True for real keys (None when nothing is padded)."""
+        assert self.length is not None
+        if padded == self.length:
+            return None
+        return (torch.arange(padded, device=device) < self.length)[None, None, None]
+
+
+def _all_to_all(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """``x[j]`` goes to rank ``j``; ``out[i]`` came from rank ``i`` (dim 0 has the group's size)."""
+    x = x.contiguous()
+    out = torch.empty_like(x)  # after contiguous(): empty_like keeps a permuted input's strides
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def _seq_to_heads(x: Tensor, cp: int, group: dist.ProcessGroup) -> Tensor:
+    """``[B, s, G, H, d]`` (local tokens, every head) -> ``[B, cp*s, G, H/cp, d]`` (every token, own heads)."""
+    b, s, g, h, d = x.shape
+    send = x.reshape(b, s, g, cp, h // cp, d).permute(3, 0, 1, 2, 4, 5)  # [dest, B, s, G, h/cp, d]
+    got = _all_to_all(send, group)  # [source chunk, B, s, G, h/cp, d]
+    return got.permute(1, 0, 2, 3, 4, 5).reshape(b, cp * s, g, h // cp, d)
+
+
+def _heads_to_seq(x: Tensor, cp: int, group: dist.ProcessGroup) -> Tensor:
+    """The inverse of :func:`_seq_to_heads`."""
+    b, n, g, h, d = x.shape
+    send = x.reshape(b, cp, n // cp, g, h, d).permute(1, 0, 2, 3, 4, 5)  # [dest chunk, B, s, G, h, d]
+    got = _all_to_all(send, group)  # [source head group, B, s, G, h, d]
+    return got.permute(1, 2, 3, 0, 4, 5).reshape(b, n // cp, g, cp * h, d)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, cp: int, group: dist.ProcessGroup) -> Tensor:
+        ctx.cp, ctx.group = cp, group
+        return _seq_to_heads(x, cp, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return _heads_to_seq(grad, ctx.cp, ctx.group), None, None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, cp: int, group: dist.ProcessGroup) -> Tensor:
+        ctx.cp, ctx.group = cp, group
+        return _heads_to_seq(x, cp, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return _seq_to_heads(grad, ctx.cp, ctx.group), None, None
+
+
+class _Split(torch.autograd.Function):
+    """Pad ``[B, S, D]`` to a multiple of cp and keep this rank's chunk; backward puts its gradient in place."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, split: SequenceSplit) -> Tensor:
+        ctx.shape = x.shape
+        padded = split.padded(x.shape[1])
+        ctx.chunk = chunk = padded // split.cp
+        x = F.pad(x, (0, 0, 0, padded - x.shape[1])) if padded != x.shape[1] else x
+        ctx.start = split.rank * chunk
+        return x[:, ctx.start : ctx.start + chunk].contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        full = grad.new_zeros(ctx.shape[0], max(ctx.shape[1], ctx.start + ctx.chunk), *ctx.shape[2:])
+        full[:, ctx.start : ctx.start + ctx.chunk] = grad
+        return full[:, : ctx.shape[1]], None
+
+
+def gather_tokens(x: Tensor, split: SequenceSplit) -> Tensor:
+    """All-gather every rank's ``[B, s, ...]`` chunk into ``[B, cp*s, ...]`` (padding kept)."""
+    out = x.new_empty(split.cp * x.shape[0], *x.shape[1:])
+    _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    _all_gather(out, x.contiguous(), group=split.group)
+    return out.view(split.cp, *x.shape).transpose(0, 1).reshape(x.shape[0], split.cp * x.shape[1], *x.shape[2:])
+
+
+def scatter_tokens(grad: Tensor, split: SequenceSplit) -> Tensor:
+    """The backward of :func:`gather_tokens`: sum ``[B, cp*s, ...]`` over the ranks, keep this rank's chunk."""
+    b, n = grad.shape[:2]
+    s = n // split.cp
+    send = grad.reshape(b, split.cp, s, *grad.shape[2:]).transpose(0, 1).reshape(split.cp * b, s, *grad.shape[2:])
+    out = grad.new_empty(b, s, *grad.shape[2:])
+    _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    _reduce_scatter(out, send.contiguous(), op=dist.ReduceOp.SUM, group=split.group)
+    return out
+
+
+class _Gather(torch.autograd.Function):
+    """All-gather the chunks into ``[B, S, D]`` (padding dropped); backward reduce-scatters."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, split: SequenceSplit) -> Tensor:
+        ctx.split, ctx.shape = split, x.shape
+        assert split.length is not None
+        return gather_tokens(x, split)[:, : split.length]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        split, (b, s) = ctx.split, ctx.shape[:2]
+        padded = grad.new_zeros(b, split.cp * s, *grad.shape[2:])
+        padded[:, : grad.shape[1]] = grad
+        return scatter_tokens(padded, split), None
+
+
+def head_copies(cp: int, tp: int, sp: bool) -> int:
+    """How many ranks of a stage run a tower's head on the same gathered tokens and sum its gradients:
+    the cp ranks, times the tp ranks under sequence parallelism."""
+    return cp * (tp if sp else 1)
+
+
+def feature_grad_scale(grad: Tensor | None, copies: int) -> Tensor | None:
+    """The feature gradient each of ``copies`` ranks (:func:`head_copies`) backpropagates: ``1 / copies``
+    of it (see the module's docstring)."""
+    return grad if copies == 1 or grad is None else grad / copies
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, dropout: float, scale: float | None) -> Tensor:
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout, scale=scale)
+
+
+@functools.cache
+def _vit_attention_class() -> type[nn.Module]:
+    from timm.models.vision_transformer import Attention
+
+    class ContextParallelAttention(Attention):
+        """timm's ``Attention`` with Ulysses all-to-alls around the attention (``_distmm_cp``), padded
+        keys masked (``_distmm_keys``: the split that padded them, cp or sp); same parameters."""
+
+        _distmm_cp: SequenceSplit | None = None
+        _distmm_keys: SequenceSplit
+
+        def forward(self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
+            if attn_mask is not None or is_causal:
+                raise ValueError("context parallelism of a timm ViT supports no attention mask or causal ViT")
+            split = self._distmm_cp
+            b = x.shape[0]
+            gate = self.gate(x).sigmoid() if self.gate is not None else None
+            qkv = self.qkv(x)  # sp: the qkv gathers the tokens, so its output has all of them
+            qkv = qkv.reshape(b, qkv.shape[1], 3, self.num_heads, self.head_dim)
+            if split is not None:
+                qkv = _SeqToHeads.apply(qkv, split.cp, split.group)
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # [B, heads here, S, d]
+            q, k = self.q_norm(q), self.k_norm(k)
+            allowed = self._distmm_keys.key_mask(q.shape[2], q.device)
+            out = _attend(q, k, v, allowed, self.attn_drop.p if self.training else 0.0, None)
+            out = out.transpose(1, 2).unsqueeze(2)  # [B, S, 1, heads here, d]
+            if split is not None:
+                out = _HeadsToSeq.apply(out, split.cp, split.group)  # [B, S/cp, 1, H, d]
+            x = self.norm(out.reshape(b, out.shape[1], -1))
+            if gate is not None:
+                x = x * gate
+            return self.proj_drop(self.proj(x))
+
+    return ContextParallelAttention
+
+
+@functools.cache
+def _clip_attention_class() -> type[nn.Module]:
+    from transformers.models.clip.modeling_clip import CLIPAttention
+
+    class ContextParallelCLIPAttention(CLIPAttention):
+        """transformers' ``CLIPAttention`` with Ulysses all-to-alls; same parameters."""
+
+        _distmm_cp: SequenceSplit
+
+        def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, **kwargs: Any) -> Any:
+            split = self._distmm_cp
+            b, s, _ = hidden_states.shape
+            if not split.pad:  # a pipelined tower: this stage may not have run the split
+                split.length = attention_mask.shape[-1] if attention_mask is not None else split.cp * s
+            qkv = [
+                proj(hidden_states).view(b, s, 1, -1, self.head_dim) for proj in (self.q_proj, self.k_proj, self.v_proj)
+            ]
+            q, k, v = _SeqToHeads.apply(torch.cat(qkv, 2), split.cp, split.group).permute(2, 0, 3, 1, 4).unbind(0)
+            n = q.shape[2]
+            allowed = _text_mask(attention_mask, kwargs.get("is_causal", self.is_causal), split, n, q.device)
+            out = _attend(q, k, v, allowed, self.dropout if self.training else 0.0, self.scale)
+            out = _HeadsToSeq.apply(out.transpose(1, 2).unsqueeze(2), split.cp, split.group)
+            return self.out_proj(out.reshape(b, s, -1)), None
+
+    return ContextParallelCLIPAttention
+
+
+def _text_mask(mask: Tensor | None, causal: bool, split: SequenceSplit, padded: int, device: torch.device) -> Tensor:
+    """The whole-sequence mask the model built (``[B, 1, S, S]``, bools or additive floats; None:
+    causal only), as bools over the padded length, padded keys masked."""
+    length = split.length
+    assert length is not None
+    if mask is None:
+        allowed = torch.ones(length, length, dtype=torch.bool, device=device)
+        allowed = torch.tril(allowed) if causal else allowed
+        allowed = allowed[None, None]
+    else:
+        allowed = mask if mask.dtype == torch.bool else mask == 0
+        if causal and mask.shape[-1] == length:
+            allowed = allowed & torch.tril(torch.ones(length, length, dtype=torch.bool, device=device))
+    if padded == length:
+        return allowed
+    out = torch.zeros(*allowed.shape[:2], padded, padded, dtype=torch.bool, device=device)
+    out[..., :length, :length] = allowed
+    out[..., length:, 0] = True  # padded queries (dropped later) attend to one real key: no empty row
+    return out
+
+
+def _split_output(split: SequenceSplit, static: bool) -> Any:
+    def hook(module: nn.Module, args: Any, output: Tensor) -> Tensor:
+        if static and output.shape[1] != split.length:
+            raise ValueError(
+                f"context parallelism: the ViT produced {output.shape[1]} tokens, not the {split.length} its"
+                " patch grid and prefix tokens give (dynamic image sizes and patch dropout are not supported)"
+            )
+        split.length = output.shape[1]
+        return _Split.apply(output, split)
+
+    return hook
+
+
+def _split_first_input(split: SequenceSplit) -> Any:
+    def hook(
+        module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        x = args[0] if args else kwargs["hidden_states"]
+        split.length = x.shape[1]
+        if not split.pad and x.shape[1] % split.cp:
+            raise ValueError(
+                f"tower {split.tower!r}, cp={split.cp}, pipelined: {x.shape[1]} tokens do not divide by cp={split.cp}"
+                " (its later stages cannot know a padded length): pad the captions to a multiple of cp"
+            )
+        if args:
+            return (_Split.apply(x, split), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": _Split.apply(x, split)}
+
+    return hook
+
+
+def _gather_output(split: SequenceSplit) -> Any:
+    def hook(module: nn.Module, args: Any, output: Tensor) -> Tensor:
+        return _Gather.apply(output, split)
+
+    return hook
+
+
+def _text_layers(module: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """A transformers CLIP-style text encoder's ``encoder.layers`` and ``final_layer_norm``."""
+    for name, sub in module.named_modules():
+        if name.endswith("encoder.layers") or name == "encoder.layers":
+            owner = (
+                module.get_submodule(name[: -len("encoder.layers")].rstrip(".")) if name != "encoder.layers" else module
+            )
+            norm = getattr(owner, "final_layer_norm", None)
+            if norm is not None:
+                return sub, norm
+    return None
+
+
+def _heads(module: nn.Module) -> list[tuple[str, int]]:
+    """(where, head count) of every attention of a supported tower; raises for another family."""
+    blocks = getattr(module, "blocks", None)
+    if blocks is not None and hasattr(module, "patch_embed") and hasattr(module, "norm_pre"):
+        return [(f"blocks.{i}.attn", b.attn.num_heads) for i, b in enumerate(blocks)]
+    found = _text_layers(module)
+    if found is not None:
+        return [(f"encoder.layers.{i}.self_attn", layer.self_attn.num_heads) for i, layer in enumerate(found[0])]
+    raise ValueError(
+        f"no context-parallel plan for a {type(module).__name__} tower: supported are timm VisionTransformer and"
+        " transformers CLIP-style text encoders (encoder.layers + final_layer_norm); use cp=1 for this tower"
+    )
+
+
+def check_cp(module: nn.Module, cp: int, tp: int, tower: str, pp: int = 1) -> None:
+    """Raise, naming the tower and the rule, if ``module`` cannot be split ``cp`` ways: every attention's
+    heads must divide by ``cp * tp`` (Ulysses gives each cp rank whole heads of its tp shard). Needs only
+    the structure (meta is fine), so every rank checks every tower. (A pipelined text tower's sequence
+    length is checked when it is split: it must divide by ``cp``, ``pp`` being > 1.)"""
+    where = f"tower {tower!r}, cp={cp}"
+    try:
+        heads = _heads(module)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+    for name, h in heads:
+        if h % (cp * tp):
+            raise ValueError(
+                f"{where}: {name} has {h} attention heads, which do not divide by cp*tp = {cp}*{tp} = {cp * tp}"
+                " (Ulysses all-to-all gives each cp rank whole heads): choose cp*tp dividing the head count"
+            )
+    vit = hasattr(module, "patch_embed")
+    if vit:
+        blocks = module.blocks  # type: ignore[union-attr]
+        from timm.models.vision_transformer import Attention
+
+        odd = [i for i, b in enumerate(blocks) if type(b.attn) not in (Attention, _vit_attention_class())]
+        if odd:
+            raise ValueError(f"{where}: blocks {odd} use an attention other than timm's Attention")
+        if getattr(module, "dynamic_img_size", False) or not isinstance(module.patch_drop, nn.Identity):
+            raise ValueError(f"{where}: dynamic image sizes and patch dropout change the sequence length per batch")
+
+
+def apply_cp(
+    module: nn.Module, group: dist.ProcessGroup, cp: int, rank: int, pp: int = 1, tower: str = ""
+) -> nn.Module:
+    """Split a tower's sequence over the ``cp`` ranks of ``group`` (this rank is ``rank`` in it), in
+    place; idempotent (a second Trainer call finds it split). A text tower cut into ``pp > 1`` stages
+    takes sequences that divide by ``cp`` (its later stages infer the length from what they receive)."""
+    if getattr(module, "_distmm_cp", None) is not None:
+        return module
+    split = SequenceSplit(group, cp, rank, pad=pp == 1 or hasattr(module, "patch_embed"), tower=tower)
+    if hasattr(module, "patch_embed"):  # timm ViT: the tokens after norm_pre, gathered after norm
+        split.length = module.patch_embed.num_patches + module.num_prefix_tokens  # type: ignore[union-attr,operator]
+        module.norm_pre.register_forward_hook(_split_output(split, static=True))  # type: ignore[union-attr]
+        module.norm.register_forward_hook(_gather_output(split))  # type: ignore[union-attr]
+        for block in module.blocks:  # type: ignore[union-attr]
+            block.attn.__class__ = _vit_attention_class()
+            block.attn._distmm_cp = block.attn._distmm_keys = split
+    else:
+        layers, norm = _text_layers(module)  # type: ignore[misc]
+        cls = _clip_attention_class()
+        layers[0].register_forward_pre_hook(_split_first_input(split), with_kwargs=True)
+        norm.register_forward_hook(_gather_output(split))
+        for layer in layers:
+            layer.self_attn.__class__ = cls
+            layer.self_attn._distmm_cp = split
+    module._distmm_cp = split  # type: ignore[assignment]
+    return module
+
+
+__all__ = ["SequenceSplit", "apply_cp", "check_cp", "feature_grad_scale", "head_copies"]

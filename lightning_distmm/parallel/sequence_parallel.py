@@ -1,0 +1,167 @@
+"""Sequence parallelism with tensor parallelism (Megatron-LM's scheme), for timm ViT towers (``sp: true``).
+
+Under plain TP every tensor-parallel rank holds the whole ``[B, S, D]`` residual stream: the
+LayerNorms, residual adds, dropouts and their saved activations are replicated ``tp`` times.
+With ``sp`` the stream between the tensor-parallel regions is split along the sequence:
+
+```
+tokens (after norm_pre) --split--> [B, S/tp, D] per tp rank
+  norm1 (local) -> all-gather -> qkv (column) -> attention (own heads, padded keys masked)
+       -> proj (row) -> reduce-scatter -> [B, S/tp, D] + residual
+  norm2 (local) -> all-gather -> fc1 (column) -> act -> fc2 (row) -> reduce-scatter -> + residual
+final norm (local) -> all-gather -> pooling, head (every tp rank)
+```
+
+An all-gather before and a reduce-scatter after each tensor-parallel region replace TP's
+all-reduce (the same bytes on a ring). ``fc1`` / ``proj`` / ``fc2`` use DTensor's
+``ColwiseParallel(input_layouts=Shard(1))`` / ``RowwiseParallel(output_layouts=Shard(1))``
+(:func:`lightning_distmm.parallel.tensor_parallel.apply_tp_vit` with ``sp``); the fused qkv's gather
+and the split / gather of the stream are this package's (:mod:`.context_parallel`), which pads the
+sequence to a multiple of ``tp`` (197 ViT tokens work).
+
+Gradients. The parameters TP leaves replicated (patch and position embedding, class token, every
+LayerNorm, the head) now see only this rank's tokens, so their gradients are partial sums: a
+gradient hook sums each over the tp group when its backward produces it (the tp ranks run the same
+graph, so in the same order). The hooks are put on before each module's forward, not once here: a
+tower built on the meta device gets new Parameter objects when it is materialised. The head runs on every tp rank on the same gathered tokens, so the
+feature gradient is scaled by ``1 / tp`` (:func:`.context_parallel.head_copies`); the gather's
+reduce-scatter then gives every chunk exactly its gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from lightning_distmm.parallel.context_parallel import (
+    SequenceSplit,
+    _gather_output,
+    _split_output,
+    _vit_attention_class,
+    gather_tokens,
+    scatter_tokens,
+)
+
+
+def check_sp(module: nn.Module, tower: str, tp: int, cp: int, shard: str) -> None:
+    """Raise, naming the tower and the rule, where ``sp: true`` cannot run (meta modules are fine)."""
+    where = f"tower {tower!r}, tp={tp}, sp: true"
+    if not (hasattr(module, "patch_embed") and hasattr(module, "norm_pre") and hasattr(module, "blocks")):
+        raise ValueError(
+            f"{where}: sequence parallelism is built for timm VisionTransformer towers; a {type(module).__name__}"
+            " tower runs tp without it (set sp: false) or splits its sequence with cp"
+        )
+    if cp > 1:
+        raise ValueError(f"{where}: sp with cp={cp} is not supported; choose one way to split the sequence")
+    if shard != "none":
+        raise ValueError(
+            f"{where}: sp with shard: {shard} is not supported (FSDP replaces the parameters whose partial"
+            " gradients sp sums over tp); use shard: none"
+        )
+    if getattr(module, "dynamic_img_size", False) or not isinstance(module.patch_drop, nn.Identity):
+        raise ValueError(f"{where}: dynamic image sizes and patch dropout change the sequence length per batch")
+
+
+class _GatherLinear(torch.autograd.Function):
+    """``linear(all_gather(x), weight, bias)`` keeping only this rank's tokens ``x`` for backward, which
+    gathers them again (Megatron-LM's choice: the gathered input would be ``tp`` times the chunk); the
+    input gradient is reduce-scattered back to the chunks."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, split: SequenceSplit) -> Tensor:
+        ctx.split, ctx.bias = split, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(gather_tokens(x, split), weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None, None]:
+        x, weight = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1])
+        gw = gb = None
+        if ctx.needs_input_grad[1]:
+            full = gather_tokens(x, ctx.split)
+            gw = g2.t() @ full.reshape(-1, full.shape[-1])
+        if ctx.bias and ctx.needs_input_grad[2]:
+            gb = g2.sum(0)
+        return scatter_tokens(grad @ weight, ctx.split), gw, gb, None
+
+
+class _SeqColwise(nn.Module):
+    """``mlp.fc1`` under sequence parallelism: the weight and bias column-sharded (DTensors of the full
+    layer, ``Shard(0)``, as ``ColwiseParallel`` makes them), its input gathered by :class:`_GatherLinear`."""
+
+    def __init__(self, linear: nn.Linear, mesh: DeviceMesh, split: SequenceSplit):
+        super().__init__()
+        self.split = split
+        self.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), mesh, [Shard(0)]))
+        self.weight.requires_grad_(linear.weight.requires_grad)
+        self.bias = None
+        if linear.bias is not None:
+            self.bias = nn.Parameter(distribute_tensor(linear.bias.detach(), mesh, [Shard(0)]))
+            self.bias.requires_grad_(linear.bias.requires_grad)
+
+    def forward(self, x: Tensor) -> Tensor:
+        bias = self.bias.to_local() if self.bias is not None else None
+        return _GatherLinear.apply(x, self.weight.to_local(), bias, self.split)
+
+
+def _sum_over(group: dist.ProcessGroup) -> Any:
+    def hook(grad: Tensor) -> Tensor:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
+        return grad
+
+    return hook
+
+
+def _sums_before_forward(group: dist.ProcessGroup, owners: list[nn.Module]) -> Any:
+    """A forward pre-hook that puts the tp sum on each replicated parameter of ``owners`` (their own, not
+    their children's) that lacks it. At forward time, not once at preparation: a tower built on the
+    meta device gets new Parameter objects when it is materialised, after this module prepared it."""
+
+    def hook(module: nn.Module, args: Any) -> None:
+        for owner in owners:
+            for p in owner.parameters(recurse=False):
+                if p.requires_grad and not p.is_meta and not isinstance(p, DTensor) and not hasattr(p, "_distmm_sp"):
+                    p.register_hook(_sum_over(group))
+                    p._distmm_sp = True  # type: ignore[attr-defined]
+
+    return hook
+
+
+def apply_sp(module: nn.Module, mesh: DeviceMesh, held: Callable[[nn.Module], bool] = lambda block: True) -> nn.Module:
+    """Split a tensor-parallel ViT's residual stream along the sequence over the tp ``mesh`` (in place,
+    after :func:`~lightning_distmm.parallel.tensor_parallel.apply_tp` with ``sp=True``), in the blocks
+    ``held`` says this rank runs (its pipeline stage's); idempotent."""
+    if getattr(module, "_distmm_sp", None) is not None:
+        return module
+    group, tp = mesh.get_group(), mesh.size()
+    split = SequenceSplit(group, tp, mesh.get_local_rank())
+    split.length = module.patch_embed.num_patches + module.num_prefix_tokens  # type: ignore[union-attr,operator]
+    module.norm_pre.register_forward_hook(_split_output(split, static=True))  # type: ignore[union-attr]
+    module.norm.register_forward_hook(_gather_output(split))  # type: ignore[union-attr]
+    for block in module.blocks:  # type: ignore[union-attr]
+        if not held(block):
+            continue  # another pipeline stage's block
+        block.attn.__class__ = _vit_attention_class()
+        block.attn._distmm_cp, block.attn._distmm_keys = None, split
+        block.attn.qkv.gathered_linear = lambda x, w, b: _GatherLinear.apply(x, w, b, split)
+        block.mlp.fc1 = _SeqColwise(block.mlp.fc1, mesh, split)
+    # the parameters TP leaves replicated get partial gradients: each module puts the tp sum on its
+    # own before it runs (the tower's loose tensors, class token and position embedding, with patch_embed)
+    for sub in module.modules():
+        if sub is not module and any(True for _ in sub.parameters(recurse=False)):
+            sub.register_forward_pre_hook(_sums_before_forward(group, [sub]))
+    module.patch_embed.register_forward_pre_hook(_sums_before_forward(group, [module]))  # type: ignore[union-attr]
+    module._distmm_sp = split  # type: ignore[assignment]
+    return module
+
+
+__all__ = ["apply_sp", "check_sp"]

@@ -1,0 +1,107 @@
+"""The cost model's view of context and sequence parallelism (no processes)."""
+
+import pytest
+import yaml
+
+from lightning_distmm.core.plan import Plan, TowerPlan
+from lightning_distmm.planner.config import CONF_DIR
+from lightning_distmm.planner.cost.comm import cp_comm
+from lightning_distmm.planner.cost.memory import act_per_sample
+from lightning_distmm.planner.cost.options import CostOptions
+from lightning_distmm.planner.cost.step import rank_groups
+from lightning_distmm.planner.measure import load_cluster
+from lightning_distmm.planner.profile import model_profiles
+from lightning_distmm.planner.search import plan_choices, price_plan, tower_plan
+
+
+def _profiles(preset: str = "clip_vit_l14_448"):
+    return model_profiles(yaml.safe_load((CONF_DIR / "model" / f"{preset}.yaml").read_text()))
+
+
+def test_activation_memory_with_cp_and_sp():
+    p, opts = _profiles()["image"], CostOptions()
+    lay, bel = p.layer, opts.bytes_el
+    ends = bel * (p.pre.act_rep + p.post.act_rep + p.pre.act_split + p.post.act_split)
+    whole = act_per_sample(p, opts, 1, 1)
+    for cp in (2, 4):  # every layer's tokens split, the ends kept whole
+        assert act_per_sample(p, opts, 1, 1, cp=cp) == pytest.approx(ends + (whole - ends) / cp)
+    tp2 = act_per_sample(p, opts, 2, 1)
+    sp = act_per_sample(p, opts, 2, 1, sp=True)
+    assert tp2 - sp == pytest.approx(bel * p.layers * lay.act_rep / 2)  # sp divides what TP replicates
+
+
+def test_rank_groups_lay_replicas_out_as_the_runtime_does():
+    g = rank_groups(list(range(16)), tp=2, pp=2, cp=2)
+    tower = TowerPlan(ranks=list(range(16)), tp=2, pp=2, cp=2)
+    assert g["replicas"] == [tower.replica_ranks(0), tower.replica_ranks(1)]
+    assert g["tp"][:2] == [[0, 1], [2, 3]] and g["cp"][:2] == [[0, 2], [1, 3]]
+    assert [0, 2, 8, 10] in g["dp"] and len(g["dp"]) == 4  # gradients summed over replicas x cp ranks
+    assert g["pp"][0] == [0, 4]
+
+
+def test_cp_and_sp_are_priced_and_round_trip():
+    profiles, cluster = _profiles(), load_cluster("a100_8x8").with_world(16)
+    text = {"ranks": list(range(8, 16))}
+    dp = Plan(16, {"image": {"ranks": list(range(8))}, "text": text}, 16)
+    cp = Plan(16, {"image": {"ranks": list(range(8)), "cp": 4}, "text": text}, 16)
+    sp = Plan(16, {"image": {"ranks": list(range(8)), "tp": 4, "sp": True}, "text": text}, 16)
+    tp = Plan(16, {"image": {"ranks": list(range(8)), "tp": 4}, "text": text}, 16)
+    cost = {
+        k: price_plan(v, profiles, cluster, None, 16).towers["image"]
+        for k, v in dict(dp=dp, cp=cp, sp=sp, tp=tp).items()
+    }
+    assert cost["dp"].tp_comm == 0 < cost["cp"].tp_comm  # the all-to-alls
+    assert cost["cp"].memory["activations"] == pytest.approx(cost["dp"].memory["activations"], rel=0.05)  # 2 rows / 4
+    assert cost["sp"].memory["activations"] < 0.8 * cost["tp"].memory["activations"]
+    assert cost["sp"].tp_comm > cost["tp"].tp_comm  # the regather in backward
+    assert cp_comm(profiles["image"], cluster, CostOptions(), 2.0, 1, 1, 1) == 0
+    choices, ranks = plan_choices(sp, 16)
+    assert (choices["image"].cp, choices["image"].sp, choices["image"].dp) == (1, True, 2)
+    back = tower_plan(choices["image"], ranks["image"])
+    assert (back.ranks, back.tp, back.cp, back.sp) == (list(range(8)), 4, 1, True)
+    choices, ranks = plan_choices(cp, 16)
+    back = tower_plan(choices["image"], ranks["image"])
+    assert (back.tp, back.cp, back.sp, choices["image"].dp) == (1, 4, False, 2)
+
+
+def test_sequence_variants_follow_the_runtime_rules():
+    from lightning_distmm.planner.sequence import sequence_variants
+
+    profiles = _profiles()
+    image = sequence_variants(profiles["image"], TowerPlan(ranks=list(range(8))), 8)
+    assert {"cp": 2, "tp": 1, "sp": False} in image and {"cp": 1, "tp": 2, "sp": True} in image
+    assert all(v["cp"] * v["tp"] <= 8 and 16 % (v["cp"] * v["tp"]) == 0 for v in image)
+    assert not any(v["sp"] and v["cp"] > 1 for v in image)
+    sharded = sequence_variants(profiles["image"], TowerPlan(ranks=list(range(8)), shard="full"), 8)
+    assert not any(v["sp"] for v in sharded) and any(v["cp"] > 1 for v in sharded)
+    text = sequence_variants(profiles["text"], TowerPlan(ranks=list(range(8)), pp=2), 8)  # 12 heads, 77 tokens
+    assert all(v["cp"] == 1 and not v["sp"] for v in text) and {v["tp"] for v in text} == {2, 4}
+    bert = model_profiles(yaml.safe_load((CONF_DIR / "model" / "lit_l16_bert_large.yaml").read_text()))["text"]
+    assert bert.arch == "bert" and all(v["cp"] == 1 for v in sequence_variants(bert, TowerPlan(ranks=[0, 1]), 8))
+
+
+def test_the_search_chooses_cp_when_the_batch_is_below_the_devices():
+    """ViT-L/14 at 448 px, 2 samples on 16 A100s: the image tower's 8 GPUs hold 2 replicas; the search
+    gives it tp4, the sequence pass cp2 x tp2 (predicted faster); off by default."""
+    from lightning_distmm.planner.search import make_plan
+
+    cfg = yaml.safe_load((CONF_DIR / "model" / "clip_vit_l14_448.yaml").read_text())
+    options = {"world_size": 16, "shards": ["none", "full"]}
+    plain, plain_report = make_plan(cfg, "a100_8x8", 2, options)
+    plan, report = make_plan(cfg, "a100_8x8", 2, {**options, "sequence": True})
+    assert all(t.cp == 1 for t in plain.towers.values()) and not plain_report.sequence_notes
+    assert plan.towers["image"].cp == 2 and report.step_time < plain_report.step_time
+    assert "cp=2" in report.sequence_notes[0] and "sequence: tower 'image'" in report.table()
+    assert "cp2" in report.table()
+
+
+def test_the_placement_picture_lays_cp_replicas_out_as_the_runtime_does():
+    from lightning_distmm.planner.pictures import device_roles, heavy_links, placement_svg
+
+    plan = Plan(8, {"image": {"ranks": list(range(8)), "cp": 2, "tp": 2}, "text": {"ranks": list(range(8))}})
+    roles = device_roles(plan)
+    assert roles[3][0].label(plan.towers["image"]) == "rep 0 / cp 1 / tp 1"
+    assert roles[6][0].label(plan.towers["image"]) == "rep 1 / cp 1 / tp 0"
+    links = {(g.kind, g.ranks) for g in heavy_links(plan, 8) if g.tower == "image"}
+    assert ("tp", (2, 3)) in links and ("dp", (0, 2, 4, 6)) in links and ("dp", (1, 3, 5, 7)) in links
+    assert "cp 1" in placement_svg(plan, 8)
