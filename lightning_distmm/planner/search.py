@@ -294,7 +294,9 @@ def tower_choice(name: str, tower: TowerPlan, global_batch: int) -> TowerChoice:
     rb = tuple(tower.split(int(global_batch)))
     mb = min(tower.microbatch, max(rb)) if tower.microbatch else max(rb)
     schedule = cost_schedule(tower.schedule, tower.recompute)
-    return TowerChoice(name, len(tower.ranks), tower.tp, tower.pp, mb, schedule, rb, tower.shard, tower.cp, tower.sp)
+    return TowerChoice(
+        name, len(tower.ranks), tower.tp, tower.pp, mb, schedule, rb, tower.shard, cp=tower.cp, sp=tower.sp
+    )
 
 
 def plan_choices(plan: Plan, global_batch: int | None = None) -> tuple[dict[str, TowerChoice], dict[str, list[int]]]:
