@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_distmm.core.plan import proportional_plan
 from lightning_distmm.planner import price_plan
 from lightning_distmm.planner.cluster import GB
 from lightning_distmm.planner.default import (
@@ -16,6 +15,7 @@ from lightning_distmm.planner.default import (
     default_plan,
     describe_cpu,
     host_cluster,
+    proportional_plan,
 )
 from lightning_distmm.planner.options import PlannerOptions
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from lightning_distmm.core import Plan, PlanError, TowerPlan, colocated_plan, proportional_plan, split_batch
+from lightning_distmm.core import Plan, PlanError, TowerPlan, colocated_plan, split_batch
+from lightning_distmm.planner.default import proportional_plan
 
 
 def test_yaml_round_trip(tmp_path):

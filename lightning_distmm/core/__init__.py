@@ -10,8 +10,7 @@ from lightning_distmm.core.plan import (
     PlanError,
     TowerPlan,
     colocated_plan,
-    proportional_plan,
     split_batch,
 )
 
-__all__ = ["SCHEDULES", "Plan", "PlanError", "TowerPlan", "colocated_plan", "proportional_plan", "split_batch"]
+__all__ = ["SCHEDULES", "Plan", "PlanError", "TowerPlan", "colocated_plan", "split_batch"]

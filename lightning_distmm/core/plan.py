@@ -417,30 +417,6 @@ def colocated_plan(towers: Sequence[str], world_size: int, global_batch: int | N
     return Plan(world_size, {name: TowerPlan(ranks=list(everyone)) for name in towers}, global_batch)
 
 
-def proportional_plan(tower_flops: Mapping[str, float], world_size: int, global_batch: int | None = None) -> Plan:
-    """Ranks in proportion to each tower's forward FLOPs: one candidate of the default plan
-    (``lightning_distmm.planner.default``, which prices it against colocated and the other splits).
-
-    Every tower gets at least one rank; with fewer ranks than towers the plan is colocated.
-    Ranks are given out contiguously in the towers' order.
-    """
-    names = list(tower_flops)
-    if world_size < len(names):
-        return colocated_plan(names, world_size, global_batch)
-    total = sum(max(float(f), 0.0) for f in tower_flops.values()) or 1.0
-    spare = world_size - len(names)
-    exact = [spare * max(float(tower_flops[n]), 0.0) / total for n in names]
-    counts = [1 + int(x) for x in exact]
-    order = sorted(range(len(names)), key=lambda i: (-(exact[i] - int(exact[i])), i))
-    for i in order[: world_size - sum(counts)]:
-        counts[i] += 1
-    towers, start = {}, 0
-    for name, count in zip(names, counts):
-        towers[name] = TowerPlan(ranks=list(range(start, start + count)))
-        start += count
-    return Plan(world_size, towers, global_batch)
-
-
 __all__ = [
     "Plan",
     "TowerPlan",
@@ -450,5 +426,4 @@ __all__ = [
     "sync_group_count",
     "split_batch",
     "colocated_plan",
-    "proportional_plan",
 ]

@@ -10,11 +10,10 @@ from lightning_distmm.core.plan import (  # re-exported: plans are what the plan
     PlanError,
     TowerPlan,
     colocated_plan,
-    proportional_plan,
     split_batch,
 )
 
-__all__ = ["SCHEDULES", "Plan", "PlanError", "TowerPlan", "colocated_plan", "proportional_plan", "split_batch"]
+__all__ = ["SCHEDULES", "Plan", "PlanError", "TowerPlan", "colocated_plan", "split_batch"]
 
 from lightning_distmm.planner.auto import TowerInfo, auto_plan, runtime_cost_defaults, tower_info_from_batch  # noqa: E402
 from lightning_distmm.planner.balance import (  # noqa: E402

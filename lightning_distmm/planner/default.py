@@ -1,7 +1,7 @@
 """The default plan (``DistMMStrategy(plan=None)``): the cheaper of a few runnable plans, priced.
 
 Why: giving each tower ranks in proportion to its forward FLOPs
-(:func:`~lightning_distmm.core.plan.proportional_plan`) puts one tower per rank on 2 ranks however
+(:func:`proportional_plan`) puts one tower per rank on 2 ranks however
 unequal their work, and the rank of the lighter tower idles (issue 25: 1.44x of DDP where the same
 ranks colocated ran at 1.03x). Colocating every tower on every rank loses where towers balance and
 the all-reduce of every parameter over every rank costs more than the split saves. So the default
@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from lightning_distmm.core.plan import Plan, TowerPlan, colocated_plan, proportional_plan
+from lightning_distmm.core.plan import Plan, TowerPlan, colocated_plan
 from lightning_distmm.planner.cluster import GB, Cluster, Device, Link
 from lightning_distmm.planner.measure import load_cluster
 from lightning_distmm.planner.options import PlannerOptions
@@ -336,6 +336,30 @@ def default_plan(
     return DefaultChoice(best[1], best[0], [(n, p, s) for n, p, s, _ in priced], host, G)
 
 
+def proportional_plan(tower_flops: Mapping[str, float], world_size: int, global_batch: int | None = None) -> Plan:
+    """Ranks in proportion to each tower's forward FLOPs: one candidate of the default plan
+    (this module prices it against colocated and the other splits).
+
+    Every tower gets at least one rank; with fewer ranks than towers the plan is colocated.
+    Ranks are given out contiguously in the towers' order.
+    """
+    names = list(tower_flops)
+    if world_size < len(names):
+        return colocated_plan(names, world_size, global_batch)
+    total = sum(max(float(f), 0.0) for f in tower_flops.values()) or 1.0
+    spare = world_size - len(names)
+    exact = [spare * max(float(tower_flops[n]), 0.0) / total for n in names]
+    counts = [1 + int(x) for x in exact]
+    order = sorted(range(len(names)), key=lambda i: (-(exact[i] - int(exact[i])), i))
+    for i in order[: world_size - sum(counts)]:
+        counts[i] += 1
+    towers, start = {}, 0
+    for name, count in zip(names, counts):
+        towers[name] = TowerPlan(ranks=list(range(start, start + count)))
+        start += count
+    return Plan(world_size, towers, global_batch)
+
+
 __all__ = [
     "CountedTower",
     "Host",
@@ -345,4 +369,5 @@ __all__ = [
     "counted_profile",
     "candidate_plans",
     "default_plan",
+    "proportional_plan",
 ]
