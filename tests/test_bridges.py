@@ -202,6 +202,7 @@ def test_load_from_checkpoint_reads_a_distmm_folder(tmp_path):
     in_subprocess(run)
 
 
+@pytest.mark.slow
 def test_load_from_checkpoint_still_reads_files_and_names_bad_folders(tmp_path):
     from distmm_testing import in_subprocess
 

@@ -61,6 +61,7 @@ def _callbacks() -> list:
     ]
 
 
+@pytest.mark.slow
 def test_callbacks_log_per_validation_epoch_in_one_process(tmp_path):
     # in a child process: a fit in the pytest process leaves torch's CUDA state marked, and later
     # tests that fork ranks would then be refused by Lightning ("Cannot re-initialize CUDA")

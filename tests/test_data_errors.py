@@ -98,8 +98,14 @@ def test_missing_field_names_tower_fields_and_what_samples_have():
         check_dataloader(DataLoader(NoMask(), batch_size=4), FIELDS, SEPARATE)
 
 
-def test_field_dataset_declares_its_fields():
-    check_dataloader(loader(8, size=16), FIELDS, SEPARATE)  # PairData: fields declared, nothing loaded
+def test_field_dataset_declares_its_fields(tmp_path):
+    """A FieldDataset declares its fields: the check reads the declaration and decodes no sample
+    (a dataset that only says what it has by loading would be loaded here)."""
+    log = tmp_path / "loads.jsonl"
+    check_dataloader(DataLoader(PairData(16, log=str(log)), batch_size=8), FIELDS, SEPARATE)
+    assert not log.exists()
+    PairData(16, log=str(log)).load(0, ("image",))  # the log records a load when there is one
+    assert log.read_text().count("\n") == 1
 
 
 def test_last_batch_smaller_than_replicas_is_refused_at_setup():

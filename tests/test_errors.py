@@ -200,6 +200,7 @@ def test_missing_plan_file():
         ldm.DistMMStrategy(plan="nope.yaml")
 
 
+@pytest.mark.slow
 def test_module_without_mixin_is_rejected():
     class Plain(L.LightningModule):
         def __init__(self):

@@ -100,6 +100,7 @@ def test_records_cross_hosts_through_the_store(tmp_path):
     assert first is not None and first.rank == 1 and not first.consequence
 
 
+@pytest.mark.slow
 def test_a_rank_that_died_silently_is_named(tmp_path):
     """SIGKILL leaves no record: the survivors' connection errors point at the rank whose process is gone."""
     relay = ErrorRelay(tmp_path, 0)
@@ -112,6 +113,7 @@ def test_a_rank_that_died_silently_is_named(tmp_path):
     assert found is not None and found.rank == 1 and "died without reporting an error" in found.message
 
 
+@pytest.mark.slow
 def test_a_live_silent_rank_is_named_stalled_after_the_wait(tmp_path):
     relay = ErrorRelay(tmp_path, 0)
     relay.record(RuntimeError("Socket Timeout"))
@@ -173,6 +175,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc to tell a zombie from a live process")
 def test_alive_tells_a_finished_process():
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -395,6 +398,7 @@ def test_a_rank_ending_while_its_collectives_complete_exits_cleanly():
         assert "terminate called" not in done.stderr
 
 
+@pytest.mark.slow
 def test_a_launcher_pid_noted_for_another_launch_is_ignored():
     """A rank trusts the noted launcher pid only when it is its parent (or gone): a value that came
     down through an unrelated process (pytest, then torchrun's agent) must not end the rank."""

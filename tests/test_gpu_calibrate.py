@@ -36,6 +36,7 @@ def run_script(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_cpu_smoke_run_writes_every_section(tmp_path):
     out = tmp_path / "tmp.json"
     proc = run_script("--cpu-smoke", "--out", str(out))
@@ -69,6 +70,7 @@ def test_cpu_smoke_run_writes_every_section(tmp_path):
     load_calibration(out)  # what the script writes, the loader reads
 
 
+@pytest.mark.slow
 def test_timeout_stops_cleanly_and_still_writes(tmp_path):
     out = tmp_path / "cut.json"
     proc = run_script("--cpu-smoke", "--out", str(out), "--timeout-s", "0.5")

@@ -28,6 +28,7 @@ def _rounds(policy: str) -> tuple[str, list[int]]:
     return applied, [int(x) for x in rounds.strip("[]").split(",")]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc and /proc/self/stat")
 def test_freed_memory_serves_the_next_round_instead_of_faulting_in_again():
     """glibc returns the freed top of the heap to the kernel (past a 128 kB trim threshold), so every
@@ -37,10 +38,3 @@ def test_freed_memory_serves_the_next_round_instead_of_faulting_in_again():
     assert applied == "True"
     assert min(default[1:]) > 5000, default  # ~9,300 pages every round
     assert max(kept[1:]) < 500, kept  # the first round's pages, reused
-
-
-def test_the_strategy_keeps_host_memory_unless_told_not_to():
-    import lightning_distmm as ldm
-
-    assert ldm.DistMMStrategy()._reuse_host_memory
-    assert not ldm.DistMMStrategy(reuse_host_memory=False)._reuse_host_memory

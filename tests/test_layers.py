@@ -176,6 +176,7 @@ print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "
         ("lightning_distmm.planner", ("torch", "lightning", "pytorch_lightning")),
     ],
 )
+@pytest.mark.slow
 def test_pure_layers_import_neither_torch_distributed_nor_lightning(subpackage, forbidden):
     """Imported on their own, every module of core and planner leaves torch (whose import pulls in
     torch.distributed) and Lightning unloaded: the planner measures with torch only inside functions."""

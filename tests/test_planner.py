@@ -608,6 +608,7 @@ def test_local_cpu_is_measured():
 
 
 # ---------------------------------------------------------------------- recipe
+@pytest.mark.slow
 def test_recipe_multirun_writes_plans(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [
@@ -648,6 +649,7 @@ def test_report_draws_the_predicted_step():
         report.timeline(max_ranks=8)
 
 
+@pytest.mark.slow
 def test_planner_imports_without_torch_or_lightning():
     """The planner is pure Python above core: importing it (the package's own __init__ bypassed,
     which registers the Lightning strategies) loads neither torch nor Lightning."""

@@ -83,6 +83,7 @@ def _dead_pid() -> int:
     return proc.pid
 
 
+@pytest.mark.slow
 def test_stale_run_cleanup_never_touches_the_current_run(tmp_path, monkeypatch):
     """A rank's start-up removes runs whose processes are all gone, but never its own run's folder,
     whatever it holds: a process of this run that ended (a helper started under the same run id)

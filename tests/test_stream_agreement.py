@@ -141,6 +141,7 @@ class CountingLit(litdata.StreamingDataset):
         return super().__getitem__(index)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 1])
 def test_a_rank_decodes_only_its_litdata_rows(tmp_path, workers):
     """Rank 1 of three (image replica 2 of 2) decodes rows 4-7 of each batch of 8, and nothing else."""

@@ -220,6 +220,7 @@ def _rank_loader(source: DataLoader, rank: int, plan: ldm.Plan, progress=None) -
 PLAN3 = ldm.Plan(3, {"image": {"ranks": [0, 1]}, "text": {"ranks": [2]}})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 1])
 def test_a_rank_decodes_only_its_rows_and_fields(tmp_path, workers):
     """Rank 1 (image replica 2 of 2) of global batches of 6: samples 3-5 of each, images only."""
