@@ -309,7 +309,7 @@ def test_the_first_gradient_bucket_is_small(tmp_path):
     to ``cap``, so the first sum is posted early in the backward; the hooks still post every bucket."""
     import torch.distributed as dist
 
-    from lightning_distmm.parallel.gradients import GradientBuckets
+    from lightning_distmm.parallel.buckets import GradientBuckets
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
@@ -332,7 +332,7 @@ def test_gradient_buckets_post_during_the_backward(tmp_path):
     bucket order, before finish() (one-rank gloo group)."""
     import torch.distributed as dist
 
-    from lightning_distmm.parallel.gradients import GradientBuckets
+    from lightning_distmm.parallel.buckets import GradientBuckets
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
