@@ -94,10 +94,10 @@ SEPARATE = ldm.Plan(2, {"image": {"ranks": [0]}, "text": {"ranks": [1]}})
 
 CASES = {
     "world-size": (
-        3,
-        ldm.Plan(2, {"image": {"ranks": [0]}, "text": {"ranks": [1]}}),
+        2,
+        ldm.Plan(3, {"image": {"ranks": [0]}, "text": {"ranks": [1, 2]}}),
         lambda: loader(8),
-        "world_size=2 but the trainer runs 3",
+        "world_size=3 but the trainer runs 2",
     ),
     "unknown-tower": (
         2,
@@ -155,10 +155,10 @@ CASES = {
     "loss-vector": (2, SEPARATE, lambda: loader(4), r"must return a scalar tensor .*, got \[4\]", VectorLoss),
     "loss-detached": (2, SEPARATE, lambda: loader(4), r"loss that does not depend on the features", DetachedLoss),
     "batch-below-replicas": (
-        3,
-        ldm.Plan(3, {"image": {"ranks": [0, 1, 2]}, "text": {"ranks": [0]}}),
-        lambda: loader(2),
-        "has 3 data-parallel replicas, but every batch has 2 samples",
+        2,
+        ldm.Plan(2, {"image": {"ranks": [0, 1]}, "text": {"ranks": [0]}}),
+        lambda: loader(1),
+        "has 2 data-parallel replicas, but every batch has 1 samples",
     ),
 }
 
