@@ -1,0 +1,66 @@
+"""Issue 21: a vision tower feeding a language model (docs/mllm.md), against one process."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from distmm_testing import LossRecorder, read_losses, trainer_kwargs
+from vlm_testing import VLMData, vlm_loader
+
+import lightning_distmm as ldm
+from lightning_distmm.models.vlm import VLM
+from lightning_distmm.tower import tower_order
+
+
+def test_contract_orders_and_checks_consumers() -> None:
+    model = VLM()
+    assert tower_order(model.tower_specs()) == ["image", "llm"]
+    bad = {
+        "a": ldm.Tower(model.vision, "x", consumes={"b": "y"}),
+        "b": ldm.Tower(model.language, "z", consumes={"a": "w"}),
+    }
+    with pytest.raises(ValueError, match="consume"):
+        tower_order(bad)
+    with pytest.raises(ValueError, match="not towers"):
+        tower_order({"a": ldm.Tower(model.vision, "x", consumes={"nope": "y"})})
+
+
+def test_token_mean_is_the_batch_mean_and_rows_add_up() -> None:
+    """The reference loss is the token mean over the batch; split into rows, sums over the global count add up to it."""
+    torch.manual_seed(0)
+    model = VLM()
+    batch = next(iter(vlm_loader(6)))
+    assert sorted(batch["n_images"].tolist()) == [0, 0, 1, 1, 2, 2]
+    loss = model.contrastive_loss(batch)
+    feats = model.vision(batch["pixel_values"], batch["n_images"])
+    total, count = torch.zeros(()), 0
+    parts = []
+    for rows in (slice(0, 4), slice(4, 6)):
+        sub = {k: v[rows] for k, v in batch.items()}
+        logits = model.language(sub["input_ids"], sub["attention_mask"], sub["labels"], sub["n_images"], feats[rows])
+        s, c = model.token_loss(logits, sub)
+        parts.append(s)
+        count += int(c)
+    total = sum(parts) / count
+    assert torch.allclose(loss, total, atol=1e-6)
+    loss.backward()
+    assert model.vision.projector[0].weight.grad.abs().sum() > 0
+    assert model.vision.vit.patch_embed.proj.weight.grad.abs().sum() > 0
+
+
+def test_frozen_vit_trains_only_the_projector() -> None:
+    model = VLM(freeze_vit=True)
+    batch = next(iter(vlm_loader(3)))
+    model.contrastive_loss(batch).backward()
+    assert all(p.grad is None for p in model.vision.vit.parameters())
+    assert model.vision.projector[0].weight.grad is not None
+
+
+def test_trains_under_an_ordinary_trainer(tmp_path) -> None:
+    L.seed_everything(0)
+    model = VLM(optimizer="adamw", lr=0.02)
+    trainer = L.Trainer(devices=1, max_steps=15, callbacks=[LossRecorder(str(tmp_path / "l.json"))], **trainer_kwargs())
+    trainer.fit(model, torch.utils.data.DataLoader(VLMData(8), batch_size=8, drop_last=True))
+    losses = read_losses(tmp_path / "l.json")
+    assert losses[-1] < 0.6 * losses[0], losses
