@@ -6,7 +6,7 @@ import lightning as L
 import pytest
 import torch
 from distmm_testing import LossRecorder, read_losses, trainer_kwargs
-from vlm_testing import VLMData, vlm_loader
+from vlm_testing import VLMData, compare_vlm, vlm_loader
 
 import lightning_distmm as ldm
 from lightning_distmm.models.vlm import VLM
@@ -64,3 +64,20 @@ def test_trains_under_an_ordinary_trainer(tmp_path) -> None:
     trainer.fit(model, torch.utils.data.DataLoader(VLMData(8), batch_size=8, drop_last=True))
     losses = read_losses(tmp_path / "l.json")
     assert losses[-1] < 0.6 * losses[0], losses
+
+
+# ---------------------------------------------------------------------- distributed, against one process
+PLANS = {
+    "image1+llm1": (2, ldm.Plan(2, {"image": {"ranks": [0]}, "llm": {"ranks": [1]}})),
+    "image-dp2+llm1": (3, ldm.Plan(3, {"image": {"ranks": [0, 1]}, "llm": {"ranks": [2]}})),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("name", list(PLANS))
+def test_vlm_equals_one_process(name: str, optimizer: str, tmp_path) -> None:
+    devices, plan = PLANS[name]
+    lr = 0.1 if optimizer == "sgd" else 0.01
+    c = compare_vlm(lambda: VLM(optimizer=optimizer, lr=lr), plan, devices, batch=6, steps=3, tmp_path=tmp_path)
+    c.assert_exact(1e-5)

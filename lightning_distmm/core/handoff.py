@@ -1,0 +1,156 @@
+"""Towers that consume other towers' outputs (a vision encoder feeding a language model): which rank
+sends which rows where, and each rank's instruction list of one step (docs/mllm.md).
+
+Every tower splits the global batch over its replicas by :meth:`TowerPlan.split`, as
+:class:`~lightning_distmm.core.layout.RankLayout` does; the rows a producer replica computed and a
+consumer replica owns go from the producer's feature rank to the consumer replica's first stage,
+and their gradient comes back. Computed from the plan alone: every rank agrees without talking.
+
+Pure Python: no torch, no process groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from lightning_distmm.core.plan import Plan
+from lightning_distmm.core.schedule import Backward, Forward, GradSync, stage_neighbours
+
+
+@dataclass(frozen=True)
+class Route:
+    """Global rows ``[start, stop)``: computed by ``producer``'s replica on ``src``, owned by ``consumer``'s replica on ``dst``."""
+
+    producer: str
+    consumer: str
+    start: int
+    stop: int
+    src: int
+    dst: int
+    src_offset: int  # the producer replica's first global row
+    dst_offset: int  # the consumer replica's first global row
+
+
+@dataclass(frozen=True)
+class SendTokens:
+    """Post the send of ``route``'s rows of the producer's output to the consumer (non-blocking)."""
+
+    route: Route
+
+
+@dataclass(frozen=True)
+class RecvTokens:
+    """Receive ``route``'s rows of the producer's output: a leaf of the consumer's forward."""
+
+    route: Route
+
+
+@dataclass(frozen=True)
+class TokenLoss:
+    """The consumer's per-token loss on its rows over the global target count; loss forward and
+    backward give the output gradient its ``Backward`` starts from."""
+
+    tower: str
+    mb: int = 0
+
+
+@dataclass(frozen=True)
+class SendTokenGrads:
+    """Post the send of the gradient of ``route``'s received rows back to the producer's rank."""
+
+    route: Route
+
+
+@dataclass(frozen=True)
+class RecvTokenGrads:
+    """Receive the gradient of ``route``'s rows of this rank's producer output."""
+
+    route: Route
+
+
+HandoffInstruction = SendTokens | RecvTokens | TokenLoss | SendTokenGrads | RecvTokenGrads
+
+
+def _offsets(plan: Plan, name: str, n: int) -> list[int]:
+    out = [0]
+    for size in plan.towers[name].split(n):
+        out.append(out[-1] + size)
+    return out
+
+
+def check_handoff_plan(plan: Plan, consumes: Mapping[str, Sequence[str]], n: int) -> None:
+    """What the handoff runtime supports so far (data parallelism; docs/mllm.md says what is next)."""
+    if len(plan.group_split(n)) != 1:
+        raise ValueError(
+            "a model whose towers consume each other's outputs has no batch-sync: use schedule 'gpipe' (one"
+            " sync group), not 'distmm'"
+        )
+    for name, t in plan.towers.items():
+        unsupported = [k for k, v in (("tp", t.tp), ("pp", t.pp)) if v != 1]
+        if t.microbatch is not None:
+            unsupported.append("microbatch")
+        if unsupported:
+            raise NotImplementedError(
+                f"tower {name!r}: {', '.join(unsupported)} with a consuming tower is not supported yet"
+                " (data-parallel replicas only; docs/mllm.md, 'Status')"
+            )
+    for consumer, producers in consumes.items():
+        for p in producers:
+            if p not in plan.towers or consumer not in plan.towers:
+                raise ValueError(f"tower {consumer!r} consumes {p!r}: both must be in the plan")
+
+
+def routes(plan: Plan, consumes: Mapping[str, Sequence[str]], n: int) -> list[Route]:
+    """Every (producer replica -> consumer replica) transfer of a global batch of ``n``, in a fixed order."""
+    out: list[Route] = []
+    for consumer, producers in consumes.items():
+        c_off, ct = _offsets(plan, consumer, n), plan.towers[consumer]
+        for producer in producers:
+            p_off, pt = _offsets(plan, producer, n), plan.towers[producer]
+            for q in range(pt.dp):
+                for r in range(ct.dp):
+                    start, stop = max(p_off[q], c_off[r]), min(p_off[q + 1], c_off[r + 1])
+                    if start < stop:
+                        src, dst = pt.feature_rank(q), ct.replica_ranks(r)[0]
+                        out.append(Route(producer, consumer, start, stop, src, dst, p_off[q], c_off[r]))
+    return out
+
+
+def handoff_schedule(
+    plan: Plan,
+    consumes: Mapping[str, Sequence[str]],
+    order: Sequence[str],
+    trains: Mapping[str, bool],
+    rank: int,
+    n: int,
+) -> list:
+    """``rank``'s instructions of one step: forwards in consumption ``order`` (a consumer receives its
+    rows first, a producer sends them after its forward), then backwards in reverse (the consumer's
+    loss, backward and the tokens' gradients sent back; a producer receives them before its
+    backward), then the gradient sums. ``trains[tower]``: whether any of its parameters trains (a
+    frozen producer gets no gradients back). Every receive's send comes earlier in its sender's
+    list and sends never block, so the lists cannot deadlock."""
+    check_handoff_plan(plan, consumes, n)
+    links = routes(plan, consumes, n)
+    consumers = set(consumes)
+    rows = {name: plan.towers[name].split(n) for name in plan.towers}
+    local = [name for name in order if rank in plan.towers[name].ranks]
+    out: list = []
+    for name in local:
+        replica, _, prev, nxt = stage_neighbours(plan, name, rank)
+        if name in consumers:
+            out.extend(RecvTokens(r) for r in links if r.consumer == name and r.dst == rank)
+        out.append(Forward(name, 0, rows[name][replica], prev, nxt, keep=True))
+        out.extend(SendTokens(r) for r in links if r.producer == name and r.src == rank)
+    for name in reversed(local):
+        replica, _, prev, nxt = stage_neighbours(plan, name, rank)
+        back = [r for r in links if r.producer == name and r.src == rank and trains[name]]
+        out.extend(RecvTokenGrads(r) for r in back)
+        if name in consumers:
+            out.append(TokenLoss(name))
+        out.append(Backward(name, 0, rows[name][replica], nxt, prev, recompute=False))
+        if name in consumers:
+            out.extend(SendTokenGrads(r) for r in links if r.consumer == name and r.dst == rank and trains[r.producer])
+    out.append(GradSync())
+    return out
