@@ -52,7 +52,10 @@ class Tower:
             )
         args = [batch[f] for f in self.fields]
         kwargs = {kw: batch[kw] for kw in self.consumes.values()}
-        if self.frozen:
+        # a frozen consumer still carries the gradient of consumed outputs that train (a frozen LLM
+        # under a trained projector), so only a tower without such inputs runs under no_grad
+        carries = any(isinstance(v, Tensor) and v.requires_grad for v in kwargs.values())
+        if self.frozen and not carries:
             with torch.no_grad():
                 return self.module(*args, **kwargs)
         return self.module(*args, **kwargs)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import lightning as L
 import pytest
 import torch
@@ -80,4 +82,56 @@ def test_vlm_equals_one_process(name: str, optimizer: str, tmp_path) -> None:
     devices, plan = PLANS[name]
     lr = 0.1 if optimizer == "sgd" else 0.01
     c = compare_vlm(lambda: VLM(optimizer=optimizer, lr=lr), plan, devices, batch=6, steps=3, tmp_path=tmp_path)
+    c.assert_exact(1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("frozen", ["vit", "llm"])
+def test_vlm_frozen_parts_equal_one_process(frozen: str, tmp_path) -> None:
+    """LLaVA's first stage (frozen ViT: only the projector trains) and a frozen LLM (its backward still
+    carries the image tokens' gradient to the projector and the ViT)."""
+    devices, plan = PLANS["image-dp2+llm1"]
+    c = compare_vlm(
+        lambda: VLM(optimizer="adamw", lr=0.01, freeze_vit=frozen == "vit", frozen_llm=frozen == "llm"),
+        plan,
+        devices,
+        batch=6,
+        steps=3,
+        tmp_path=tmp_path,
+    )
+    c.assert_exact(1e-5)
+    fixed = c.distributed.vision.vit if frozen == "vit" else c.distributed.language
+    assert ldm_max_diff(fixed, c.initial.vision.vit if frozen == "vit" else c.initial.language) == 0
+    assert ldm_max_diff(c.distributed.vision.projector, c.initial.vision.projector) > 1e-4
+
+
+def ldm_max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+UNEVEN = {
+    # image rows 3+2+2 on ranks 0-2, LLM rows 4+3 on ranks 2-3: rank 1 splits its rows over both LLM
+    # replicas and rank 2 hands its own rows over in memory
+    "image-dp3+llm-dp2-shared": (4, ldm.Plan(4, {"image": {"ranks": [0, 1, 2]}, "llm": {"ranks": [2, 3]}}), 7),
+    # one row per image replica: rank 0's rows carry no image at all in the first step
+    "image-dp3+llm1-one-row": (4, ldm.Plan(4, {"image": {"ranks": [0, 1, 2]}, "llm": {"ranks": [3]}}), 3),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("name", list(UNEVEN))
+def test_vlm_uneven_rows_equal_one_process(name: str, optimizer: str, tmp_path) -> None:
+    devices, plan, batch = UNEVEN[name]
+    lr = 0.1 if optimizer == "sgd" else 0.01
+    c = compare_vlm(lambda: VLM(optimizer=optimizer, lr=lr), plan, devices, batch=batch, steps=3, tmp_path=tmp_path)
+    c.assert_exact(1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("DISTMM_WIDE_TESTS"), reason="5 ranks: over the 4-rank budget of the CPU suite")
+def test_vlm_five_ranks_image_dp3_llm_dp2(tmp_path) -> None:
+    """The issue's plan: encoder dp3 (ranks 0-2) + LLM dp2 (ranks 3-4), uneven rows (3+2+2, 4+3)."""
+    plan = ldm.Plan(5, {"image": {"ranks": [0, 1, 2]}, "llm": {"ranks": [3, 4]}})
+    c = compare_vlm(lambda: VLM(optimizer="adamw", lr=0.01), plan, 5, batch=7, steps=3, tmp_path=tmp_path)
     c.assert_exact(1e-5)

@@ -11,11 +11,11 @@ Pure Python: no torch, no process groups.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from lightning_distmm.core.plan import Plan
-from lightning_distmm.core.schedule import Backward, Forward, GradSync, stage_neighbours
+from lightning_distmm.core.schedule import Backward, Forward, GradSync, Interval, stage_neighbours
 
 
 @dataclass(frozen=True)
@@ -154,3 +154,67 @@ def handoff_schedule(
             out.extend(SendTokenGrads(r) for r in links if r.consumer == name and r.dst == rank and trains[r.producer])
     out.append(GradSync())
     return out
+
+
+# ---------------------------------------------------------------------- simulation
+def simulate_handoff(
+    lists: Mapping[int, Sequence],
+    duration: Callable[[int, object], float],
+    link: float | Callable[[object], float] = 0.0,
+    dp_groups: Mapping[str, Sequence[int]] | None = None,
+) -> list[Interval]:
+    """Replay every rank's handoff list (:func:`handoff_schedule`); return each instruction's interval.
+
+    A ``RecvTokens`` / ``RecvTokenGrads`` waits for its send (plus ``link`` seconds, a number or a
+    function of the receiving instruction); sends complete without their receiver (gloo, as
+    :func:`~lightning_distmm.core.schedule.simulate` prices by default). ``TokenLoss`` waits for
+    every rank of the consumer's data-parallel group (``dp_groups[tower]``; its target count's
+    all-reduce), ``GradSync`` for every rank. Raises ``RuntimeError`` naming what every blocked
+    rank waits for when the lists deadlock.
+    """
+    clock = {r: 0.0 for r in lists}
+    pc = {r: 0 for r in lists}
+    sent: dict[tuple, float] = {}
+    arrivals: dict[tuple, dict[int, float]] = {}
+    out: list[Interval] = []
+    while any(pc[r] < len(lists[r]) for r in lists):
+        progressed = False
+        for r, instrs in lists.items():
+            while pc[r] < len(instrs):
+                ins = instrs[pc[r]]
+                start = clock[r]
+                if isinstance(ins, (RecvTokens, RecvTokenGrads)):
+                    kind = "tokens" if isinstance(ins, RecvTokens) else "grads"
+                    key = (kind, ins.route)
+                    if key not in sent:
+                        break
+                    start = max(start, sent[key] + (link(ins) if callable(link) else link))
+                elif isinstance(ins, (TokenLoss, GradSync)):
+                    members = (
+                        tuple(lists) if isinstance(ins, GradSync) else tuple((dp_groups or {}).get(ins.tower, (r,)))
+                    )
+                    key = (type(ins).__name__, getattr(ins, "tower", ""))
+                    arrivals.setdefault(key, {}).setdefault(r, clock[r])
+                    if len(arrivals[key]) < len(members):
+                        break
+                    start = max(arrivals[key].values())
+                end = start + duration(r, ins)
+                if isinstance(ins, (SendTokens, SendTokenGrads)):
+                    sent["tokens" if isinstance(ins, SendTokens) else "grads", ins.route] = end
+                out.append(Interval(r, ins, start, end))
+                clock[r] = end
+                pc[r] += 1
+                progressed = True
+        if not progressed:
+            blocked = {r: lists[r][pc[r]] for r in lists if pc[r] < len(lists[r])}
+            raise RuntimeError(
+                f"the handoff schedule deadlocks: each blocked rank and the instruction it waits at: {blocked}"
+            )
+    return out
+
+
+def handoff_schedules(
+    plan: Plan, consumes: Mapping[str, Sequence[str]], order: Sequence[str], trains: Mapping[str, bool], n: int
+) -> dict[int, list]:
+    """Every rank's list (:func:`handoff_schedule`)."""
+    return {rank: handoff_schedule(plan, consumes, order, trains, rank, n) for rank in range(plan.world_size)}

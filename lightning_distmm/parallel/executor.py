@@ -219,7 +219,9 @@ class RankRuntime:
                         f" {sorted(k for k in batch if k != GLOBAL_BATCH_KEY)}"
                     )
         run = ScheduleRun.of(self.schedule(n), self.layout.batch(n))
-        learns = training and self.gradients.learns()
+        # a handoff model's rank with nothing to train (a frozen LLM's) still runs the step's gradient
+        # protocol, so that every rank makes the same decisions about the sums
+        learns = training and (self.gradients.learns() or self.handoff is not None)
         run.set_aside = self.gradients.take() if learns else []
         if step.zero_after:
             run.set_aside = []  # Lightning zeroes them after this step: free them before the backward
