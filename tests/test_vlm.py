@@ -135,3 +135,11 @@ def test_vlm_five_ranks_image_dp3_llm_dp2(tmp_path) -> None:
     plan = ldm.Plan(5, {"image": {"ranks": [0, 1, 2]}, "llm": {"ranks": [3, 4]}})
     c = compare_vlm(lambda: VLM(optimizer="adamw", lr=0.01), plan, 5, batch=7, steps=3, tmp_path=tmp_path)
     c.assert_exact(1e-5)
+
+
+@pytest.mark.slow
+def test_vlm_sharded_llm_equals_one_process(tmp_path) -> None:
+    """The LLM sharded over its two replicas (FSDP2, ``shard: full``), the encoder on its own rank."""
+    plan = ldm.Plan(3, {"image": {"ranks": [0]}, "llm": {"ranks": [1, 2], "shard": "full"}})
+    c = compare_vlm(lambda: VLM(optimizer="adamw", lr=0.01), plan, 3, batch=6, steps=3, tmp_path=tmp_path)
+    c.assert_exact(1e-5)
