@@ -1,0 +1,52 @@
+"""Draw one simulated step of a vision encoder feeding an LLM (docs/mllm.md): encoder dp3 on ranks
+0-2, LLM dp2 on ranks 3-4, a global batch of 7 (rows 3+2+2 and 4+3).
+
+The instruction lists are the ones the runtime executes (``core.handoff.handoff_schedule``) and
+``simulate_handoff`` replays them; the durations are illustrative (per row: encoder forward 1 ms,
+LLM forward 3 ms, backward twice the forward, 0.2 ms per transfer, 0.1 ms link latency), not
+measured: the picture shows the data flow and the waits, not a speed.
+
+    python benchmarks/vlm_timeline.py docs/img/mllm_step_5rank.svg
+"""
+
+from __future__ import annotations
+
+import sys
+
+from lightning_distmm.core.handoff import handoff_schedules, routes, simulate_handoff
+from lightning_distmm.core.plan import Plan
+from lightning_distmm.core.schedule import Backward, Forward, bubble_fraction, timeline_svg
+
+PLAN = Plan(5, {"image": {"ranks": [0, 1, 2]}, "llm": {"ranks": [3, 4]}})
+CONSUMES = {"llm": ["image"]}
+
+
+def seconds(rank: int, ins: object) -> float:
+    if isinstance(ins, (Forward, Backward)):
+        per_row = 1e-3 if ins.tower == "image" else 3e-3
+        return ins.rows * per_row * (2 if isinstance(ins, Backward) else 1)
+    return 2e-4
+
+
+def main(out: str | None) -> None:
+    lists = handoff_schedules(PLAN, CONSUMES, ["image", "llm"], {"image": True, "llm": True}, 7)
+    for r in routes(PLAN, CONSUMES, 7):
+        print(f"rows {r.start}-{r.stop - 1}: rank {r.src} ({r.producer}) -> rank {r.dst} ({r.consumer})")
+    for rank, lst in lists.items():
+        print(f"rank {rank}: " + "  ".join(type(i).__name__ for i in lst))
+    intervals = simulate_handoff(lists, seconds, 1e-4, {"llm": PLAN.towers["llm"].ranks})
+    step = max(i.end for i in intervals)
+    print(f"simulated step {step * 1e3:.2f} ms, idle share {bubble_fraction(intervals):.2f}")
+    if out:
+        svg = timeline_svg(
+            intervals,
+            "encoder dp3 (ranks 0-2) + LLM dp2 (ranks 3-4), batch 7: one step",
+            note="illustrative durations (benchmarks/vlm_timeline.py); the lists are the runtime's",
+        )
+        with open(out, "w") as f:
+            f.write(svg)
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else None)
