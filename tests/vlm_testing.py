@@ -24,15 +24,16 @@ class VLMData(ldm.FieldDataset):
 
     fields = ("pixel_values", "n_images", "input_ids", "attention_mask", "labels")
 
-    def __init__(self, size: int = 64) -> None:
+    def __init__(self, size: int = 64, dtype: torch.dtype = torch.float32) -> None:
         self.size = size
+        self.dtype = dtype
 
     def __len__(self) -> int:
         return self.size
 
     def load(self, index: int, fields: Any) -> dict[str, Any]:
         g = torch.Generator().manual_seed(index)
-        pixels = torch.randn(MAX_IMAGES, 3, 8, 8, generator=g)
+        pixels = torch.randn(MAX_IMAGES, 3, 8, 8, generator=g).to(self.dtype)
         n_images = index % 3
         pixels[n_images:] = 0
         ids = torch.randint(1, VOCAB, (SEQ,), generator=g)
@@ -51,19 +52,27 @@ class VLMData(ldm.FieldDataset):
         return {k: full[k] for k in fields}
 
 
-def vlm_loader(batch: int, size: int = 64) -> DataLoader:
-    return DataLoader(VLMData(size), batch_size=batch, drop_last=True)
+def vlm_loader(batch: int, size: int = 64, dtype: torch.dtype = torch.float32) -> DataLoader:
+    return DataLoader(VLMData(size, dtype), batch_size=batch, drop_last=True)
 
 
 def compare_vlm(
-    make: Callable[[], L.LightningModule], plan: Any, devices: int, batch: int, steps: int, tmp_path: Path, **extra: Any
+    make: Callable[[], L.LightningModule],
+    plan: Any,
+    devices: int,
+    batch: int,
+    steps: int,
+    tmp_path: Path,
+    dtype: torch.dtype = torch.float32,
+    **extra: Any,
 ) -> Comparison:
-    """``make()``'s module trained in one process and under distmm on the same global batches."""
+    """``make()``'s module trained in one process and under distmm on the same global batches
+    (``dtype``: the module's and the images' floating dtype; float64 separates rounding from error)."""
     L.seed_everything(0)
-    reference = make()
+    reference = make().to(dtype)
     module, initial = copy.deepcopy(reference), copy.deepcopy(reference)
-    run_reference(reference, vlm_loader(batch), steps, str(tmp_path / "ref.json"), **extra)
-    run_distmm(module, plan, devices, vlm_loader(batch), steps, str(tmp_path / "dist.json"), **extra)
+    run_reference(reference, vlm_loader(batch, dtype=dtype), steps, str(tmp_path / "ref.json"), **extra)
+    run_distmm(module, plan, devices, vlm_loader(batch, dtype=dtype), steps, str(tmp_path / "dist.json"), **extra)
     return Comparison(
         reference, module, initial, read_losses(tmp_path / "ref.json"), read_losses(tmp_path / "dist.json")
     )

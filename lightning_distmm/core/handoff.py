@@ -30,6 +30,7 @@ class Route:
     dst: int
     src_offset: int  # the producer replica's first global row
     dst_offset: int  # the consumer replica's first global row
+    returns: bool = True  # the gradient goes back from this dst (one tensor-parallel rank of the replica)
 
 
 @dataclass(frozen=True)
@@ -86,8 +87,11 @@ def check_handoff_plan(plan: Plan, consumes: Mapping[str, Sequence[str]], n: int
             "a model whose towers consume each other's outputs has no batch-sync: use schedule 'gpipe' (one"
             " sync group), not 'distmm'"
         )
+    producers = {p for ps in consumes.values() for p in ps}
     for name, t in plan.towers.items():
-        unsupported = [k for k, v in (("tp", t.tp), ("pp", t.pp)) if v != 1]
+        unsupported = [k for k, v in (("pp", t.pp),) if v != 1]
+        if t.tp != 1 and name in producers:
+            unsupported.append("tp of a consumed tower")
         if t.microbatch is not None:
             unsupported.append("microbatch")
         if unsupported:
@@ -111,9 +115,10 @@ def routes(plan: Plan, consumes: Mapping[str, Sequence[str]], n: int) -> list[Ro
             for q in range(pt.dp):
                 for r in range(ct.dp):
                     start, stop = max(p_off[q], c_off[r]), min(p_off[q + 1], c_off[r + 1])
-                    if start < stop:
-                        src, dst = pt.feature_rank(q), ct.replica_ranks(r)[0]
-                        out.append(Route(producer, consumer, start, stop, src, dst, p_off[q], c_off[r]))
+                    if start < stop:  # to every tensor-parallel rank of the consumer's first stage
+                        src = pt.feature_rank(q)
+                        for k, dst in enumerate(ct.replica_ranks(r)[: ct.tp]):
+                            out.append(Route(producer, consumer, start, stop, src, dst, p_off[q], c_off[r], k == 0))
     return out
 
 
@@ -145,13 +150,17 @@ def handoff_schedule(
         out.extend(SendTokens(r) for r in links if r.producer == name and r.src == rank)
     for name in reversed(local):
         replica, _, prev, nxt = stage_neighbours(plan, name, rank)
-        back = [r for r in links if r.producer == name and r.src == rank and trains[name]]
+        back = [r for r in links if r.producer == name and r.src == rank and trains[name] and r.returns]
         out.extend(RecvTokenGrads(r) for r in back)
         if name in consumers:
             out.append(TokenLoss(name))
         out.append(Backward(name, 0, rows[name][replica], nxt, prev, recompute=False))
         if name in consumers:
-            out.extend(SendTokenGrads(r) for r in links if r.consumer == name and r.dst == rank and trains[r.producer])
+            out.extend(
+                SendTokenGrads(r)
+                for r in links
+                if r.consumer == name and r.dst == rank and trains[r.producer] and r.returns
+            )
     out.append(GradSync())
     return out
 

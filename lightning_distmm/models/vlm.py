@@ -149,7 +149,10 @@ class VLM(DistMMMixin, L.LightningModule):
         labels = batch["labels"][:, 1:]
         logits = outputs[:, :-1]
         total = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=IGNORE, reduction="sum"
+            logits.reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32)),
+            labels.reshape(-1),
+            ignore_index=IGNORE,
+            reduction="sum",
         )
         return total, (labels != IGNORE).sum()
 

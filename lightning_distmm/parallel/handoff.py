@@ -134,7 +134,9 @@ class TokenHandoff:
         if self.plan.towers[ins.tower].dp > 1:
             dist.all_reduce(count, group=group)
         loss = total / count[0].clamp(min=1).to(total.dtype)
-        run.loss = run.loss + loss.detach().to(run.loss.device)
+        t = self.plan.towers[ins.tower]
+        if t.ranks.index(self.rank) % t.tp == 0:  # tensor-parallel ranks compute the same loss: count it once
+            run.loss = run.loss + loss.detach().to(run.loss.device)
         if needs:
             if not loss.requires_grad:
                 raise RuntimeError("token_loss returned a loss that does not depend on the consuming tower's outputs")
