@@ -80,9 +80,26 @@ def test_simulated_step_overlaps_nothing_it_must_wait_for() -> None:
 
 
 def test_unsupported_plans_say_what() -> None:
-    plan = Plan(3, {"image": {"ranks": [0]}, "llm": {"ranks": [1, 2], "pp": 2}})
-    with pytest.raises(NotImplementedError, match="pp"):
+    plan = Plan(3, {"image": {"ranks": [0, 1], "pp": 2}, "llm": {"ranks": [2]}})
+    with pytest.raises(NotImplementedError, match="pp of a consumed tower"):
         handoff_schedules(plan, CONSUMES, ORDER, {"image": True, "llm": True}, 4)
+
+
+def test_pipelined_llm_receives_on_its_first_stage_and_computes_the_loss_on_its_last() -> None:
+    plan = Plan(4, {"image": {"ranks": [0, 1]}, "llm": {"ranks": [2, 3], "pp": 2}})
+    lists = handoff_schedules(plan, CONSUMES, ORDER, {"image": True, "llm": True}, 6)
+    kinds = {r: [type(i).__name__ for i in lst] for r, lst in lists.items()}
+    assert kinds[2] == [
+        "RecvTokens",
+        "RecvTokens",
+        "Forward",
+        "Backward",
+        "SendTokenGrads",
+        "SendTokenGrads",
+        "GradSync",
+    ]
+    assert kinds[3] == ["Forward", "TokenLoss", "Backward", "GradSync"]
+    simulate_handoff(lists, lambda r, i: 1.0, 0.0, {"llm": [3]})
 
 
 def test_instruction_names() -> None:

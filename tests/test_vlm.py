@@ -51,6 +51,27 @@ def test_token_mean_is_the_batch_mean_and_rows_add_up() -> None:
     assert model.vision.vit.patch_embed.proj.weight.grad.abs().sum() > 0
 
 
+def test_language_model_matches_the_hf_call_and_its_stages() -> None:
+    """The prologue / layers / epilogue forward is the transformers model's own forward, and the
+    pipeline stages chained give the same logits."""
+    torch.manual_seed(0)
+    model = VLM()
+    batch = next(iter(vlm_loader(6)))
+    feats = model.vision(batch["pixel_values"], batch["n_images"])
+    lang = model.language
+    ours = lang(batch["input_ids"], batch["attention_mask"], batch["labels"], batch["n_images"], feats)
+    present = torch.arange(2)[None, :] < batch["n_images"][:, None]
+    mask = torch.cat([present.repeat_interleave(lang.tokens_per_image, 1).long(), batch["attention_mask"]], 1)
+    embeds = torch.cat([feats.flatten(1, 2), lang.lm.get_input_embeddings()(batch["input_ids"])], 1)
+    hf = lang.lm(inputs_embeds=embeds, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)).logits
+    assert torch.allclose(ours, hf[:, lang.prefix :], atol=1e-6)
+    rows = {**batch, "image_embeds": feats}
+    x = None
+    for stage in lang.pipeline_stages(2):
+        x = stage.run(x, rows)
+    assert torch.equal(x, ours)
+
+
 def test_frozen_vit_trains_only_the_projector() -> None:
     model = VLM(freeze_vit=True)
     batch = next(iter(vlm_loader(3)))
@@ -134,6 +155,16 @@ def test_vlm_five_ranks_image_dp3_llm_dp2(tmp_path) -> None:
     """The issue's plan: encoder dp3 (ranks 0-2) + LLM dp2 (ranks 3-4), uneven rows (3+2+2, 4+3)."""
     plan = ldm.Plan(5, {"image": {"ranks": [0, 1, 2]}, "llm": {"ranks": [3, 4]}})
     c = compare_vlm(lambda: VLM(optimizer="adamw", lr=0.01), plan, 5, batch=7, steps=3, tmp_path=tmp_path)
+    c.assert_exact(1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_vlm_llm_pp2_equals_one_process(optimizer: str, tmp_path) -> None:
+    """Encoder dp2 + LLM pp2: the image rows go to the LLM's first stage, the loss is on its last."""
+    plan = ldm.Plan(4, {"image": {"ranks": [0, 1]}, "llm": {"ranks": [2, 3], "pp": 2}})
+    lr = 0.1 if optimizer == "sgd" else 0.01
+    c = compare_vlm(lambda: VLM(optimizer=optimizer, lr=lr), plan, 4, batch=6, steps=3, tmp_path=tmp_path)
     c.assert_exact(1e-5)
 
 

@@ -89,9 +89,9 @@ def check_handoff_plan(plan: Plan, consumes: Mapping[str, Sequence[str]], n: int
         )
     producers = {p for ps in consumes.values() for p in ps}
     for name, t in plan.towers.items():
-        unsupported = [k for k, v in (("pp", t.pp),) if v != 1]
-        if t.tp != 1 and name in producers:
-            unsupported.append("tp of a consumed tower")
+        unsupported = []
+        if name in producers:  # its rows' gradient would have to reach every rank of its last stage
+            unsupported += [f"{k} of a consumed tower" for k, v in (("tp", t.tp), ("pp", t.pp)) if v != 1]
         if t.microbatch is not None:
             unsupported.append("microbatch")
         if unsupported:
@@ -152,7 +152,7 @@ def handoff_schedule(
         replica, _, prev, nxt = stage_neighbours(plan, name, rank)
         back = [r for r in links if r.producer == name and r.src == rank and trains[name] and r.returns]
         out.extend(RecvTokenGrads(r) for r in back)
-        if name in consumers:
+        if name in consumers and nxt is None:  # the loss on the last stage
             out.append(TokenLoss(name))
         out.append(Backward(name, 0, rows[name][replica], nxt, prev, recompute=False))
         if name in consumers:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers.masking_utils import create_causal_mask
 
 from lightning_distmm.mixin import DistMMMixin
 from lightning_distmm.tower import Tower
@@ -56,24 +57,93 @@ class VisionProjector(nn.Module):
 
 
 class LanguageModel(nn.Module):
-    """A causal LM that reads image tokens as a prefix: returns ``[B, S, V]`` logits of the text positions."""
+    """A causal LM that reads image tokens as a prefix: returns ``[B, S, V]`` logits of the text positions.
 
-    def __init__(self, lm: PreTrainedModel) -> None:
+    ``max_images`` image slots of ``tokens_per_image`` tokens each lead every sequence (absent images'
+    slots masked, positions counted over present tokens only). The forward is written as prologue,
+    decoder layers and epilogue so that :meth:`pipeline_stages` cuts the same computation into stages.
+    """
+
+    def __init__(self, lm: PreTrainedModel, max_images: int, tokens_per_image: int) -> None:
         super().__init__()
         self.lm = lm
+        self.max_images = max_images
+        self.tokens_per_image = tokens_per_image
+
+    @property
+    def prefix(self) -> int:
+        return self.max_images * self.tokens_per_image
 
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor, labels: Tensor, n_images: Tensor, image_embeds: Tensor
     ) -> Tensor:
+        rows = {"input_ids": input_ids, "attention_mask": attention_mask, "n_images": n_images}
+        x = self._prologue(rows, image_embeds)
+        x = self._layers(x, rows, 0, len(self.lm.model.layers))
+        return self._epilogue(x)
+
+    def _prologue(self, rows: Any, image_embeds: Tensor) -> Tensor:
         b, k, t, d = image_embeds.shape
-        text = self.lm.get_input_embeddings()(input_ids)
-        present = torch.arange(k, device=input_ids.device)[None, :] < n_images[:, None]
-        image_mask = present.repeat_interleave(t, dim=1).to(attention_mask.dtype)  # [B, K*T]
-        embeds = torch.cat([image_embeds.reshape(b, k * t, d).to(text.dtype), text], dim=1)
+        if (k, t) != (self.max_images, self.tokens_per_image):
+            raise ValueError(
+                f"image_embeds has {k} images of {t} tokens per sample; the language model was built for"
+                f" {self.max_images} of {self.tokens_per_image}"
+            )
+        text = self.lm.get_input_embeddings()(rows["input_ids"])
+        return torch.cat([image_embeds.reshape(b, k * t, d).to(text.dtype), text], dim=1)
+
+    def _context(self, x: Tensor, rows: Any) -> tuple[Any, tuple[Tensor, Tensor], Tensor]:
+        """The causal mask, rotary embeddings and positions of the image + text sequence ``x``."""
+        present = torch.arange(self.max_images, device=x.device)[None, :] < rows["n_images"][:, None]
+        attention_mask = rows["attention_mask"]
+        image_mask = present.repeat_interleave(self.tokens_per_image, dim=1).to(attention_mask.dtype)
         mask = torch.cat([image_mask, attention_mask], dim=1)
         positions = (mask.long().cumsum(1) - 1).clamp(min=0)  # present tokens numbered 0, 1, ... per sample
-        logits = self.lm(inputs_embeds=embeds, attention_mask=mask, position_ids=positions).logits
-        return logits[:, k * t :]
+        causal = create_causal_mask(
+            config=self.lm.config, inputs_embeds=x, attention_mask=mask, cache=None, position_ids=positions
+        )
+        return causal, self.lm.model.rotary_emb(x, position_ids=positions), positions
+
+    def _layers(self, x: Tensor, rows: Any, a: int, b: int) -> Tensor:
+        causal, rotary, positions = self._context(x, rows)
+        for layer in self.lm.model.layers[a:b]:
+            x = layer(x, attention_mask=causal, position_embeddings=rotary, position_ids=positions, use_cache=False)
+        return x
+
+    def _epilogue(self, x: Tensor) -> Tensor:
+        return self.lm.lm_head(self.lm.model.norm(x))[:, self.prefix :]
+
+    def pipeline_stages(self, pp: int) -> list:
+        """``pp`` stages: the embeddings and the image prefix first, the decoder layers split evenly, the
+        final norm and the LM head last (each stage keeps the rotary table, which has no parameters)."""
+        from lightning_distmm.parallel.pipeline import Stage
+
+        layers = self.lm.model.layers
+        if len(layers) < pp:
+            raise ValueError(f"{len(layers)} decoder layers cannot be cut into {pp} pipeline stages")
+        base, extra = divmod(len(layers), pp)
+        stages, start = [], 0
+        for s in range(pp):
+            a, b = start, start + base + (1 if s < extra else 0)
+            start = b
+            first, last = s == 0, s == pp - 1
+            own: list[nn.Module] = [self.lm.model.rotary_emb, *layers[a:b]]
+            if first:
+                own.append(self.lm.get_input_embeddings())
+            if last:
+                own += [self.lm.model.norm, self.lm.lm_head]
+
+            def run(
+                x: Tensor | None, rows: Any, a: int = a, b: int = b, first: bool = first, last: bool = last
+            ) -> Tensor:
+                if first:
+                    x = self._prologue(rows, rows["image_embeds"])
+                assert x is not None
+                x = self._layers(x, rows, a, b)
+                return self._epilogue(x) if last else x
+
+            stages.append(Stage(own, run))
+        return stages
 
 
 def tiny_llama_config(vocab: int = 32, width: int = 32, layers: int = 2, heads: int = 4) -> LlamaConfig:
@@ -120,6 +190,7 @@ class VLM(DistMMMixin, L.LightningModule):
         vit_width: int = 16,
         freeze_vit: bool = False,
         frozen_llm: bool = False,
+        max_images: int = 2,
         optimizer: str = "sgd",
         lr: float = 0.1,
     ) -> None:
@@ -128,7 +199,8 @@ class VLM(DistMMMixin, L.LightningModule):
         self.vision = VisionProjector(
             vit if vit is not None else tiny_vit(width=vit_width), vit_width, lm.config.hidden_size, freeze_vit
         )
-        self.language = LanguageModel(lm)
+        tokens = self.vision.vit.patch_embed.num_patches + self.vision.vit.num_prefix_tokens  # type: ignore[operator]
+        self.language = LanguageModel(lm, max_images, int(tokens))
         self.frozen_llm = frozen_llm
         self.optimizer_name = optimizer
         self.lr = lr
