@@ -189,3 +189,47 @@ def test_vlm_llm_tp2_equals_one_process(optimizer: str, tmp_path) -> None:
     # that rounding on a near-zero gradient entry into up to ~2.4e-5 of a weight (seen once, in
     # layers.1.mlp.up_proj); SGD holds the 1e-5 of the issue, AdamW is held to 1e-4 here.
     c.assert_exact(1e-5 if optimizer == "sgd" else 1e-4)
+
+
+def tiny_qwen2(tmp_path) -> str:
+    """A tiny Qwen2-style causal LM saved as a local Hugging Face folder (random init, offline)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(1)
+    path = str(tmp_path / "qwen2")
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def test_qwen2_from_a_local_folder_trains_in_one_process(tmp_path) -> None:
+    from lightning_distmm.models.vlm import load_language_model
+
+    path = tiny_qwen2(tmp_path)
+    lm = load_language_model(path)
+    assert type(lm).__name__ == "Qwen2ForCausalLM"
+    model = VLM(lm=lm)
+    batch = next(iter(vlm_loader(6)))
+    loss = model.contrastive_loss(batch)
+    loss.backward()
+    assert torch.isfinite(loss) and model.language.lm.model.layers[0].self_attn.q_proj.bias.grad is not None
+
+
+@pytest.mark.slow
+def test_vlm_qwen2_llm_tp2_equals_one_process(tmp_path) -> None:
+    """A Qwen2 LLM (q/k/v biases) loaded from a local folder, tensor-parallel over two ranks."""
+    from lightning_distmm.models.vlm import load_language_model
+
+    path = tiny_qwen2(tmp_path)
+    plan = ldm.Plan(3, {"image": {"ranks": [0]}, "llm": {"ranks": [1, 2], "tp": 2}})
+    c = compare_vlm(lambda: VLM(lm=load_language_model(path), lr=0.1), plan, 3, batch=6, steps=3, tmp_path=tmp_path)
+    c.assert_exact(1e-5)
