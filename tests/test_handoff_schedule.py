@@ -102,6 +102,27 @@ def test_pipelined_llm_receives_on_its_first_stage_and_computes_the_loss_on_its_
     simulate_handoff(lists, lambda r, i: 1.0, 0.0, {"llm": [3]})
 
 
+@pytest.mark.parametrize("image_mb,llm_mb,llm_pp", [(2, 3, 1), (1, 2, 1), (3, 2, 2), (None, 1, 2)])
+def test_microbatched_routes_cover_every_row_once_and_replay(image_mb, llm_mb, llm_pp) -> None:
+    plan = Plan(
+        4,
+        {
+            "image": {"ranks": [0, 1], "microbatch": image_mb},
+            "llm": {"ranks": [2, 3], "pp": llm_pp, "microbatch": llm_mb},
+        }
+        if llm_pp > 1
+        else {"image": {"ranks": [0, 1], "microbatch": image_mb}, "llm": {"ranks": [2, 3], "microbatch": llm_mb}},
+    )
+    links = routes(plan, CONSUMES, 8)
+    rows = sorted(r for route in links for r in range(route.start, route.stop))
+    assert rows == list(range(8))
+    assert all(r.src_offset <= r.start and r.dst_offset <= r.start for r in links)
+    lists = handoff_schedules(plan, CONSUMES, ORDER, {"image": True, "llm": True}, 8)
+    last = [r for r in plan.towers["llm"].ranks if r in (3,)] if llm_pp > 1 else [2, 3]
+    iv = simulate_handoff(lists, lambda r, i: 1.0, 0.1, {"llm": last})
+    assert len(iv) == sum(len(v) for v in lists.values())
+
+
 def test_instruction_names() -> None:
     assert {SendTokens, RecvTokens, TokenLoss} <= {
         type(i)

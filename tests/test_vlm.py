@@ -168,6 +168,30 @@ def test_vlm_llm_pp2_equals_one_process(optimizer: str, tmp_path) -> None:
     c.assert_exact(1e-5)
 
 
+MICRO = {
+    # image microbatches of 2 rows, LLM microbatches of 3: every LLM microbatch reads rows of two image
+    # microbatches (of two replicas for the middle one), each sent as soon as its forward ends
+    "image-dp2-mb2+llm-mb3": (
+        3,
+        ldm.Plan(3, {"image": {"ranks": [0, 1], "microbatch": 2}, "llm": {"ranks": [2], "microbatch": 3}}),
+    ),
+    "image-mb2+llm-pp2-mb2": (
+        3,
+        ldm.Plan(3, {"image": {"ranks": [0], "microbatch": 2}, "llm": {"ranks": [1, 2], "pp": 2, "microbatch": 2}}),
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("name", list(MICRO))
+def test_vlm_microbatches_equal_one_process(name: str, optimizer: str, tmp_path) -> None:
+    devices, plan = MICRO[name]
+    lr = 0.1 if optimizer == "sgd" else 0.01
+    c = compare_vlm(lambda: VLM(optimizer=optimizer, lr=lr), plan, devices, batch=8, steps=3, tmp_path=tmp_path)
+    c.assert_exact(1e-5)
+
+
 @pytest.mark.slow
 def test_vlm_sharded_llm_equals_one_process(tmp_path) -> None:
     """The LLM sharded over its two replicas (FSDP2, ``shard: full``), the encoder on its own rank."""

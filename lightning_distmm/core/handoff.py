@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from lightning_distmm.core.plan import Plan
-from lightning_distmm.core.schedule import Backward, Forward, GradSync, Interval, stage_neighbours
+from lightning_distmm.core.schedule import Backward, Forward, GradSync, Interval, microbatch_sizes, stage_neighbours
 
 
 @dataclass(frozen=True)
@@ -28,9 +28,11 @@ class Route:
     stop: int
     src: int
     dst: int
-    src_offset: int  # the producer replica's first global row
-    dst_offset: int  # the consumer replica's first global row
+    src_offset: int  # the first global row of the producer's microbatch ``src_mb``
+    dst_offset: int  # the first global row of the consumer's microbatch ``dst_mb``
     returns: bool = True  # the gradient goes back from this dst (one tensor-parallel rank of the replica)
+    src_mb: int = 0  # the producer replica's microbatch that computed the rows
+    dst_mb: int = 0  # the consumer replica's microbatch that reads them
 
 
 @dataclass(frozen=True)
@@ -73,10 +75,16 @@ class RecvTokenGrads:
 HandoffInstruction = SendTokens | RecvTokens | TokenLoss | SendTokenGrads | RecvTokenGrads
 
 
-def _offsets(plan: Plan, name: str, n: int) -> list[int]:
-    out = [0]
-    for size in plan.towers[name].split(n):
-        out.append(out[-1] + size)
+def _microbatches(plan: Plan, name: str, n: int) -> list[list[tuple[int, int]]]:
+    """Per replica of tower ``name``: the global rows ``[start, stop)`` of each of its microbatches."""
+    out, start = [], 0
+    t = plan.towers[name]
+    for rows in t.split(n):
+        mbs = []
+        for size in microbatch_sizes(rows, t.microbatch):
+            mbs.append((start, start + size))
+            start += size
+        out.append(mbs)
     return out
 
 
@@ -92,8 +100,6 @@ def check_handoff_plan(plan: Plan, consumes: Mapping[str, Sequence[str]], n: int
         unsupported = []
         if name in producers:  # its rows' gradient would have to reach every rank of its last stage
             unsupported += [f"{k} of a consumed tower" for k, v in (("tp", t.tp), ("pp", t.pp)) if v != 1]
-        if t.microbatch is not None:
-            unsupported.append("microbatch")
         if unsupported:
             raise NotImplementedError(
                 f"tower {name!r}: {', '.join(unsupported)} with a consuming tower is not supported yet"
@@ -106,19 +112,23 @@ def check_handoff_plan(plan: Plan, consumes: Mapping[str, Sequence[str]], n: int
 
 
 def routes(plan: Plan, consumes: Mapping[str, Sequence[str]], n: int) -> list[Route]:
-    """Every (producer replica -> consumer replica) transfer of a global batch of ``n``, in a fixed order."""
+    """Every transfer of a global batch of ``n``: the rows a producer replica's microbatch computed
+    that a consumer replica's microbatch reads, in a fixed order (by consumer replica and microbatch)."""
     out: list[Route] = []
     for consumer, producers in consumes.items():
-        c_off, ct = _offsets(plan, consumer, n), plan.towers[consumer]
+        ct, c_mbs = plan.towers[consumer], _microbatches(plan, consumer, n)
         for producer in producers:
-            p_off, pt = _offsets(plan, producer, n), plan.towers[producer]
-            for q in range(pt.dp):
-                for r in range(ct.dp):
-                    start, stop = max(p_off[q], c_off[r]), min(p_off[q + 1], c_off[r + 1])
-                    if start < stop:  # to every tensor-parallel rank of the consumer's first stage
-                        src = pt.feature_rank(q)
-                        for k, dst in enumerate(ct.replica_ranks(r)[: ct.tp]):
-                            out.append(Route(producer, consumer, start, stop, src, dst, p_off[q], c_off[r], k == 0))
+            pt, p_mbs = plan.towers[producer], _microbatches(plan, producer, n)
+            for r, cm in enumerate(c_mbs):
+                for j, (ca, cb) in enumerate(cm):
+                    for q, pm in enumerate(p_mbs):
+                        for i, (pa, pb) in enumerate(pm):
+                            start, stop = max(pa, ca), min(pb, cb)
+                            if start >= stop:
+                                continue
+                            src = pt.feature_rank(q)  # to every tensor-parallel rank of the consumer's first stage
+                            for k, dst in enumerate(ct.replica_ranks(r)[: ct.tp]):
+                                out.append(Route(producer, consumer, start, stop, src, dst, pa, ca, k == 0, i, j))
     return out
 
 
@@ -139,28 +149,37 @@ def handoff_schedule(
     check_handoff_plan(plan, consumes, n)
     links = routes(plan, consumes, n)
     consumers = set(consumes)
-    rows = {name: plan.towers[name].split(n) for name in plan.towers}
     local = [name for name in order if rank in plan.towers[name].ranks]
-    out: list = []
+    sizes = {}
     for name in local:
-        replica, _, prev, nxt = stage_neighbours(plan, name, rank)
-        if name in consumers:
-            out.extend(RecvTokens(r) for r in links if r.consumer == name and r.dst == rank)
-        out.append(Forward(name, 0, rows[name][replica], prev, nxt, keep=True))
-        out.extend(SendTokens(r) for r in links if r.producer == name and r.src == rank)
-    for name in reversed(local):
-        replica, _, prev, nxt = stage_neighbours(plan, name, rank)
-        back = [r for r in links if r.producer == name and r.src == rank and trains[name] and r.returns]
-        out.extend(RecvTokenGrads(r) for r in back)
-        if name in consumers and nxt is None:  # the loss on the last stage
-            out.append(TokenLoss(name))
-        out.append(Backward(name, 0, rows[name][replica], nxt, prev, recompute=False))
-        if name in consumers:
+        replica = plan.towers[name].replica_of(rank)
+        assert replica is not None
+        sizes[name] = microbatch_sizes(plan.towers[name].split(n)[replica], plan.towers[name].microbatch)
+    out: list = []
+    for name in local:  # forwards: microbatch m's rows go out as soon as its forward ends
+        _, _, prev, nxt = stage_neighbours(plan, name, rank)
+        for mb, size in enumerate(sizes[name]):
+            if name in consumers and prev is None:
+                out.extend(RecvTokens(r) for r in links if r.consumer == name and r.dst == rank and r.dst_mb == mb)
+            out.append(Forward(name, mb, size, prev, nxt, keep=True))
+            out.extend(SendTokens(r) for r in links if r.producer == name and r.src == rank and r.src_mb == mb)
+    for name in reversed(local):  # backwards: the consumer's first, each microbatch's gradient back at once
+        _, _, prev, nxt = stage_neighbours(plan, name, rank)
+        for mb, size in enumerate(sizes[name]):
             out.extend(
-                SendTokenGrads(r)
+                RecvTokenGrads(r)
                 for r in links
-                if r.consumer == name and r.dst == rank and trains[r.producer] and r.returns
+                if r.producer == name and r.src == rank and r.src_mb == mb and trains[name] and r.returns
             )
+            if name in consumers and nxt is None:  # the loss on the last stage
+                out.append(TokenLoss(name, mb))
+            out.append(Backward(name, mb, size, nxt, prev, recompute=False))
+            if name in consumers and prev is None:
+                out.extend(
+                    SendTokenGrads(r)
+                    for r in links
+                    if r.consumer == name and r.dst == rank and r.dst_mb == mb and trains[r.producer] and r.returns
+                )
     out.append(GradSync())
     return out
 

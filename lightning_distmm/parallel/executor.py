@@ -237,7 +237,7 @@ class RankRuntime:
                 if isinstance(ins, Forward):
                     rows = {f: _take_rows(batch[f], run.rows[ins.tower, ins.mb]) for f in self.towers[ins.tower].fields}
                     if self.handoff is not None and self.towers[ins.tower].consumes and ins.recv_from is None:
-                        rows.update(self.handoff.consumed(ins.tower))
+                        rows.update(self.handoff.consumed(ins.tower, ins.mb))
                     self._forward(ins, rows, training, run)
                 elif isinstance(ins, BatchSync):
                     posted = self._now()

@@ -68,6 +68,7 @@ class TokenHandoff:
         self.received: dict[tuple[str, str], list[tuple[Route, Tensor]]] = {}
         self.local: dict[Route, Tensor] = {}  # rows a rank hands itself
         self.local_grads: dict[Route, Tensor] = {}
+        self.counts: dict[str, Tensor] = {}  # a consumer's global target count of this step
 
     def schedule(self, n: int) -> list:
         return handoff_schedule(self.plan, self.consumes, self.order, self.trains, self.rank, n)
@@ -78,11 +79,12 @@ class TokenHandoff:
         return self.trains[tower] or any(self.trains[p] for p in self.consumes.get(tower, ()))
 
     # ------------------------------------------------------------------ what the consumer's forward reads
-    def consumed(self, tower: str) -> dict[str, Tensor]:
-        """The consumed outputs of ``tower``'s rows, by keyword: the received pieces in row order."""
+    def consumed(self, tower: str, mb: int) -> dict[str, Tensor]:
+        """The consumed outputs of microbatch ``mb`` of ``tower``, by keyword: the received pieces in row order."""
         out = {}
         for producer, keyword in self.keywords[tower].items():
-            pieces = sorted(self.received.get((producer, tower), []), key=lambda p: p[0].start)
+            pieces = [p for p in self.received.get((producer, tower), []) if p[0].dst_mb == mb]
+            pieces.sort(key=lambda p: p[0].start)
             out[keyword] = torch.cat([t for _, t in pieces]) if len(pieces) > 1 else pieces[0][1]
         return out
 
@@ -90,7 +92,7 @@ class TokenHandoff:
     def run(self, ins: Any, run: ScheduleRun, module: TowerModule, batch: Mapping[str, Any], training: bool) -> None:
         if isinstance(ins, SendTokens):
             r = ins.route
-            x = torch.cat(run.outputs[0, r.producer])[r.start - r.src_offset : r.stop - r.src_offset]
+            x = run.outputs[0, r.producer][r.src_mb][r.start - r.src_offset : r.stop - r.src_offset]
             if r.dst == self.rank:
                 self.local[r] = x.detach()
             else:
@@ -113,27 +115,32 @@ class TokenHandoff:
         elif isinstance(ins, RecvTokenGrads):
             r = ins.route
             g = self.local_grads.pop(r) if r.dst == self.rank else self._recv(r.dst, 1)
-            out = torch.cat(run.outputs[0, r.producer]) if (r.producer, 0) not in run.feature_grads else None
-            if out is not None:
-                run.feature_grads[r.producer, 0] = torch.zeros_like(out)
-            run.feature_grads[r.producer, 0][r.start - r.src_offset : r.stop - r.src_offset] = g
+            key = (r.producer, r.src_mb)
+            if key not in run.feature_grads:
+                run.feature_grads[key] = torch.zeros_like(run.outputs[0, r.producer][r.src_mb])
+            run.feature_grads[key][r.start - r.src_offset : r.stop - r.src_offset] = g
 
     def _token_loss(
         self, ins: TokenLoss, run: ScheduleRun, module: TowerModule, batch: Mapping[str, Any], training: bool
     ) -> None:
         """The consumer's loss on its rows: its sum over the global target count (one all-reduce over
         the tower's data-parallel group), forward and backward to the output gradient."""
-        out = torch.cat(run.outputs[0, ins.tower])
+        outputs = run.outputs[0, ins.tower]
         needs = training and self.needs_backward(ins.tower)
-        leaf = out.detach().requires_grad_(needs)
-        rows = run.rows[ins.tower, ins.mb]
-        part = {f: batch[f][rows] for f in self.fields[ins.tower]}
-        total, count = module.token_loss(leaf, part)
-        count = torch.as_tensor(count, device=self.device).reshape(1).to(torch.float64)
-        group = self.groups[ins.tower].dp_group
-        if self.plan.towers[ins.tower].dp > 1:
-            dist.all_reduce(count, group=group)
-        loss = total / count[0].clamp(min=1).to(total.dtype)
+        leaf = outputs[ins.mb].detach().requires_grad_(needs)
+        total, _ = module.token_loss(leaf, self._rows(batch, run, ins.tower, ins.mb))
+        if ins.tower not in self.counts:  # the step's first: every microbatch's count, summed over the replicas
+            local = sum(
+                torch.as_tensor(module.token_loss(out.detach(), self._rows(batch, run, ins.tower, mb))[1])
+                .reshape(())
+                .to(torch.float64)
+                for mb, out in enumerate(outputs)
+            )
+            count = torch.as_tensor(local, device=self.device).reshape(1)
+            if self.plan.towers[ins.tower].dp > 1:
+                dist.all_reduce(count, group=self.groups[ins.tower].dp_group)
+            self.counts[ins.tower] = count[0].clamp(min=1)
+        loss = total / self.counts[ins.tower].to(total.dtype)
         t = self.plan.towers[ins.tower]
         if t.ranks.index(self.rank) % t.tp == 0:  # tensor-parallel ranks compute the same loss: count it once
             run.loss = run.loss + loss.detach().to(run.loss.device)
@@ -142,6 +149,10 @@ class TokenHandoff:
                 raise RuntimeError("token_loss returned a loss that does not depend on the consuming tower's outputs")
             loss.backward()
             run.feature_grads[ins.tower, ins.mb] = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+
+    def _rows(self, batch: Mapping[str, Any], run: ScheduleRun, tower: str, mb: int) -> dict[str, Any]:
+        rows = run.rows[tower, mb]
+        return {f: batch[f][rows] for f in self.fields[tower]}
 
     # ------------------------------------------------------------------ point to point
     def _send(self, t: Tensor, dst: int, kind: int) -> PendingSend:
