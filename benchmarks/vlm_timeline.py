@@ -1,5 +1,6 @@
 """Draw one simulated step of a vision encoder feeding an LLM (docs/mllm.md): encoder dp3 on ranks
-0-2, LLM dp2 on ranks 3-4, a global batch of 7 (rows 3+2+2 and 4+3).
+0-2, LLM dp2 on ranks 3-4, a global batch of 7 (rows 3+2+2 and 4+3); with ``--microbatch`` every
+replica runs microbatches of one row, so the LLM's microbatch k overlaps the encoder's k+1.
 
 The instruction lists are the ones the runtime executes (``core.handoff.handoff_schedule``) and
 ``simulate_handoff`` replays them; the durations are illustrative (per row: encoder forward 1 ms,
@@ -7,6 +8,7 @@ LLM forward 3 ms, backward twice the forward, 0.2 ms per transfer, 0.1 ms link l
 measured: the picture shows the data flow and the waits, not a speed.
 
     python benchmarks/vlm_timeline.py docs/img/mllm_step_5rank.svg
+    python benchmarks/vlm_timeline.py docs/img/mllm_step_5rank_mb1.svg --microbatch
 """
 
 from __future__ import annotations
@@ -17,7 +19,13 @@ from lightning_distmm.core.handoff import handoff_schedules, routes, simulate_ha
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.core.schedule import Backward, Forward, bubble_fraction, timeline_svg
 
-PLAN = Plan(5, {"image": {"ranks": [0, 1, 2]}, "llm": {"ranks": [3, 4]}})
+
+def plan(microbatch: int | None) -> Plan:
+    return Plan(
+        5, {"image": {"ranks": [0, 1, 2], "microbatch": microbatch}, "llm": {"ranks": [3, 4], "microbatch": microbatch}}
+    )
+
+
 CONSUMES = {"llm": ["image"]}
 
 
@@ -28,7 +36,8 @@ def seconds(rank: int, ins: object) -> float:
     return 2e-4
 
 
-def main(out: str | None) -> None:
+def main(out: str | None, microbatch: int | None) -> None:
+    PLAN = plan(microbatch)
     lists = handoff_schedules(PLAN, CONSUMES, ["image", "llm"], {"image": True, "llm": True}, 7)
     for r in routes(PLAN, CONSUMES, 7):
         print(f"rows {r.start}-{r.stop - 1}: rank {r.src} ({r.producer}) -> rank {r.dst} ({r.consumer})")
@@ -40,7 +49,8 @@ def main(out: str | None) -> None:
     if out:
         svg = timeline_svg(
             intervals,
-            "encoder dp3 (ranks 0-2) + LLM dp2 (ranks 3-4), batch 7: one step",
+            "encoder dp3 (ranks 0-2) + LLM dp2 (ranks 3-4), batch 7: one step"
+            + (f", microbatches of {microbatch} row" if microbatch else ""),
             note="illustrative durations (benchmarks/vlm_timeline.py); the lists are the runtime's",
         )
         with open(out, "w") as f:
@@ -49,4 +59,5 @@ def main(out: str | None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else None)
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    main(args[0] if args else None, 1 if "--microbatch" in sys.argv else None)

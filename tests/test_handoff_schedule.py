@@ -121,6 +121,9 @@ def test_microbatched_routes_cover_every_row_once_and_replay(image_mb, llm_mb, l
     last = [r for r in plan.towers["llm"].ranks if r in (3,)] if llm_pp > 1 else [2, 3]
     iv = simulate_handoff(lists, lambda r, i: 1.0, 0.1, {"llm": last})
     assert len(iv) == sum(len(v) for v in lists.values())
+    for r in lists:  # a rank runs one instruction at a time, in its list's order
+        mine = [i for i in iv if i.rank == r]
+        assert all(a.end <= b.start + 1e-12 for a, b in zip(mine, mine[1:]))
 
 
 def test_instruction_names() -> None:

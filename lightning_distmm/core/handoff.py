@@ -195,9 +195,9 @@ def simulate_handoff(
 
     A ``RecvTokens`` / ``RecvTokenGrads`` waits for its send (plus ``link`` seconds, a number or a
     function of the receiving instruction); sends complete without their receiver (gloo, as
-    :func:`~lightning_distmm.core.schedule.simulate` prices by default). ``TokenLoss`` waits for
-    every rank of the consumer's data-parallel group (``dp_groups[tower]``; its target count's
-    all-reduce), ``GradSync`` for every rank. Raises ``RuntimeError`` naming what every blocked
+    :func:`~lightning_distmm.core.schedule.simulate` prices by default). A consumer's first
+    ``TokenLoss`` (microbatch 0) waits for every rank of its data-parallel group's last stage
+    (``dp_groups[tower]``; the step's target count is all-reduced there), ``GradSync`` for every rank. Raises ``RuntimeError`` naming what every blocked
     rank waits for when the lists deadlock.
     """
     clock = {r: 0.0 for r in lists}
@@ -217,7 +217,8 @@ def simulate_handoff(
                     if key not in sent:
                         break
                     start = max(start, sent[key] + (link(ins) if callable(link) else link))
-                elif isinstance(ins, (TokenLoss, GradSync)):
+                elif isinstance(ins, GradSync) or (isinstance(ins, TokenLoss) and ins.mb == 0):
+                    # the target count's all-reduce runs at each consumer rank's first TokenLoss
                     members = (
                         tuple(lists) if isinstance(ins, GradSync) else tuple((dp_groups or {}).get(ins.tower, (r,)))
                     )
@@ -225,7 +226,7 @@ def simulate_handoff(
                     arrivals.setdefault(key, {}).setdefault(r, clock[r])
                     if len(arrivals[key]) < len(members):
                         break
-                    start = max(arrivals[key].values())
+                    start = max(clock[r], *arrivals[key].values())
                 end = start + duration(r, ins)
                 if isinstance(ins, (SendTokens, SendTokenGrads)):
                     sent["tokens" if isinstance(ins, SendTokens) else "grads", ins.route] = end
