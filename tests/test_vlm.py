@@ -257,3 +257,11 @@ def test_vlm_qwen2_llm_tp2_equals_one_process(tmp_path) -> None:
     plan = ldm.Plan(3, {"image": {"ranks": [0]}, "llm": {"ranks": [1, 2], "tp": 2}})
     c = compare_vlm(lambda: VLM(lm=load_language_model(path), lr=0.1), plan, 3, batch=6, steps=3, tmp_path=tmp_path)
     c.assert_exact(1e-5)
+
+
+@pytest.mark.slow
+def test_vlm_unsupported_plan_fails_with_the_reason(tmp_path) -> None:
+    """A tensor-parallel encoder feeding the LLM is not supported yet: every rank stops with the reason, no hang."""
+    plan = ldm.Plan(3, {"image": {"ranks": [0, 1], "tp": 2}, "llm": {"ranks": [2]}})
+    with pytest.raises(Exception, match="tp of a consumed tower"):
+        compare_vlm(lambda: VLM(), plan, 3, batch=6, steps=1, tmp_path=tmp_path)
