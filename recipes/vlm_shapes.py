@@ -4,7 +4,7 @@ point to point. Prints the loss, then generated captions of held-out images next
 and the share of captions that name the right colour and shape, next to chance (1/32).
 
     python recipes/vlm_shapes.py                       # encoder rank 0, LLM rank 1 (2 CPU processes)
-    python recipes/vlm_shapes.py --image-dp 2 --steps 300
+    python recipes/vlm_shapes.py --image-dp 2 --steps 3000
     python recipes/vlm_shapes.py --single              # the same module under an ordinary Trainer
 
 Nothing is downloaded: the images are rendered, the tokenizer is the embedded caption vocabulary,
@@ -123,7 +123,7 @@ def names_right(caption: str, label: int) -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=250)
+    ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--image-dp", type=int, default=1, help="encoder replicas; the LLM gets one more rank")
