@@ -88,9 +88,10 @@ def _microbatches(plan: Plan, name: str, n: int) -> list[list[tuple[int, int]]]:
     return out
 
 
-def check_handoff_plan(plan: Plan, consumes: Mapping[str, Sequence[str]], n: int) -> None:
-    """What the handoff runtime supports so far (data parallelism; docs/mllm.md says what is next)."""
-    if len(plan.group_split(n)) != 1:
+def check_handoff_plan(plan: Plan, consumes: Mapping[str, Sequence[str]]) -> None:
+    """What the handoff runtime supports so far (docs/mllm.md says what is next); the runtime checks
+    it when it is built, on every rank, so a plan it cannot run stops every rank before a step."""
+    if plan.sync_groups != 1:
         raise ValueError(
             "a model whose towers consume each other's outputs has no batch-sync: use schedule 'gpipe' (one"
             " sync group), not 'distmm'"
@@ -146,7 +147,7 @@ def handoff_schedule(
     backward), then the gradient sums. ``trains[tower]``: whether any of its parameters trains (a
     frozen producer gets no gradients back). Every receive's send comes earlier in its sender's
     list and sends never block, so the lists cannot deadlock."""
-    check_handoff_plan(plan, consumes, n)
+    check_handoff_plan(plan, consumes)
     links = routes(plan, consumes, n)
     consumers = set(consumes)
     local = [name for name in order if rank in plan.towers[name].ranks]

@@ -24,6 +24,7 @@ from lightning_distmm.core.handoff import (
     SendTokenGrads,
     SendTokens,
     TokenLoss,
+    check_handoff_plan,
     handoff_schedule,
 )
 from lightning_distmm.core.plan import Plan
@@ -51,6 +52,7 @@ class TokenHandoff:
         self.plan = plan
         self.order = tower_order(towers)
         self.consumes = {n: list(t.consumes) for n, t in towers.items() if t.consumes}
+        check_handoff_plan(plan, self.consumes)
         self.keywords = {n: dict(t.consumes) for n, t in towers.items()}
         self.fields = {n: t.fields for n, t in towers.items()}
         self.trains = dict(trains)

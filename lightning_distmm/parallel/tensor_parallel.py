@@ -222,7 +222,7 @@ def _family(module: nn.Module) -> str:
     if _llama_layers(module) is not None:
         return "llama"
     raise ValueError(
-        f"no tensor-parallel plan for a {type(module).__name__} tower: supported are timm VisionTransformer"
+        f"no tensor-parallel plan for a {type(module).__name__} tower: supported are timm VisionTransformer,"
         " transformers CLIP-style text encoders (modules with 'encoder.layers') and Llama / Qwen2-style causal"
         " LMs; use tp=1 for this tower"
     )
