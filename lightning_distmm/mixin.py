@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from lightning_distmm.tower import Tower, TowerRunner, consumer_of, tower_order
@@ -132,7 +133,7 @@ class DistMMMixin:
             inputs.update({kw: outputs[p] for p, kw in tower.consumes.items()})
             outputs[name] = tower.encode(inputs)
         total, count = self.token_loss(outputs[consumer], batch)
-        return total / count.clamp(min=1)
+        return total / torch.as_tensor(count, device=total.device).clamp(min=1).to(total.dtype)
 
     def global_batch_size(self, batch: Mapping[str, Any]) -> int:
         """Samples in the global batch (a rank under distmm only holds its share of them)."""
