@@ -265,3 +265,20 @@ def test_vlm_unsupported_plan_fails_with_the_reason(tmp_path) -> None:
     plan = ldm.Plan(3, {"image": {"ranks": [0, 1], "tp": 2}, "llm": {"ranks": [2]}})
     with pytest.raises(Exception, match="tp of a consumed tower"):
         compare_vlm(lambda: VLM(), plan, 3, batch=6, steps=1, tmp_path=tmp_path)
+
+
+@pytest.mark.slow
+def test_vlm_validation_loss_equals_one_process() -> None:
+    """``trainer.validate`` under distmm (no backward: the transfers still pair up) gives one process's loss."""
+    from distmm_testing import trainer_kwargs as kwargs
+
+    torch.manual_seed(0)
+    model = VLM()
+    data = vlm_loader(6, size=12)
+    reference = L.Trainer(devices=1, **kwargs(limit_val_batches=None)).validate(model, data, verbose=False)
+    plan = ldm.Plan(3, {"image": {"ranks": [0, 1]}, "llm": {"ranks": [2]}})
+    strategy = ldm.DistMMStrategy(plan=plan, start_method="fork")
+    distributed = L.Trainer(devices=3, strategy=strategy, **kwargs(limit_val_batches=None)).validate(
+        model, vlm_loader(6, size=12), verbose=False
+    )
+    assert distributed[0]["val/loss"] == pytest.approx(reference[0]["val/loss"], abs=1e-6)
