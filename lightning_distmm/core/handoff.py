@@ -33,6 +33,12 @@ class Route:
     returns: bool = True  # the gradient goes back from this dst (one tensor-parallel rank of the replica)
     src_mb: int = 0  # the producer replica's microbatch that computed the rows
     dst_mb: int = 0  # the consumer replica's microbatch that reads them
+    #: every rank of the producer's last stage (its tensor-parallel ranks, ``src`` first): each needs the gradient
+    src_ranks: tuple[int, ...] = ()
+
+    @property
+    def grad_ranks(self) -> tuple[int, ...]:
+        return self.src_ranks or (self.src,)
 
 
 @dataclass(frozen=True)
@@ -60,14 +66,20 @@ class TokenLoss:
 
 @dataclass(frozen=True)
 class SendTokenGrads:
-    """Post the send of the gradient of ``route``'s received rows back to the producer's rank."""
+    """Post the send of the gradient of ``route``'s received rows back to ``to``, a rank of the
+    producer's last stage (each of its tensor-parallel ranks gets it)."""
 
     route: Route
+    to: int = -1
+
+    @property
+    def peer(self) -> int:
+        return self.route.src if self.to < 0 else self.to
 
 
 @dataclass(frozen=True)
 class RecvTokenGrads:
-    """Receive the gradient of ``route``'s rows of this rank's producer output."""
+    """Receive the gradient of ``route``'s rows of this rank's producer output (from ``route.dst``)."""
 
     route: Route
 
@@ -99,8 +111,8 @@ def check_handoff_plan(plan: Plan, consumes: Mapping[str, Sequence[str]]) -> Non
     producers = {p for ps in consumes.values() for p in ps}
     for name, t in plan.towers.items():
         unsupported = []
-        if name in producers:  # its rows' gradient would have to reach every rank of its last stage
-            unsupported += [f"{k} of a consumed tower" for k, v in (("tp", t.tp), ("pp", t.pp)) if v != 1]
+        if name in producers and t.pp != 1:  # its rows would have to leave its last stage, its pipeline cut be given
+            unsupported.append("pp of a consumed tower")
         if unsupported:
             raise NotImplementedError(
                 f"tower {name!r}: {', '.join(unsupported)} with a consuming tower is not supported yet"
@@ -128,8 +140,9 @@ def routes(plan: Plan, consumes: Mapping[str, Sequence[str]], n: int) -> list[Ro
                             if start >= stop:
                                 continue
                             src = pt.feature_rank(q)  # to every tensor-parallel rank of the consumer's first stage
+                            last = tuple(pt.replica_ranks(q)[(pt.pp - 1) * pt.tp :])
                             for k, dst in enumerate(ct.replica_ranks(r)[: ct.tp]):
-                                out.append(Route(producer, consumer, start, stop, src, dst, pa, ca, k == 0, i, j))
+                                out.append(Route(producer, consumer, start, stop, src, dst, pa, ca, k == 0, i, j, last))
     return out
 
 
@@ -170,16 +183,17 @@ def handoff_schedule(
             out.extend(
                 RecvTokenGrads(r)
                 for r in links
-                if r.producer == name and r.src == rank and r.src_mb == mb and trains[name] and r.returns
+                if r.producer == name and rank in r.grad_ranks and r.src_mb == mb and trains[name] and r.returns
             )
             if name in consumers and nxt is None:  # the loss on the last stage
                 out.append(TokenLoss(name, mb))
             out.append(Backward(name, mb, size, nxt, prev, recompute=False))
             if name in consumers and prev is None:
                 out.extend(
-                    SendTokenGrads(r)
+                    SendTokenGrads(r, to)
                     for r in links
                     if r.consumer == name and r.dst == rank and r.dst_mb == mb and trains[r.producer] and r.returns
+                    for to in r.grad_ranks
                 )
     out.append(GradSync())
     return out
@@ -213,8 +227,7 @@ def simulate_handoff(
                 ins = instrs[pc[r]]
                 start = clock[r]
                 if isinstance(ins, (RecvTokens, RecvTokenGrads)):
-                    kind = "tokens" if isinstance(ins, RecvTokens) else "grads"
-                    key = (kind, ins.route)
+                    key = ("tokens", ins.route, r) if isinstance(ins, RecvTokens) else ("grads", ins.route, r)
                     if key not in sent:
                         break
                     start = max(start, sent[key] + (link(ins) if callable(link) else link))
@@ -229,8 +242,10 @@ def simulate_handoff(
                         break
                     start = max(clock[r], *arrivals[key].values())
                 end = start + duration(r, ins)
-                if isinstance(ins, (SendTokens, SendTokenGrads)):
-                    sent["tokens" if isinstance(ins, SendTokens) else "grads", ins.route] = end
+                if isinstance(ins, SendTokens):
+                    sent["tokens", ins.route, ins.route.dst] = end
+                elif isinstance(ins, SendTokenGrads):
+                    sent["grads", ins.route, ins.peer] = end
                 out.append(Interval(r, ins, start, end))
                 clock[r] = end
                 pc[r] += 1

@@ -162,7 +162,7 @@ def tiny_llama_config(vocab: int = 32, width: int = 32, layers: int = 2, heads: 
 
 
 def tiny_vit(
-    img_size: int = 8, patch_size: int = 4, width: int = 16, depth: int = 1, heads: int = 2
+    img_size: int = 8, patch_size: int = 4, width: int = 16, depth: int = 1, heads: int = 2, qkv_bias: bool = True
 ) -> VisionTransformer:
     return VisionTransformer(
         img_size=img_size,
@@ -173,6 +173,7 @@ def tiny_vit(
         mlp_ratio=2.0,
         num_classes=0,
         global_pool="",
+        qkv_bias=qkv_bias,
     )
 
 

@@ -110,10 +110,10 @@ class TokenHandoff:
             r = ins.route
             leaf = next(t for route, t in self.received[r.producer, r.consumer] if route == r)
             g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            if r.src == self.rank:
+            if ins.peer == self.rank:
                 self.local_grads[r] = g
             else:
-                run.sends.append(self._send(g, r.src, 1))
+                run.sends.append(self._send(g, ins.peer, 1))
         elif isinstance(ins, RecvTokenGrads):
             r = ins.route
             g = self.local_grads.pop(r) if r.dst == self.rank else self._recv(r.dst, 1)

@@ -213,9 +213,18 @@ def apply_tp_llama(model: nn.Module, mesh: DeviceMesh, held: Callable[[nn.Module
     return model
 
 
-def _family(module: nn.Module) -> str:
+def _is_vit(module: nn.Module) -> bool:
     blocks = getattr(module, "blocks", None)
-    if blocks is not None and all(hasattr(b, "attn") and hasattr(b.attn, "qkv") for b in blocks):
+    return blocks is not None and all(hasattr(b, "attn") and hasattr(b.attn, "qkv") for b in blocks)
+
+
+def _vit_of(module: nn.Module) -> nn.Module:
+    """The timm ViT a tower is or holds (a VLM's vision tower: a ViT and a projector, which stays replicated)."""
+    return next(m for m in module.modules() if _is_vit(m))
+
+
+def _family(module: nn.Module) -> str:
+    if any(_is_vit(m) for m in module.modules()):
         return "vit"
     if any(name.endswith("encoder.layers") for name, _ in module.named_modules()):
         return "clip_text"
@@ -234,7 +243,7 @@ def check_tp(module: nn.Module, tp: int, tower: str) -> None:
     try:
         family = _family(module)
         if family == "vit":
-            for i, block in enumerate(module.blocks):  # type: ignore[union-attr]
+            for i, block in enumerate(_vit_of(module).blocks):  # type: ignore[union-attr]
                 _check_heads(block.attn.num_heads, tp, f"blocks.{i}.attn")
         elif family == "llama":
             config = next(m.config for m in module.modules() if hasattr(m, "config"))
@@ -261,8 +270,10 @@ def apply_tp(module: nn.Module, mesh: DeviceMesh, held: Callable[[nn.Module], bo
             raise ValueError("this tower is already sharded over another tensor-parallel mesh")
         return module
     family = _family(module)
-    apply = {"vit": apply_tp_vit, "llama": apply_tp_llama}.get(family, apply_tp_clip_text)
-    apply(module, mesh, held)
+    if family == "vit":
+        apply_tp_vit(_vit_of(module), mesh, held)
+    else:
+        {"llama": apply_tp_llama}.get(family, apply_tp_clip_text)(module, mesh, held)
     module._distmm_tp_mesh = mesh  # type: ignore[assignment]
     return module
 
