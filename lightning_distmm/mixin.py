@@ -17,9 +17,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from lightning_distmm.tower import Tower, TowerRunner
+from lightning_distmm.tower import Tower, TowerRunner, consumer_of, tower_order
 
 
 def grouped_loss(loss: Callable[[dict[str, Tensor]], Tensor], features: dict[str, Tensor], groups: int) -> Tensor:
@@ -67,6 +68,16 @@ class DistMMMixin:
         """
         raise NotImplementedError(f"{type(self).__name__} must define interaction_loss(features) -> Tensor")
 
+    def token_loss(self, outputs: Tensor, batch: Mapping[str, Any]) -> tuple[Tensor, Tensor]:
+        """For a model whose tower consumes others (a vision encoder feeding a language model): the
+        consuming tower's ``outputs`` for some rows and those rows of the batch give ``(sum of the
+        per-token losses, number of target tokens)``. The step's loss is the whole batch's sum over
+        its count (a token mean); under distmm each replica divides its sum by the global count."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has a tower that consumes other towers and must define"
+            f" token_loss(outputs, batch) -> (loss sum, target count)"
+        )
+
     def embedding(self, tower: str, features: Tensor) -> Tensor:
         """The per-sample embedding that retrieval and zero-shot evaluation compare, from ``tower``'s
         features: the features themselves, unless a tower's row carries more than its embedding
@@ -86,6 +97,7 @@ class DistMMMixin:
                     raise TypeError(f"towers()[{name!r}] must be a lightning_distmm.Tower, got {type(tower).__name__}")
                 if tower.frozen:
                     tower.module.requires_grad_(False)
+            tower_order(specs)
             self.__dict__["_distmm_tower_specs"] = specs
         return specs
 
@@ -102,10 +114,26 @@ class DistMMMixin:
         runner = self._distmm_runner
         if runner is not None:
             return runner.contrastive_loss(self, batch)
+        consumer = consumer_of(self.tower_specs())
+        if consumer is not None:
+            return self._token_mean(consumer, batch)
         features = self.encode(batch)
         if self.sync_groups == 1:
             return self.interaction_loss(features)
         return grouped_loss(self.interaction_loss, features, self.sync_groups)
+
+    def _token_mean(self, consumer: str, batch: Mapping[str, Any]) -> Tensor:
+        """The single-process reference of a consuming model: every tower on the whole batch in
+        consumption order, the consumer's per-token loss summed over the batch over its target count."""
+        specs = self.tower_specs()
+        outputs: dict[str, Tensor] = {}
+        for name in tower_order(specs):
+            tower = specs[name]
+            inputs = dict(batch)
+            inputs.update({kw: outputs[p] for p, kw in tower.consumes.items()})
+            outputs[name] = tower.encode(inputs)
+        total, count = self.token_loss(outputs[consumer], batch)
+        return total / torch.as_tensor(count, device=total.device).clamp(min=1).to(total.dtype)
 
     def global_batch_size(self, batch: Mapping[str, Any]) -> int:
         """Samples in the global batch (a rank under distmm only holds its share of them)."""

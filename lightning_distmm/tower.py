@@ -11,7 +11,7 @@ and the mixin, so that neither imports the other.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -27,26 +27,38 @@ class Tower:
             transformers, anything); parallel code wraps it from outside.
         input: the batch field passed positionally, or several fields passed in order.
         frozen: a frozen tower (LiT) is run without gradients and has no optimizer state.
+        consumes: other towers whose output this tower reads, ``{tower: keyword}``: the module is
+            called with ``keyword=<that tower's output for the same rows>`` (a language model
+            reading a vision tower's image tokens, docs/mllm.md). A model with such a tower has a
+            per-token loss on it (``token_loss``) instead of a batch-sync.
     """
 
     module: nn.Module
     input: str | Sequence[str]
     frozen: bool = False
+    consumes: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def fields(self) -> tuple[str, ...]:
         return (self.input,) if isinstance(self.input, str) else tuple(self.input)
 
     def encode(self, batch: Mapping[str, Any]) -> Tensor:
-        missing = [f for f in self.fields if f not in batch]
+        """The module on ``batch``'s fields (positionally) and, for a consuming tower, the consumed
+        outputs (by keyword, found in ``batch`` under their keyword)."""
+        missing = [f for f in (*self.fields, *self.consumes.values()) if f not in batch]
         if missing:
             raise KeyError(
                 f"the batch has no field(s) {missing} that a tower reads; batch fields are {sorted(map(str, batch))}"
             )
-        if self.frozen:
+        args = [batch[f] for f in self.fields]
+        kwargs = {kw: batch[kw] for kw in self.consumes.values()}
+        # a frozen consumer still carries the gradient of consumed outputs that train (a frozen LLM
+        # under a trained projector), so only a tower without such inputs runs under no_grad
+        carries = any(isinstance(v, Tensor) and v.requires_grad for v in kwargs.values())
+        if self.frozen and not carries:
             with torch.no_grad():
-                return self.module(*(batch[f] for f in self.fields))
-        return self.module(*(batch[f] for f in self.fields))
+                return self.module(*args, **kwargs)
+        return self.module(*args, **kwargs)
 
 
 class TowerModule(Protocol):
@@ -58,6 +70,10 @@ class TowerModule(Protocol):
 
     def interaction_loss(self, features: dict[str, Tensor]) -> Tensor:
         """The loss over the whole batch's features ``{tower: [B, ...]}``."""
+        ...
+
+    def token_loss(self, outputs: Tensor, batch: Mapping[str, Any]) -> tuple[Tensor, Tensor]:
+        """A consuming tower's per-token loss on some rows: (sum of the token losses, target count)."""
         ...
 
 
@@ -80,3 +96,38 @@ class TowerRunner(Protocol):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip every rank's gradients by the norm of the whole model's gradient; return that norm."""
         ...
+
+
+def tower_order(towers: Mapping[str, Tower]) -> list[str]:
+    """The towers in an order where every tower comes after the towers it consumes (checked: the
+    consumed towers exist, no tower consumes itself or a chain back to itself, at most one tower
+    consumes others: the one whose output the per-token loss reads)."""
+    for name, tower in towers.items():
+        unknown = [p for p in tower.consumes if p not in towers]
+        if unknown:
+            raise ValueError(f"tower {name!r} consumes {unknown}, which are not towers (towers: {sorted(towers)})")
+    consumers = [n for n, t in towers.items() if t.consumes]
+    if len(consumers) > 1:
+        raise ValueError(f"towers {consumers} all consume other towers: distmm supports one consuming tower (the LLM)")
+    order: list[str] = []
+    visiting: set[str] = set()
+
+    def visit(name: str) -> None:
+        if name in order:
+            return
+        if name in visiting:
+            raise ValueError(f"towers consume each other in a circle through {name!r}")
+        visiting.add(name)
+        for p in towers[name].consumes:
+            visit(p)
+        order.append(name)
+
+    for name in towers:
+        visit(name)
+    return order
+
+
+def consumer_of(towers: Mapping[str, Tower]) -> str | None:
+    """The tower that consumes other towers' outputs (a vision-language model's LLM), or None."""
+    tower_order(towers)
+    return next((n for n, t in towers.items() if t.consumes), None)

@@ -63,6 +63,7 @@ from lightning_distmm.parallel.exchange import (
 from lightning_distmm.parallel.fsdp import set_gradient_sync
 from lightning_distmm.parallel.gradients import DeferredGradients, RankGradients
 from lightning_distmm.parallel.groups import Topology
+from lightning_distmm.parallel.handoff import HANDOFF_INSTRUCTIONS, TokenHandoff, tower_trains
 from lightning_distmm.parallel.pipeline import Stage
 from lightning_distmm.parallel.prepare import (
     check_held_tensors,
@@ -100,6 +101,12 @@ class RankRuntime:
         self.bucket_cap_mb = bucket_cap_mb
         self.host_group = topology.host
         self.gradients = self._gradients()
+        #: a model whose towers consume each other's outputs (docs/mllm.md): its own lists and transfers
+        self.handoff = (
+            TokenHandoff(plan, self.towers, tower_trains(self.towers), self.groups, device, self.host_group)
+            if TokenHandoff.needed(self.towers)
+            else None
+        )
         self.specs: dict[str, FeatureSpec] | None = None
         self._slots: dict[int, dict[str, GatherSlot]] = {}
         #: the ranks that meet at the batch-sync (every rank of a last stage) and their process group
@@ -162,6 +169,10 @@ class RankRuntime:
     def trainable(self, name: str) -> bool:
         return self.gradients.trainable(name)
 
+    def _runs_backward(self, name: str) -> bool:
+        """A tower's backward runs when it trains, or when it consumes a tower that does."""
+        return self.trainable(name) or (self.handoff is not None and self.handoff.needs_backward(name))
+
     # ------------------------------------------------------------------ the step
     def global_batch_size(self, batch: Mapping[str, Any]) -> int:
         if GLOBAL_BATCH_KEY not in batch:
@@ -186,6 +197,8 @@ class RankRuntime:
 
     def schedule(self, n: int) -> list[Instruction]:
         """This rank's instructions for a global batch of ``n`` (the plan's schedule, as data)."""
+        if n not in self._schedules and self.handoff is not None:
+            self._schedules[n] = self.handoff.schedule(n)
         if n not in self._schedules:
             self._schedules[n] = rank_schedule(self.plan, self.rank, n, overlap=self.overlap_batch_sync)
         return self._schedules[n]
@@ -207,7 +220,9 @@ class RankRuntime:
                         f" {sorted(k for k in batch if k != GLOBAL_BATCH_KEY)}"
                     )
         run = ScheduleRun.of(self.schedule(n), self.layout.batch(n))
-        learns = training and self.gradients.learns()
+        # a handoff model's rank with nothing to train (a frozen LLM's) still runs the step's gradient
+        # protocol, so that every rank makes the same decisions about the sums
+        learns = training and (self.gradients.learns() or self.handoff is not None)
         run.set_aside = self.gradients.take() if learns else []
         if step.zero_after:
             run.set_aside = []  # Lightning zeroes them after this step: free them before the backward
@@ -222,6 +237,8 @@ class RankRuntime:
                 run.sends = [s for s in run.sends if not s.done()]
                 if isinstance(ins, Forward):
                     rows = {f: _take_rows(batch[f], run.rows[ins.tower, ins.mb]) for f in self.towers[ins.tower].fields}
+                    if self.handoff is not None and self.towers[ins.tower].consumes and ins.recv_from is None:
+                        rows.update(self.handoff.consumed(ins.tower, ins.mb))
                     self._forward(ins, rows, training, run)
                 elif isinstance(ins, BatchSync):
                     posted = self._now()
@@ -231,14 +248,19 @@ class RankRuntime:
                     self._post_sync(ins, run)
                 elif isinstance(ins, SyncWait):
                     self._batch_sync(module, ins, run, training)
+                elif isinstance(ins, HANDOFF_INSTRUCTIONS):
+                    assert self.handoff is not None
+                    self.handoff.run(ins, run, module, batch, training)
                 elif isinstance(ins, Backward):
-                    if training and self.trainable(ins.tower):
+                    if training and self._runs_backward(ins.tower):
                         self._backward(ins, run, last=last_backward[ins.tower] == i, sync=step.sync)
                 elif isinstance(ins, GradSync):
                     self._grad_sync(run)
             for pending in run.sends:
                 pending.wait()
         finally:
+            if self.handoff is not None:
+                self.handoff.reset()
             run.sends.clear()
             run.gathers.clear()
             self.stash_bytes = run.stash_bytes
@@ -280,7 +302,7 @@ class RankRuntime:
 
     def _forward(self, ins: Forward, rows: Mapping[str, Any], training: bool, run: ScheduleRun) -> None:
         """One microbatch through this rank's stage of a tower (the whole tower without pipeline)."""
-        grad = training and self.trainable(ins.tower)
+        grad = training and self._runs_backward(ins.tower)
         x_in = self.links.recv(ins.tower, "act", ins.recv_from, self.device) if ins.recv_from is not None else None
         start = self._now()
         if grad and not ins.keep:  # cached: no activations now, recompute from the input in backward

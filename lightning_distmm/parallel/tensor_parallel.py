@@ -190,15 +190,67 @@ def apply_tp_clip_text(model: nn.Module, mesh: DeviceMesh, held: Callable[[nn.Mo
     return model
 
 
-def _family(module: nn.Module) -> str:
+def _llama_layers(module: nn.Module) -> nn.ModuleList | None:
+    """The decoder layers of a transformers Llama / Qwen2-style causal LM (``...layers`` of modules with
+    ``self_attn.q_proj`` and ``mlp.gate_proj``), or None."""
+    for name, m in module.named_modules():
+        if name.endswith("layers") and isinstance(m, nn.ModuleList) and len(m) > 0:
+            first = m[0]
+            if hasattr(first, "self_attn") and hasattr(first.self_attn, "q_proj") and hasattr(first, "mlp"):
+                if hasattr(first.mlp, "gate_proj"):
+                    return m
+    return None
+
+
+def apply_tp_llama(model: nn.Module, mesh: DeviceMesh, held: Callable[[nn.Module], bool] = _holds_all) -> nn.Module:
+    """Shard the decoder layers of a Llama / Qwen2-style causal LM (Megatron's split: q/k/v and the gated
+    MLP's gate/up column-wise, o and down row-wise); embeddings, norms and the LM head stay replicated.
+    The attention reshapes by ``head_dim`` (``-1`` heads), so local heads need no attribute change;
+    query and key/value heads must both divide by tp."""
+    tp = mesh.size()
+    layers = _llama_layers(model)
+    assert layers is not None
+    config = getattr(model, "config", None) or next(m.config for m in model.modules() if hasattr(m, "config"))
+    _check_heads(config.num_attention_heads, tp, "self_attn (query heads)")
+    _check_heads(
+        getattr(config, "num_key_value_heads", None) or config.num_attention_heads, tp, "self_attn (key/value heads)"
+    )
+    plan = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+    for layer in layers:
+        if held(layer):
+            parallelize_module(layer, mesh, plan)
+    return model
+
+
+def _is_vit(module: nn.Module) -> bool:
     blocks = getattr(module, "blocks", None)
-    if blocks is not None and all(hasattr(b, "attn") and hasattr(b.attn, "qkv") for b in blocks):
+    return blocks is not None and all(hasattr(b, "attn") and hasattr(b.attn, "qkv") for b in blocks)
+
+
+def _vit_of(module: nn.Module) -> nn.Module:
+    """The timm ViT a tower is or holds (a VLM's vision tower: a ViT and a projector, which stays replicated)."""
+    return next(m for m in module.modules() if _is_vit(m))
+
+
+def _family(module: nn.Module) -> str:
+    if any(_is_vit(m) for m in module.modules()):
         return "vit"
     if any(name.endswith("encoder.layers") for name, _ in module.named_modules()):
         return "clip_text"
+    if _llama_layers(module) is not None:
+        return "llama"
     raise ValueError(
-        f"no tensor-parallel plan for a {type(module).__name__} tower: supported are timm VisionTransformer"
-        " and transformers CLIP-style text encoders (modules with 'encoder.layers'); use tp=1 for this tower"
+        f"no tensor-parallel plan for a {type(module).__name__} tower: supported are timm VisionTransformer,"
+        " transformers CLIP-style text encoders (modules with 'encoder.layers') and Llama / Qwen2-style causal"
+        " LMs; use tp=1 for this tower"
     )
 
 
@@ -208,8 +260,12 @@ def check_tp(module: nn.Module, tp: int, tower: str) -> None:
     try:
         family = _family(module)
         if family == "vit":
-            for i, block in enumerate(module.blocks):  # type: ignore[union-attr]
+            for i, block in enumerate(_vit_of(module).blocks):  # type: ignore[union-attr]
                 _check_heads(block.attn.num_heads, tp, f"blocks.{i}.attn")
+        elif family == "llama":
+            config = next(m.config for m in module.modules() if hasattr(m, "config"))
+            _check_heads(config.num_attention_heads, tp, "self_attn (query heads)")
+            _check_heads(config.num_key_value_heads or config.num_attention_heads, tp, "self_attn (key/value heads)")
         else:
             layers = [m for name, m in module.named_modules() if name.endswith("encoder.layers")][0]
             for i, layer in enumerate(layers):
@@ -232,14 +288,23 @@ def apply_tp(
         if module._distmm_tp_mesh != mesh:  # type: ignore[comparison-overlap]
             raise ValueError("this tower is already sharded over another tensor-parallel mesh")
         return module
-    if _family(module) == "vit":
-        apply_tp_vit(module, mesh, held, sp)
+    family = _family(module)
+    if family == "vit":
+        apply_tp_vit(_vit_of(module), mesh, held, sp)
     elif sp:
         raise ValueError(f"sp: true is built for timm ViT towers; a {type(module).__name__} tower runs tp without it")
     else:
-        apply_tp_clip_text(module, mesh, held)
+        {"llama": apply_tp_llama}.get(family, apply_tp_clip_text)(module, mesh, held)
     module._distmm_tp_mesh = mesh  # type: ignore[assignment]
     return module
 
 
-__all__ = ["apply_tp", "check_tp", "apply_tp_vit", "apply_tp_clip_text", "is_strided", "strided_shard"]
+__all__ = [
+    "apply_tp",
+    "check_tp",
+    "apply_tp_vit",
+    "apply_tp_clip_text",
+    "apply_tp_llama",
+    "is_strided",
+    "strided_shard",
+]

@@ -1,0 +1,265 @@
+"""Towers that consume other towers' outputs (a vision encoder feeding a language model): which rank
+sends which rows where, and each rank's instruction list of one step (docs/mllm.md).
+
+Every tower splits the global batch over its replicas by :meth:`TowerPlan.split`, as
+:class:`~lightning_distmm.core.layout.RankLayout` does; the rows a producer replica computed and a
+consumer replica owns go from the producer's feature rank to the consumer replica's first stage,
+and their gradient comes back. Computed from the plan alone: every rank agrees without talking.
+
+Pure Python: no torch, no process groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from lightning_distmm.core.plan import Plan
+from lightning_distmm.core.schedule import Backward, Forward, GradSync, Interval, microbatch_sizes, stage_neighbours
+
+
+@dataclass(frozen=True)
+class Route:
+    """Global rows ``[start, stop)``: computed by ``producer``'s replica on ``src``, owned by ``consumer``'s replica on ``dst``."""
+
+    producer: str
+    consumer: str
+    start: int
+    stop: int
+    src: int
+    dst: int
+    src_offset: int  # the first global row of the producer's microbatch ``src_mb``
+    dst_offset: int  # the first global row of the consumer's microbatch ``dst_mb``
+    returns: bool = True  # the gradient goes back from this dst (one tensor-parallel rank of the replica)
+    src_mb: int = 0  # the producer replica's microbatch that computed the rows
+    dst_mb: int = 0  # the consumer replica's microbatch that reads them
+    #: every rank of the producer's last stage (its tensor-parallel ranks, ``src`` first): each needs the gradient
+    src_ranks: tuple[int, ...] = ()
+
+    @property
+    def grad_ranks(self) -> tuple[int, ...]:
+        return self.src_ranks or (self.src,)
+
+
+@dataclass(frozen=True)
+class SendTokens:
+    """Post the send of ``route``'s rows of the producer's output to the consumer (non-blocking)."""
+
+    route: Route
+
+
+@dataclass(frozen=True)
+class RecvTokens:
+    """Receive ``route``'s rows of the producer's output: a leaf of the consumer's forward."""
+
+    route: Route
+
+
+@dataclass(frozen=True)
+class TokenLoss:
+    """The consumer's per-token loss on its rows over the global target count; loss forward and
+    backward give the output gradient its ``Backward`` starts from."""
+
+    tower: str
+    mb: int = 0
+
+
+@dataclass(frozen=True)
+class SendTokenGrads:
+    """Post the send of the gradient of ``route``'s received rows back to ``to``, a rank of the
+    producer's last stage (each of its tensor-parallel ranks gets it)."""
+
+    route: Route
+    to: int = -1
+
+    @property
+    def peer(self) -> int:
+        return self.route.src if self.to < 0 else self.to
+
+
+@dataclass(frozen=True)
+class RecvTokenGrads:
+    """Receive the gradient of ``route``'s rows of this rank's producer output (from ``route.dst``)."""
+
+    route: Route
+
+
+HandoffInstruction = SendTokens | RecvTokens | TokenLoss | SendTokenGrads | RecvTokenGrads
+
+
+def _microbatches(plan: Plan, name: str, n: int) -> list[list[tuple[int, int]]]:
+    """Per replica of tower ``name``: the global rows ``[start, stop)`` of each of its microbatches."""
+    out, start = [], 0
+    t = plan.towers[name]
+    for rows in t.split(n):
+        mbs = []
+        for size in microbatch_sizes(rows, t.microbatch):
+            mbs.append((start, start + size))
+            start += size
+        out.append(mbs)
+    return out
+
+
+def check_handoff_plan(plan: Plan, consumes: Mapping[str, Sequence[str]]) -> None:
+    """What the handoff runtime supports so far (docs/mllm.md says what is next); the runtime checks
+    it when it is built, on every rank, so a plan it cannot run stops every rank before a step."""
+    if plan.sync_groups != 1:
+        raise ValueError(
+            "a model whose towers consume each other's outputs has no batch-sync: use schedule 'gpipe' (one"
+            " sync group), not 'distmm'"
+        )
+    producers = {p for ps in consumes.values() for p in ps}
+    for name, t in plan.towers.items():
+        unsupported = []
+        if name in producers and t.pp != 1:  # its rows would have to leave its last stage, its pipeline cut be given
+            unsupported.append("pp of a consumed tower")
+        if unsupported:
+            raise NotImplementedError(
+                f"tower {name!r}: {', '.join(unsupported)} with a consuming tower is not supported yet"
+                " (data-parallel replicas only; docs/mllm.md, 'Status')"
+            )
+    for consumer, producers in consumes.items():
+        for p in producers:
+            if p not in plan.towers or consumer not in plan.towers:
+                raise ValueError(f"tower {consumer!r} consumes {p!r}: both must be in the plan")
+
+
+def routes(plan: Plan, consumes: Mapping[str, Sequence[str]], n: int) -> list[Route]:
+    """Every transfer of a global batch of ``n``: the rows a producer replica's microbatch computed
+    that a consumer replica's microbatch reads, in a fixed order (by consumer replica and microbatch)."""
+    out: list[Route] = []
+    for consumer, producers in consumes.items():
+        ct, c_mbs = plan.towers[consumer], _microbatches(plan, consumer, n)
+        for producer in producers:
+            pt, p_mbs = plan.towers[producer], _microbatches(plan, producer, n)
+            for r, cm in enumerate(c_mbs):
+                for j, (ca, cb) in enumerate(cm):
+                    for q, pm in enumerate(p_mbs):
+                        for i, (pa, pb) in enumerate(pm):
+                            start, stop = max(pa, ca), min(pb, cb)
+                            if start >= stop:
+                                continue
+                            src = pt.feature_rank(q)  # to every tensor-parallel rank of the consumer's first stage
+                            last = tuple(pt.replica_ranks(q)[(pt.pp - 1) * pt.tp :])
+                            for k, dst in enumerate(ct.replica_ranks(r)[: ct.tp]):
+                                out.append(Route(producer, consumer, start, stop, src, dst, pa, ca, k == 0, i, j, last))
+    return out
+
+
+def handoff_schedule(
+    plan: Plan,
+    consumes: Mapping[str, Sequence[str]],
+    order: Sequence[str],
+    trains: Mapping[str, bool],
+    rank: int,
+    n: int,
+) -> list:
+    """``rank``'s instructions of one step: forwards in consumption ``order`` (a consumer receives its
+    rows first, a producer sends them after its forward), then backwards in reverse (the consumer's
+    loss, backward and the tokens' gradients sent back; a producer receives them before its
+    backward), then the gradient sums. ``trains[tower]``: whether any of its parameters trains (a
+    frozen producer gets no gradients back). Every receive's send comes earlier in its sender's
+    list and sends never block, so the lists cannot deadlock."""
+    check_handoff_plan(plan, consumes)
+    links = routes(plan, consumes, n)
+    consumers = set(consumes)
+    local = [name for name in order if rank in plan.towers[name].ranks]
+    sizes = {}
+    for name in local:
+        replica = plan.towers[name].replica_of(rank)
+        assert replica is not None
+        sizes[name] = microbatch_sizes(plan.towers[name].split(n)[replica], plan.towers[name].microbatch)
+    out: list = []
+    for name in local:  # forwards: microbatch m's rows go out as soon as its forward ends
+        _, _, prev, nxt = stage_neighbours(plan, name, rank)
+        for mb, size in enumerate(sizes[name]):
+            if name in consumers and prev is None:
+                out.extend(RecvTokens(r) for r in links if r.consumer == name and r.dst == rank and r.dst_mb == mb)
+            out.append(Forward(name, mb, size, prev, nxt, keep=True))
+            out.extend(SendTokens(r) for r in links if r.producer == name and r.src == rank and r.src_mb == mb)
+    for name in reversed(local):  # backwards: the consumer's first, each microbatch's gradient back at once
+        _, _, prev, nxt = stage_neighbours(plan, name, rank)
+        for mb, size in enumerate(sizes[name]):
+            out.extend(
+                RecvTokenGrads(r)
+                for r in links
+                if r.producer == name and rank in r.grad_ranks and r.src_mb == mb and trains[name] and r.returns
+            )
+            if name in consumers and nxt is None:  # the loss on the last stage
+                out.append(TokenLoss(name, mb))
+            out.append(Backward(name, mb, size, nxt, prev, recompute=False))
+            if name in consumers and prev is None:
+                out.extend(
+                    SendTokenGrads(r, to)
+                    for r in links
+                    if r.consumer == name and r.dst == rank and r.dst_mb == mb and trains[r.producer] and r.returns
+                    for to in r.grad_ranks
+                )
+    out.append(GradSync())
+    return out
+
+
+# ---------------------------------------------------------------------- simulation
+def simulate_handoff(
+    lists: Mapping[int, Sequence],
+    duration: Callable[[int, object], float],
+    link: float | Callable[[object], float] = 0.0,
+    dp_groups: Mapping[str, Sequence[int]] | None = None,
+) -> list[Interval]:
+    """Replay every rank's handoff list (:func:`handoff_schedule`); return each instruction's interval.
+
+    A ``RecvTokens`` / ``RecvTokenGrads`` waits for its send (plus ``link`` seconds, a number or a
+    function of the receiving instruction); sends complete without their receiver (gloo, as
+    :func:`~lightning_distmm.core.schedule.simulate` prices by default). A consumer's first
+    ``TokenLoss`` (microbatch 0) waits for every rank of its data-parallel group's last stage
+    (``dp_groups[tower]``; the step's target count is all-reduced there), ``GradSync`` for every rank. Raises ``RuntimeError`` naming what every blocked
+    rank waits for when the lists deadlock.
+    """
+    clock = {r: 0.0 for r in lists}
+    pc = {r: 0 for r in lists}
+    sent: dict[tuple, float] = {}
+    arrivals: dict[tuple, dict[int, float]] = {}
+    out: list[Interval] = []
+    while any(pc[r] < len(lists[r]) for r in lists):
+        progressed = False
+        for r, instrs in lists.items():
+            while pc[r] < len(instrs):
+                ins = instrs[pc[r]]
+                start = clock[r]
+                if isinstance(ins, (RecvTokens, RecvTokenGrads)):
+                    key = ("tokens", ins.route, r) if isinstance(ins, RecvTokens) else ("grads", ins.route, r)
+                    if key not in sent:
+                        break
+                    start = max(start, sent[key] + (link(ins) if callable(link) else link))
+                elif isinstance(ins, GradSync) or (isinstance(ins, TokenLoss) and ins.mb == 0):
+                    # the target count's all-reduce runs at each consumer rank's first TokenLoss
+                    members = (
+                        tuple(lists) if isinstance(ins, GradSync) else tuple((dp_groups or {}).get(ins.tower, (r,)))
+                    )
+                    key = (type(ins).__name__, getattr(ins, "tower", ""))
+                    arrivals.setdefault(key, {}).setdefault(r, clock[r])
+                    if len(arrivals[key]) < len(members):
+                        break
+                    start = max(clock[r], *arrivals[key].values())
+                end = start + duration(r, ins)
+                if isinstance(ins, SendTokens):
+                    sent["tokens", ins.route, ins.route.dst] = end
+                elif isinstance(ins, SendTokenGrads):
+                    sent["grads", ins.route, ins.peer] = end
+                out.append(Interval(r, ins, start, end))
+                clock[r] = end
+                pc[r] += 1
+                progressed = True
+        if not progressed:
+            blocked = {r: lists[r][pc[r]] for r in lists if pc[r] < len(lists[r])}
+            raise RuntimeError(
+                f"the handoff schedule deadlocks: each blocked rank and the instruction it waits at: {blocked}"
+            )
+    return out
+
+
+def handoff_schedules(
+    plan: Plan, consumes: Mapping[str, Sequence[str]], order: Sequence[str], trains: Mapping[str, bool], n: int
+) -> dict[int, list]:
+    """Every rank's list (:func:`handoff_schedule`)."""
+    return {rank: handoff_schedule(plan, consumes, order, trains, rank, n) for rank in range(plan.world_size)}

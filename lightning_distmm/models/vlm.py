@@ -1,0 +1,241 @@
+"""A vision encoder feeding a language model (LLaVA-style): timm ViT + MLP projector + a transformers
+causal LM, as two towers where the LLM consumes the vision tower's image tokens (docs/mllm.md).
+
+Samples carry 0 to ``max_images`` images: ``pixel_values`` is ``[B, K, C, H, W]`` with ``K =
+max_images`` (absent images' slots are ignored) and ``n_images`` ``[B]`` says how many are real. The
+vision tower returns one row per sample, ``[B, K, T, D]`` (``T`` tokens per image, absent slots
+zero). The language model reads the present images' tokens as a prefix of the text (absent slots
+masked, positions counted over present tokens only) and returns the text positions' logits; the
+loss is next-token cross-entropy over the target tokens (``labels`` not ``-100``), a token mean
+over the whole batch (:meth:`VLM.token_loss`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from timm.models.vision_transformer import VisionTransformer
+from torch import Tensor, nn
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers.masking_utils import create_causal_mask
+
+from lightning_distmm.mixin import DistMMMixin
+from lightning_distmm.tower import Tower
+
+IGNORE = -100
+
+
+class VisionProjector(nn.Module):
+    """A ViT's tokens of each present image through an MLP projector into the LLM's width (LLaVA's
+    connector). ``freeze_vit``: the ViT keeps its weights and only the projector trains (LLaVA's
+    first stage)."""
+
+    def __init__(self, vit: nn.Module, vit_width: int, llm_width: int, freeze_vit: bool = False) -> None:
+        super().__init__()
+        self.vit = vit
+        self.projector = nn.Sequential(nn.Linear(vit_width, llm_width), nn.GELU(), nn.Linear(llm_width, llm_width))
+        self.freeze_vit = freeze_vit
+        if freeze_vit:
+            self.vit.requires_grad_(False)
+
+    def forward(self, pixel_values: Tensor, n_images: Tensor) -> Tensor:
+        b, k = pixel_values.shape[:2]
+        present = torch.arange(k, device=pixel_values.device)[None, :] < n_images[:, None]  # [B, K]
+        images = pixel_values[present]  # [M, C, H, W], M present images (possibly none)
+        if self.freeze_vit:
+            with torch.no_grad():
+                tokens = self.vit.forward_features(images)
+        else:
+            tokens = self.vit.forward_features(images)
+        tokens = self.projector(tokens)  # [M, T, D]
+        out = tokens.new_zeros(b, k, *tokens.shape[1:])
+        # the rows keep a graph even with no present image (the projector's parameters get a zero gradient)
+        return out.index_put((present,), tokens) + 0.0 * tokens.sum()
+
+
+class LanguageModel(nn.Module):
+    """A causal LM that reads image tokens as a prefix: returns ``[B, S, V]`` logits of the text positions.
+
+    ``max_images`` image slots of ``tokens_per_image`` tokens each lead every sequence (absent images'
+    slots masked, positions counted over present tokens only). The forward is written as prologue,
+    decoder layers and epilogue so that :meth:`pipeline_stages` cuts the same computation into stages.
+    """
+
+    def __init__(self, lm: PreTrainedModel, max_images: int, tokens_per_image: int) -> None:
+        super().__init__()
+        self.lm = lm
+        self.max_images = max_images
+        self.tokens_per_image = tokens_per_image
+
+    @property
+    def prefix(self) -> int:
+        return self.max_images * self.tokens_per_image
+
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor, labels: Tensor, n_images: Tensor, image_embeds: Tensor
+    ) -> Tensor:
+        rows = {"input_ids": input_ids, "attention_mask": attention_mask, "n_images": n_images}
+        x = self._prologue(rows, image_embeds)
+        x = self._layers(x, rows, 0, len(self.lm.model.layers))
+        return self._epilogue(x)
+
+    def _prologue(self, rows: Any, image_embeds: Tensor) -> Tensor:
+        b, k, t, d = image_embeds.shape
+        if (k, t) != (self.max_images, self.tokens_per_image):
+            raise ValueError(
+                f"image_embeds has {k} images of {t} tokens per sample; the language model was built for"
+                f" {self.max_images} of {self.tokens_per_image}"
+            )
+        text = self.lm.get_input_embeddings()(rows["input_ids"])
+        return torch.cat([image_embeds.reshape(b, k * t, d).to(text.dtype), text], dim=1)
+
+    def _context(self, x: Tensor, rows: Any) -> tuple[Any, tuple[Tensor, Tensor], Tensor]:
+        """The causal mask, rotary embeddings and positions of the image + text sequence ``x``."""
+        present = torch.arange(self.max_images, device=x.device)[None, :] < rows["n_images"][:, None]
+        attention_mask = rows["attention_mask"]
+        image_mask = present.repeat_interleave(self.tokens_per_image, dim=1).to(attention_mask.dtype)
+        mask = torch.cat([image_mask, attention_mask], dim=1)
+        positions = (mask.long().cumsum(1) - 1).clamp(min=0)  # present tokens numbered 0, 1, ... per sample
+        causal = create_causal_mask(
+            config=self.lm.config, inputs_embeds=x, attention_mask=mask, cache=None, position_ids=positions
+        )
+        return causal, self.lm.model.rotary_emb(x, position_ids=positions), positions
+
+    def _layers(self, x: Tensor, rows: Any, a: int, b: int) -> Tensor:
+        causal, rotary, positions = self._context(x, rows)
+        for layer in self.lm.model.layers[a:b]:
+            x = layer(x, attention_mask=causal, position_embeddings=rotary, position_ids=positions, use_cache=False)
+        return x
+
+    def _epilogue(self, x: Tensor) -> Tensor:
+        return self.lm.lm_head(self.lm.model.norm(x))[:, self.prefix :]
+
+    def pipeline_stages(self, pp: int) -> list:
+        """``pp`` stages: the embeddings and the image prefix first, the decoder layers split evenly, the
+        final norm and the LM head last (each stage keeps the rotary table, which has no parameters)."""
+        from lightning_distmm.parallel.pipeline import Stage
+
+        layers = self.lm.model.layers
+        if len(layers) < pp:
+            raise ValueError(f"{len(layers)} decoder layers cannot be cut into {pp} pipeline stages")
+        base, extra = divmod(len(layers), pp)
+        stages, start = [], 0
+        for s in range(pp):
+            a, b = start, start + base + (1 if s < extra else 0)
+            start = b
+            first, last = s == 0, s == pp - 1
+            own: list[nn.Module] = [self.lm.model.rotary_emb, *layers[a:b]]
+            if first:
+                own.append(self.lm.get_input_embeddings())
+            if last:
+                own += [self.lm.model.norm, self.lm.lm_head]
+
+            def run(
+                x: Tensor | None, rows: Any, a: int = a, b: int = b, first: bool = first, last: bool = last
+            ) -> Tensor:
+                if first:
+                    x = self._prologue(rows, rows["image_embeds"])
+                assert x is not None
+                x = self._layers(x, rows, a, b)
+                return self._epilogue(x) if last else x
+
+            stages.append(Stage(own, run))
+        return stages
+
+
+def tiny_llama_config(vocab: int = 32, width: int = 32, layers: int = 2, heads: int = 4) -> LlamaConfig:
+    """A Llama-style config of a few ten thousand parameters (random init, offline)."""
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=width,
+        intermediate_size=2 * width,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        attn_implementation="eager",  # fully masked padding rows stay finite (no NaN in their gradients)
+    )
+
+
+def tiny_vit(
+    img_size: int = 8, patch_size: int = 4, width: int = 16, depth: int = 1, heads: int = 2, qkv_bias: bool = True
+) -> VisionTransformer:
+    return VisionTransformer(
+        img_size=img_size,
+        patch_size=patch_size,
+        embed_dim=width,
+        depth=depth,
+        num_heads=heads,
+        mlp_ratio=2.0,
+        num_classes=0,
+        global_pool="",
+        qkv_bias=qkv_bias,
+    )
+
+
+class VLM(DistMMMixin, L.LightningModule):
+    """Vision tower (ViT + projector) feeding a causal LM; the loss is the batch's next-token token mean.
+
+    ``vit`` / ``lm``: built tiny at random when None; pass e.g. ``AutoModelForCausalLM.from_pretrained(dir,
+    local_files_only=True)`` (see :func:`load_language_model`) and a timm ViT for real weights.
+    """
+
+    def __init__(
+        self,
+        vit: nn.Module | None = None,
+        lm: PreTrainedModel | None = None,
+        vit_width: int = 16,
+        freeze_vit: bool = False,
+        frozen_llm: bool = False,
+        max_images: int = 2,
+        optimizer: str = "sgd",
+        lr: float = 0.1,
+    ) -> None:
+        super().__init__()
+        lm = lm if lm is not None else LlamaForCausalLM(tiny_llama_config())
+        self.vision = VisionProjector(
+            vit if vit is not None else tiny_vit(width=vit_width), vit_width, lm.config.hidden_size, freeze_vit
+        )
+        tokens = self.vision.vit.patch_embed.num_patches + self.vision.vit.num_prefix_tokens  # type: ignore[operator]
+        self.language = LanguageModel(lm, max_images, int(tokens))
+        self.frozen_llm = frozen_llm
+        self.optimizer_name = optimizer
+        self.lr = lr
+
+    def towers(self) -> dict[str, Tower]:
+        return {
+            "image": Tower(self.vision, input=["pixel_values", "n_images"]),
+            "llm": Tower(
+                self.language,
+                input=["input_ids", "attention_mask", "labels", "n_images"],
+                consumes={"image": "image_embeds"},
+                frozen=self.frozen_llm,
+            ),
+        }
+
+    def token_loss(self, outputs: Tensor, batch: Any) -> tuple[Tensor, Tensor]:
+        """Next-token cross-entropy summed over these rows' target tokens, and their count."""
+        labels = batch["labels"][:, 1:]
+        logits = outputs[:, :-1]
+        total = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32)),
+            labels.reshape(-1),
+            ignore_index=IGNORE,
+            reduction="sum",
+        )
+        return total, (labels != IGNORE).sum()
+
+    def configure_optimizers(self) -> Any:
+        params = [p for p in self.parameters() if p.requires_grad]
+        if self.optimizer_name == "adamw":
+            return torch.optim.AdamW(params, lr=self.lr, weight_decay=0.01)
+        return torch.optim.SGD(params, lr=self.lr, momentum=0.9)
+
+
+def load_language_model(path: str) -> PreTrainedModel:
+    """A causal LM from a local Hugging Face folder (never downloads)."""
+    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, attn_implementation="eager")

@@ -1,0 +1,78 @@
+"""Tiny vision-language data and the reference comparison for the issue-21 tests (docs/mllm.md)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from distmm_testing import Comparison, read_losses, run_distmm, run_reference
+from torch.utils.data import DataLoader
+
+import lightning_distmm as ldm
+
+MAX_IMAGES = 2
+SEQ = 6
+VOCAB = 32
+
+
+class VLMData(ldm.FieldDataset):
+    """Samples with 0, 1 or 2 random 8x8 images (``index % 3``) and padded random text of length 2..SEQ."""
+
+    fields = ("pixel_values", "n_images", "input_ids", "attention_mask", "labels")
+
+    def __init__(self, size: int = 64, dtype: torch.dtype = torch.float32) -> None:
+        self.size = size
+        self.dtype = dtype
+
+    def __len__(self) -> int:
+        return self.size
+
+    def load(self, index: int, fields: Any) -> dict[str, Any]:
+        g = torch.Generator().manual_seed(index)
+        pixels = torch.randn(MAX_IMAGES, 3, 8, 8, generator=g).to(self.dtype)
+        n_images = index % 3
+        pixels[n_images:] = 0
+        ids = torch.randint(1, VOCAB, (SEQ,), generator=g)
+        length = 2 + (index * 7) % (SEQ - 1)
+        mask = (torch.arange(SEQ) < length).long()
+        ids = ids * mask
+        labels = torch.where(mask.bool(), ids, torch.full_like(ids, -100))
+        labels[0] = -100  # the prompt token is not a target
+        full = {
+            "pixel_values": pixels,
+            "n_images": torch.tensor(n_images),
+            "input_ids": ids,
+            "attention_mask": mask,
+            "labels": labels,
+        }
+        return {k: full[k] for k in fields}
+
+
+def vlm_loader(batch: int, size: int = 64, dtype: torch.dtype = torch.float32) -> DataLoader:
+    return DataLoader(VLMData(size, dtype), batch_size=batch, drop_last=True)
+
+
+def compare_vlm(
+    make: Callable[[], L.LightningModule],
+    plan: Any,
+    devices: int,
+    batch: int,
+    steps: int,
+    tmp_path: Path,
+    dtype: torch.dtype = torch.float32,
+    **extra: Any,
+) -> Comparison:
+    """``make()``'s module trained in one process and under distmm on the same global batches
+    (``dtype``: the module's and the images' floating dtype; float64 separates rounding from error)."""
+    L.seed_everything(0)
+    reference = make().to(dtype)
+    module, initial = copy.deepcopy(reference), copy.deepcopy(reference)
+    run_reference(reference, vlm_loader(batch, dtype=dtype), steps, str(tmp_path / "ref.json"), **extra)
+    run_distmm(module, plan, devices, vlm_loader(batch, dtype=dtype), steps, str(tmp_path / "dist.json"), **extra)
+    return Comparison(
+        reference, module, initial, read_losses(tmp_path / "ref.json"), read_losses(tmp_path / "dist.json")
+    )
