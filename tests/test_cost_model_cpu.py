@@ -54,9 +54,13 @@ def test_shared_host_phases():
         "image": 3.0,
         "text": 1.0,
     }
-    # the tower's own replicas share the node: stretched throughout
+    # 4 ranks stretched 2x are 2 ranks' worth of cores: three busy share them (1.5x), then two run
+    # at full speed once the text rank is done (processor sharing: the freed share serves them)
     out = shared_host_phases({"image": 3.0, "text": 1.0}, {"image": [0, 1], "text": [2]}, 4, 2.0, colocated=False)
-    assert out == pytest.approx({"image": 6.0, "text": 2.0})
+    assert out == pytest.approx({"image": 1.5 + 2.0, "text": 1.5})
+    # every rank busy: the measured stretch until the lighter tower's rank is done, then 3 on 2 cores
+    out = shared_host_phases({"image": 3.0, "text": 1.0}, {"image": [0, 1, 2], "text": [3]}, 4, 2.0, colocated=False)
+    assert out == pytest.approx({"image": 2.0 + 2.0 * 1.5, "text": 2.0})
     # colocated: every rank computes at once
     out = shared_host_phases({"image": 3.0, "text": 1.0}, {"image": [0, 1], "text": [0, 1]}, 2, 1.5, colocated=True)
     assert out == pytest.approx({"image": 4.5, "text": 1.5})

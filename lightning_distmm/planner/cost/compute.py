@@ -169,28 +169,39 @@ def shared_host_phases(
     """Wall time of each tower's phase when devices of a node slow each other down.
 
     ``concurrency`` (``Device.concurrency``, measured for CPU processes) is the factor by which
-    compute stretches while other devices of the node compute too. Colocated towers run on every
-    rank at once, so each phase stretches by it whenever a node holds two or more of the ranks.
-    For separate towers, a tower is stretched only while a device it shares a node with is busy:
-    with ``T`` its phase alone and ``O`` the longest phase of the other busy devices of its nodes
-    (its own other replicas included, ``O >= T`` then), everyone progresses at ``1/concurrency``
-    until the shorter of the two ends, so the wall time is ``T + (concurrency - 1) * min(T, O)``.
+    compute stretches while all ``devices_per_node`` devices of a node compute. The node's devices
+    share it as processor sharing does: ``devices_per_node`` ranks stretched ``concurrency`` times
+    are ``devices_per_node / concurrency`` ranks' worth of cores, so while ``k`` ranks are busy each
+    progresses at ``1 / stretch(k)``, ``stretch(k) = max(1, k * concurrency / devices_per_node)``;
+    when a rank finishes its phase (the rank of a lighter tower), the busy ones speed up (on an
+    oversubscribed CPU host its core serves them). A tower's phase ends when
+    its slowest rank's does. Colocated towers run alike on every rank: each phase stretches by
+    ``stretch(ranks on the node)``. On two devices this is ``T + (concurrency - 1) * min(T, O)``
+    (``T`` the tower's phase alone, ``O`` the other device's).
     """
     node = lambda r: r // devices_per_node  # noqa: E731
-    extra = concurrency - 1.0
+
+    def stretch(k: int) -> float:
+        if devices_per_node <= 1:
+            return 1.0  # nothing shares the node
+        return max(1.0, min(k, devices_per_node) * concurrency / devices_per_node)
+
     if colocated:
-        shared = any(sum(1 for r in rs if node(r) == nd) > 1 for rs in ranks.values() for nd in {node(r) for r in rs})
-        return {n: t * (concurrency if shared else 1.0) for n, t in times.items()}
-    out = {}
-    for n, t in times.items():
-        counts: dict[int, int] = {}
-        for r in ranks[n]:
-            counts[node(r)] = counts.get(node(r), 0) + 1
-        other = t if any(k > 1 for k in counts.values()) else 0.0
-        for m, rs in ranks.items():
-            if m != n and any(node(r) in counts for r in rs):
-                other = max(other, times[m])
-        out[n] = t + extra * min(t, other)
+        busiest = max(
+            (sum(1 for r in rs if node(r) == nd) for rs in ranks.values() for nd in {node(r) for r in rs}), default=1
+        )
+        return {n: t * stretch(busiest) for n, t in times.items()}
+    work: dict[int, list[tuple[float, str]]] = {}  # node -> (phase alone, tower) per rank
+    for n, rs in ranks.items():
+        for r in rs:
+            work.setdefault(node(r), []).append((float(times[n]), n))
+    out = dict.fromkeys(times, 0.0)
+    for jobs in work.values():
+        clock, done = 0.0, 0.0  # wall time, and the work every busy rank has completed so far
+        for i, (w, n) in enumerate(sorted(jobs)):
+            clock += (w - done) * stretch(len(jobs) - i)
+            done = w
+            out[n] = max(out[n], clock)
     return out
 
 
