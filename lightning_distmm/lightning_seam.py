@@ -10,11 +10,9 @@ function per access, each saying what it reaches and why no public API does the 
 when a Lightning or torch upgrade moves or changes what it reaches; ``pyproject.toml`` pins
 Lightning to the versions that test passes on.
 
-One private torch access lives outside this module: ``_StridedShard`` in
-:func:`lightning_distmm.parallel.tensor_parallel.strided_shard`, because ``parallel/`` must not
-import a module that imports Lightning. The strategy also overrides one private method,
-``Strategy._configure_launcher`` (Lightning's connector calls it on every strategy to pick the
-launcher; there is no public way to choose one): its body is :func:`configure_launcher`.
+One private torch access lives outside this module (``_StridedShard`` in ``parallel/``, which must
+not import Lightning). The strategy overrides one private method, ``Strategy._configure_launcher``
+(there is no public way to choose a launcher): its body is :func:`configure_launcher`.
 """
 
 from __future__ import annotations
@@ -114,14 +112,21 @@ class ConsolidatingLauncher(_MultiProcessingLauncher):
         ``ProcessContext.join`` reads it but never removes it, so every failed run would leave one
         behind. While the ranks run, the parent's temp directory (``tempfile.tempdir``) is a folder
         of its own, removed afterwards whatever happened; the ranks themselves keep the real one.
-        ``after_ranks_ended`` runs last, when no rank is left.
+        ``after_ranks_ended`` runs last. ``MASTER_PORT``, which Lightning writes into this process's
+        environment, is taken back: a later run, or a process this one starts, picks a free port.
         """
         self._temp_dir = tempfile.gettempdir()
         scratch = self._scratch = tempfile.mkdtemp(prefix="distmm-launch-")
         previous, tempfile.tempdir = tempfile.tempdir, scratch
+        rendezvous = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
         finally:
+            for key, value in rendezvous.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
             tempfile.tempdir = previous
             import shutil
 
@@ -225,11 +230,8 @@ class _RankEnd:
 
 
 def default_store() -> Any:
-    """The default process group's key-value store: torch's ``distributed_c10d._get_default_store``.
-
-    The strategy records the first rank's failure there so every rank reports it; torch has no
-    public getter for the store the default group was initialised with.
-    """
+    """The default group's key-value store (torch's ``_get_default_store``: no public getter), where
+    failure records cross hosts."""
     from torch.distributed.distributed_c10d import _get_default_store
 
     return _get_default_store()
