@@ -149,7 +149,7 @@ def main() -> None:
     else:
         world = args.image_dp + 1
         plan = ldm.Plan(world, {"image": {"ranks": list(range(args.image_dp))}, "llm": {"ranks": [args.image_dp]}})
-        trainer = L.Trainer(devices=world, strategy=ldm.DistMMStrategy(plan=plan, start_method="fork"), **common)
+        trainer = L.Trainer(devices=world, strategy=ldm.DistMMStrategy(plan=plan, start_method="spawn"), **common)
     start = time.perf_counter()
     trainer.fit(model, data)
     seconds = time.perf_counter() - start
