@@ -139,3 +139,28 @@ def test_lightning_throughput_monitor_with_per_device_share(tmp_path):
     # the global rate is global samples / time over the window: (BATCH per step) / seconds per step
     two_steps = records[-1]["train/time"] - records[-2]["train/time"]
     assert last["train/samples_per_sec"] == pytest.approx(BATCH / two_steps, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_tower_times_reach_the_logger_in_every_epoch(tmp_path):
+    """Tower times are read on the steps Lightning logs, counted over the whole fit: with 3 batches
+    per epoch and log_every_n_steps=2 the logged steps fall at batch 1 of epoch 0, batch 0 of epoch 1
+    and so on (a count of batches within an epoch would miss every one after the first epoch)."""
+    out = tmp_path / "metrics.json"
+
+    def run() -> None:
+        L.seed_everything(0)
+        strategy = ldm.DistMMStrategy(plan=TWO_RANKS, start_method="fork")
+        trainer = L.Trainer(
+            devices=2,
+            max_steps=6,
+            strategy=strategy,
+            callbacks=[Throughput(window=1)],
+            **trainer_kwargs(logger=MemoryLogger(out), log_every_n_steps=2),
+        )
+        trainer.fit(TinyCLIP("sgd", lr=0.05), loader(BATCH, size=3 * BATCH))
+
+    in_subprocess(run, timeout=240)
+    logged = [r for r in json.loads(out.read_text()) if "train/samples_per_sec" in r]
+    with_times = [r for r in logged if "train/time/image/forward" in r]
+    assert len(logged) == 3 and len(with_times) == 3, logged

@@ -155,7 +155,9 @@ class Throughput(L.Callback):
         log = dict(on_step=True, on_epoch=False, batch_size=1)
         pl_module.log("train/samples_per_sec", rate, prog_bar=self.prog_bar, **log)
         pl_module.log("train/step_time", seconds, **log)
-        if (batch_idx + 1) % max(1, trainer.log_every_n_steps) == 0:
+        # the steps Lightning writes to its loggers: after this batch's optimizer step, global_step is
+        # the count Lightning's logger connector tests (its batches that stepped, plus this one)
+        if trainer.global_step % max(1, trainer.log_every_n_steps) == 0 or trainer.should_stop:
             for name, value in self._tower_times(trainer).items():
                 pl_module.log(f"train/time/{name}", value, **log)
 
