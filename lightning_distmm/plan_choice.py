@@ -35,9 +35,8 @@ class LiveJob:
     example: Mapping[str, Any] | None
     global_batch: int | None
     world_size: int
-    #: ranks per node, and every rank's node as the launcher numbers them
+    #: ranks per node
     per_node: int
-    nodes: list[int]
     device: torch.device
     #: Lightning's precision name and its forward context (``bf16-mixed``: autocast)
     precision: str

@@ -227,7 +227,6 @@ class DistMMStrategy(ModelParallelStrategy):
                 global_batch=seam.train_batch_size(trainer),
                 world_size=self.world_size,
                 per_node=per_node,
-                nodes=nodes,
                 device=self.root_device,
                 precision=str(getattr(self.precision_plugin, "precision", "32-true")),
                 forward_context=self.precision_plugin.forward_context,

@@ -94,25 +94,21 @@ class RankRuntime:
         self.world = dist.get_world_size()
         self.device = device
         self.towers = module.tower_specs()
+        #: every group this rank's plan needs, built before it (parallel.groups.build_topology)
         self.topology = topology
         self.groups = topology.towers
         self.layout = RankLayout(plan, self.rank, {n: t.fields for n, t in self.towers.items()})
         self.module = module
         self.bucket_cap_mb = bucket_cap_mb
-        self.host_group = topology.host
         self.gradients = self._gradients()
         #: a model whose towers consume each other's outputs (docs/mllm.md): its own lists and transfers
         self.handoff = (
-            TokenHandoff(plan, self.towers, tower_trains(self.towers), self.groups, device, self.host_group)
+            TokenHandoff(plan, self.towers, tower_trains(self.towers), self.groups, device, topology.host)
             if TokenHandoff.needed(self.towers)
             else None
         )
         self.specs: dict[str, FeatureSpec] | None = None
         self._slots: dict[int, dict[str, GatherSlot]] = {}
-        #: the ranks that meet at the batch-sync (every rank of a last stage) and their process group
-        self.batch_sync_ranks = topology.batch_sync_ranks
-        self.batch_sync_pg = topology.batch_sync
-        self.links = topology.links
         self._schedules: dict[int, list[Instruction]] = {}
         #: ``distmm``: split every batch-sync but the last into a posted gather and its wait, running the
         #: next sync group's forwards between them (``rank_schedule(..., overlap=True)``). Off by default:
@@ -146,7 +142,7 @@ class RankRuntime:
             interaction_params,
             self.device,
             self.bucket_cap_mb,
-            self.host_group,
+            self.topology.host,
         )
 
     def prepare_local_towers(self) -> None:
@@ -303,7 +299,11 @@ class RankRuntime:
     def _forward(self, ins: Forward, rows: Mapping[str, Any], training: bool, run: ScheduleRun) -> None:
         """One microbatch through this rank's stage of a tower (the whole tower without pipeline)."""
         grad = training and self._runs_backward(ins.tower)
-        x_in = self.links.recv(ins.tower, "act", ins.recv_from, self.device) if ins.recv_from is not None else None
+        x_in = (
+            self.topology.links.recv(ins.tower, "act", ins.recv_from, self.device)
+            if ins.recv_from is not None
+            else None
+        )
         start = self._now()
         if grad and not ins.keep:  # cached: no activations now, recompute from the input in backward
             rng = _rng_state(self.device)
@@ -321,7 +321,7 @@ class RankRuntime:
         if self.trace is not None:
             self.trace.add(ins, start)
         if ins.send_to is not None:
-            run.sends.append(self.links.send(x, ins.tower, "act", ins.send_to))
+            run.sends.append(self.topology.links.send(x, ins.tower, "act", ins.send_to))
         else:
             _check_features(ins.tower, x, ins.rows, grad and ins.keep)
             run.outputs.setdefault((ins.sync_group, ins.tower), []).append(x)
@@ -332,9 +332,9 @@ class RankRuntime:
         rows = self.plan.group_split(run.n)[ins.sync_group]
         local = {tower: torch.cat(outs) for (wave, tower), outs in run.outputs.items() if wave == ins.sync_group}
         if self.specs is None:
-            self.specs = exchange_specs(local, list(self.towers), self.batch_sync_pg)
+            self.specs = exchange_specs(local, list(self.towers), self.topology.batch_sync)
         run.gathers[ins.sync_group] = gather_features_async(
-            local, self.slots(rows), self.specs, self.device, self.batch_sync_pg
+            local, self.slots(rows), self.specs, self.device, self.topology.batch_sync
         )
         if self.trace is not None and isinstance(ins, SyncPost):
             self.trace.add(ins, start)
@@ -351,7 +351,7 @@ class RankRuntime:
         full = run.gathers.pop(ins.sync_group).wait()
         for name, feats in full.items():
             feats.requires_grad_(training and self.trainable(name))
-        index, parts = self.batch_sync_ranks.index(self.rank), len(self.batch_sync_ranks)
+        index, parts = self.topology.batch_sync_ranks.index(self.rank), len(self.topology.batch_sync_ranks)
         with row_share(index, parts) as share:
             loss = module.interaction_loss(full)
         _check_loss(loss, training and any(f.requires_grad for f in full.values()))
@@ -368,7 +368,7 @@ class RankRuntime:
         for name, leaf in full.items():
             if self.trainable(name):
                 grads[name] = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-        allreduce_sum(list(grads.values()), self.batch_sync_pg)
+        allreduce_sum(list(grads.values()), self.topology.batch_sync)
         # each of this rank's microbatches of the wave takes its rows of the summed feature gradient
         for (tower, mb), part in run.rows.items():
             if tower in grads and run.wave_of[tower, mb] == ins.sync_group and run.last[tower]:
@@ -397,7 +397,7 @@ class RankRuntime:
         if buckets is not None:
             buckets.arm()
         if ins.recv_from is not None:
-            g_out = self.links.recv(ins.tower, "grad", ins.recv_from, self.device)
+            g_out = self.topology.links.recv(ins.tower, "grad", ins.recv_from, self.device)
         else:  # the cp (and sp) ranks all run the head: each backpropagates its share (parallel/context_parallel.py)
             t = self.plan.towers[ins.tower]
             g_out = feature_grad_scale(feature_grad, head_copies(t.cp, t.tp, t.sp))
@@ -414,7 +414,7 @@ class RankRuntime:
         if ins.send_to is not None:
             assert x_in is not None
             run.sends.append(
-                self.links.send(
+                self.topology.links.send(
                     x_in.grad if x_in.grad is not None else torch.zeros_like(x_in), ins.tower, "grad", ins.send_to
                 )
             )
