@@ -130,7 +130,8 @@ def make_plan(schedule: str, microbatch: int) -> ldm.Plan:
 def bubbles(plan: ldm.Plan, batch: int, traces: list[list]) -> tuple[float, float, list]:
     """(measured, from the IR, the simulated intervals): the idle share of the ranks' compute time
     over the last step, as traced by the executor and as the IR simulated with those durations."""
-    from lightning_distmm.core.schedule import Backward, BatchSync, Forward, bubble_fraction, schedules, simulate
+    from lightning_distmm.core.schedule import Backward, BatchSync, Forward, schedules
+    from lightning_distmm.planner.simulate import bubble_fraction, simulate
 
     start = min(t[3] for trace in traces for t in trace)
     end = max(t[4] for trace in traces for t in trace)
@@ -235,7 +236,7 @@ def main() -> None:
             f" {bubble[schedule][0]:>16.2f} {bubble[schedule][1]:>10.2f}"
         )
     if args.svg:
-        from lightning_distmm.core.schedule import timeline_svg
+        from lightning_distmm.planner.timeline import timeline_svg
 
         Path(args.svg).mkdir(parents=True, exist_ok=True)
         for schedule in names:

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import sys
 
-from lightning_distmm.core.handoff import handoff_schedules, routes, simulate_handoff
+from lightning_distmm.core.handoff import handoff_schedules, routes
 from lightning_distmm.core.plan import Plan
-from lightning_distmm.core.schedule import Backward, Forward, bubble_fraction, timeline_svg
+from lightning_distmm.core.schedule import Backward, Forward
+from lightning_distmm.planner.simulate import bubble_fraction, simulate_handoff
+from lightning_distmm.planner.timeline import timeline_svg
 
 
 def plan(microbatch: int | None) -> Plan:

@@ -50,7 +50,7 @@ def main(cfg: DictConfig) -> float:
             rep = out.parent / cfg.report
             rep.write_text(yaml.safe_dump(report.to_dict(), sort_keys=False))
     if cfg.get("draw"):
-        from lightning_distmm.core.schedule import timeline_svg
+        from lightning_distmm.planner.timeline import timeline_svg
 
         picture = Path(cfg.draw) if Path(cfg.draw).is_absolute() else base / cfg.draw
         try:

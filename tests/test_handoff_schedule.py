@@ -14,10 +14,11 @@ from lightning_distmm.core.handoff import (
     TokenLoss,
     handoff_schedules,
     routes,
-    simulate_handoff,
 )
 from lightning_distmm.core.plan import Plan
-from lightning_distmm.core.schedule import Backward, Forward, timeline_svg
+from lightning_distmm.core.schedule import Backward, Forward
+from lightning_distmm.planner.simulate import simulate_handoff
+from lightning_distmm.planner.timeline import timeline_svg
 
 CONSUMES = {"llm": ["image"]}
 ORDER = ["image", "llm"]

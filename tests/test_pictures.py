@@ -11,16 +11,7 @@ import pytest
 import yaml
 
 from lightning_distmm.core.plan import Plan
-from lightning_distmm.core.schedule import (
-    KINDS,
-    Backward,
-    Forward,
-    instruction_kind,
-    nice_ticks,
-    schedules,
-    simulate,
-    timeline_svg,
-)
+from lightning_distmm.core.schedule import Backward, Forward, schedules
 from lightning_distmm.planner import make_plan
 from lightning_distmm.planner.config import CONF_DIR
 from lightning_distmm.planner.measure import load_cluster
@@ -31,6 +22,8 @@ from lightning_distmm.planner.pictures import (
     placement_map,
     placement_svg,
 )
+from lightning_distmm.planner.simulate import simulate
+from lightning_distmm.planner.timeline import KINDS, instruction_kind, nice_ticks, timeline_svg
 
 SVG = "{http://www.w3.org/2000/svg}"
 

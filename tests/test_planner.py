@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from lightning_distmm.core.plan import split_batch
-from lightning_distmm.core.schedule import Backward, BatchSync, Forward, schedules, simulate
+from lightning_distmm.core.schedule import Backward, BatchSync, Forward, schedules
 from lightning_distmm.planner import (
     Plan,
     PlanError,
@@ -56,6 +56,7 @@ from lightning_distmm.planner.options import DEFAULT_SCHEDULES, PlannerOptions
 from lightning_distmm.planner.partition import Candidates, InfeasibleError
 from lightning_distmm.planner.placement import candidate_layouts, place
 from lightning_distmm.planner.profile import model_profiles
+from lightning_distmm.planner.simulate import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -637,7 +638,7 @@ def test_compositions_cover_everything():
 def test_report_draws_the_predicted_step():
     """Report.timeline: every rank's instruction list simulated with the cost model's durations; the
     drawn step is the priced step less what the lists leave out (gradient sums, optimizer, overhead)."""
-    from lightning_distmm.core.schedule import timeline_svg
+    from lightning_distmm.planner.timeline import timeline_svg
 
     plan, report = make_plan(model("clip_vit_l14"), "a100_8x8", 1024)
     intervals = report.timeline()

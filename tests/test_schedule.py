@@ -12,12 +12,11 @@ from lightning_distmm.core.schedule import (
     GradSync,
     SyncPost,
     SyncWait,
-    bubble_fraction,
     rank_schedule,
     schedules,
-    simulate,
-    timeline_svg,
 )
+from lightning_distmm.planner.simulate import bubble_fraction, simulate
+from lightning_distmm.planner.timeline import timeline_svg
 
 PLAN = Plan(3, {"image": {"ranks": [0, 1], "pp": 2, "microbatch": 2}, "text": {"ranks": [2], "microbatch": 4}})
 

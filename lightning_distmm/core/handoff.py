@@ -11,11 +11,11 @@ Pure Python: no torch, no process groups.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from lightning_distmm.core.plan import Plan
-from lightning_distmm.core.schedule import Backward, Forward, GradSync, Interval, microbatch_sizes, stage_neighbours
+from lightning_distmm.core.schedule import Backward, Forward, GradSync, microbatch_sizes, stage_neighbours
 
 
 @dataclass(frozen=True)
@@ -196,65 +196,6 @@ def handoff_schedule(
                     for to in r.grad_ranks
                 )
     out.append(GradSync())
-    return out
-
-
-# ---------------------------------------------------------------------- simulation
-def simulate_handoff(
-    lists: Mapping[int, Sequence],
-    duration: Callable[[int, object], float],
-    link: float | Callable[[object], float] = 0.0,
-    dp_groups: Mapping[str, Sequence[int]] | None = None,
-) -> list[Interval]:
-    """Replay every rank's handoff list (:func:`handoff_schedule`); return each instruction's interval.
-
-    A ``RecvTokens`` / ``RecvTokenGrads`` waits for its send (plus ``link`` seconds, a number or a
-    function of the receiving instruction); sends complete without their receiver (gloo, as
-    :func:`~lightning_distmm.core.schedule.simulate` prices by default). A consumer's first
-    ``TokenLoss`` (microbatch 0) waits for every rank of its data-parallel group's last stage
-    (``dp_groups[tower]``; the step's target count is all-reduced there), ``GradSync`` for every rank. Raises ``RuntimeError`` naming what every blocked
-    rank waits for when the lists deadlock.
-    """
-    clock = {r: 0.0 for r in lists}
-    pc = {r: 0 for r in lists}
-    sent: dict[tuple, float] = {}
-    arrivals: dict[tuple, dict[int, float]] = {}
-    out: list[Interval] = []
-    while any(pc[r] < len(lists[r]) for r in lists):
-        progressed = False
-        for r, instrs in lists.items():
-            while pc[r] < len(instrs):
-                ins = instrs[pc[r]]
-                start = clock[r]
-                if isinstance(ins, (RecvTokens, RecvTokenGrads)):
-                    key = ("tokens", ins.route, r) if isinstance(ins, RecvTokens) else ("grads", ins.route, r)
-                    if key not in sent:
-                        break
-                    start = max(start, sent[key] + (link(ins) if callable(link) else link))
-                elif isinstance(ins, GradSync) or (isinstance(ins, TokenLoss) and ins.mb == 0):
-                    # the target count's all-reduce runs at each consumer rank's first TokenLoss
-                    members = (
-                        tuple(lists) if isinstance(ins, GradSync) else tuple((dp_groups or {}).get(ins.tower, (r,)))
-                    )
-                    key = (type(ins).__name__, getattr(ins, "tower", ""))
-                    arrivals.setdefault(key, {}).setdefault(r, clock[r])
-                    if len(arrivals[key]) < len(members):
-                        break
-                    start = max(clock[r], *arrivals[key].values())
-                end = start + duration(r, ins)
-                if isinstance(ins, SendTokens):
-                    sent["tokens", ins.route, ins.route.dst] = end
-                elif isinstance(ins, SendTokenGrads):
-                    sent["grads", ins.route, ins.peer] = end
-                out.append(Interval(r, ins, start, end))
-                clock[r] = end
-                pc[r] += 1
-                progressed = True
-        if not progressed:
-            blocked = {r: lists[r][pc[r]] for r in lists if pc[r] < len(lists[r])}
-            raise RuntimeError(
-                f"the handoff schedule deadlocks: each blocked rank and the instruction it waits at: {blocked}"
-            )
     return out
 
 

@@ -6,14 +6,12 @@ instruction in list order:
 
 1. ``Forward``: a microbatch of a local tower through this rank's stage (the whole tower without
    pipeline), receiving its input from the previous stage and posting its output to the next;
-2. ``BatchSync`` (last stages only): the wave's features of every tower are gathered into
-   whole-group tensors, which become leaves; the interaction loss runs forward on this rank's rows
-   (:mod:`lightning_distmm.interaction`) and backward; the per-rank partial feature gradients are
-   summed over the last stages; each microbatch takes its rows of that sum. Under ``distmm`` every
-   batch-sync but the last may be asynchronous: ``SyncPost`` posts the gather (``async_op=True``) and
-   the rank runs the next sync group's first forward while it is in flight; ``SyncWait`` waits for
-   it and does the rest (when :attr:`RankRuntime.overlap_batch_sync` is set; the same collectives
-   and arithmetic, so the result is the blocking one bit for bit);
+2. ``BatchSync`` (last stages only): the sync group's features of every tower meet at the
+   interaction loss (:mod:`lightning_distmm.parallel.batch_sync`); each microbatch takes its rows
+   of the summed feature gradient. Under ``distmm`` every batch-sync but the last may be split into
+   ``SyncPost`` (the gather posted, ``async_op=True``) and ``SyncWait`` with the next sync group's
+   first forward between them (:attr:`RankRuntime.overlap_batch_sync`; the same collectives and
+   arithmetic, so the result is the blocking one bit for bit);
 3. ``Backward``: the microbatch's backward through the stage, from its feature gradient (last
    stage) or the gradient received from the next stage, posting the input gradient back (a
    sharded tower reduce-scatters in its last backward of the step only);
@@ -50,16 +48,9 @@ from lightning_distmm.core.schedule import (
     SyncWait,
     rank_schedule,
 )
-from lightning_distmm.interaction import row_share
 from lightning_distmm.parallel import deferred
+from lightning_distmm.parallel.batch_sync import BatchSyncRunner, check_features
 from lightning_distmm.parallel.context_parallel import feature_grad_scale, head_copies
-from lightning_distmm.parallel.exchange import (
-    FeatureSpec,
-    GatherSlot,
-    allreduce_sum,
-    exchange_specs,
-    gather_features_async,
-)
 from lightning_distmm.parallel.fsdp import set_gradient_sync
 from lightning_distmm.parallel.gradients import DeferredGradients, RankGradients
 from lightning_distmm.parallel.groups import Topology
@@ -107,8 +98,9 @@ class RankRuntime:
             if TokenHandoff.needed(self.towers)
             else None
         )
-        self.specs: dict[str, FeatureSpec] | None = None
-        self._slots: dict[int, dict[str, GatherSlot]] = {}
+        self.batch_sync = BatchSyncRunner(
+            plan, self.layout, list(self.towers), topology, self.rank, device, self.trainable
+        )
         self._schedules: dict[int, list[Instruction]] = {}
         #: ``distmm``: split every batch-sync but the last into a posted gather and its wait, running the
         #: next sync group's forwards between them (``rank_schedule(..., overlap=True)``). Off by default:
@@ -182,15 +174,6 @@ class RankRuntime:
             )
         return int(batch[GLOBAL_BATCH_KEY])
 
-    def slots(self, n: int) -> dict[str, GatherSlot]:
-        """Where each tower's features of a sync group of ``n`` rows come from (rows relative to the group)."""
-        if n not in self._slots:
-            self._slots[n] = {
-                name: GatherSlot([t.feature_rank(i) for i in range(t.dp)], self.layout.offsets(name, n))
-                for name, t in self.plan.towers.items()
-            }
-        return self._slots[n]
-
     def schedule(self, n: int) -> list[Instruction]:
         """This rank's instructions for a global batch of ``n`` (the plan's schedule, as data)."""
         if n not in self._schedules and self.handoff is not None:
@@ -238,12 +221,12 @@ class RankRuntime:
                     self._forward(ins, rows, training, run)
                 elif isinstance(ins, BatchSync):
                     posted = self._now()
-                    self._post_sync(ins, run)
-                    self._batch_sync(module, ins, run, training, posted)
+                    self.batch_sync.post(ins, run, self.trace)
+                    self.batch_sync.meet(module, ins, run, training, self.trace, posted)
                 elif isinstance(ins, SyncPost):
-                    self._post_sync(ins, run)
+                    self.batch_sync.post(ins, run, self.trace)
                 elif isinstance(ins, SyncWait):
-                    self._batch_sync(module, ins, run, training)
+                    self.batch_sync.meet(module, ins, run, training, self.trace)
                 elif isinstance(ins, HANDOFF_INSTRUCTIONS):
                     assert self.handoff is not None
                     self.handoff.run(ins, run, module, batch, training)
@@ -323,61 +306,8 @@ class RankRuntime:
         if ins.send_to is not None:
             run.sends.append(self.topology.links.send(x, ins.tower, "act", ins.send_to))
         else:
-            _check_features(ins.tower, x, ins.rows, grad and ins.keep)
+            check_features(ins.tower, x, ins.rows, grad and ins.keep)
             run.outputs.setdefault((ins.sync_group, ins.tower), []).append(x)
-
-    def _post_sync(self, ins: BatchSync | SyncPost, run: ScheduleRun) -> None:
-        """Post the gather of wave ``ins.sync_group``'s features (``async_op``); ``_batch_sync`` waits for it."""
-        start = self._now()
-        rows = self.plan.group_split(run.n)[ins.sync_group]
-        local = {tower: torch.cat(outs) for (wave, tower), outs in run.outputs.items() if wave == ins.sync_group}
-        if self.specs is None:
-            self.specs = exchange_specs(local, list(self.towers), self.topology.batch_sync)
-        run.gathers[ins.sync_group] = gather_features_async(
-            local, self.slots(rows), self.specs, self.device, self.topology.batch_sync
-        )
-        if self.trace is not None and isinstance(ins, SyncPost):
-            self.trace.add(ins, start)
-
-    def _batch_sync(
-        self, module: TowerModule, ins: BatchSync | SyncWait, run: ScheduleRun, training: bool, start: Any = None
-    ) -> None:
-        """Wave ``ins.sync_group``'s features meet: wait for their gather (posted by ``_post_sync``), the
-        loss forward and backward, the feature gradients split (traced from ``start``, the post of a
-        blocking ``BatchSync``)."""
-        start = start if start is not None else self._now()
-        group_sizes = self.plan.group_split(run.n)
-        rows = group_sizes[ins.sync_group]
-        full = run.gathers.pop(ins.sync_group).wait()
-        for name, feats in full.items():
-            feats.requires_grad_(training and self.trainable(name))
-        index, parts = self.topology.batch_sync_ranks.index(self.rank), len(self.topology.batch_sync_ranks)
-        with row_share(index, parts) as share:
-            loss = module.interaction_loss(full)
-        _check_loss(loss, training and any(f.requires_grad for f in full.values()))
-        if not share.asked:
-            # a whole-batch loss computed identically on every batch-sync rank: each contributes 1/parts of it
-            loss = loss / parts
-        if len(group_sizes) > 1:
-            loss = loss * (rows / run.n)  # the grouped loss: each group's mean weighted by its share of rows
-        run.loss = run.loss + loss.detach()
-        if not (training and loss.requires_grad):
-            return
-        torch.autograd.backward(loss)
-        grads = {}
-        for name, leaf in full.items():
-            if self.trainable(name):
-                grads[name] = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-        allreduce_sum(list(grads.values()), self.topology.batch_sync)
-        # each of this rank's microbatches of the wave takes its rows of the summed feature gradient
-        for (tower, mb), part in run.rows.items():
-            if tower in grads and run.wave_of[tower, mb] == ins.sync_group and run.last[tower]:
-                offset = self.layout.offsets(tower, rows)[run.batch.towers[tower].replica]
-                span = run.batch.towers[tower].spans[ins.sync_group]
-                a = offset + part.start - span.local_start
-                run.feature_grads[tower, mb] = grads[tower][a : a + part.stop - part.start]
-        if self.trace is not None:
-            self.trace.add(ins, start)
 
     def _backward(self, ins: Backward, run: ScheduleRun, last: bool, sync: bool) -> None:
         """One microbatch backward through this rank's stage; the input gradient goes to the previous stage.
@@ -428,42 +358,6 @@ class RankRuntime:
         backward that ends the optimizer step."""
         if run.sums is not None:
             run.sums.extend(self.gradients.post_interaction_sum())
-
-
-def _check_features(tower: str, x: Any, rows: int, needs_grad: bool) -> None:
-    """A tower's output must be one tensor with a row per sample (and, if it trains, a graph)."""
-    if not isinstance(x, Tensor):
-        raise TypeError(
-            f"tower {tower!r} returned a {type(x).__name__}, not a tensor: a tower must return one tensor of"
-            f" features with a row per sample (wrap the encoder so it returns e.g. the pooled output or the"
-            f" image embedding)"
-        )
-    if x.dim() == 0 or x.shape[0] != rows:
-        raise ValueError(
-            f"tower {tower!r} returned features of shape {list(x.shape)} for {rows} samples: a tower must"
-            f" return one row per sample ([{rows}, ...])"
-        )
-    if needs_grad and not x.requires_grad:
-        raise RuntimeError(
-            f"tower {tower!r} has trainable parameters but its features carry no gradient (its forward runs"
-            f" under torch.no_grad(), or detaches its output): mark it Tower(..., frozen=True) to keep it"
-            f" fixed, or let its forward record gradients"
-        )
-
-
-def _check_loss(loss: Any, needs_grad: bool) -> None:
-    """``interaction_loss`` must return a scalar tensor that depends on the features it was given."""
-    if not isinstance(loss, Tensor) or loss.dim() != 0:
-        shape = list(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
-        raise ValueError(
-            f"interaction_loss must return a scalar tensor (the loss over the batch), got {shape}: reduce it"
-            f" (e.g. .mean()) inside interaction_loss"
-        )
-    if needs_grad and not loss.requires_grad:
-        raise RuntimeError(
-            "interaction_loss returned a loss that does not depend on the features' gradients (it was detached,"
-            " or computed under torch.no_grad()): the towers cannot learn from it"
-        )
 
 
 def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:

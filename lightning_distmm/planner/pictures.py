@@ -18,7 +18,7 @@ node or across nodes) and, given the planner's report (:func:`placement_map`), t
 moves per step over NVLink and across nodes, as the cost model counts them. Devices that take part
 in the batch-sync (every tower's last stages) carry a green dot.
 
-The step's timeline is drawn by :func:`lightning_distmm.core.schedule.timeline_svg` (re-exported
+The step's timeline is drawn by :func:`lightning_distmm.planner.timeline.timeline_svg` (re-exported
 here). Plain SVG strings, no dependency.
 """
 
@@ -29,8 +29,9 @@ from typing import TYPE_CHECKING
 from xml.sax.saxutils import escape
 
 from lightning_distmm.core.plan import Plan
-from lightning_distmm.core.schedule import sync_ranks, timeline_svg
+from lightning_distmm.core.schedule import sync_ranks
 from lightning_distmm.planner.links import KIND_NAMES, LinkGroup, Role, Traffic, device_roles, heavy_links, link_traffic
+from lightning_distmm.planner.timeline import timeline_svg
 
 if TYPE_CHECKING:
     from lightning_distmm.planner.report import Report

@@ -40,9 +40,10 @@ class Report:
 
     def timeline(self, max_ranks: int = 64) -> list[Any]:
         """The chosen plan's step, every rank's instruction list simulated with the cost model's
-        durations (:func:`lightning_distmm.core.schedule.simulate`); draw it with ``timeline_svg``."""
-        from lightning_distmm.core.schedule import schedules, simulate
+        durations (:func:`lightning_distmm.planner.simulate.simulate`); draw it with ``timeline_svg``."""
+        from lightning_distmm.core.schedule import schedules
         from lightning_distmm.planner.cost import instruction_seconds
+        from lightning_distmm.planner.simulate import simulate
 
         world = self.plan.world_size
         if world > max_ranks:

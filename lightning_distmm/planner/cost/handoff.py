@@ -23,11 +23,11 @@ from lightning_distmm.core.handoff import (
     SendTokens,
     TokenLoss,
     handoff_schedules,
-    simulate_handoff,
 )
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.planner.cluster import Cluster
 from lightning_distmm.planner.cost.comm import nic_share
+from lightning_distmm.planner.simulate import simulate_handoff
 
 
 def route_seconds(route: Route, cluster: Cluster, tokens_per_row: int, width: int, bytes_el: int) -> float:

@@ -37,7 +37,7 @@ def instruction_seconds(
     """Seconds of each instruction of a plan's lists, priced as :func:`evaluate_plan` prices them:
     a microbatch's forward or backward on a stage (compute and tensor-parallel all-reduces, a
     recomputing backward with its forward again), each batch-sync; and the transfer to a stage
-    (the ``link`` of :func:`schedule.simulate`). For drawing a plan's step, not for the planner."""
+    (the ``link`` of :func:`~lightning_distmm.planner.simulate.simulate`). For drawing a plan's step, not for the planner."""
     n_contrastive, embed = contrastive_features(profiles)
     syncs = batch_syncs(cluster, opts, global_batch, embed, world, nodes, n_contrastive, sync_groups(choices))
     seconds_of_sync = syncs["per_group"]

@@ -1,7 +1,7 @@
 """Pipeline pricing: one replica's step through the runtime's own instruction lists.
 
 A replica's pipeline is priced from the schedule the runtime runs: :func:`replica_timeline`
-simulates (``core.schedule.simulate``) the lists ``core.schedule.schedules`` emits for a one-tower
+simulates (``planner.simulate.simulate``) the lists ``core.schedule.schedules`` emits for a one-tower
 plan of the replica's pipeline depth, microbatch and schedule, with per-microbatch forward and
 backward durations, the batch-sync durations and the stage-to-stage transfer time. Its result is
 cut at the batch-syncs into *segments*: the time before the first batch-sync, between the
@@ -39,6 +39,7 @@ import numpy as np
 
 from lightning_distmm.core import schedule as ir
 from lightning_distmm.core.plan import SCHEDULES, Plan, TowerPlan, split_batch
+from lightning_distmm.planner.simulate import simulate
 
 RECOMPUTE = "gpipe+recompute"
 
@@ -209,7 +210,7 @@ def _simulate_replica(
             return syncs[ins.sync_group] if ins.sync_group < len(syncs) else 0.0
         return 0.0
 
-    intervals = ir.simulate(lists, duration, lambda ins: by_rows[ins.rows][2])
+    intervals = simulate(lists, duration, lambda ins: by_rows[ins.rows][2])
     last = sorted(
         (i for i in intervals if i.rank == P - 1 and isinstance(i.instruction, ir.BatchSync)),
         key=lambda i: i.instruction.sync_group,
