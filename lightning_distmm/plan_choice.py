@@ -6,7 +6,8 @@ runs the same plan: :func:`choose_on_rank0` returns the plan as a dictionary, th
 instead of raising, the error (every rank then fails with rank 0's reason rather than waiting for
 a broadcast that never comes). The pricing is the planner's (:mod:`lightning_distmm.planner.default`,
 :mod:`lightning_distmm.planner.auto`); what is read from the live job (its towers, a sample batch,
-the device, the precision) is gathered by the strategy into a :class:`LiveJob`.
+the device, the precision) is gathered into a :class:`LiveJob`. :func:`plan_of_run` is what the
+strategy's ``setup`` calls.
 """
 
 from __future__ import annotations
@@ -15,13 +16,18 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_distmm import lightning_seam as seam
 from lightning_distmm.core.plan import Plan, PlanError, colocated_plan
 from lightning_distmm.parallel.flops import tower_counts
 from lightning_distmm.tower import Tower
+
+if TYPE_CHECKING:  # pragma: no cover
+    import lightning.pytorch as pl
 
 
 @dataclass
@@ -43,6 +49,43 @@ class LiveJob:
     forward_context: Callable[[], Any]
     #: keeps the RNG state while rank 0 alone runs forwards
     random_state_kept: Callable[[torch.device], Any]
+
+
+def plan_of_run(strategy: Any, trainer: pl.Trainer, module: Any, nodes: list[int]) -> Plan:
+    """The plan this run trains with, on every rank: the one given (or chosen at an earlier setup), or the one rank 0 chose
+    (``"default"``, ``"auto"``, ``"colocated"``) and broadcast (every rank fails with rank 0's reason
+    when it could not be chosen); checked against the world size, the towers and the module's loss."""
+    spec = strategy._plan_spec
+    if strategy.plan is not None:  # given, or chosen at an earlier setup of this strategy (fit, then test)
+        plan = strategy.plan
+    else:
+        per_node = check_nodes_for_auto(nodes) if spec == "auto" else max(1, strategy.num_processes)
+        data: tuple[Any, ...] | None = None
+        if strategy.global_rank == 0:
+            precision_plugin = strategy.precision_plugin
+            job = LiveJob(
+                towers=module.tower_specs(),
+                sync_groups=module.sync_groups,
+                example=seam.example_batch(trainer),
+                global_batch=seam.train_batch_size(trainer),
+                world_size=strategy.world_size,
+                per_node=per_node,
+                device=strategy.root_device,
+                precision=str(getattr(precision_plugin, "precision", "32-true")),
+                forward_context=precision_plugin.forward_context,
+                random_state_kept=seam.random_state_kept,
+            )
+            data = choose_on_rank0(str(spec), job)
+        chosen, line, error = strategy.broadcast(data, src=0)
+        if error is not None:
+            raise PlanError(f"the {spec} plan could not be chosen (rank 0): {error}")
+        if line is not None:
+            rank_zero_info(line)
+        plan = Plan.from_dict(chosen)
+    plan.check_world(strategy.world_size)
+    plan.check_towers(list(module.tower_specs()))
+    check_loss_semantics(plan, module)
+    return plan
 
 
 def check_nodes_for_auto(nodes: list[int]) -> int:
@@ -163,4 +206,5 @@ __all__ = [
     "check_precision",
     "choose_on_rank0",
     "parse_plan_spec",
+    "plan_of_run",
 ]

@@ -34,7 +34,7 @@ from typing_extensions import override
 from lightning_distmm import checkpoint as ckpt
 from lightning_distmm import faults
 from lightning_distmm import lightning_seam as seam
-from lightning_distmm.core.plan import Plan, PlanError
+from lightning_distmm.core.plan import Plan
 from lightning_distmm.data.loading import rank_loader
 from lightning_distmm.mixin import DistMMMixin
 from lightning_distmm.parallel.deferred import deferred_init
@@ -43,15 +43,7 @@ from lightning_distmm.parallel.exit_settle import settle_collectives_at_exit
 from lightning_distmm.parallel.groups import nodes_of_ranks
 from lightning_distmm.parallel.host_allocator import keep_freed_host_memory
 from lightning_distmm.parallel.runner import StepRunner, start_runner
-from lightning_distmm.plan_choice import (
-    LiveJob,
-    PlanSpec,
-    check_loss_semantics,
-    check_nodes_for_auto,
-    check_precision,
-    choose_on_rank0,
-    parse_plan_spec,
-)
+from lightning_distmm.plan_choice import PlanSpec, check_precision, parse_plan_spec, plan_of_run
 from lightning_distmm.rank_failures import RankFailures, after_ranks_ended
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -182,13 +174,8 @@ class DistMMStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         if self.root_device.type == "cpu" and self._reuse_host_memory:
             keep_freed_host_memory()
-        towers = module.tower_specs()
         nodes = nodes_of_ranks(int(self.node_rank), self.world_size)
-        if self.plan is None:
-            self.plan = self._resolve_plan(trainer, module, nodes)
-        self.plan.check_world(self.world_size)
-        self.plan.check_towers(list(towers))
-        check_loss_semantics(self.plan, module)
+        self.plan = plan_of_run(self, trainer, module, nodes)
         rank_zero_info(f"distmm {self.plan.table()}")
         if any(t.sharded for t in self.plan.towers.values()):
             # FSDP2 under torch.inference_mode (Lightning's standalone evaluation off gloo) makes its
@@ -212,33 +199,6 @@ class DistMMStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             seam.optimizers_to_device(self.optimizers, self.root_device)
-
-    def _resolve_plan(self, trainer: pl.Trainer, module: DistMMMixin, nodes: list[int]) -> Plan:
-        """``"default"``, ``"auto"`` or ``"colocated"``: rank 0 chooses (:mod:`lightning_distmm.plan_choice`),
-        every rank gets its plan, or every rank fails with rank 0's reason."""
-        spec = str(self._plan_spec)
-        per_node = check_nodes_for_auto(nodes) if spec == "auto" else max(1, self.num_processes)
-        data: tuple[Any, ...] | None = None
-        if self.global_rank == 0:
-            job = LiveJob(
-                towers=module.tower_specs(),
-                sync_groups=module.sync_groups,
-                example=seam.example_batch(trainer),
-                global_batch=seam.train_batch_size(trainer),
-                world_size=self.world_size,
-                per_node=per_node,
-                device=self.root_device,
-                precision=str(getattr(self.precision_plugin, "precision", "32-true")),
-                forward_context=self.precision_plugin.forward_context,
-                random_state_kept=seam.random_state_kept,
-            )
-            data = choose_on_rank0(spec, job)
-        plan, line, error = self.broadcast(data, src=0)
-        if error is not None:
-            raise PlanError(f"the {spec} plan could not be chosen (rank 0): {error}")
-        if line is not None:
-            rank_zero_info(line)
-        return Plan.from_dict(plan)
 
     @contextmanager
     @override
@@ -337,13 +297,8 @@ class DistMMStrategy(ModelParallelStrategy):
     # ------------------------------------------------------------------ failures
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """End every rank with the error that caused the failure, not with the broken pipe it left.
-
-        Each rank records its first error (with the time, and whether it is a consequence: a peer
-        closed its connection mid-collective, a collective timed out) in the run's failure folder
-        and reads every rank's: the earliest root cause is what every rank ends with. A rank that
-        died without a word (SIGKILL, out of memory) or stalled is named as such.
-        """
+        """End every rank with the error that caused the failure (the earliest root cause any rank
+        recorded), not with the broken pipe it left (:class:`~lightning_distmm.rank_failures.RankFailures`)."""
         super().on_exception(exception)
         self.failures.on_exception(exception, self.world_size)
 

@@ -35,7 +35,7 @@ ALLOWED: dict[str, set[str]] = {
     "models": {"core", "tower", "interaction", "losses", "mixin", "parallel"},
     "lightning_seam": {"core", "tower", "parallel", "checkpoint"},
     "rank_failures": {"faults", "lightning_seam"},
-    "plan_choice": {"core", "planner", "parallel", "tower"},
+    "plan_choice": {"core", "planner", "parallel", "tower", "lightning_seam"},
     "strategy": {
         "core",
         "planner",
