@@ -12,22 +12,17 @@ Lightning to the versions that test passes on.
 
 One private torch access lives outside this module (``_StridedShard`` in ``parallel/``, which must
 not import Lightning). The strategy overrides one private method, ``Strategy._configure_launcher``
-(there is no public way to choose a launcher): its body is :func:`configure_launcher`.
+(there is no public way to choose a launcher): its body is :func:`configure_launcher`, which
+with the launcher it sets lives in :mod:`lightning_distmm.lightning_seam.launchers`.
 """
 
 from __future__ import annotations
 
-import atexit
-import os
-import tempfile
 from collections.abc import Callable, Generator, Iterable, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, IterableDataset
@@ -36,8 +31,11 @@ if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import ParallelStrategy
 
+from lightning_distmm.lightning_seam.launchers import ConsolidatingLauncher as ConsolidatingLauncher
+from lightning_distmm.lightning_seam.launchers import configure_launcher as configure_launcher
 
-# ---------------------------------------------------------------------- launch and process groups
+
+# ---------------------------------------------------------------------- process groups
 def init_process_groups(strategy: ParallelStrategy) -> None:
     """Set up the default process group only: ``ModelParallelStrategy._setup_distributed``.
 
@@ -46,187 +44,6 @@ def init_process_groups(strategy: ParallelStrategy) -> None:
     once the module's towers are known); its process-group half has no public name.
     """
     strategy._setup_distributed()  # type: ignore[attr-defined]
-
-
-def configure_launcher(
-    strategy: ParallelStrategy,
-    start_method: str,
-    consolidate: Callable[[], dict[str, torch.Tensor] | None],
-    after_ranks_ended: Callable[[], None] | None = None,
-    release: Callable[[], None] | None = None,
-) -> None:
-    """Set ``strategy._launcher``: Lightning's ``_SubprocessScriptLauncher`` for ``"popen"``, else a
-    multiprocessing launcher that returns the whole model.
-
-    The subprocess launcher is set on every rank, also where the processes were created by
-    someone else (its children, torchrun, SLURM), as DDP does: its ``launch`` then starts no
-    process but gives the rank its share of the host's cores for intra-op threads; without it
-    every rank runs as many threads as the host has cores.
-
-    Lightning calls ``Strategy._configure_launcher`` to pick a launcher and has no public way to
-    choose one; both launcher classes are private.
-    """
-    environment = strategy.cluster_environment
-    assert environment is not None
-    if start_method == "popen":
-        launcher = _SubprocessScriptLauncher(environment, strategy.num_processes, strategy.num_nodes)
-        strategy._launcher = launcher  # type: ignore[attr-defined]
-    else:
-        method: Literal["spawn", "fork", "forkserver"] = start_method  # type: ignore[assignment]
-        launcher = ConsolidatingLauncher(
-            strategy, consolidate, start_method=method, after_ranks_ended=after_ranks_ended, release=release
-        )
-        strategy._launcher = launcher  # type: ignore[attr-defined]
-
-
-class ConsolidatingLauncher(_MultiProcessingLauncher):
-    """Spawn/fork launcher that hands the parent process the *whole* trained model.
-
-    Lightning's multiprocessing launcher sends rank 0's ``state_dict`` back to the parent (in the
-    private ``_collect_rank_zero_results``, as a private ``_WorkerOutput``); under distmm rank 0
-    holds only its towers, so every rank first assembles the full state dict on rank 0
-    (``consolidate``, a collective), and that is what the parent loads.
-    """
-
-    def __init__(
-        self,
-        strategy: ParallelStrategy,
-        consolidate: Callable[[], dict[str, torch.Tensor] | None],
-        start_method: Literal["spawn", "fork", "forkserver"] = "spawn",
-        after_ranks_ended: Callable[[], None] | None = None,
-        release: Callable[[], None] | None = None,
-    ) -> None:
-        super().__init__(strategy, start_method=start_method)
-        self._consolidate = consolidate
-        self._after_ranks_ended = after_ranks_ended
-        self._release = release
-        self._temp_dir: str | None = None
-        #: the parent's scratch folder for this launch (removed when the launch returns)
-        self._scratch: str | None = None
-
-    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
-        """Lightning's launch, with torch's per-rank error files kept out of the temp directory.
-
-        ``torch.multiprocessing.start_processes`` names one ``pytorch-errorfile-*.pickle`` per rank
-        in the temp directory; a rank that raises writes its traceback there, and
-        ``ProcessContext.join`` reads it but never removes it, so every failed run would leave one
-        behind. While the ranks run, the parent's temp directory (``tempfile.tempdir``) is a folder
-        of its own, removed afterwards whatever happened; the ranks themselves keep the real one.
-        ``after_ranks_ended`` runs last. ``MASTER_PORT``, which Lightning writes into this process's
-        environment, is taken back: a later run, or a process this one starts, picks a free port.
-        """
-        self._temp_dir = tempfile.gettempdir()
-        scratch = self._scratch = tempfile.mkdtemp(prefix="distmm-launch-")
-        previous, tempfile.tempdir = tempfile.tempdir, scratch
-        rendezvous = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
-        try:
-            return super().launch(function, *args, trainer=trainer, **kwargs)
-        finally:
-            for key, value in rendezvous.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
-            tempfile.tempdir = previous
-            import shutil
-
-            shutil.rmtree(scratch, ignore_errors=True)
-            if self._after_ranks_ended is not None:
-                self._after_ranks_ended()
-
-    def _wrapping_function(self, *args: Any, **kwargs: Any) -> Any:
-        """A rank's body (Lightning's private entry point in each started process), in the real temp
-        directory (a forked rank inherits the parent's scratch one).
-
-        When the work is done, every rank waits for the others (a barrier), drops what refers to the
-        towers' process groups (``release``: their DeviceMeshes) and destroys the default group. Then
-        the rank ends as a forked rank does, without the interpreter's finalisation, where a gloo
-        worker freeing a tensor would abort a rank whose work succeeded (docs/runtime.md, "Why a
-        finished rank aborted"). A rank whose work raised ends the same way with code 1. The exit
-        hook is registered first, so it runs after every ``atexit`` handler the run registered."""
-        if self._temp_dir is not None:
-            tempfile.tempdir = self._temp_dir
-        done = _RankEnd()
-        atexit.register(done.exit_if_ended)
-        try:
-            result = super()._wrapping_function(*args, **kwargs)
-        except Exception:
-            done.code = 1  # torch's spawn wrapper records the error, then exits with 1
-            raise
-        _end_process_group(self._release)
-        done.code = 0
-        return result
-
-    def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: pl.Trainer) -> None:
-        """Lightning's private parent-side step that loads rank 0's returned weights into the parent's
-        module. A module built on the meta device (``trainer.init_module(empty_init=True)``) has no
-        storage to load into there (``load_state_dict`` on meta tensors does nothing): it is
-        materialised from its construction's recording first, so tensors the returned state dict
-        lacks (non-persistent buffers) get their constructed values."""
-        from lightning_distmm.parallel import deferred
-
-        module = trainer.lightning_module
-        refs = deferred.tensor_refs(module) if worker_output.weights_path is not None else {}
-        if refs:
-            deferred.materialize(module, refs, torch.device("cpu"))
-            deferred.release(refs)
-        super()._recover_results_in_main_process(worker_output, trainer)
-
-    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> Any:
-        state_dict = self._consolidate()  # on every rank: a collective
-        if self._strategy.local_rank != 0:
-            return None
-        checkpoint_callback = trainer.checkpoint_callback
-        best = getattr(checkpoint_callback, "best_model_path", None) if checkpoint_callback else None
-        weights_path = None
-        if trainer.state.fn == TrainerFn.FITTING and state_dict is not None:
-            # in the launch's scratch folder, which the parent removes (Lightning's parent removes
-            # the file it loads but not the folder ``mkdtemp`` made for it)
-            weights_path = os.path.join(tempfile.mkdtemp(dir=self._scratch), ".temp.ckpt")
-            self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
-        return _WorkerOutput(best, weights_path, trainer.state, results, self.get_extra_results(trainer))
-
-
-def _end_process_group(release: Callable[[], None] | None = None) -> None:
-    """Every rank of the job gets here once its work (results included) is done. After a barrier
-    (no rank still talks on any group), ``release`` drops the references to the other groups and
-    the default group is destroyed."""
-    import gc
-
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        if release is not None:
-            release()
-            gc.collect()  # the runtime's meshes may sit in reference cycles
-        dist.destroy_process_group()
-
-
-class _RankEnd:
-    """A started rank's ``atexit`` hook: once its work has ended, flush the output and end the
-    process with ``os._exit`` (what multiprocessing does after a forked child's work), skipping
-    the rest of the interpreter's finalisation. ``code`` is 0 once the work has succeeded and 1
-    when it raised (the code torch's spawn wrapper exits with); a failed rank's collectives may
-    still be running, and one that completes during finalisation would abort the process.
-    ``None`` (interrupted: torch's wrapper exits quietly) leaves the exit as usual."""
-
-    def __init__(self) -> None:
-        self.code: int | None = None
-
-    def exit_if_ended(self) -> None:
-        if self.code is None:
-            return
-        import logging
-        import sys
-
-        logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError, AttributeError):
-                pass
-        os._exit(self.code)
 
 
 def default_store() -> Any:
