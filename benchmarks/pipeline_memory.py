@@ -204,7 +204,7 @@ def main() -> None:
             times[schedule].append(t)
     budget = max(peaks["gpipe"])
     largest = {"gpipe": args.batch}
-    step = 2 * args.microbatch  # batches searched in multiples of two microbatches (one per wave)
+    step = 2 * args.microbatch  # batches searched in multiples of two microbatches (one per sync group)
     for schedule in ("distmm", "cached"):
         fits = lambda b: max(run(schedule, b, args.microbatch, 2, 0)[0]) <= budget  # noqa: E731
         fitted, failed = (args.batch, None) if max(peaks[schedule]) <= budget else (0, args.batch)

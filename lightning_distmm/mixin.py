@@ -45,7 +45,7 @@ class DistMMMixin:
     whole batch). With ``g`` groups the batch is cut into ``g`` contiguous groups of rows (the first
     ones a row larger when ``g`` does not divide it); each group's features meet only each other
     (their own negatives) and the loss is the groups' losses weighted by their share of the rows.
-    The ``distmm`` schedule computes exactly this loss with 2 groups (one per wave), so a module
+    The ``distmm`` schedule computes exactly this loss with 2 groups (one per sync group), so a module
     trained with it sets ``sync_groups = 2``; the single-process reference then computes the same.
     """
 

@@ -178,12 +178,13 @@ def test_clipping_counts_each_gradient_once(name):
 
 @pytest.mark.slow
 def test_the_distmm_schedule_with_cp_and_pp_is_exact_for_its_grouped_loss(tmp_path):
-    """DistMM-Pipe's two waves through an image tower of 2 stages x 2 cp ranks, text with cp2."""
+    """DistMM-Pipe's two sync groups through an image tower of 2 stages x 2 cp ranks, text with cp2."""
     from distmm_testing import GroupedDeepCLIP
 
-    wave = {"microbatch": 2, "schedule": "distmm"}
+    grouped = {"microbatch": 2, "schedule": "distmm"}
     plan = ldm.Plan(
-        4, {"image": {"ranks": [0, 1, 2, 3], "cp": 2, "pp": 2, **wave}, "text": {"ranks": [0, 1], "cp": 2, **wave}}
+        4,
+        {"image": {"ranks": [0, 1, 2, 3], "cp": 2, "pp": 2, **grouped}, "text": {"ranks": [0, 1], "cp": 2, **grouped}},
     )
     compare_with_reference(lambda: GroupedDeepCLIP("adamw", lr=0.01), plan, 4, 10, 2, tmp_path).assert_exact()
 

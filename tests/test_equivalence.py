@@ -267,7 +267,7 @@ DISTMM_PLANS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(DISTMM_PLANS))
 def test_distmm_schedule_is_exact_for_its_grouped_loss(name, tmp_path):
-    """DistMM-Pipe (two waves, a batch-sync each) against one process computing the same grouped loss."""
+    """DistMM-Pipe (two sync groups, a batch-sync each) against one process computing the same grouped loss."""
     plan = DISTMM_PLANS[name]
     batch = plan.global_batch or 10
     frozen = name.startswith("lit")

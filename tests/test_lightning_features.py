@@ -139,7 +139,7 @@ def test_standalone_validate_matches_reference():
 
 @pytest.mark.slow
 def test_distmm_with_accumulation_and_clipping(tmp_path):
-    """DistMM-Pipe (image pp=2, two waves) with gradient accumulation and global-norm clipping."""
+    """DistMM-Pipe (image pp=2, two sync groups) with gradient accumulation and global-norm clipping."""
     from distmm_testing import GroupedDeepCLIP
 
     distmm = {"microbatch": 2, "schedule": "distmm"}

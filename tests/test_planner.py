@@ -233,7 +233,7 @@ def test_distmm_is_priced_as_two_half_batch_syncs_and_one_wave_of_activations():
     for name in ("image", "text"):
         g, d = priced["gpipe"].towers[name], priced["distmm"].towers[name]
         assert len(d.segments) == 3 and len(g.segments) == 2
-        assert d.memory["activations"] == pytest.approx(g.memory["activations"] / 2)  # one wave at pp = 1
+        assert d.memory["activations"] == pytest.approx(g.memory["activations"] / 2)  # one sync group at pp = 1
         assert d.compute == pytest.approx(g.compute)
     # pipelined: one sync group plus the P-1 microbatches stage 0 runs ahead (1F1B between the groups)
     piped = evaluate_plan(profiles, cl, co, *_clip_choices("distmm", 2, 2, 4, 16), 16)

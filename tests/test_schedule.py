@@ -68,8 +68,8 @@ def test_simulator_reports_a_deadlock():
 
 
 def test_distmm_overlaps_one_wave_with_the_next():
-    """Two waves (sync groups) of half the batch: after wave 0's batch-sync, wave 1's forwards
-    alternate with wave 0's backwards, after one warm-up forward on the first of two stages."""
+    """Two sync groups of half the batch: after sync group 0's batch-sync, sync group 1's forwards
+    alternate with sync group 0's backwards, after one warm-up forward on the first of two stages."""
     plan = Plan(
         3,
         {
@@ -83,14 +83,14 @@ def test_distmm_overlaps_one_wave_with_the_next():
     assert kinds(last) == ["F0", "F0", "B0", "B0", "F1", "B0", "F1", "B1", "B1", "B1", "G"]
     assert [i.mb for i in first if isinstance(i, Forward)] == [0, 1, 2, 3]
     assert last[2] == BatchSync(0, (1, 2)) and text[2] == BatchSync(0, (1, 2))
-    # odd batch: the first sync group takes the extra row, each wave split in microbatches of 2
+    # odd batch: the first sync group takes the extra row, each sync group split in microbatches of 2
     assert [i.rows for i in rank_schedule(plan, 2, 7) if isinstance(i, Forward)] == [2, 2, 2, 1]
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4])
 def test_distmm_holds_half_the_activations(stages):
     """Microbatches whose activations a stage holds at once: gpipe all of its replica's, distmm one
-    wave's plus its warm-up. In this compute-only simulation the step is no shorter: the last
+    sync group's plus its warm-up. In this compute-only simulation the step is no shorter: the last
     stage does all its work plus a second batch-sync; the warm-up keeps deeper pipelines from
     paying a forward round trip per microbatch (docs/pipeline.md)."""
 
@@ -127,8 +127,8 @@ DISTMM = Plan(
 
 
 def test_async_batch_sync_posts_then_runs_the_next_wave():
-    """``overlap``: wave 0's batch-sync becomes a post (where the batch-sync was) and a wait (before
-    the first backward), with one of wave 1's forwards between them on the last stages; every
+    """``overlap``: sync group 0's batch-sync becomes a post (where the batch-sync was) and a wait (before
+    the first backward), with one of sync group 1's forwards between them on the last stages; every
     stage runs one forward more ahead; the last batch-sync stays blocking."""
     first, last, text = (rank_schedule(DISTMM, r, 8, overlap=True) for r in range(3))
     kinds = lambda ins: [f"{type(i).__name__}{getattr(i, 'sync_group', '')}" for i in ins]  # noqa: E731
@@ -139,7 +139,7 @@ def test_async_batch_sync_posts_then_runs_the_next_wave():
             "BatchSync1", "Backward1", "Backward1", "GradSync",
         ]  # fmt: skip
         assert ins[2] == SyncPost(0, (1, 2)) and ins[4] == SyncWait(0, (1, 2)) and ins[3].tower == tower
-    # other schedules and one-wave plans are unchanged
+    # other schedules and one-group plans are unchanged
     assert rank_schedule(PLAN, 1, 8, overlap=True) == rank_schedule(PLAN, 1, 8)
 
 
@@ -156,7 +156,7 @@ def _sync_durations(f: float, b: float, gather: float, loss: float):
 @pytest.mark.parametrize("gather", [0.0, 0.25, 0.5, 1.0, 2.0, 4.0])
 def test_async_batch_sync_hides_the_gather_behind_a_forward(gather):
     """The simulator prices the gather in flight between post and wait: the step shortens by the part of
-    wave 0's gather one forward of wave 1 covers (here min(gather, f)), and the gather is no longer busy time."""
+    sync group 0's gather one forward of sync group 1 covers (here min(gather, f)), and the gather is no longer busy time."""
     duration = _sync_durations(1.0, 2.0, gather, 0.5)
     blocking = simulate(schedules(DISTMM, 16), duration)
     overlapped = simulate(schedules(DISTMM, 16, overlap=True), duration)

@@ -2,7 +2,7 @@
 
 A pipelined tower with ``shard: full`` shards each stage over that stage's replicas (FSDP2 over the
 stage's blocks and a module for the rest of the stage); the ``distmm`` schedule interleaves one
-wave's backwards with the next wave's forwards through FSDP's hooks.
+sync group's backwards with the next sync group's forwards through FSDP's hooks.
 """
 
 import pytest
@@ -34,7 +34,7 @@ PLANS = {
             "text": {"ranks": [1, 3], "shard": "full", "schedule": "distmm"},
         },
     ),
-    # pp = 1: the distmm schedule's two waves of microbatches through one sharded tower
+    # pp = 1: the distmm schedule's two sync groups of microbatches through one sharded tower
     "image-distmm-mb": ldm.Plan(
         3,
         {
@@ -52,7 +52,7 @@ def test_sharded_pipelines_and_distmm_match_single_process(name, optimizer, tmp_
     plan = PLANS[name]
     lr = 0.05 if optimizer == "sgd" else 0.01
     model = GroupedDeepCLIP if "distmm" in name else DeepCLIP
-    # 12 rows: 6 per replica (3 per replica and wave under distmm), in microbatches of 2
+    # 12 rows: 6 per replica (3 per replica and sync group under distmm), in microbatches of 2
     result = compare_with_reference(lambda: model(optimizer, lr=lr), plan, plan.world_size, 12, 3, tmp_path)
     result.assert_exact()
 

@@ -90,15 +90,15 @@ class RankLayout:
         for name in self.local_towers:
             replica = self.plan.towers[name].replica_of(self.rank)
             assert replica is not None
-            waves = []
+            groups = []
             for g, size in enumerate(self.plan.group_split(n)):
                 off = self.offsets(name, size)
-                waves.append((group_start[g] + off[replica], group_start[g] + off[replica + 1]))
-            spans[name] = (replica, waves)
-        rows = sorted({r for _, waves in spans.values() for a, b in waves for r in range(a, b)})
+                groups.append((group_start[g] + off[replica], group_start[g] + off[replica + 1]))
+            spans[name] = (replica, groups)
+        rows = sorted({r for _, groups in spans.values() for a, b in groups for r in range(a, b)})
         position = {r: i for i, r in enumerate(rows)}
         shares = {
-            name: TowerShare(replica, tuple(Span(a, b, position[a] if b > a else 0) for a, b in waves))
-            for name, (replica, waves) in spans.items()
+            name: TowerShare(replica, tuple(Span(a, b, position[a] if b > a else 0) for a, b in groups))
+            for name, (replica, groups) in spans.items()
         }
         return RankBatch(n, tuple(rows), shares)

@@ -100,12 +100,12 @@ class Plan:
                     f"{where}: global batch {self.global_batch} is smaller than its {t.dp} data-parallel replicas"
                 )
             held.update(t.ranks)
-        waves = sorted(n for n, t in self.towers.items() if t.schedule == "distmm")
-        if waves and len(waves) != len(self.towers):
-            others = sorted(set(self.towers) - set(waves))
+        in_distmm = sorted(n for n, t in self.towers.items() if t.schedule == "distmm")
+        if in_distmm and len(in_distmm) != len(self.towers):
+            others = sorted(set(self.towers) - set(in_distmm))
             raise PlanError(
                 f"schedule 'distmm' splits the whole batch into two sync groups that every tower must share;"
-                f" tower(s) {waves} use it but {others} do not: set schedule: distmm on every tower or on none"
+                f" tower(s) {in_distmm} use it but {others} do not: set schedule: distmm on every tower or on none"
             )
         idle = sorted(set(range(self.world_size)) - held)
         if idle:
@@ -186,7 +186,7 @@ class Plan:
     # ------------------------------------------------------------------ queries
     @property
     def sync_groups(self) -> int:
-        """How many batch-syncs a step has: 2 under ``distmm`` (two waves, each with its own negatives), else 1."""
+        """How many batch-syncs a step has: 2 under ``distmm`` (two sync groups, each with its own negatives), else 1."""
         return 2 if any(t.schedule == "distmm" for t in self.towers.values()) else 1
 
     def group_split(self, n: int) -> list[int]:

@@ -114,53 +114,53 @@ def sync_ranks(plan: Plan) -> tuple[int, ...]:
 def rank_schedule(plan: Plan, rank: int, n: int, overlap: bool = False) -> list[Instruction]:
     """What ``rank`` does in one step on a global batch of ``n``.
 
-    ``gpipe`` and ``cached`` have one wave: every forward (towers in the plan's order, microbatches
+    ``gpipe`` and ``cached`` have one sync group: every forward (towers in the plan's order, microbatches
     in order), the batch-sync (last stages only), the backwards of last stages, then of the other
-    stages. ``distmm`` has two waves, each its own sync group: wave 0's forwards, its batch-sync,
-    then wave 1's forwards interleaved one for one with wave 0's backwards as in 1F1B (stage
-    ``s`` of ``p`` first runs ``p - 1 - s`` of wave 1's forwards, the last stage none, then one
+    stages. ``distmm`` has two sync groups, each its own sync group: sync group 0's forwards, its batch-sync,
+    then sync group 1's forwards interleaved one for one with sync group 0's backwards as in 1F1B (stage
+    ``s`` of ``p`` first runs ``p - 1 - s`` of sync group 1's forwards, the last stage none, then one
     backward and one forward per slot, so that no gradient waits for a forward round trip through
-    the pipeline), wave 1's batch-sync and backwards. So a stage holds one wave's activations plus
-    ``p - 1 - s`` microbatches, not the whole replica batch, and while the last stages meet at wave 0's batch-sync the earlier stages
-    run wave 1's forwards. Sends do not block (the runtime posts them and waits at the end of the
+    the pipeline), sync group 1's batch-sync and backwards. So a stage holds one sync group's activations plus
+    ``p - 1 - s`` microbatches, not the whole replica batch, and while the last stages meet at sync group 0's batch-sync the earlier stages
+    run sync group 1's forwards. Sends do not block (the runtime posts them and waits at the end of the
     step); receives and syncs do; ``tests/test_schedule.py`` simulates random plans to check that
     these lists never deadlock, also where a send waits for its receive (NCCL).
 
     ``overlap`` (``distmm`` only; the runtime's lists): every batch-sync but the last is split into
     :class:`SyncPost` (the features' all-gather posted where the batch-sync was) and
-    :class:`SyncWait` (right after the first slot of the next wave: one forward per local tower,
+    :class:`SyncWait` (right after the first slot of the next sync group: one forward per local tower,
     so that no rank waits before its own ``SyncWait`` for a message another rank sends after its
     ``SyncWait``, an all-reduce over every batch-sync rank), and every stage
-    runs one more of the next wave's forwards ahead (``p - s``: the last stage one, during the
+    runs one more of the next sync group's forwards ahead (``p - s``: the last stage one, during the
     gather), as if the gather were one more stage after the last. The last batch-sync stays
     blocking: nothing of the step is left to run beside it.
     """
-    waves = plan.group_split(n)
+    groups = plan.group_split(n)
     participants = sync_ranks(plan)
-    forwards: list[dict[str, list[Instruction]]] = [{} for _ in waves]
-    backwards: list[dict[str, list[Instruction]]] = [{} for _ in waves]
-    ahead: dict[str, int] = {}  # wave-(w+1) forwards a stage runs before its first wave-w backward
+    forwards: list[dict[str, list[Instruction]]] = [{} for _ in groups]
+    backwards: list[dict[str, list[Instruction]]] = [{} for _ in groups]
+    ahead: dict[str, int] = {}  # next group's forwards a stage runs before its first backward of group w
     for name, t in plan.towers.items():
         if rank not in t.ranks:
             continue
         replica, stage, prev, nxt = stage_neighbours(plan, name, rank)
         ahead[name] = t.pp - 1 - stage  # 1F1B warm-up: one per later stage (none on the last)
-        if overlap and len(waves) > 1:
+        if overlap and len(groups) > 1:
             ahead[name] += 1  # the in-flight gather counts as one more stage
         cached = t.schedule == "cached"
         mb = 0
-        for w, wave_rows in enumerate(waves):
+        for w, group_rows in enumerate(groups):
             fw, bw = forwards[w].setdefault(name, []), backwards[w].setdefault(name, [])
-            for rows in microbatch_sizes(t.split(wave_rows)[replica], t.microbatch):
+            for rows in microbatch_sizes(t.split(group_rows)[replica], t.microbatch):
                 fw.append(Forward(name, mb, rows, prev, nxt, keep=not cached, sync_group=w))
                 bw.append(Backward(name, mb, rows, nxt, prev, recompute=cached, sync_group=w))
                 mb += 1
-    split = overlap and len(waves) > 1
+    split = overlap and len(groups) > 1
     last_stage = {name for name in ahead if ahead[name] == int(split)}  # towers whose backward starts at the sync
     out: list[Instruction] = [i for ins in forwards[0].values() for i in ins]
-    for w in range(len(waves)):
+    for w in range(len(groups)):
         sync = rank in participants
-        if w + 1 == len(waves):
+        if w + 1 == len(groups):
             if sync:
                 out.append(BatchSync(w, participants))
             # last stages first: their backwards need nothing but the batch-sync
@@ -170,7 +170,7 @@ def rank_schedule(plan: Plan, rank: int, n: int, overlap: bool = False) -> list[
         waiting = sync and split
         if sync:
             out.append(SyncPost(w, participants) if split else BatchSync(w, participants))
-        # per tower: the next wave's first forwards, then backward / forward pairs (1F1B)
+        # per tower: the next sync group's first forwards, then backward / forward pairs (1F1B)
         slots = {name: _one_f_one_b(forwards[w + 1][name], backwards[w][name], ahead[name]) for name in ahead}
         for k in range(max(len(v) for v in slots.values())):
             for name in ahead:
@@ -189,8 +189,8 @@ def rank_schedule(plan: Plan, rank: int, n: int, overlap: bool = False) -> list[
 
 
 def _one_f_one_b(forwards: list[Instruction], backwards: list[Instruction], ahead: int) -> list[list[Instruction]]:
-    """Slots of one stage between two waves: ``ahead`` forwards of the next wave, then one backward
-    of this wave and one forward of the next per slot, then what is left of either."""
+    """Slots of one stage between two sync groups: ``ahead`` forwards of the next sync group, then one backward
+    of this sync group and one forward of the next per slot, then what is left of either."""
     ahead = min(ahead, len(forwards))
     slots = [[f] for f in forwards[:ahead]]
     rest = forwards[ahead:]

@@ -120,7 +120,7 @@ class BatchSyncRunner:
         allreduce_sum(list(grads.values()), self.topology.batch_sync)
         # each of this rank's microbatches of the group takes its rows of the summed feature gradient
         for (tower, mb), part in run.rows.items():
-            if tower in grads and run.wave_of[tower, mb] == ins.sync_group and run.last[tower]:
+            if tower in grads and run.sync_group_of[tower, mb] == ins.sync_group and run.last[tower]:
                 offset = self.layout.offsets(tower, rows)[run.batch.towers[tower].replica]
                 span = run.batch.towers[tower].spans[ins.sync_group]
                 a = offset + part.start - span.local_start

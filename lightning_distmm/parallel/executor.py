@@ -51,8 +51,8 @@ from lightning_distmm.core.schedule import (
 from lightning_distmm.parallel import deferred
 from lightning_distmm.parallel.batch_sync import BatchSyncRunner, check_features
 from lightning_distmm.parallel.context_parallel import feature_grad_scale, head_copies
-from lightning_distmm.parallel.fsdp import set_gradient_sync
-from lightning_distmm.parallel.gradients import DeferredGradients, RankGradients
+from lightning_distmm.parallel.fsdp import set_gradient_reduction
+from lightning_distmm.parallel.gradients import RankGradients, SetAsideGradients
 from lightning_distmm.parallel.groups import Topology
 from lightning_distmm.parallel.handoff import HANDOFF_INSTRUCTIONS, TokenHandoff, tower_trains
 from lightning_distmm.parallel.pipeline import Stage
@@ -232,7 +232,7 @@ class RankRuntime:
                     self.handoff.run(ins, run, module, batch, training)
                 elif isinstance(ins, Backward):
                     if training and self._runs_backward(ins.tower):
-                        self._backward(ins, run, last=last_backward[ins.tower] == i, sync=step.sync)
+                        self._backward(ins, run, last=last_backward[ins.tower] == i, ends_with_sums=step.ends_with_sums)
                 elif isinstance(ins, GradSync):
                     self._grad_sync(run)
             for pending in run.sends:
@@ -256,7 +256,7 @@ class RankRuntime:
         self.gradients.restore(run.set_aside)
         step.runs.append(run)
         anchor = torch.zeros((), device=total.device, requires_grad=True)
-        return DeferredGradients.apply(total, anchor, run)
+        return SetAsideGradients.apply(total, anchor, run)
 
     def backward(self, step: StepState, run_backward: Callable[[], None]) -> None:
         """The backward of a loss ``contrastive_loss`` returned in ``step``: the gradients accumulated
@@ -309,18 +309,18 @@ class RankRuntime:
             check_features(ins.tower, x, ins.rows, grad and ins.keep)
             run.outputs.setdefault((ins.sync_group, ins.tower), []).append(x)
 
-    def _backward(self, ins: Backward, run: ScheduleRun, last: bool, sync: bool) -> None:
+    def _backward(self, ins: Backward, run: ScheduleRun, last: bool, ends_with_sums: bool) -> None:
         """One microbatch backward through this rank's stage; the input gradient goes to the previous stage.
 
         On the tower's ``last`` backward of a run whose sums are posted during the step, its
         gradients become final during this backward, bucket by bucket, and each bucket's sum is
         posted as soon as it is. A sharded tower reduce-scatters (FSDP) in its ``last`` backward of
-        a step whose backward ends with the sums (``sync``: :attr:`StepState.sync`) and in no other:
+        a step whose backward ends with the sums (``ends_with_sums``) and in no other:
         the earlier microbatches' gradients accumulate unsharded inside FSDP and are reduced with it,
         once per step (and not at all while Lightning accumulates).
         """
         if self.gradients.sharded(ins.tower):
-            set_gradient_sync(self.towers[ins.tower].module, sync and last)
+            set_gradient_reduction(self.towers[ins.tower].module, ends_with_sums and last)
         micro = run.records.pop((ins.tower, ins.mb))
         feature_grad = run.feature_grads.pop((ins.tower, ins.mb), None)
         buckets = self.gradients.buckets(ins.tower) if last and run.sums is not None else None

@@ -29,7 +29,7 @@ What distmm changes of FSDP's defaults:
   stage (embeddings on the first, norm and head on the last), with the other stages' tensors
   ignored. The mesh is the stage's data-parallel group (the same stage of every replica).
 * **Gradient sync per backward.** Whether a backward reduce-scatters is set right before it, by
-  the executor (:func:`set_gradient_sync`): a tower's microbatches reduce once per step, in the
+  the executor (:func:`set_gradient_reduction`): a tower's microbatches reduce once per step, in the
   last backward, and not at all while Lightning accumulates.
 """
 
@@ -166,13 +166,13 @@ def fsdp_modules(module: nn.Module) -> Iterable[FSDPModule]:
     return (m for m in (root.modules() if root is not None else ()) if isinstance(m, FSDPModule))
 
 
-def set_gradient_sync(module: nn.Module, sync: bool) -> None:
-    """FSDP's ``no_sync`` for the next backward through a sharded tower (or its stage): with ``sync``
+def set_gradient_reduction(module: nn.Module, reduce: bool) -> None:
+    """FSDP's ``no_sync`` for the next backward through a sharded tower (or its stage): with ``reduce``
     off the backward keeps the unsharded gradients on the rank (accumulating inside FSDP) and
-    reduce-scatters nothing; the next backward with ``sync`` on reduces the total once."""
+    reduce-scatters nothing; the next backward with ``reduce`` on reduces the total once."""
     root = fsdp_root(module)
     if isinstance(root, FSDPModule):
-        root.set_requires_gradient_sync(sync, recurse=True)
+        root.set_requires_gradient_sync(reduce, recurse=True)
 
 
 def is_fsdp(module: nn.Module) -> bool:
@@ -186,6 +186,6 @@ __all__ = [
     "fsdp_root",
     "is_fsdp",
     "mixed_precision_policy",
-    "set_gradient_sync",
+    "set_gradient_reduction",
     "transformer_blocks",
 ]

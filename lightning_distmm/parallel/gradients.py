@@ -3,7 +3,7 @@
 The schedule runs its backwards inside ``training_step``, but Lightning zeroes the gradients
 between ``training_step`` and the backward of the returned loss. So a run takes the gradients it
 produced out of ``.grad`` and returns a loss whose autograd backward records the gradient that
-reaches it (:class:`DeferredGradients`: Lightning's 1/accumulate, or any function of the loss the
+reaches it (:class:`SetAsideGradients`: Lightning's 1/accumulate, or any function of the loss the
 user returns); :meth:`RankGradients.finish_backward` then adds them back scaled by it. Sums, not
 means: each rank's loss is its share of the whole-batch mean, so summing a tower's gradients over
 its replicas (the interaction parameters' over all ranks) gives exactly the single-process
@@ -37,7 +37,7 @@ from lightning_distmm.parallel.step import Gradients, ScheduleRun, StepState
 from lightning_distmm.tower import Tower
 
 
-class DeferredGradients(torch.autograd.Function):
+class SetAsideGradients(torch.autograd.Function):
     """The returned loss: its value is the whole-batch loss; its backward records the upstream gradient in the run."""
 
     @staticmethod
@@ -143,7 +143,7 @@ class RankGradients:
         self._check_held_scales(step, used)
         summed = all(run.sums is not None for run in used)
         if summed:
-            assert step.sync and not earlier, "sums were posted during a step that accumulates"
+            assert step.ends_with_sums and not earlier, "sums were posted during a step that accumulates"
             for run in used:
                 for posted in run.sums or ():
                     posted.wait()
@@ -156,7 +156,7 @@ class RankGradients:
                 p.grad = g
             else:
                 local(p.grad).add_(local(g))
-        if step.sync and not summed:
+        if step.ends_with_sums and not summed:
             self.sum_all()
 
     def _check_held_scales(self, step: StepState, used: list[ScheduleRun]) -> None:
@@ -166,7 +166,7 @@ class RankGradients:
         if not any(self.sharded(n) and self.trainable(n) for n in self.layout.local_towers):
             return
         scales = [run.scale for run in used if run.scale is not None]
-        if not step.sync:
+        if not step.ends_with_sums:
             self._held_scales.extend(scales)
             return
         held, self._held_scales = self._held_scales, []

@@ -222,7 +222,7 @@ class PipelineLinks:
 
     NCCL runs each communicator's operations in order on one stream, and a send there waits for its
     receive: on shared groups one pair's pending send would hold up another pair's traffic (and
-    under ``distmm`` a stage posts activations and gradients of different waves interleaved), so each
+    under ``distmm`` a stage posts activations and gradients of different sync groups interleaved), so each
     pair and direction has its own. A tensor's header (ndim, dims, dtype) travels on ``host_group``,
     a group of CPU collectives (None: the default group, gloo's), tagged by tower and direction, so
     the receiver learns the shape from host memory without waiting for its device. Collective to

@@ -65,11 +65,14 @@ class StepRunner:
         if step is None:
             yield
             return
-        before, step.sync = step.sync, False  # sharded towers: the executor turns FSDP's sync off from it
+        before, step.ends_with_sums = (
+            step.ends_with_sums,
+            False,
+        )  # sharded towers: the executor turns FSDP's reduction off from it
         try:
             yield
         finally:
-            step.sync = before
+            step.ends_with_sums = before
 
     def check_handed_back(self) -> None:
         """After the optimizer step's closure: every loss of the step had its gradients handed back."""

@@ -43,8 +43,8 @@ class Microbatch:
 class ScheduleRun:
     """One run of this rank's instruction list (one ``contrastive_loss`` call) and what it leaves for the backward.
 
-    ``rows[tower, mb]`` are the microbatch's rows of this rank's batch (each wave's rows of the
-    replica, cut in microbatch order), ``wave_of`` its sync group, ``last[tower]`` whether this rank
+    ``rows[tower, mb]`` are the microbatch's rows of this rank's batch (each sync group's rows of the
+    replica, cut in microbatch order), ``sync_group_of`` its sync group, ``last[tower]`` whether this rank
     is the tower's last stage. ``records``, ``outputs`` and ``feature_grads`` live while the list
     runs. ``set_aside`` holds the gradients from before the run (restored when it ends),
     ``produced`` the gradients it made (handed back in the backward, times ``scale``, the gradient
@@ -54,7 +54,7 @@ class ScheduleRun:
     instructions: list[Instruction]
     batch: RankBatch
     rows: dict[tuple[str, int], slice] = field(default_factory=dict)
-    wave_of: dict[tuple[str, int], int] = field(default_factory=dict)
+    sync_group_of: dict[tuple[str, int], int] = field(default_factory=dict)
     last: dict[str, bool] = field(default_factory=dict)
     records: dict[tuple[str, int], Microbatch] = field(default_factory=dict)
     outputs: dict[tuple[int, str], list[Tensor]] = field(default_factory=dict)
@@ -77,7 +77,7 @@ class ScheduleRun:
 
     @classmethod
     def of(cls, instructions: list[Instruction], batch: RankBatch) -> ScheduleRun:
-        """A run's bookkeeping from its instructions: each (tower, microbatch)'s rows, wave and stage."""
+        """A run's bookkeeping from its instructions: each (tower, microbatch)'s rows, sync group and stage."""
         run = cls(instructions, batch)
         nxt: dict[tuple[str, int], int] = {}
         for ins in instructions:
@@ -85,7 +85,7 @@ class ScheduleRun:
                 key = (ins.tower, ins.sync_group)
                 a = nxt.get(key, batch.towers[ins.tower].spans[ins.sync_group].local_start)
                 run.rows[ins.tower, ins.mb] = slice(a, a + ins.rows)
-                run.wave_of[ins.tower, ins.mb] = ins.sync_group
+                run.sync_group_of[ins.tower, ins.mb] = ins.sync_group
                 run.last[ins.tower] = ins.send_to is None
                 nxt[key] = a + ins.rows
         return run
@@ -96,13 +96,13 @@ class StepState:
     """One training step on this rank.
 
     Args:
-        sync: this step's backward ends with the gradient sums (False while Lightning accumulates:
+        ends_with_sums: this step's backward ends with the gradient sums (False while Lightning accumulates:
             sums are linear, so one sum per optimizer step is exact).
         zero_after: Lightning zeroes the gradients after this ``training_step`` (the first batch of
             an accumulation window), so the gradients from before it may be dropped at once.
     """
 
-    sync: bool = True
+    ends_with_sums: bool = True
     zero_after: bool = False
     runs: list[ScheduleRun] = field(default_factory=list)
 
@@ -110,7 +110,7 @@ class StepState:
     def final(self) -> bool:
         """The gradients this step produces are the whole optimizer step's: its ``GradSync`` may post
         the sums during the step (nothing from before is added to them afterwards)."""
-        return self.sync and self.zero_after
+        return self.ends_with_sums and self.zero_after
 
     def check_handed_back(self) -> None:
         """Raise if autograd reached a loss of this step whose gradients were never handed back."""
