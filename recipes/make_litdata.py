@@ -7,7 +7,7 @@ Each item is ``{"image": PNG bytes, "caption": str}`` (the renders and captions 
 ``recipes/make_csv.py``, in the same order), written in chunks of ``--per-chunk`` items by LitData's
 ``BinaryWriter``: what ``litdata.optimize`` writes, in this process (``optimize`` starts worker
 processes, which a few thousand small items do not need). ``litdata.StreamingDataset`` reads the
-folders; under distmm ``lightning_distmm.data.litdata_pairs.LitDataPairs`` reads them as one
+folders; under distmm ``lightning_distmm.data.datasets.litdata_pairs.LitDataPairs`` reads them as one
 process does, and each rank decodes only its rows' fields.
 """
 
@@ -26,7 +26,7 @@ _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from lightning_distmm.data.shapes import ShapesDataset, render  # noqa: E402
+from lightning_distmm.data.demo.shapes import ShapesDataset, render  # noqa: E402
 
 
 def write_split(dataset: ShapesDataset, folder: Path, per_chunk: int) -> Path:

@@ -23,7 +23,7 @@ _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from lightning_distmm.data.shapes import ShapesDataset, render  # noqa: E402
+from lightning_distmm.data.demo.shapes import ShapesDataset, render  # noqa: E402
 
 
 def write_split(dataset: ShapesDataset, out: Path, name: str, per_shard: int, fmt: str = "png") -> list[Path]:

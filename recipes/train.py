@@ -43,7 +43,7 @@ if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
 from lightning_distmm import DistMMStrategy, consolidated_state_dict  # noqa: E402
-from lightning_distmm.data.tokenizer import build_caption_tokenizer  # noqa: E402
+from lightning_distmm.data.demo.tokenizer import build_caption_tokenizer  # noqa: E402
 from lightning_distmm.models.bridges import recipe as weights  # noqa: E402
 from lightning_distmm.models.clip import CLIPModel, num_parameters, to_plain  # noqa: E402
 from lightning_distmm.models.metrics import format_metrics, retrieval_metrics  # noqa: E402
@@ -258,8 +258,8 @@ def zero_shot_callback(cfg: DictConfig, datamodule: L.LightningDataModule) -> L.
     zcfg = cfg.get("zeroshot") or {}
     if not zcfg.get("folder"):
         return None
-    from lightning_distmm.data.class_folder import ClassFolder, templates
-    from lightning_distmm.data.preprocess import CaptionTokenizer, pair_preprocessing
+    from lightning_distmm.data.datasets.class_folder import ClassFolder, templates
+    from lightning_distmm.data.datasets.preprocess import CaptionTokenizer, pair_preprocessing
     from lightning_distmm.models.evaluation import ZeroShotClassification
 
     transform = getattr(datamodule, "image_transform", None)

@@ -26,10 +26,10 @@ from torch.utils.data import DataLoader
 from transformers import LlamaForCausalLM
 
 import lightning_distmm as ldm
-from lightning_distmm.data.captions import COLORS, SHAPES
-from lightning_distmm.data.fields import FieldDataset
-from lightning_distmm.data.shapes import ShapesDataset, describe
-from lightning_distmm.data.tokenizer import BOS_ID, EOS_ID, build_caption_tokenizer, decode
+from lightning_distmm.data.demo.captions import COLORS, SHAPES
+from lightning_distmm.data.demo.shapes import ShapesDataset, describe
+from lightning_distmm.data.demo.tokenizer import BOS_ID, EOS_ID, build_caption_tokenizer, decode
+from lightning_distmm.data.loader.fields import FieldDataset
 from lightning_distmm.models.vlm import VLM, tiny_llama_config, tiny_vit
 
 CONTEXT = 16

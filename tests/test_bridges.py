@@ -159,7 +159,7 @@ def _fit(tmp_path, strategy, devices: int, ckpt_every: int = 2):
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lightning_distmm.data.shapes import ShapesDataModule
+    from lightning_distmm.data.demo.shapes import ShapesDataModule
 
     L.seed_everything(0)
     model = _tiny()

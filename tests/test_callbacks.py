@@ -11,8 +11,8 @@ import torch
 from distmm_testing import in_subprocess
 
 import lightning_distmm as ldm
-from lightning_distmm.data.digits import ZERO_SHOT_TEMPLATES, DigitsDataModule
-from lightning_distmm.data.shapes import ShapesDataModule
+from lightning_distmm.data.demo.digits import ZERO_SHOT_TEMPLATES, DigitsDataModule
+from lightning_distmm.data.demo.shapes import ShapesDataModule
 from lightning_distmm.models.clip import CLIPModel
 from lightning_distmm.models.evaluation import Retrieval, ZeroShotClassification
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 from PIL import Image
 
-from lightning_distmm.data.class_folder import SIMPLE_TEMPLATES, ClassFolder, templates
-from lightning_distmm.data.preprocess import CaptionTokenizer, pair_preprocessing
+from lightning_distmm.data.datasets.class_folder import SIMPLE_TEMPLATES, ClassFolder, templates
+from lightning_distmm.data.datasets.preprocess import CaptionTokenizer, pair_preprocessing
 from lightning_distmm.models.clip import CLIPModel
 from lightning_distmm.models.evaluation import ZeroShotClassification
 

@@ -172,7 +172,7 @@ def test_coca_tiny_config_experiment_and_retrieval():
     model = CLIPModel(composed.model, composed.optim)
     assert model.coca is not None and num_parameters(model.decoder) > 0
     assert set(model.tower_specs()) == {"image", "text"}  # the decoder is an interaction module
-    from lightning_distmm.data.shapes import ShapesDataset
+    from lightning_distmm.data.demo.shapes import ShapesDataset
 
     metrics = retrieval_metrics(model, DataLoader(ShapesDataset("val", size=16), batch_size=8))
     assert metrics["n"] == 16 and 0.0 <= metrics["image->text/top1"] <= 1.0

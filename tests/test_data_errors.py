@@ -27,8 +27,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import lightning_distmm as ldm
 from lightning_distmm.core.layout import RankLayout
-from lightning_distmm.data.checks import check_dataloader, check_dataset
-from lightning_distmm.data.loading import DistMMDataLoader
+from lightning_distmm.data.loader.checks import check_dataloader, check_dataset
+from lightning_distmm.data.loader.loading import DistMMDataLoader
 
 FIELDS = {"image": ("image",), "text": ("input_ids", "attention_mask")}
 SEPARATE = {"image": 1, "text": 1}

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 import lightning_distmm as ldm
 from lightning_distmm.data import CaptionTokenizer, CsvPairs, ImageFolderPairs, image_transform
-from lightning_distmm.data.tokenizer import build_tokenizer
+from lightning_distmm.data.demo.tokenizer import build_tokenizer
 
 WORDS = ["red", "green", "blue", "circle", "square", "cross", "big", "small", "a"]
 assert len(WORDS) + 4 <= VOCAB  # the tiny text tower's vocabulary
@@ -226,7 +226,7 @@ def test_captions_the_tokenizer_cannot_read_are_refused_before_training(tmp_path
     reads as ``a [UNK] of the [UNK] [UNK]`` and every digit caption reads the same, which trained to
     exactly chance with no error. The DataModule refuses it and names the fix; a tokenizer that
     knows the words passes."""
-    from lightning_distmm.data.modules import PairsDataModule
+    from lightning_distmm.data.datasets.modules import PairsDataModule
 
     path = _digit_csv(tmp_path)
     with pytest.raises(ValueError) as err:
@@ -248,7 +248,7 @@ def test_a_broken_image_names_its_csv_row_and_file(tmp_path):
     broken = tmp_path / "images" / "img_002.png"
     broken.write_bytes(broken.read_bytes()[:60])
     ds = CsvPairs(path, **_tiny_kwargs())
-    from lightning_distmm.data.pairs import SampleDecodeError
+    from lightning_distmm.data.datasets.pairs import SampleDecodeError
 
     with pytest.raises(SampleDecodeError, match=r"pairs\.tsv row 4 \(image 'images/img_002\.png'"):
         ds.load(2, ("image",))
@@ -256,7 +256,7 @@ def test_a_broken_image_names_its_csv_row_and_file(tmp_path):
 
 
 def test_csv_separator_and_empty_file_and_small_data_messages(tmp_path):
-    from lightning_distmm.data.modules import PairsDataModule
+    from lightning_distmm.data.datasets.modules import PairsDataModule
 
     path = _write_csv(tmp_path, 6, sep="\t")
     assert len(CsvPairs(path, sep="\\t", **_tiny_kwargs())) == 6  # a Hydra override's backslash-t

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_distmm.data import tokenizer as tk
-from lightning_distmm.data.shapes import (
+from lightning_distmm.data.demo import tokenizer as tk
+from lightning_distmm.data.demo.shapes import (
     NUM_COMBOS,
     PIXEL_MEAN,
     PIXEL_STD,

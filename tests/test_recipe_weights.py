@@ -145,7 +145,7 @@ def test_init_train_export_round_trip_through_the_recipe(tmp_path):
     and the retrieval the recipe printed is the exported model's."""
     from transformers import CLIPModel as HFCLIPModel
 
-    from lightning_distmm.data.shapes import ShapesDataModule
+    from lightning_distmm.data.demo.shapes import ShapesDataModule
     from lightning_distmm.models.metrics import retrieval_metrics
 
     start = _tiny_openclip(seed=1)

@@ -38,7 +38,7 @@ def test_logger_group_and_trainer_logger_target():
 
 
 def test_max_epochs_follows_max_steps():
-    from lightning_distmm.data.shapes import ShapesDataModule
+    from lightning_distmm.data.demo.shapes import ShapesDataModule
 
     dm = ShapesDataModule(batch_size=8, train_size=80)  # 10 batches an epoch
     kwargs = {"max_steps": 25, "max_epochs": None}
@@ -74,7 +74,7 @@ def test_a_tokenizer_larger_than_the_text_towers_vocabulary_is_refused_for_any_d
     """Token ids past the text tower's embedding table failed only as ``IndexError: index out of range
     in self`` at the first batch; the recipe checks every DataModule's tokenizer against the towers."""
     from lightning_distmm.data import CaptionTokenizer
-    from lightning_distmm.data.tokenizer import build_tokenizer
+    from lightning_distmm.data.demo.tokenizer import build_tokenizer
 
     cfg = _compose("experiment=clip_csv", "data.path=x.csv")
     big = type("DataModule", (), {"text": CaptionTokenizer(build_tokenizer([f"w{i}" for i in range(100)]))})()

@@ -27,11 +27,11 @@ from torch.utils.data import DataLoader, IterableDataset
 import lightning_distmm as ldm
 from lightning_distmm.core.layout import RankLayout
 from lightning_distmm.data import rank_independent
-from lightning_distmm.data.agreement import StreamAgreement, UnidentifiableSampleError, key_of
-from lightning_distmm.data.checks import check_dataloader
-from lightning_distmm.data.litdata_stream import LitIndex
-from lightning_distmm.data.loading import DistMMDataLoader
-from lightning_distmm.data.stream_sources import as_stream
+from lightning_distmm.data.loader.agreement import StreamAgreement, UnidentifiableSampleError, key_of
+from lightning_distmm.data.loader.checks import check_dataloader
+from lightning_distmm.data.loader.litdata_stream import LitIndex
+from lightning_distmm.data.loader.loading import DistMMDataLoader
+from lightning_distmm.data.loader.stream_sources import as_stream
 
 FIELDS = {"image": ("image",), "text": ("input_ids", "attention_mask")}
 ALL = ("image", "input_ids", "attention_mask")
@@ -331,7 +331,7 @@ def test_make_litdata_and_the_clip_litdata_experiment(tmp_path):
 
     from hydra import compose, initialize_config_dir
 
-    from lightning_distmm.data.litdata_pairs import LitDataPairs
+    from lightning_distmm.data.datasets.litdata_pairs import LitDataPairs
 
     root = Path(__file__).resolve().parents[1]
     sys.path.insert(0, str(root / "recipes"))
@@ -377,8 +377,8 @@ def test_every_stream_datamodule_refuses_captions_its_tokenizer_cannot_read(tmp_
     from litdata.streaming.writer import BinaryWriter
     from PIL import Image
 
-    from lightning_distmm.data.litdata_pairs import LitDataDataModule, LitDataPairs
-    from lightning_distmm.data.pairs import SampleDecodeError
+    from lightning_distmm.data.datasets.litdata_pairs import LitDataDataModule, LitDataPairs
+    from lightning_distmm.data.datasets.pairs import SampleDecodeError
 
     folder = tmp_path / "digits"
     folder.mkdir()

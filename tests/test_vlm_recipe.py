@@ -15,7 +15,7 @@ sys.path.insert(0, str(ROOT / "recipes"))
 
 from vlm_shapes import ShapesCaptions, build, generate, names_right  # noqa: E402
 
-from lightning_distmm.data.shapes import describe  # noqa: E402
+from lightning_distmm.data.demo.shapes import describe  # noqa: E402
 
 
 def test_samples_have_one_image_and_word_targets() -> None:

@@ -24,12 +24,12 @@ from torch.utils.data import DataLoader, IterableDataset
 import lightning_distmm as ldm
 from lightning_distmm.core.layout import GLOBAL_BATCH_KEY, RankLayout
 from lightning_distmm.data import CaptionTokenizer, WebDatasetPairs, image_transform
-from lightning_distmm.data.checks import check_dataloader
-from lightning_distmm.data.loading import DistMMDataLoader
-from lightning_distmm.data.sampling import DataPositionError
-from lightning_distmm.data.tarstream import tar_members
-from lightning_distmm.data.tokenizer import build_tokenizer
-from lightning_distmm.data.webdataset import shard_urls
+from lightning_distmm.data.datasets.tarstream import tar_members
+from lightning_distmm.data.datasets.webdataset import shard_urls
+from lightning_distmm.data.demo.tokenizer import build_tokenizer
+from lightning_distmm.data.loader.checks import check_dataloader
+from lightning_distmm.data.loader.loading import DistMMDataLoader
+from lightning_distmm.data.loader.sampling import DataPositionError
 
 WORDS = ["red", "green", "blue", "circle", "square", "cross", "big", "small", "a"]
 assert len(WORDS) + 4 <= VOCAB  # the tiny text tower's vocabulary
@@ -466,7 +466,7 @@ def test_a_failing_pipe_and_a_missing_caption_are_named(tmp_path):
     import io
     import tarfile
 
-    from lightning_distmm.data.webdataset import WebDatasetPairs
+    from lightning_distmm.data.datasets.webdataset import WebDatasetPairs
 
     url = f"pipe:cat {tmp_path / 'missing-000000.tar'}"
     with pytest.raises(OSError, match=r"WebDatasetPairs: reading shard 'pipe:cat .*missing-000000.tar' failed"):

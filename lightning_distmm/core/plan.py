@@ -100,8 +100,8 @@ class Plan:
                     f"{where}: global batch {self.global_batch} is smaller than its {t.dp} data-parallel replicas"
                 )
             held.update(t.ranks)
-        in_distmm = sorted(n for n, t in self.towers.items() if t.schedule == "distmm")
-        if in_distmm and len(in_distmm) != len(self.towers):
+        if sync_group_count({n: t.schedule for n, t in self.towers.items()}) is None:
+            in_distmm = sorted(n for n, t in self.towers.items() if t.schedule == "distmm")
             others = sorted(set(self.towers) - set(in_distmm))
             raise PlanError(
                 f"schedule 'distmm' splits the whole batch into two sync groups that every tower must share;"
@@ -187,7 +187,7 @@ class Plan:
     @property
     def sync_groups(self) -> int:
         """How many batch-syncs a step has: 2 under ``distmm`` (two sync groups, each with its own negatives), else 1."""
-        return 2 if any(t.schedule == "distmm" for t in self.towers.values()) else 1
+        return sync_group_count({n: t.schedule for n, t in self.towers.items()}) or 2
 
     def group_split(self, n: int) -> list[int]:
         """Rows of each sync group of a global batch of ``n`` (contiguous, the first groups one larger)."""

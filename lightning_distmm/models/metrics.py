@@ -2,7 +2,7 @@
 
 Row ``i`` of the held-out set matches row ``i``, and every row whose caption is the same as row
 ``i``'s (a data set of real captions repeats some: "a photo of a dog"; the shapes ``val`` split
-has none, see :mod:`lightning_distmm.data.shapes`). Top-k accuracy is the fraction of queries for
+has none, see :mod:`lightning_distmm.data.demo.shapes`). Top-k accuracy is the fraction of queries for
 which a match ranks among the k most similar candidates; chance is ``k / N``. Without the captions
 to compare, a duplicate caption counts against the query, which caps image->text recall@1 at the
 share of unique captions.

@@ -12,7 +12,7 @@ Tower archs:
   {queries, heads}`` (CoCa): open_clip's attentional pooler replaces the final norm and the head,
   and the tower returns ``[B, queries, embed_dim]`` (:class:`~lightning_distmm.models.coca.CoCaImageHead`).
 - ``clip_text``: :class:`TextTower`, ``transformers.CLIPTextModel`` + a linear projection, pooled at
-  the last attended token (the ``[EOS]`` of :mod:`lightning_distmm.data.tokenizer`), computed from
+  the last attended token (the ``[EOS]`` of :mod:`lightning_distmm.data.demo.tokenizer`), computed from
   ``attention_mask``, so it does not depend on ``eos_token_id`` conventions. Optional keys:
   ``act`` (``quick_gelu``, Hugging Face's default, | ``gelu``), ``norm_eps`` (1e-5),
   ``pad_token_id`` / ``bos_token_id`` / ``eos_token_id`` (those of the embedded tokenizer),
@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from lightning_distmm.models import coca
 
-# special-token ids of lightning_distmm.data.tokenizer
+# special-token ids of lightning_distmm.data.demo.tokenizer
 _PAD_ID, _BOS_ID, _EOS_ID = 0, 2, 3
 
 

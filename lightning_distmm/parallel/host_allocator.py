@@ -1,16 +1,10 @@
 """The host allocator's policy for training on the CPU: keep the memory a step frees for the next.
 
-glibc's ``malloc`` adapts two thresholds as a process runs: blocks above the mmap threshold get
-their own mapping, and free memory at the top of the heap beyond the trim threshold goes back to
-the kernel. A training step allocates and frees the same tens of megabytes of activations every
-step; when the order of its frees leaves the top of the heap free at the end of a step, glibc
-returns it, and the next step takes every page of it back through a page fault. That is what a
-distmm rank did on the CPU (``benchmarks/step_time.py``'s model: 14,600 minor faults per step on
-rank 0 against DDP's 660, and the step correspondingly slower), where DDP's frees happened to
-leave the top in use. Fixing both thresholds (which also stops glibc from adapting them) keeps
-that memory in the process, as PyTorch's performance guide gets by switching to jemalloc or
-tcmalloc: 275 faults per step. Memory a rank releases for good (the towers it does not run) is
-still handed back explicitly (:func:`lightning_distmm.parallel.prepare.return_freed_memory`).
+glibc adapts its mmap and trim thresholds as a process runs and may hand the top of the heap back
+to the kernel at the end of a step, which the next step then faults back in page by page. Fixing
+both thresholds keeps that memory in the process, as jemalloc or tcmalloc would (PyTorch's
+performance guide); docs/runtime.md has the measurement. Memory a rank releases for good (the
+towers it does not run) is still handed back (:func:`lightning_distmm.parallel.prepare.return_freed_memory`).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ exact-pair retrieval on it is well defined. Splits are disjoint ranges of one gl
 
 Fields (:attr:`ShapesDataset.fields`): ``image`` ``[3, S, S]`` float (normalised: zero mean,
 unit variance over the dataset), ``caption`` (str), ``input_ids`` / ``attention_mask`` ``[context_length]`` long (see
-:mod:`lightning_distmm.data.tokenizer`) and ``label`` (the combination id, an int). ``load`` does
+:mod:`lightning_distmm.data.demo.tokenizer`) and ``label`` (the combination id, an int). ``load`` does
 only the work of the fields asked for: no rendering without ``image``, no tokenizing without
 ``input_ids``/``attention_mask``.
 """
@@ -32,10 +32,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from lightning_distmm.data.captions import COLORS, POSITIONS, SHAPES, TEMPLATES, vocabulary
-from lightning_distmm.data.fields import FieldDataset
-from lightning_distmm.data.shuffle import seeded_shuffle
-from lightning_distmm.data.tokenizer import build_caption_tokenizer, encode
+from lightning_distmm.data.datasets.shuffle import seeded_shuffle
+from lightning_distmm.data.demo.captions import COLORS, POSITIONS, SHAPES, TEMPLATES, vocabulary
+from lightning_distmm.data.demo.tokenizer import build_caption_tokenizer, encode
+from lightning_distmm.data.loader.fields import FieldDataset
 
 NUM_COMBOS = len(COLORS) * len(SHAPES) * len(POSITIONS)
 _COLOR_NAMES = tuple(COLORS)
@@ -232,7 +232,7 @@ class ShapesDataModule(L.LightningDataModule):
     ``batch_size`` is the **global** batch: the samples that one contrastive loss sees (under distmm
     the strategy splits it across each tower's replicas). Training batches drop the last partial
     batch; validation keeps it. ``shuffle`` is a seeded permutation per epoch (see
-    :func:`~lightning_distmm.data.shuffle.seeded_shuffle`), identical under single-process and distmm training.
+    :func:`~lightning_distmm.data.datasets.shuffle.seeded_shuffle`), identical under single-process and distmm training.
     """
 
     def __init__(

@@ -5,7 +5,7 @@
 - :class:`ImageFolderPairs`: a folder of images with a sidecar ``<stem>.txt`` caption per image,
   or one captions file (JSON ``{relative path: caption}`` or ``path<TAB>caption`` lines).
 
-Both are :class:`~lightning_distmm.data.fields.FieldDataset` s: ``load(index, fields)`` does only
+Both are :class:`~lightning_distmm.data.loader.fields.FieldDataset` s: ``load(index, fields)`` does only
 the work of the fields asked for. Under distmm an image rank opens and decodes the image file and
 runs the transform, never the tokenizer; a text rank tokenizes, never touching the image file.
 Fields: ``image`` (the transform's tensor), ``caption`` (str), ``input_ids`` / ``attention_mask``.
@@ -27,8 +27,8 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_distmm.data.fields import FieldDataset
-from lightning_distmm.data.preprocess import CaptionTokenizer
+from lightning_distmm.data.datasets.preprocess import CaptionTokenizer
+from lightning_distmm.data.loader.fields import FieldDataset, SampleDecodeError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 TOKEN_FIELDS = ("input_ids", "attention_mask")
@@ -40,19 +40,14 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-class SampleDecodeError(OSError):
-    """A sample's image could not be read or decoded; the message names the sample (file and CSV row,
-    or shard and key) and the decoder's own words."""
-
-
 class PairDecoding:
     """What every pair dataset shares: the image transform, a tokenizer built on first use (a rank
     that never tokenizes never loads it), decoding only the fields asked for, and the counters.
 
     Args:
-        transform: a PIL image -> tensor callable (see :func:`~lightning_distmm.data.preprocess.image_transform`);
+        transform: a PIL image -> tensor callable (see :func:`~lightning_distmm.data.datasets.preprocess.image_transform`);
             None gives ``torchvision``'s ``ToTensor`` (no resizing).
-        tokenizer: a :class:`~lightning_distmm.data.preprocess.CaptionTokenizer`, or what its
+        tokenizer: a :class:`~lightning_distmm.data.datasets.preprocess.CaptionTokenizer`, or what its
             constructor takes (None: the embedded tokenizer; a local directory; a ``tokenizer.json``).
         context_length: token width when ``tokenizer`` is not already a ``CaptionTokenizer``.
         decode_log: append ``[rank, sample, fields]`` per decoded sample to this file (for checks across processes).

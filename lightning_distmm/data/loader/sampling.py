@@ -1,5 +1,5 @@
 """The global batches of every epoch, drawn once and shared: rank 0 iterates the user's batch
-sampler and broadcasts the index lists; each rank keeps its rows (see :mod:`lightning_distmm.data.loading`).
+sampler and broadcasts the index lists; each rank keeps its rows (see :mod:`lightning_distmm.data.loader.loading`).
 
 :class:`RankBatchSampler` is the loader's position too: ``(epoch, samples of that epoch trained)``
 plus the RNG states the epoch's order was drawn from, so a resumed run redraws the same order and

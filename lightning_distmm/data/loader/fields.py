@@ -14,6 +14,11 @@ from typing import Any
 from torch.utils.data import Dataset
 
 
+class SampleDecodeError(OSError):
+    """A sample's image could not be read or decoded; the message names the sample (file and CSV row,
+    or shard and key) and the decoder's own words."""
+
+
 class FieldDataset(Dataset):
     """A map-style dataset of dict samples whose fields can be loaded selectively."""
 

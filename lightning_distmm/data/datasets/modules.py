@@ -1,4 +1,4 @@
-"""A LightningDataModule over the pair datasets (:mod:`lightning_distmm.data.pairs`).
+"""A LightningDataModule over the pair datasets (:mod:`lightning_distmm.data.datasets.pairs`).
 
 ``PairsDataModule`` trains on an open_clip CSV/TSV or an image folder, validates on a second one
 or on a held-out tail of the first, and gives the evaluation callbacks what they ask for
@@ -15,11 +15,16 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_distmm.data.fields import FieldDataset
-from lightning_distmm.data.pairs import CsvPairs, ImageFolderPairs
-from lightning_distmm.data.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, CaptionTokenizer, pair_preprocessing
-from lightning_distmm.data.shuffle import seeded_shuffle
-from lightning_distmm.data.skipping import SkipBadRows, SkipBadSamples
+from lightning_distmm.data.datasets.pairs import CsvPairs, ImageFolderPairs
+from lightning_distmm.data.datasets.preprocess import (
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    CaptionTokenizer,
+    pair_preprocessing,
+)
+from lightning_distmm.data.datasets.shuffle import seeded_shuffle
+from lightning_distmm.data.loader.fields import FieldDataset
+from lightning_distmm.data.loader.skipping import SkipBadRows, SkipBadSamples
 
 
 class FieldSubset(FieldDataset):
@@ -94,7 +99,7 @@ class PairsDataModule(L.LightningDataModule):
         context_length: token width.
         batch_size: the global batch; val_batch_size, num_workers, shuffle: as for any DataModule.
         skip_bad_samples: replace a sample that cannot be decoded by the next one that can, logging
-            and counting it (:mod:`lightning_distmm.data.skipping`); off: the first one ends the run, named.
+            and counting it (:mod:`lightning_distmm.data.loader.skipping`); off: the first one ends the run, named.
     """
 
     def __init__(

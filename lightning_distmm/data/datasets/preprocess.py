@@ -5,7 +5,7 @@
 - :class:`CaptionTokenizer`: a caption to fixed-width ``input_ids`` / ``attention_mask`` tensors,
   with a Hugging Face tokenizer read from a local directory (``AutoTokenizer.from_pretrained(path,
   local_files_only=True)``: nothing is downloaded), a ``tokenizer.json`` file, a ``tokenizers``
-  ``Tokenizer`` object, or the embedded word-level tokenizer of :mod:`lightning_distmm.data.tokenizer`.
+  ``Tokenizer`` object, or the embedded word-level tokenizer of :mod:`lightning_distmm.data.demo.tokenizer`.
 
 Rows end in the tokenizer's end token and are padded on the right, so the last attended token is
 the end token: the recipe's text towers pool there (open_clip's ``pool_type='eos'``, Hugging
@@ -122,7 +122,7 @@ class CaptionTokenizer:
         if _is_transformers(tok):
             enc = tok(text, padding="max_length", truncation=True, max_length=self.context_length, return_tensors="pt")
             return {"input_ids": enc["input_ids"][0].long(), "attention_mask": enc["attention_mask"][0].long()}
-        from lightning_distmm.data.tokenizer import encode
+        from lightning_distmm.data.demo.tokenizer import encode
 
         return encode(text, self.context_length, tok)
 
@@ -212,7 +212,7 @@ def _is_transformers(tok: Any) -> bool:
 
 def _resolve(tokenizer: Any) -> Any:
     if tokenizer is None:
-        from lightning_distmm.data.tokenizer import build_caption_tokenizer
+        from lightning_distmm.data.demo.tokenizer import build_caption_tokenizer
 
         return build_caption_tokenizer()
     if isinstance(tokenizer, str) and tokenizer.startswith("open_clip:"):

@@ -2,7 +2,7 @@
 
 A LitData folder (written by ``litdata.optimize``, or ``recipes/make_litdata.py``) whose items are
 ``{"image": encoded image bytes, "caption": str}``. :class:`LitDataPairs` reads it as one process
-reads it (:class:`~lightning_distmm.data.litdata_stream.LitDataStream`: LitData's seed, chunk
+reads it (:class:`~lightning_distmm.data.loader.litdata_stream.LitDataStream`: LitData's seed, chunk
 permutation and in-chunk shuffle of the epoch, on every rank) and decodes only what a rank asks for:
 its rows, by index, and of those only its towers' fields (an image rank opens the image and runs the
 transform, a text rank tokenizes the caption). LitData's own deserialization gives bytes and a
@@ -18,13 +18,13 @@ from collections.abc import Iterable, Iterator, Sequence
 from io import BytesIO
 from typing import Any
 
-from lightning_distmm.data.fields import FieldDataset
-from lightning_distmm.data.litdata_stream import LitDataStream, LitIndex
-from lightning_distmm.data.modules import StreamPairsDataModule
-from lightning_distmm.data.pairs import PairDecoding
-from lightning_distmm.data.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, pair_preprocessing
-from lightning_distmm.data.skipping import SkipBadSamples
-from lightning_distmm.data.streaming import FieldStream
+from lightning_distmm.data.datasets.modules import StreamPairsDataModule
+from lightning_distmm.data.datasets.pairs import PairDecoding
+from lightning_distmm.data.datasets.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, pair_preprocessing
+from lightning_distmm.data.loader.fields import FieldDataset
+from lightning_distmm.data.loader.litdata_stream import LitDataStream, LitIndex
+from lightning_distmm.data.loader.skipping import SkipBadSamples
+from lightning_distmm.data.loader.streaming import FieldStream
 
 
 class LitDataPairs(PairDecoding, FieldStream):
@@ -34,9 +34,9 @@ class LitDataPairs(PairDecoding, FieldStream):
         input_dir: the folder ``litdata.optimize`` wrote (its ``index.json`` and chunks).
         shuffle, seed: LitData's (``StreamingDataset(input_dir, shuffle=..., seed=...)``).
         image_key, caption_key: the item's fields holding the encoded image and the caption.
-        transform, tokenizer, context_length, decode_log: see :class:`~lightning_distmm.data.pairs.PairDecoding`.
+        transform, tokenizer, context_length, decode_log: see :class:`~lightning_distmm.data.datasets.pairs.PairDecoding`.
         skip_bad_samples: a bad item is replaced by the next row of its global batch that decodes
-            (:mod:`lightning_distmm.data.skipping`; one process: ``collate_fn=SkipBadRows(dataset)``).
+            (:mod:`lightning_distmm.data.loader.skipping`; one process: ``collate_fn=SkipBadRows(dataset)``).
     """
 
     def __init__(
@@ -104,7 +104,7 @@ class LitDataDataModule(StreamPairsDataModule):
         shuffle, seed: LitData's order (seed None: ``PL_GLOBAL_SEED``, as ``seed_everything`` set it, else 0).
         image_key, caption_key: see :class:`LitDataPairs`.
         image_size, mean, std, interpolation, crop_pct, tokenizer, context_length: the transform and
-            tokenizer (as :class:`~lightning_distmm.data.modules.PairsDataModule`).
+            tokenizer (as :class:`~lightning_distmm.data.datasets.modules.PairsDataModule`).
         batch_size: the global batch; val_batch_size, num_workers: as for any DataModule.
         skip_bad_samples: replace an item that cannot be decoded (see :class:`LitDataPairs`), log and count it.
     """

@@ -1,7 +1,7 @@
 """The caption grammar of the shapes dataset: colours, shapes, places, templates, and the words they use.
 
-Plain data, imported by both :mod:`lightning_distmm.data.shapes` (which renders and describes
-samples) and :mod:`lightning_distmm.data.tokenizer` (whose vocabulary is these words), so the
+Plain data, imported by both :mod:`lightning_distmm.data.demo.shapes` (which renders and describes
+samples) and :mod:`lightning_distmm.data.demo.tokenizer` (whose vocabulary is these words), so the
 imports run one way: shapes -> tokenizer -> captions.
 """
 

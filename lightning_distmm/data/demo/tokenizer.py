@@ -1,4 +1,4 @@
-"""A tiny word-level tokenizer for the captions of :mod:`lightning_distmm.data.shapes`.
+"""A tiny word-level tokenizer for the captions of :mod:`lightning_distmm.data.demo.shapes`.
 
 It is a real :mod:`tokenizers` ``Tokenizer`` (normaliser, pre-tokenizer, WordLevel model,
 ``[BOS] ... [EOS]`` post-processor), built in-process from the closed caption vocabulary, so
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-from lightning_distmm.data.captions import vocabulary
+from lightning_distmm.data.demo.captions import vocabulary
 
 PAD, UNK, BOS, EOS = "[PAD]", "[UNK]", "[BOS]", "[EOS]"
 SPECIAL_TOKENS = (PAD, UNK, BOS, EOS)

@@ -8,7 +8,7 @@ generator, a ``DistributedSampler`` or a custom batch sampler all give every ran
 single-process run with the same seed, the same batches. This module then keeps, per global batch,
 only the rows this rank's towers compute on, and asks the dataset for only their fields. An
 ``IterableDataset`` has no index to draw: every rank reads the stream itself and cuts the same
-global batches, and decodes only its rows' fields (:mod:`lightning_distmm.data.streaming`).
+global batches, and decodes only its rows' fields (:mod:`lightning_distmm.data.loader.streaming`).
 
 The loader is stateful. Its position is ``(epoch, samples of that epoch already trained)``, a count
 of samples rather than of batches, so a run resumed with another batch size continues at the next
@@ -29,18 +29,18 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lightning_distmm.core.layout import GLOBAL_BATCH_KEY, RankLayout
 from lightning_distmm.core.plan import Plan
-from lightning_distmm.data.checks import check_dataloader, prebatched_message
-from lightning_distmm.data.fields import load_fields
-from lightning_distmm.data.sampling import RankBatchSampler
-from lightning_distmm.data.skipping import SkipBadSamples, resolve_rows, resolve_stream_rows
-from lightning_distmm.data.stream_sources import as_stream
-from lightning_distmm.data.streaming import StreamBatchSampler, StreamFieldSubset
+from lightning_distmm.data.loader.checks import check_dataloader, prebatched_message
+from lightning_distmm.data.loader.fields import load_fields
+from lightning_distmm.data.loader.sampling import RankBatchSampler
+from lightning_distmm.data.loader.skipping import SkipBadSamples, resolve_rows, resolve_stream_rows
+from lightning_distmm.data.loader.stream_sources import as_stream
+from lightning_distmm.data.loader.streaming import StreamBatchSampler, StreamFieldSubset
 
 
 class FieldSubsetDataset(Dataset):
     """Loads only ``fields`` of each requested sample; carries the global batch size along. Over a
     :class:`SkipBadSamples` it hands on ``(index, sample or BadSample)``: the ranks agree on the bad
-    rows in the main process (:func:`~lightning_distmm.data.skipping.resolve_rows`)."""
+    rows in the main process (:func:`~lightning_distmm.data.loader.skipping.resolve_rows`)."""
 
     def __init__(self, dataset: Any, fields: Sequence[str]):
         self.dataset = dataset
@@ -57,7 +57,7 @@ class FieldSubsetDataset(Dataset):
 
 
 class _Pending:
-    """A batch whose rows may hold :class:`~lightning_distmm.data.skipping.BadSample`: collated in the
+    """A batch whose rows may hold :class:`~lightning_distmm.data.loader.skipping.BadSample`: collated in the
     main process once the ranks agree on them. ``rows``: ``(index or row, sample)``; ``batch``: a
     stream's raw global batch (replacements are decoded from it)."""
 
@@ -100,7 +100,7 @@ class DistMMDataLoader(DataLoader):
             those, not the batches already prefetched.
         group: the process group over which rank 0 sends the batches (default: the default group).
         check_every: over a stream, the ranks check that they read the same samples every this many
-            global batches (and on each epoch's first and at its end; :mod:`~lightning_distmm.data.agreement`).
+            global batches (and on each epoch's first and at its end; :mod:`~lightning_distmm.data.loader.agreement`).
     """
 
     def __init__(
@@ -119,7 +119,7 @@ class DistMMDataLoader(DataLoader):
         dataset: Dataset
         stream = None
         if isinstance(source.dataset, IterableDataset):
-            # a stream: every rank reads it and cuts the same global batches (data/streaming.py)
+            # a stream: every rank reads it and cuts the same global batches (data/loader/streaming.py)
             stream = as_stream(source.dataset)
             bs = source.batch_sampler
             sampler: RankBatchSampler = StreamBatchSampler(

@@ -17,8 +17,8 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_distmm.data.fields import FieldDataset
-from lightning_distmm.data.pairs import IMAGE_EXTENSIONS, PairDecoding
+from lightning_distmm.data.datasets.pairs import IMAGE_EXTENSIONS, PairDecoding
+from lightning_distmm.data.loader.fields import FieldDataset
 
 #: open_clip's ``SIMPLE_IMAGENET_TEMPLATES`` (open_clip/zero_shot_metadata.py), as format strings
 SIMPLE_TEMPLATES: tuple[str, ...] = (

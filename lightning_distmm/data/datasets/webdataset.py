@@ -5,9 +5,9 @@ A shard is a tar file whose members are grouped into samples by their name up to
 webdataset``, img2dataset) writes them. :class:`WebDatasetPairs` reads local shards, ``file:``
 and ``pipe:`` URLs (``pipe:cat shard.tar``, ``pipe:curl -s ...``, ``pipe:aws s3 cp ... -``) through
 ``webdataset``'s ``gopen``, its members grouped into samples by ``webdataset``'s ``group_by_keys``
-(read by :func:`~lightning_distmm.data.tarstream.tar_members`, which every rank runs on every sample).
+(read by :func:`~lightning_distmm.data.datasets.tarstream.tar_members`, which every rank runs on every sample).
 
-It is a :class:`~lightning_distmm.data.streaming.FieldStream`: the epoch's order (shards permuted,
+It is a :class:`~lightning_distmm.data.loader.streaming.FieldStream`: the epoch's order (shards permuted,
 then samples through a shuffle buffer) follows from ``(seed, epoch)`` alone, so every distmm rank
 reads the same stream and cuts the same global batches, and decodes only its rows' fields: an
 image rank decodes the image and runs the transform, a text rank tokenizes the caption, and the
@@ -31,13 +31,13 @@ from urllib.parse import urlparse
 
 from torch import Tensor
 
-from lightning_distmm.data.fields import FieldDataset
-from lightning_distmm.data.modules import StreamPairsDataModule
-from lightning_distmm.data.pairs import PairDecoding
-from lightning_distmm.data.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, pair_preprocessing
-from lightning_distmm.data.skipping import SkipBadSamples
-from lightning_distmm.data.streaming import FieldStream, skip_samples
-from lightning_distmm.data.tarstream import tar_members
+from lightning_distmm.data.datasets.modules import StreamPairsDataModule
+from lightning_distmm.data.datasets.pairs import PairDecoding
+from lightning_distmm.data.datasets.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, pair_preprocessing
+from lightning_distmm.data.datasets.tarstream import tar_members
+from lightning_distmm.data.loader.fields import FieldDataset
+from lightning_distmm.data.loader.skipping import SkipBadSamples
+from lightning_distmm.data.loader.streaming import FieldStream, skip_samples
 
 IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
 
@@ -104,9 +104,9 @@ class WebDatasetPairs(PairDecoding, FieldStream):
         length: samples of an epoch; None counts the members of local shards (headers only) and
             leaves ``pipe:`` streams without a length.
         transform, tokenizer, context_length, decode_log: as for
-            :class:`~lightning_distmm.data.pairs.PairDataset`.
+            :class:`~lightning_distmm.data.datasets.pairs.PairDataset`.
         skip_bad_samples: a sample that cannot be decoded is replaced by the next row of its global
-            batch that can (:mod:`lightning_distmm.data.skipping`; iterated in one process, batch it
+            batch that can (:mod:`lightning_distmm.data.loader.skipping`; iterated in one process, batch it
             with ``collate_fn=SkipBadRows(dataset)``); ``skipped`` counts them.
     """
 
@@ -306,7 +306,7 @@ class WebDatasetDataModule(StreamPairsDataModule):
         image_key, caption_key, shuffle, shuffle_buffer: see :class:`WebDatasetPairs`.
         seed: the order's seed (None: ``PL_GLOBAL_SEED``, as ``seed_everything`` set it, else 0).
         image_size, mean, std, interpolation, crop_pct, tokenizer, context_length: the transform and
-            tokenizer (as :class:`~lightning_distmm.data.modules.PairsDataModule`).
+            tokenizer (as :class:`~lightning_distmm.data.datasets.modules.PairsDataModule`).
         batch_size: the global batch; val_batch_size, num_workers: as for any DataModule.
         skip_bad_samples: replace a sample that cannot be decoded (see :class:`WebDatasetPairs`), log and count it.
     """
