@@ -48,6 +48,9 @@ class RunModel:
     precision: str = "bf16-mixed"
     flash_attention: bool = True
     recompute_layers: Mapping[str, int] = field(default_factory=dict)
+    autocast: bool = True  # False: Megatron's O2 (bf16 weights and residual stream, fp32 main copy)
+    overlap_grad_sync: bool = True  # False: the gradient all-reduce runs after the backward
+    separate_bias: bool = False  # Megatron's linear: bias adds and bias gradients as their own passes
 
     def config(self) -> dict[str, Any]:
         """The model config: the preset with the overrides applied."""
@@ -65,6 +68,9 @@ class RunModel:
             "precision": self.precision,
             "flash_attention": self.flash_attention,
             **({"recompute_layers": dict(self.recompute_layers)} if self.recompute_layers else {}),
+            **({} if self.autocast else {"autocast": False}),
+            **({} if self.overlap_grad_sync else {"overlap_grad_sync": False}),
+            **({"separate_bias": True} if self.separate_bias else {}),
         }
 
 
@@ -187,7 +193,13 @@ def predict(entry: Published, run: RunModel) -> Prediction:
         if entry.gpus % base.devices_per_node:
             raise ValueError(f"{entry.key}: {entry.gpus} GPUs do not fill nodes of {base.devices_per_node}")
         cl = dataclasses.replace(base, nodes=entry.gpus // base.devices_per_node)
-    opts = CostOptions(precision=run.precision, flash_attention=run.flash_attention)
+    opts = CostOptions(
+        precision=run.precision,
+        flash_attention=run.flash_attention,
+        autocast=run.autocast,
+        overlap_grad_sync=run.overlap_grad_sync,
+        separate_bias=run.separate_bias,
+    )
     ranks = {n: list(range(entry.gpus)) for n in profiles}
     G, mb = entry.global_batch, entry.per_gpu_batch
     cost = evaluate_plan(profiles, cl, opts, run_choices(profiles, entry.gpus, mb, False), ranks, G)

@@ -71,6 +71,15 @@ def block_times(block: Block, cluster: Cluster, opts: CostOptions, mb: Any, tp: 
         needs = np.array([[g.input_grad] for g in block.gemms], dtype=float)
         b = b + (needs * dgrad + wgrad).sum(axis=0).reshape(mb.shape)
         weights = float((k * n).sum())
+        if opts.separate_bias:
+            # Megatron's linear (``output + bias`` after the matmul): a column-parallel GEMM's bias
+            # is its own pass over the output (read + write); a row-parallel one's is fused into
+            # bias-dropout-add. Every bias gradient is a reduction reading the output gradient.
+            col = np.array([[g.split == "col"] for g in block.gemms], dtype=float)
+            lin = np.array([[g.split in ("col", "row")] for g in block.gemms], dtype=float)
+            out = bel * T * n
+            f = f + dev.stream_time((2.0 * col * out).sum(axis=0)).reshape(mb.shape)
+            b = b + dev.stream_time((lin * out).sum(axis=0)).reshape(mb.shape)
     for a in block.attn:
         width = a.width / tp
         heads = max(a.heads // tp, 1)
