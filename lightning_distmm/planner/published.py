@@ -184,6 +184,17 @@ def run_choices(profiles: Mapping[str, TowerProfile], gpus: int, mb: int, recomp
     }
 
 
+def run_options(run: RunModel) -> CostOptions:
+    """The cost model's software assumptions as ``run``'s source states them."""
+    return CostOptions(
+        precision=run.precision,
+        flash_attention=run.flash_attention,
+        autocast=run.autocast,
+        overlap_grad_sync=run.overlap_grad_sync,
+        separate_bias=run.separate_bias,
+    )
+
+
 def predict(entry: Published, run: RunModel) -> Prediction:
     """Price ``entry``'s configuration on its machine (see the module docstring)."""
     profiles = model_profiles(run.config())
@@ -193,13 +204,7 @@ def predict(entry: Published, run: RunModel) -> Prediction:
         if entry.gpus % base.devices_per_node:
             raise ValueError(f"{entry.key}: {entry.gpus} GPUs do not fill nodes of {base.devices_per_node}")
         cl = dataclasses.replace(base, nodes=entry.gpus // base.devices_per_node)
-    opts = CostOptions(
-        precision=run.precision,
-        flash_attention=run.flash_attention,
-        autocast=run.autocast,
-        overlap_grad_sync=run.overlap_grad_sync,
-        separate_bias=run.separate_bias,
-    )
+    opts = run_options(run)
     ranks = {n: list(range(entry.gpus)) for n in profiles}
     G, mb = entry.global_batch, entry.per_gpu_batch
     cost = evaluate_plan(profiles, cl, opts, run_choices(profiles, entry.gpus, mb, False), ranks, G)
@@ -251,6 +256,7 @@ __all__ = [
     "Prediction",
     "load_published",
     "run_choices",
+    "run_options",
     "predict",
     "predict_all",
     "table",
