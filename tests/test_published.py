@@ -74,8 +74,9 @@ def test_every_published_measurement_is_predicted_within_25_percent_or_marked_wi
                 f"{p.entry.key} is now predicted within +-{TOLERANCE:.0%} ({p.ratio:.2f}x): mark it reached in"
                 " conf/published/clip_training.yaml"
             )
-    # the model is optimistic, never pessimistic: every prediction is above its measurement
-    assert all(p.ratio > 1 for p in predictions)
+    # what the model misses it misses on the optimistic side: every entry out of reach is predicted
+    # faster than measured (something the sources do not state slowed them down)
+    assert all(p.ratio > 1 + TOLERANCE for p in predictions if not p.within)
 
 
 def test_partial_recompute_is_priced_between_none_and_all_layers(data: PublishedSet) -> None:
@@ -123,12 +124,14 @@ def test_nemo_runs_are_priced_with_what_nemos_configuration_and_code_state(data:
     for key in ("nemo_g14", "nemo_h14", "nemo_b32"):
         run = data.models[key]
         assert not run.autocast and not run.overlap_grad_sync and run.separate_bias and not run.flash_attention
+        assert run.torch_softmax == ("image",)  # the ViT passes no mask; the text tower's causal one is fused
     e = next(x for x in data.entries if x.key == "nemo_g14_a100_4n")
     run = data.models[e.model]
     step = predict(e, run).step_time
     assert predict(e, dataclasses.replace(run, autocast=True)).step_time > step
     assert predict(e, dataclasses.replace(run, overlap_grad_sync=True)).step_time < step
     assert predict(e, dataclasses.replace(run, separate_bias=False)).step_time < step
+    assert predict(e, dataclasses.replace(run, torch_softmax=())).step_time < step
     # the comparative table's g/14 H100 row and the scaling table's 4-node H100 figure disagree by
     # 1.64x: one configuration cannot be within 25% of both, and the file says which one it reaches
     cmp_ = next(x for x in data.entries if x.key == "nemo_g14_h100_4n_cmp")
@@ -157,3 +160,30 @@ def test_separate_bias_kernels_cost_the_bytes_they_move() -> None:
     bw = cl.device.stream_bandwidth
     assert float(f1 - f0) == pytest.approx(mb * s * (3 * h + m) * 2 * 2 / bw, rel=1e-6)
     assert float(b1 - b0) == pytest.approx(mb * s * (5 * h + m) * 2 / bw, rel=1e-6)
+
+
+def test_an_fp32_torch_softmax_costs_its_extra_passes_over_the_scores() -> None:
+    """NeMo's ViT softmax as PyTorch ops in fp32 (cast, scale, softmax, cast back): 24 bytes per
+    score element forward and 28 - 2 backward beyond the fused kernel's passes, over the HBM
+    streaming bandwidth; only for the towers named, only without FlashAttention."""
+    from lightning_distmm.planner.cost import CostOptions
+    from lightning_distmm.planner.cost.compute import TORCH_SOFTMAX_BYTES, stage_compute
+    from lightning_distmm.planner.measure import load_cluster
+    from lightning_distmm.planner.profile import model_profiles
+
+    assert TORCH_SOFTMAX_BYTES == (24.0, 28.0)
+    cl = load_cluster("dgx_a100")
+    profs = model_profiles(load_published().models["nemo_g14"].config())
+    img, txt = profs["image"], profs["text"]
+    mb = 80
+    plain = CostOptions(flash_attention=False, autocast=False)
+    torch_sm = CostOptions(flash_attention=False, autocast=False, torch_softmax_towers=("image",))
+    f0, b0 = stage_compute(img, cl, plain, mb, 1, 1)
+    f1, b1 = stage_compute(img, cl, torch_sm, mb, 1, 1)
+    scores = img.layers * mb * 22 * 264 * 264
+    bw = cl.device.stream_bandwidth
+    assert float(f1 - f0) == pytest.approx(scores * 24 / bw, rel=1e-6)
+    assert float(b1 - b0) == pytest.approx(scores * 26 / bw, rel=1e-6)
+    assert stage_compute(txt, cl, torch_sm, mb, 1, 1) == stage_compute(txt, cl, plain, mb, 1, 1)
+    flash = CostOptions(flash_attention=True, autocast=False, torch_softmax_towers=("image",))
+    assert stage_compute(img, cl, flash, mb, 1, 1) == stage_compute(img, cl, CostOptions(autocast=False), mb, 1, 1)

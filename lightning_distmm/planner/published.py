@@ -51,6 +51,10 @@ class RunModel:
     autocast: bool = True  # False: Megatron's O2 (bf16 weights and residual stream, fp32 main copy)
     overlap_grad_sync: bool = True  # False: the gradient all-reduce runs after the backward
     separate_bias: bool = False  # Megatron's linear: bias adds and bias gradients as their own passes
+    torch_softmax: tuple[str, ...] = ()  # towers whose softmax runs as fp32 PyTorch ops (no fused kernel)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "torch_softmax", tuple(self.torch_softmax))
 
     def config(self) -> dict[str, Any]:
         """The model config: the preset with the overrides applied."""
@@ -71,6 +75,7 @@ class RunModel:
             **({} if self.autocast else {"autocast": False}),
             **({} if self.overlap_grad_sync else {"overlap_grad_sync": False}),
             **({"separate_bias": True} if self.separate_bias else {}),
+            **({"torch_softmax": list(self.torch_softmax)} if self.torch_softmax else {}),
         }
 
 
@@ -192,6 +197,7 @@ def run_options(run: RunModel) -> CostOptions:
         autocast=run.autocast,
         overlap_grad_sync=run.overlap_grad_sync,
         separate_bias=run.separate_bias,
+        torch_softmax_towers=tuple(run.torch_softmax),
     )
 
 

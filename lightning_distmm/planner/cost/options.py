@@ -127,6 +127,10 @@ class CostOptions:
     row-parallel biases are fused into bias-dropout-add; each bias gradient is
     ``grad_output.sum(0)``, one read of the output gradient. ``False``: biases ride in the GEMM's
     epilogue (``torch.nn.Linear`` through cuBLASLt), the runtime's case.
+    ``torch_softmax_towers``: towers whose unfused attention softmax runs as fp32 PyTorch ops rather
+    than a fused kernel (NeMo 1.x's ViT: no attention mask, which apex's fused softmax requires;
+    :data:`lightning_distmm.planner.cost.compute.TORCH_SOFTMAX_BYTES`). Only with
+    ``flash_attention: False``.
     """
 
     precision: str = "bf16-mixed"
@@ -139,6 +143,7 @@ class CostOptions:
     autocast: bool = True
     sequence_parallel: bool = False
     separate_bias: bool = False
+    torch_softmax_towers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         precision_policy(self.precision)  # an unknown name fails here, with the choices
