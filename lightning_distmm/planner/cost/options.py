@@ -147,6 +147,7 @@ class CostOptions:
 
     def __post_init__(self) -> None:
         precision_policy(self.precision)  # an unknown name fails here, with the choices
+        self.torch_softmax_towers = tuple(self.torch_softmax_towers)  # a YAML list reads back as a tuple
 
     @property
     def policy(self) -> PrecisionPolicy:
