@@ -187,3 +187,19 @@ def test_an_fp32_torch_softmax_costs_its_extra_passes_over_the_scores() -> None:
     assert stage_compute(txt, cl, torch_sm, mb, 1, 1) == stage_compute(txt, cl, plain, mb, 1, 1)
     flash = CostOptions(flash_attention=True, autocast=False, torch_softmax_towers=("image",))
     assert stage_compute(img, cl, flash, mb, 1, 1) == stage_compute(img, cl, CostOptions(autocast=False), mb, 1, 1)
+
+
+def test_laions_stability_runs_are_priced_with_the_gradient_checkpointing_their_blog_states(data: PublishedSet) -> None:
+    """LAION's blog ("Training speeds": A100-40GB, "We used gradient checkpointing") gives the
+    configuration of the stability.ai runs: every block of both towers recomputed, which slows the
+    priced H/14 step; its per-GPU rates are the CSV's (42 x 824 = 34,608 samples/s)."""
+    import dataclasses
+
+    e = next(x for x in data.entries if x.key == "laion_h14_2b_s32b_b79k")
+    run = data.models[e.model]
+    assert run.source == "laion_blog" and e.samples_per_s == 42 * 824
+    profiles_layers = {"image": 32, "text": 24}
+    assert dict(run.recompute_layers) == profiles_layers
+    assert predict(e, run).step_time > predict(e, dataclasses.replace(run, recompute_layers={})).step_time
+    blog = [x for x in data.entries if x.source == "laion_blog"]
+    assert sorted(x.samples_per_s for x in blog) == [20 * 800, 30 * 824]
