@@ -242,7 +242,8 @@ def published() -> None:
     data = load_published()
     preds = predict_all(data)
     print("Published CLIP training throughputs (samples/s) and the cost model's prediction of each run as its")
-    print("source ran it (data parallel, the source's per-GPU batch, precision, attention kernel and recompute)\n")
+    print("source ran it (data parallel, the source's per-GPU batch, precision and its O2/autocast form, attention")
+    print("kernel and softmax path, recompute, the gradient all-reduce overlapped or not, bias kernels)\n")
     print(table(preds, data.reasons))
     inside = sum(p.within for p in preds)
     print(

@@ -153,21 +153,22 @@ def test_unfused_attention_moves_the_score_matrix_four_times_forward_seven_backw
 def test_predicted_mfu_of_clip_vit_l14_on_a100_lands_in_the_published_range():
     """The end-to-end MFU is a sanity check of the whole predicted step, not an input. ViT-L/14 CLIP
     (428M parameters) at global batch 4096 on 64 A100s must land between the lowest MFU of a published
-    CLIP training on A100 whose source states its configuration (NVIDIA NeMo's ViT-g/14 on DGX A100,
-    conf/published/clip_training.yaml: 38.8-40.2%) and the best end-to-end A100 MFU published for GPT
-    training with FlashAttention-2 (72%, Dao 2023). The band contains the published CLIP measurements;
-    the model sits above them (it prices no data loading or launch gaps and the best-shape GEMM
-    efficiency: tests/test_published.py prints by how much)."""
+    CLIP training on A100 of L/14's size class or above whose source states its configuration (NVIDIA
+    NeMo's H/14 and g/14 on DGX A100, conf/published/clip_training.yaml: 37.2-40.2%) and the best
+    end-to-end A100 MFU published for GPT training with FlashAttention-2 (72%, Dao 2023). The band
+    contains those published CLIP measurements; the model sits above them (it prices the best-shape
+    GEMM efficiency: tests/test_published.py prints by how much). NeMo's B/32 (16%) is bounded by
+    something its page does not state and is left out of the band."""
     from lightning_distmm.planner.published import load_published, predict_all
 
     data = load_published()
     nemo_a100 = [
         p.mfu(measured=True)
         for p in predict_all(data)
-        if p.entry.source == "nemo_perf" and p.entry.cluster == "dgx_a100"
+        if p.entry.source.startswith("nemo_perf") and p.entry.cluster == "dgx_a100" and p.entry.model != "nemo_b32"
     ]
     low = min(nemo_a100)
-    assert 0.38 <= low <= 0.41  # the file's figures: 559 samples/s on 8 GPUs x 1,743.5 GFLOP / 312 TFLOP/s
+    assert 0.37 <= low <= 0.41  # H/14: 0.88 x 3,584 samples/s on 32 GPUs x 1,178.8 GFLOP / 312 TFLOP/s
     _, rep = make_plan(model("clip_vit_l14"), "a100_8x8", 4096)
     print(f"predicted MFU {rep.mfu:.1%}; published band {low:.1%} .. 72%")
     assert low <= rep.mfu <= 0.72

@@ -16,6 +16,7 @@ from lightning_distmm.planner.published import (
     predict,
     predict_all,
     run_choices,
+    run_options,
     table,
 )
 
@@ -73,15 +74,16 @@ def test_every_published_measurement_is_predicted_within_25_percent_or_marked_wi
                 f"{p.entry.key} is now predicted within +-{TOLERANCE:.0%} ({p.ratio:.2f}x): mark it reached in"
                 " conf/published/clip_training.yaml"
             )
-    # the model is optimistic, never pessimistic: every prediction is above its measurement
-    assert all(p.ratio > 1 for p in predictions)
+    # what the model misses it misses on the optimistic side: every entry out of reach is predicted
+    # faster than measured (something the sources do not state slowed them down)
+    assert all(p.ratio > 1 + TOLERANCE for p in predictions if not p.within)
 
 
 def test_partial_recompute_is_priced_between_none_and_all_layers(data: PublishedSet) -> None:
     """NeMo's g/14 recomputes 8 of its 40 vision blocks: the priced step lies 8/40 of the way from
     no recomputation to recomputing the whole tower, and the 264-token vision sequence (256 patches
     and NeMo's 8 class tokens) is what is priced."""
-    from lightning_distmm.planner.cost import CostOptions, evaluate_plan
+    from lightning_distmm.planner.cost import evaluate_plan
     from lightning_distmm.planner.profile import model_profiles
 
     e = next(x for x in data.entries if x.key == "nemo_g14_a100_1n")
@@ -89,7 +91,7 @@ def test_partial_recompute_is_priced_between_none_and_all_layers(data: Published
     profiles = model_profiles(run.config())
     assert profiles["image"].seq == 264 and profiles["text"].seq == 80 and profiles["image"].heads == 22
     p = predict(e, run)
-    cl, opts = p.cluster, CostOptions(precision=run.precision, flash_attention=run.flash_attention)
+    cl, opts = p.cluster, run_options(run)
     ranks = {n: list(range(8)) for n in profiles}
     none = evaluate_plan(profiles, cl, opts, run_choices(profiles, 8, 80, False), ranks, 640).step_time
     full_choices = run_choices(profiles, 8, 80, "image")
@@ -109,3 +111,95 @@ def test_the_source_configuration_is_priced_not_the_planners_choice(data: Publis
     assert not run.flash_attention
     fused = predict(e, dataclasses.replace(run, flash_attention=True))
     assert predict(e, run).step_time > fused.step_time
+
+
+def test_nemo_runs_are_priced_with_what_nemos_configuration_and_code_state(data: PublishedSet) -> None:
+    """NeMo's CLIP (the launcher's configurations, megatron_clip_models.py): bf16 O2 moves 2-byte
+    residuals and casts nothing (faster than autocast), the fp32 gradient all-reduce runs after the
+    backward (slower than overlapped), and Megatron's linears add biases in their own kernels (slower
+    than the GEMM epilogue). Each term moves the priced step the way the source says, and the file
+    keeps all three for every NeMo model."""
+    import dataclasses
+
+    for key in ("nemo_g14", "nemo_h14", "nemo_b32"):
+        run = data.models[key]
+        assert not run.autocast and not run.overlap_grad_sync and run.separate_bias and not run.flash_attention
+        assert run.torch_softmax == ("image",)  # the ViT passes no mask; the text tower's causal one is fused
+    e = next(x for x in data.entries if x.key == "nemo_g14_a100_4n")
+    run = data.models[e.model]
+    step = predict(e, run).step_time
+    assert predict(e, dataclasses.replace(run, autocast=True)).step_time > step
+    assert predict(e, dataclasses.replace(run, overlap_grad_sync=True)).step_time < step
+    assert predict(e, dataclasses.replace(run, separate_bias=False)).step_time < step
+    assert predict(e, dataclasses.replace(run, torch_softmax=())).step_time < step
+    # the comparative table's g/14 H100 row and the scaling table's 4-node H100 figure disagree by
+    # 1.64x: one configuration cannot be within 25% of both, and the file says which one it reaches
+    cmp_ = next(x for x in data.entries if x.key == "nemo_g14_h100_4n_cmp")
+    scal = next(x for x in data.entries if x.key == "nemo_g14_h100_4n")
+    assert cmp_.samples_per_s / scal.samples_per_s == pytest.approx(1.64, abs=0.01)
+    assert cmp_.reached and not scal.reached
+
+
+def test_separate_bias_kernels_cost_the_bytes_they_move() -> None:
+    """Megatron's bias handling priced from bytes: a column-parallel GEMM's bias is one read and one
+    write of its output in the forward, every bias gradient one read of the output gradient; for a
+    ViT block (qkv and fc1 column-parallel, proj and fc2 row-parallel) that is (3h + m) x 2 x 2 bytes
+    forward and (5h + m) x 2 bytes backward per token in bf16."""
+    from lightning_distmm.planner.cost import CostOptions
+    from lightning_distmm.planner.cost.compute import block_times
+    from lightning_distmm.planner.measure import load_cluster
+    from lightning_distmm.planner.profile import model_profiles
+
+    cl = load_cluster("dgx_a100")
+    prof = model_profiles(data_model := load_published().models["nemo_h14"].config())["image"]
+    assert data_model["towers"]["image"]["heads"] == 20
+    mb, s, h, m = 112, prof.seq, prof.width, prof.layer.gemms[2].n
+    base = CostOptions(flash_attention=False, autocast=False)
+    f0, b0 = block_times(prof.layer, cl, base, mb, 1)
+    f1, b1 = block_times(prof.layer, cl, CostOptions(flash_attention=False, autocast=False, separate_bias=True), mb, 1)
+    bw = cl.device.stream_bandwidth
+    assert float(f1 - f0) == pytest.approx(mb * s * (3 * h + m) * 2 * 2 / bw, rel=1e-6)
+    assert float(b1 - b0) == pytest.approx(mb * s * (5 * h + m) * 2 / bw, rel=1e-6)
+
+
+def test_an_fp32_torch_softmax_costs_its_extra_passes_over_the_scores() -> None:
+    """NeMo's ViT softmax as PyTorch ops in fp32 (cast, scale, softmax, cast back): 24 bytes per
+    score element forward and 28 - 2 backward beyond the fused kernel's passes, over the HBM
+    streaming bandwidth; only for the towers named, only without FlashAttention."""
+    from lightning_distmm.planner.cost import CostOptions
+    from lightning_distmm.planner.cost.compute import TORCH_SOFTMAX_BYTES, stage_compute
+    from lightning_distmm.planner.measure import load_cluster
+    from lightning_distmm.planner.profile import model_profiles
+
+    assert TORCH_SOFTMAX_BYTES == (24.0, 28.0)
+    cl = load_cluster("dgx_a100")
+    profs = model_profiles(load_published().models["nemo_g14"].config())
+    img, txt = profs["image"], profs["text"]
+    mb = 80
+    plain = CostOptions(flash_attention=False, autocast=False)
+    torch_sm = CostOptions(flash_attention=False, autocast=False, torch_softmax_towers=("image",))
+    f0, b0 = stage_compute(img, cl, plain, mb, 1, 1)
+    f1, b1 = stage_compute(img, cl, torch_sm, mb, 1, 1)
+    scores = img.layers * mb * 22 * 264 * 264
+    bw = cl.device.stream_bandwidth
+    assert float(f1 - f0) == pytest.approx(scores * 24 / bw, rel=1e-6)
+    assert float(b1 - b0) == pytest.approx(scores * 26 / bw, rel=1e-6)
+    assert stage_compute(txt, cl, torch_sm, mb, 1, 1) == stage_compute(txt, cl, plain, mb, 1, 1)
+    flash = CostOptions(flash_attention=True, autocast=False, torch_softmax_towers=("image",))
+    assert stage_compute(img, cl, flash, mb, 1, 1) == stage_compute(img, cl, CostOptions(autocast=False), mb, 1, 1)
+
+
+def test_laions_stability_runs_are_priced_with_the_gradient_checkpointing_their_blog_states(data: PublishedSet) -> None:
+    """LAION's blog ("Training speeds": A100-40GB, "We used gradient checkpointing") gives the
+    configuration of the stability.ai runs: every block of both towers recomputed, which slows the
+    priced H/14 step; its per-GPU rates are the CSV's (42 x 824 = 34,608 samples/s)."""
+    import dataclasses
+
+    e = next(x for x in data.entries if x.key == "laion_h14_2b_s32b_b79k")
+    run = data.models[e.model]
+    assert run.source == "laion_blog" and e.samples_per_s == 42 * 824
+    profiles_layers = {"image": 32, "text": 24}
+    assert dict(run.recompute_layers) == profiles_layers
+    assert predict(e, run).step_time > predict(e, dataclasses.replace(run, recompute_layers={})).step_time
+    blog = [x for x in data.entries if x.source == "laion_blog"]
+    assert sorted(x.samples_per_s for x in blog) == [20 * 800, 30 * 824]

@@ -48,6 +48,13 @@ class RunModel:
     precision: str = "bf16-mixed"
     flash_attention: bool = True
     recompute_layers: Mapping[str, int] = field(default_factory=dict)
+    autocast: bool = True  # False: Megatron's O2 (bf16 weights and residual stream, fp32 main copy)
+    overlap_grad_sync: bool = True  # False: the gradient all-reduce runs after the backward
+    separate_bias: bool = False  # Megatron's linear: bias adds and bias gradients as their own passes
+    torch_softmax: tuple[str, ...] = ()  # towers whose softmax runs as fp32 PyTorch ops (no fused kernel)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "torch_softmax", tuple(self.torch_softmax))
 
     def config(self) -> dict[str, Any]:
         """The model config: the preset with the overrides applied."""
@@ -65,6 +72,10 @@ class RunModel:
             "precision": self.precision,
             "flash_attention": self.flash_attention,
             **({"recompute_layers": dict(self.recompute_layers)} if self.recompute_layers else {}),
+            **({} if self.autocast else {"autocast": False}),
+            **({} if self.overlap_grad_sync else {"overlap_grad_sync": False}),
+            **({"separate_bias": True} if self.separate_bias else {}),
+            **({"torch_softmax": list(self.torch_softmax)} if self.torch_softmax else {}),
         }
 
 
@@ -178,6 +189,18 @@ def run_choices(profiles: Mapping[str, TowerProfile], gpus: int, mb: int, recomp
     }
 
 
+def run_options(run: RunModel) -> CostOptions:
+    """The cost model's software assumptions as ``run``'s source states them."""
+    return CostOptions(
+        precision=run.precision,
+        flash_attention=run.flash_attention,
+        autocast=run.autocast,
+        overlap_grad_sync=run.overlap_grad_sync,
+        separate_bias=run.separate_bias,
+        torch_softmax_towers=tuple(run.torch_softmax),
+    )
+
+
 def predict(entry: Published, run: RunModel) -> Prediction:
     """Price ``entry``'s configuration on its machine (see the module docstring)."""
     profiles = model_profiles(run.config())
@@ -187,7 +210,7 @@ def predict(entry: Published, run: RunModel) -> Prediction:
         if entry.gpus % base.devices_per_node:
             raise ValueError(f"{entry.key}: {entry.gpus} GPUs do not fill nodes of {base.devices_per_node}")
         cl = dataclasses.replace(base, nodes=entry.gpus // base.devices_per_node)
-    opts = CostOptions(precision=run.precision, flash_attention=run.flash_attention)
+    opts = run_options(run)
     ranks = {n: list(range(entry.gpus)) for n in profiles}
     G, mb = entry.global_batch, entry.per_gpu_batch
     cost = evaluate_plan(profiles, cl, opts, run_choices(profiles, entry.gpus, mb, False), ranks, G)
@@ -239,6 +262,7 @@ __all__ = [
     "Prediction",
     "load_published",
     "run_choices",
+    "run_options",
     "predict",
     "predict_all",
     "table",

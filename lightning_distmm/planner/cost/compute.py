@@ -47,6 +47,27 @@ forward writes the scores, the softmax reads them and writes the probabilities, 
 and ``dP`` and writes ``dS``, the query and key gradients read ``dS`` (7)."""
 
 
+TORCH_SOFTMAX_BYTES = (24.0, 28.0)
+"""Bytes per score element the unfused softmax moves beyond the fused kernel's passes, forward and
+backward, when it runs as PyTorch ops in fp32 (Megatron's and NeMo's ``forward_torch_softmax`` with
+``softmax_in_fp32``, forced by ``apply_query_key_layer_scaling``): forward ``input.float()`` (write
+4), ``* scale`` (read 4, write 4), softmax (read 4, write 4), ``.bfloat16()`` (read 4): six fp32
+passes; backward the cast of the probability gradient (write 4), the softmax backward (read it and
+the saved fp32 probabilities, write 4: 12), the scale (read 4, write 4), the cast back (read 4),
+less the compute-dtype read of the probabilities the fused backward makes (priced as
+:data:`UNFUSED_SCORE_PASSES`)."""
+
+
+def torch_softmax_times(block: Block, cluster: Cluster, opts: CostOptions, mb: Any, tp: int) -> tuple[Any, Any]:
+    """Extra forward and backward seconds of ``block``'s attention when its softmax runs as fp32
+    PyTorch ops instead of the fused kernel (:data:`TORCH_SOFTMAX_BYTES`)."""
+    mb = np.asarray(mb, dtype=float)
+    scores = sum(mb * a.q * a.kv * a.heads / tp for a in block.attn) + 0 * mb
+    fwd, bwd = TORCH_SOFTMAX_BYTES
+    dev = cluster.device
+    return dev.stream_time(fwd * scores), dev.stream_time((bwd - opts.bytes_el) * scores)
+
+
 def block_times(block: Block, cluster: Cluster, opts: CostOptions, mb: Any, tp: int) -> tuple[np.ndarray, np.ndarray]:
     """Forward and backward seconds of ``block`` for ``mb`` samples on one device of a ``tp``-way split."""
     dev = cluster.device
@@ -71,6 +92,15 @@ def block_times(block: Block, cluster: Cluster, opts: CostOptions, mb: Any, tp: 
         needs = np.array([[g.input_grad] for g in block.gemms], dtype=float)
         b = b + (needs * dgrad + wgrad).sum(axis=0).reshape(mb.shape)
         weights = float((k * n).sum())
+        if opts.separate_bias:
+            # Megatron's linear (``output + bias`` after the matmul): a column-parallel GEMM's bias
+            # is its own pass over the output (read + write); a row-parallel one's is fused into
+            # bias-dropout-add. Every bias gradient is a reduction reading the output gradient.
+            col = np.array([[g.split == "col"] for g in block.gemms], dtype=float)
+            lin = np.array([[g.split in ("col", "row")] for g in block.gemms], dtype=float)
+            out = bel * T * n
+            f = f + dev.stream_time((2.0 * col * out).sum(axis=0)).reshape(mb.shape)
+            b = b + dev.stream_time((lin * out).sum(axis=0)).reshape(mb.shape)
     for a in block.attn:
         width = a.width / tp
         heads = max(a.heads // tp, 1)
@@ -137,6 +167,9 @@ def _analytic_stage(
 ) -> tuple[np.ndarray, np.ndarray]:
     n = profile.layers // pp
     lf, lb = block_times(profile.layer, cluster, opts, mb, tp)
+    if profile.name in opts.torch_softmax_towers and not opts.flash_attention:
+        xf, xb = torch_softmax_times(profile.layer, cluster, opts, mb, tp)
+        lf, lb = lf + xf, lb + xb
     (pf, pb), (qf, qb) = (block_times(x, cluster, opts, mb, tp) for x in (profile.pre, profile.post))
     if pp == 1:
         return lf * n + pf + qf, lb * n + pb + qb
@@ -208,6 +241,8 @@ def shared_host_phases(
 __all__ = [
     "ATTN_BWD_FLOPS",
     "UNFUSED_SCORE_PASSES",
+    "TORCH_SOFTMAX_BYTES",
+    "torch_softmax_times",
     "block_time",
     "block_times",
     "stage_compute",

@@ -121,6 +121,16 @@ class CostOptions:
     ``--sequence-parallel``, Korthikanti et al. 2022): replicated elementwise work and activations
     are divided by tp; each all-reduce becomes a reduce-scatter and an all-gather of the same bytes.
     Priced for the Megatron baselines; the runtime has no sequence parallelism.
+    ``separate_bias``: every bias is added by its own kernel, as Megatron's (and NeMo 1.x's)
+    ``linear_with_grad_accumulation_and_async_allreduce`` does (``output = matmul(...)``, then
+    ``output + bias``; with ``bias_activation_fusion: False`` also the MLP's first bias); the
+    row-parallel biases are fused into bias-dropout-add; each bias gradient is
+    ``grad_output.sum(0)``, one read of the output gradient. ``False``: biases ride in the GEMM's
+    epilogue (``torch.nn.Linear`` through cuBLASLt), the runtime's case.
+    ``torch_softmax_towers``: towers whose unfused attention softmax runs as fp32 PyTorch ops rather
+    than a fused kernel (NeMo 1.x's ViT: no attention mask, which apex's fused softmax requires;
+    :data:`lightning_distmm.planner.cost.compute.TORCH_SOFTMAX_BYTES`). Only with
+    ``flash_attention: False``.
     """
 
     precision: str = "bf16-mixed"
@@ -132,9 +142,12 @@ class CostOptions:
     step_overhead: float = 0.0
     autocast: bool = True
     sequence_parallel: bool = False
+    separate_bias: bool = False
+    torch_softmax_towers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         precision_policy(self.precision)  # an unknown name fails here, with the choices
+        self.torch_softmax_towers = tuple(self.torch_softmax_towers)  # a YAML list reads back as a tuple
 
     @property
     def policy(self) -> PrecisionPolicy:
