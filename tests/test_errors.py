@@ -163,11 +163,46 @@ CASES = {
 }
 
 
+#: the cases run under the real subprocess launcher (one per kind: the plan against the world at
+#: setup, the data against the towers at setup, a tower's output in the first step); the others
+#: fork their ranks from the test process, which has Lightning imported already (a popen case
+#: starts a Python process per rank, seconds of imports each)
+POPEN_CASES = ("world-size", "missing-field", "tower-returns-tuple")
+
+
+def _run_case(case: str, folder: str, start_method: str = "popen") -> None:
+    """Train (or validate) one case's module on its plan; every rank records what it raised."""
+    world, plan, data, _, *extra = CASES[case]
+    module = extra[0]() if extra else TinyCLIP()
+    validate = extra[1:] == ["validate"]
+    trainer = L.Trainer(
+        devices=world,
+        max_steps=2,
+        strategy=ldm.DistMMStrategy(plan, start_method=start_method),
+        callbacks=[ErrorRecorder(folder)],
+        **trainer_kwargs(limit_val_batches=2 if validate else 0),
+    )
+    if validate:
+        trainer.validate(module, data())
+    else:
+        trainer.fit(module, data())
+
+
+def _assert_every_rank_said(case: str, folder: Path, stderr: str) -> None:
+    """Every rank went through its exception handling, and each ends with the message (its own
+    error, or the relayed root cause of the rank that failed first)."""
+    world, _, _, message, *_ = CASES[case]
+    assert re.search(message, stderr), stderr[-2000:]
+    texts = {p.name: p.read_text() for p in folder.glob("rank*.txt")}
+    assert sorted(texts) == [f"rank{r}.txt" for r in range(world)], texts
+    for rank in range(world):
+        assert re.search(rf"\[rank{rank}\]: .*{message}", stderr), (rank, stderr[-3000:])
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", POPEN_CASES)
 def test_bad_input_fails_on_every_rank(case, tmp_path):
     """The real subprocess launcher: each rank's own exception handler records what it raised."""
-    world, _, _, message, *_ = CASES[case]
     script = Path(__file__).parent / "scripts" / "fail_fast.py"
     start = time.monotonic()
     proc = subprocess.run(
@@ -178,14 +213,28 @@ def test_bad_input_fails_on_every_rank(case, tmp_path):
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
     assert proc.returncode != 0
-    assert re.search(message, proc.stderr), proc.stderr[-2000:]
     assert time.monotonic() - start < 90
-    # every rank went through its exception handling, and each ends with the message (its own
-    # error, or the relayed root cause of the rank that failed first)
-    texts = {p.name: p.read_text() for p in tmp_path.glob("rank*.txt")}
-    assert sorted(texts) == [f"rank{r}.txt" for r in range(world)], texts
-    for rank in range(world):
-        assert re.search(rf"\[rank{rank}\]: .*{message}", proc.stderr), (rank, proc.stderr[-3000:])
+    _assert_every_rank_said(case, tmp_path, proc.stderr)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c for c in CASES if c not in POPEN_CASES])
+def test_bad_input_fails_with_its_message(case, tmp_path, capfd):
+    """Every other case with ranks forked from this process: the launch fails in the parent with the
+    case's message, and rank 0's handler recorded it. (torch's fork launcher ends the other ranks as
+    soon as one fails, so whether they reached their handlers is a race here; the popen cases above
+    show every rank's.)"""
+    _, _, _, message, *_ = CASES[case]
+    start = time.monotonic()
+    with pytest.raises(Exception) as raised:
+        _run_case(case, str(tmp_path), start_method="fork")
+    assert time.monotonic() - start < 90
+    said = capfd.readouterr().err + str(raised.value)
+    assert re.search(message, said), said[-2000:]
+    records = {p.name: p.read_text() for p in tmp_path.glob("rank*.txt")}
+    assert "rank0.txt" in records, records
+    for name, text in records.items():
+        assert re.search(message, text), (name, text[-2000:])
 
 
 def test_plan_yaml_with_unknown_keys_fails_at_construction(tmp_path):
