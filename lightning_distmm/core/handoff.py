@@ -153,15 +153,18 @@ def handoff_schedule(
     trains: Mapping[str, bool],
     rank: int,
     n: int,
+    links: Sequence[Route] | None = None,
 ) -> list:
     """``rank``'s instructions of one step: forwards in consumption ``order`` (a consumer receives its
     rows first, a producer sends them after its forward), then backwards in reverse (the consumer's
     loss, backward and the tokens' gradients sent back; a producer receives them before its
     backward), then the gradient sums. ``trains[tower]``: whether any of its parameters trains (a
     frozen producer gets no gradients back). Every receive's send comes earlier in its sender's
-    list and sends never block, so the lists cannot deadlock."""
+    list and sends never block, so the lists cannot deadlock. ``links``: :func:`routes` of the plan,
+    when the caller builds every rank's list (computed once, not once per rank)."""
     check_handoff_plan(plan, consumes)
-    links = routes(plan, consumes, n)
+    every = routes(plan, consumes, n) if links is None else links
+    links = [r for r in every if r.dst == rank or r.src == rank or rank in r.grad_ranks]
     consumers = set(consumes)
     local = [name for name in order if rank in plan.towers[name].ranks]
     sizes = {}
@@ -241,7 +244,14 @@ def simulate_handoff(
                     if len(arrivals[key]) < len(members):
                         break
                     start = max(clock[r], *arrivals[key].values())
+                elif isinstance(ins, (Forward, Backward)) and ins.recv_from is not None:
+                    key = (type(ins).__name__, ins.tower, ins.mb, ins.recv_from, r)
+                    if key not in sent:
+                        break
+                    start = max(start, sent[key] + (link(ins) if callable(link) else link))
                 end = start + duration(r, ins)
+                if isinstance(ins, (Forward, Backward)) and ins.send_to is not None:
+                    sent[type(ins).__name__, ins.tower, ins.mb, r, ins.send_to] = end
                 if isinstance(ins, SendTokens):
                     sent["tokens", ins.route, ins.route.dst] = end
                 elif isinstance(ins, SendTokenGrads):
@@ -262,4 +272,5 @@ def handoff_schedules(
     plan: Plan, consumes: Mapping[str, Sequence[str]], order: Sequence[str], trains: Mapping[str, bool], n: int
 ) -> dict[int, list]:
     """Every rank's list (:func:`handoff_schedule`)."""
-    return {rank: handoff_schedule(plan, consumes, order, trains, rank, n) for rank in range(plan.world_size)}
+    links = routes(plan, consumes, n)
+    return {rank: handoff_schedule(plan, consumes, order, trains, rank, n, links) for rank in range(plan.world_size)}
