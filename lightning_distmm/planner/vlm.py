@@ -303,7 +303,7 @@ class VLMPick:
 
     def describe(self) -> str:
         where = "colocated" if self.order == "colocated" else f"separate ({self.order} first)"
-        return f"image {self.image.label()} | llm {self.llm.label()} | {where}"
+        return f"image {self.image.label()}; llm {self.llm.label()}; {where}"
 
     def to_dict(self) -> dict[str, Any]:
         return {
