@@ -194,6 +194,7 @@ class VLM(DistMMMixin, L.LightningModule):
         max_images: int = 2,
         optimizer: str = "sgd",
         lr: float = 0.1,
+        eps: float = 1e-8,
     ) -> None:
         super().__init__()
         lm = lm if lm is not None else LlamaForCausalLM(tiny_llama_config())
@@ -205,6 +206,7 @@ class VLM(DistMMMixin, L.LightningModule):
         self.frozen_llm = frozen_llm
         self.optimizer_name = optimizer
         self.lr = lr
+        self.eps = eps  # AdamW's epsilon (torch's default)
 
     def towers(self) -> dict[str, Tower]:
         return {
@@ -232,7 +234,7 @@ class VLM(DistMMMixin, L.LightningModule):
     def configure_optimizers(self) -> Any:
         params = [p for p in self.parameters() if p.requires_grad]
         if self.optimizer_name == "adamw":
-            return torch.optim.AdamW(params, lr=self.lr, weight_decay=0.01)
+            return torch.optim.AdamW(params, lr=self.lr, weight_decay=0.01, eps=self.eps)
         return torch.optim.SGD(params, lr=self.lr, momentum=0.9)
 
 
