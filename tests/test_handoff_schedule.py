@@ -132,3 +132,34 @@ def test_instruction_names() -> None:
         for lst in handoff_schedules(five_rank_plan(), CONSUMES, ORDER, {"image": True, "llm": True}, 7).values()
         for i in lst
     }
+
+
+@pytest.mark.parametrize(
+    "towers",
+    [
+        {"image": {"ranks": [0, 1, 2]}, "llm": {"ranks": [3, 4]}},
+        {"image": {"ranks": [0]}, "llm": {"ranks": [1, 2], "tp": 2}},
+        {"image": {"ranks": [0, 1], "tp": 2}, "llm": {"ranks": [2]}},
+        {"image": {"ranks": [0, 1, 2, 3]}, "llm": {"ranks": [0, 1, 2, 3], "pp": 2, "microbatch": 1}},
+    ],
+    ids=["dp3-dp2", "llm-tp2", "image-tp2", "colocated-llm-pp2"],
+)
+def test_every_message_has_its_link(towers) -> None:
+    """Every transfer of every rank's list, at any batch, runs over one of :func:`handoff_links`' pairs
+    (the runtime's per-pair process groups), and a rank never has a link to itself."""
+    from lightning_distmm.core.handoff import SendTokenGrads, SendTokens, handoff_links
+
+    world = len({r for t in towers.values() for r in t["ranks"]})
+    plan = Plan(world, towers)
+    consumes = {"llm": ["image"]}
+    links = set(handoff_links(plan, consumes))
+    assert all(src != dst for _, src, dst in links)
+    for n in (4, 7, 12):
+        for rank, instrs in handoff_schedules(
+            plan, consumes, ["image", "llm"], {"image": True, "llm": True}, n
+        ).items():
+            for ins in instrs:
+                if isinstance(ins, SendTokens) and ins.route.dst != rank:
+                    assert ("tokens", rank, ins.route.dst) in links
+                if isinstance(ins, SendTokenGrads) and ins.peer != rank:
+                    assert ("grads", rank, ins.peer) in links

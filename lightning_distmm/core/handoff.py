@@ -146,6 +146,26 @@ def routes(plan: Plan, consumes: Mapping[str, Sequence[str]], n: int) -> list[Ro
     return out
 
 
+def handoff_links(plan: Plan, consumes: Mapping[str, Sequence[str]]) -> list[tuple[str, int, int]]:
+    """Every ``(kind, src, dst)`` that may carry a handoff message at any global batch, in one fixed
+    order: ``tokens`` from a producer replica's feature rank to each rank of a consumer replica's first
+    stage, ``grads`` from a consumer replica's first rank back to each rank of the producer replica's
+    last stage; none from a rank to itself. The runtime gives each its own process group (NCCL runs a
+    communicator's operations in order, so one pair's pending send must not hold up another's)."""
+    out: list[tuple[str, int, int]] = []
+    for consumer, producers in consumes.items():
+        ct = plan.towers[consumer]
+        firsts = [ct.replica_ranks(r)[: ct.tp] for r in range(ct.dp)]
+        for producer in producers:
+            pt = plan.towers[producer]
+            for q in range(pt.dp):
+                last = pt.replica_ranks(q)[(pt.pp - 1) * pt.tp :]
+                for first in firsts:
+                    out += [("tokens", pt.feature_rank(q), d) for d in first if d != pt.feature_rank(q)]
+                    out += [("grads", first[0], s) for s in last if s != first[0]]
+    return list(dict.fromkeys(out))
+
+
 def handoff_schedule(
     plan: Plan,
     consumes: Mapping[str, Sequence[str]],
