@@ -102,6 +102,11 @@ class LanguageModel(nn.Module):
         causal = create_causal_mask(
             config=self.lm.config, inputs_embeds=x, attention_mask=mask, cache=None, position_ids=positions
         )
+        if torch.is_tensor(causal) and causal.is_floating_point():
+            # transformers' eager attention takes its softmax in float32: a float64 model's mask value
+            # (float64's min) becomes -inf there, and a row with no key to attend (an absent image's
+            # slot) NaN. float32's min is the same mask for every dtype (identity in float32).
+            causal = causal.clamp(min=torch.finfo(torch.float32).min)
         return causal, self.lm.model.rotary_emb(x, position_ids=positions), positions
 
     def _layers(self, x: Tensor, rows: Any, a: int, b: int) -> Tensor:
