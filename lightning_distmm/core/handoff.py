@@ -108,16 +108,6 @@ def check_handoff_plan(plan: Plan, consumes: Mapping[str, Sequence[str]]) -> Non
             "a model whose towers consume each other's outputs has no batch-sync: use schedule 'gpipe' (one"
             " sync group), not 'distmm'"
         )
-    producers = {p for ps in consumes.values() for p in ps}
-    for name, t in plan.towers.items():
-        unsupported = []
-        if name in producers and t.pp != 1:  # its rows would have to leave its last stage, its pipeline cut be given
-            unsupported.append("pp of a consumed tower")
-        if unsupported:
-            raise NotImplementedError(
-                f"tower {name!r}: {', '.join(unsupported)} with a consuming tower is not supported yet"
-                " (data-parallel replicas only; docs/mllm.md, 'Status')"
-            )
     for consumer, producers in consumes.items():
         for p in producers:
             if p not in plan.towers or consumer not in plan.towers:

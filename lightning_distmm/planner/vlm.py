@@ -163,7 +163,8 @@ def module_options(
     prof = profs.vision if module == "image" else profs.llm
     dpn = cluster.devices_per_node
     tp_ok = tps or tuple(t for t in _divisors(dpn) if prof.heads % t == 0)
-    pp_ok = pps or ((1,) if module == "image" else tuple(p for p in _divisors(prof.layers) if p <= 16))
+    # a frozen ViT is not cut into stages (the runtime refuses it: VisionProjector.pipeline_stages)
+    pp_ok = pps or ((1,) if module == "image" and prof.frozen else tuple(p for p in _divisors(prof.layers) if p <= 16))
     out = []
     for tp in tp_ok:
         for pp in pp_ok:
