@@ -80,9 +80,25 @@ def test_simulated_step_overlaps_nothing_it_must_wait_for() -> None:
 
 
 def test_unsupported_plans_say_what() -> None:
-    plan = Plan(3, {"image": {"ranks": [0, 1], "pp": 2}, "llm": {"ranks": [2]}})
-    with pytest.raises(NotImplementedError, match="pp of a consumed tower"):
+    two_waves = {"microbatch": 1, "schedule": "distmm"}
+    plan = Plan(3, {"image": {"ranks": [0, 1], **two_waves}, "llm": {"ranks": [2], **two_waves}})
+    with pytest.raises(ValueError, match="has no batch-sync"):
         handoff_schedules(plan, CONSUMES, ORDER, {"image": True, "llm": True}, 4)
+
+
+def test_pipelined_encoder_sends_from_its_last_stage_and_gets_the_gradient_there() -> None:
+    """Encoder pp2 (ranks 0, 1) + LLM (rank 2): stage 1 sends the rows and receives their gradient;
+    stage 0 only computes; the replay ends (no deadlock) with stage 0's backward after stage 1's."""
+    plan = Plan(3, {"image": {"ranks": [0, 1], "pp": 2, "microbatch": 2}, "llm": {"ranks": [2]}})
+    lists = handoff_schedules(plan, CONSUMES, ORDER, {"image": True, "llm": True}, 4)
+    kinds = {r: [type(i).__name__ for i in lst] for r, lst in lists.items()}
+    assert kinds[0] == ["Forward", "Forward", "Backward", "Backward", "GradSync"]
+    assert kinds[1].count("SendTokens") == 2 and kinds[1].count("RecvTokenGrads") == 2
+    iv = simulate_handoff(lists, lambda r, ins: 1.0, 0.0, {"llm": [2]})
+    end = {(i.rank, type(i.instruction).__name__, getattr(i.instruction, "mb", -1)): i for i in iv}
+    for mb in (0, 1):
+        assert end[0, "Backward", mb].start >= end[1, "Backward", mb].end
+        assert end[1, "Forward", mb].start >= end[0, "Forward", mb].end
 
 
 def test_pipelined_llm_receives_on_its_first_stage_and_computes_the_loss_on_its_last() -> None:
