@@ -17,7 +17,8 @@ give (:func:`lightning_distmm.core.handoff.simulate_handoff`).
 
 The baselines go through the same pricing: FSDP over the whole model (both modules on every rank,
 ``shard: full``, dp = N) and a uniform Megatron-style plan (the same tp for both modules, the LLM
-cut into pp stages, the encoder's replicas over the same ranks; the distributed optimizer priced).
+cut into pp stages, the encoder's replicas over the same ranks, cut into the same pp stages unless the
+ViT is frozen, which the runtime does not cut; the distributed optimizer priced).
 """
 
 from __future__ import annotations
@@ -387,7 +388,8 @@ def vlm_plan(
     ):
         es = module_options(profs, "image", N, global_batch, cluster, opts, ("none", "optimizer"), (t,))
         ls = module_options(profs, "llm", N, global_batch, cluster, opts, ("none", "optimizer"), (t,))
-        uniform += [p for p in _colocated_pairs(es, ls, limit) if p[1].choice.shard == p[2].choice.shard]
+        same = lambda e, lm: e.shard == lm.shard and (e.pp == lm.pp or profs.vision.frozen)  # noqa: E731
+        uniform += [p for p in _colocated_pairs(es, ls, limit, top=200) if same(p[1].choice, p[2].choice)]
     out["megatron"] = _replay("megatron", _finalists(uniform, keep), profs, global_batch, cluster, opts)
     # the pick: the fastest plan the runtime runs (FSDP's is one of them; Megatron's distributed
     # optimizer is priced only); ``kind`` says which search found it
