@@ -81,9 +81,25 @@ def test_simulated_step_overlaps_nothing_it_must_wait_for() -> None:
 
 
 def test_unsupported_plans_say_what() -> None:
-    plan = Plan(3, {"image": {"ranks": [0, 1], "pp": 2}, "llm": {"ranks": [2]}})
-    with pytest.raises(NotImplementedError, match="pp of a consumed tower"):
+    two_waves = {"microbatch": 1, "schedule": "distmm"}
+    plan = Plan(3, {"image": {"ranks": [0, 1], **two_waves}, "llm": {"ranks": [2], **two_waves}})
+    with pytest.raises(ValueError, match="has no batch-sync"):
         handoff_schedules(plan, CONSUMES, ORDER, {"image": True, "llm": True}, 4)
+
+
+def test_pipelined_encoder_sends_from_its_last_stage_and_gets_the_gradient_there() -> None:
+    """Encoder pp2 (ranks 0, 1) + LLM (rank 2): stage 1 sends the rows and receives their gradient;
+    stage 0 only computes; the replay ends (no deadlock) with stage 0's backward after stage 1's."""
+    plan = Plan(3, {"image": {"ranks": [0, 1], "pp": 2, "microbatch": 2}, "llm": {"ranks": [2]}})
+    lists = handoff_schedules(plan, CONSUMES, ORDER, {"image": True, "llm": True}, 4)
+    kinds = {r: [type(i).__name__ for i in lst] for r, lst in lists.items()}
+    assert kinds[0] == ["Forward", "Forward", "Backward", "Backward", "GradSync"]
+    assert kinds[1].count("SendTokens") == 2 and kinds[1].count("RecvTokenGrads") == 2
+    iv = simulate_handoff(lists, lambda r, ins: 1.0, 0.0, {"llm": [2]})
+    end = {(i.rank, type(i.instruction).__name__, getattr(i.instruction, "mb", -1)): i for i in iv}
+    for mb in (0, 1):
+        assert end[0, "Backward", mb].start >= end[1, "Backward", mb].end
+        assert end[1, "Forward", mb].start >= end[0, "Forward", mb].end
 
 
 def test_pipelined_llm_receives_on_its_first_stage_and_computes_the_loss_on_its_last() -> None:
@@ -133,3 +149,34 @@ def test_instruction_names() -> None:
         for lst in handoff_schedules(five_rank_plan(), CONSUMES, ORDER, {"image": True, "llm": True}, 7).values()
         for i in lst
     }
+
+
+@pytest.mark.parametrize(
+    "towers",
+    [
+        {"image": {"ranks": [0, 1, 2]}, "llm": {"ranks": [3, 4]}},
+        {"image": {"ranks": [0]}, "llm": {"ranks": [1, 2], "tp": 2}},
+        {"image": {"ranks": [0, 1], "tp": 2}, "llm": {"ranks": [2]}},
+        {"image": {"ranks": [0, 1, 2, 3]}, "llm": {"ranks": [0, 1, 2, 3], "pp": 2, "microbatch": 1}},
+    ],
+    ids=["dp3-dp2", "llm-tp2", "image-tp2", "colocated-llm-pp2"],
+)
+def test_every_message_has_its_link(towers) -> None:
+    """Every transfer of every rank's list, at any batch, runs over one of :func:`handoff_links`' pairs
+    (the runtime's per-pair process groups), and a rank never has a link to itself."""
+    from lightning_distmm.core.handoff import SendTokenGrads, SendTokens, handoff_links
+
+    world = len({r for t in towers.values() for r in t["ranks"]})
+    plan = Plan(world, towers)
+    consumes = {"llm": ["image"]}
+    links = set(handoff_links(plan, consumes))
+    assert all(src != dst for _, src, dst in links)
+    for n in (4, 7, 12):
+        for rank, instrs in handoff_schedules(
+            plan, consumes, ["image", "llm"], {"image": True, "llm": True}, n
+        ).items():
+            for ins in instrs:
+                if isinstance(ins, SendTokens) and ins.route.dst != rank:
+                    assert ("tokens", rank, ins.route.dst) in links
+                if isinstance(ins, SendTokenGrads) and ins.peer != rank:
+                    assert ("grads", rank, ins.peer) in links

@@ -108,16 +108,6 @@ def check_handoff_plan(plan: Plan, consumes: Mapping[str, Sequence[str]]) -> Non
             "a model whose towers consume each other's outputs has no batch-sync: use schedule 'gpipe' (one"
             " sync group), not 'distmm'"
         )
-    producers = {p for ps in consumes.values() for p in ps}
-    for name, t in plan.towers.items():
-        unsupported = []
-        if name in producers and t.pp != 1:  # its rows would have to leave its last stage, its pipeline cut be given
-            unsupported.append("pp of a consumed tower")
-        if unsupported:
-            raise NotImplementedError(
-                f"tower {name!r}: {', '.join(unsupported)} with a consuming tower is not supported yet"
-                " (data-parallel replicas only; docs/mllm.md, 'Status')"
-            )
     for consumer, producers in consumes.items():
         for p in producers:
             if p not in plan.towers or consumer not in plan.towers:
@@ -146,6 +136,26 @@ def routes(plan: Plan, consumes: Mapping[str, Sequence[str]], n: int) -> list[Ro
     return out
 
 
+def handoff_links(plan: Plan, consumes: Mapping[str, Sequence[str]]) -> list[tuple[str, int, int]]:
+    """Every ``(kind, src, dst)`` that may carry a handoff message at any global batch, in one fixed
+    order: ``tokens`` from a producer replica's feature rank to each rank of a consumer replica's first
+    stage, ``grads`` from a consumer replica's first rank back to each rank of the producer replica's
+    last stage; none from a rank to itself. The runtime gives each its own process group (NCCL runs a
+    communicator's operations in order, so one pair's pending send must not hold up another's)."""
+    out: list[tuple[str, int, int]] = []
+    for consumer, producers in consumes.items():
+        ct = plan.towers[consumer]
+        firsts = [ct.replica_ranks(r)[: ct.tp] for r in range(ct.dp)]
+        for producer in producers:
+            pt = plan.towers[producer]
+            for q in range(pt.dp):
+                last = pt.replica_ranks(q)[(pt.pp - 1) * pt.tp :]
+                for first in firsts:
+                    out += [("tokens", pt.feature_rank(q), d) for d in first if d != pt.feature_rank(q)]
+                    out += [("grads", first[0], s) for s in last if s != first[0]]
+    return list(dict.fromkeys(out))
+
+
 def handoff_schedule(
     plan: Plan,
     consumes: Mapping[str, Sequence[str]],
@@ -153,15 +163,18 @@ def handoff_schedule(
     trains: Mapping[str, bool],
     rank: int,
     n: int,
+    links: Sequence[Route] | None = None,
 ) -> list:
     """``rank``'s instructions of one step: forwards in consumption ``order`` (a consumer receives its
     rows first, a producer sends them after its forward), then backwards in reverse (the consumer's
     loss, backward and the tokens' gradients sent back; a producer receives them before its
     backward), then the gradient sums. ``trains[tower]``: whether any of its parameters trains (a
     frozen producer gets no gradients back). Every receive's send comes earlier in its sender's
-    list and sends never block, so the lists cannot deadlock."""
+    list and sends never block, so the lists cannot deadlock. ``links``: :func:`routes` of the plan,
+    when the caller builds every rank's list (computed once, not once per rank)."""
     check_handoff_plan(plan, consumes)
-    links = routes(plan, consumes, n)
+    every = routes(plan, consumes, n) if links is None else links
+    links = [r for r in every if r.dst == rank or r.src == rank or rank in r.grad_ranks]
     consumers = set(consumes)
     local = [name for name in order if rank in plan.towers[name].ranks]
     sizes = {}
@@ -203,4 +216,5 @@ def handoff_schedules(
     plan: Plan, consumes: Mapping[str, Sequence[str]], order: Sequence[str], trains: Mapping[str, bool], n: int
 ) -> dict[int, list]:
     """Every rank's list (:func:`handoff_schedule`)."""
-    return {rank: handoff_schedule(plan, consumes, order, trains, rank, n) for rank in range(plan.world_size)}
+    links = routes(plan, consumes, n)
+    return {rank: handoff_schedule(plan, consumes, order, trains, rank, n, links) for rank in range(plan.world_size)}

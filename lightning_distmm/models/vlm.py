@@ -55,6 +55,56 @@ class VisionProjector(nn.Module):
         # the rows keep a graph even with no present image (the projector's parameters get a zero gradient)
         return out.index_put((present,), tokens) + 0.0 * tokens.sum()
 
+    def pipeline_stages(self, pp: int) -> list:
+        """``pp`` stages of the same computation as :meth:`forward`: stage 0 picks the present images
+        and embeds their patches, the ViT blocks are split evenly, the last stage normalises, projects
+        and puts each image's tokens back in its row's slot (rows of a microbatch travel between stages
+        as ``[present images, tokens, width]``)."""
+        from lightning_distmm.parallel.pipeline import Stage
+
+        vit, blocks = self.vit, self.vit.blocks  # type: ignore[union-attr]
+        if self.freeze_vit:
+            raise ValueError("a frozen ViT (freeze_vit=True) cannot be cut into pipeline stages yet: use pp=1")
+        if len(blocks) < pp:
+            raise ValueError(f"a ViT with {len(blocks)} blocks cannot be cut into pp={pp} stages")
+        base, extra = divmod(len(blocks), pp)
+        stages, start = [], 0
+        for s in range(pp):
+            a, b = start, start + base + (1 if s < extra else 0)
+            start = b
+            first, last = s == 0, s == pp - 1
+            own: list[nn.Module] = list(blocks[a:b])
+            if first:
+                own += [vit.patch_embed, vit.norm_pre]  # type: ignore[list-item]
+            if last:
+                own += [vit.norm, self.projector]  # type: ignore[list-item]
+
+            def run(
+                x: Tensor | None, rows: Any, a: int = a, b: int = b, first: bool = first, last: bool = last
+            ) -> Tensor:
+                pixels, n_images = rows["pixel_values"], rows["n_images"]
+                k = pixels.shape[1]
+                present = torch.arange(k, device=pixels.device)[None, :] < n_images[:, None]
+                if first:
+                    x = vit.patch_embed(pixels[present])  # type: ignore[operator]
+                    x = vit.norm_pre(vit.patch_drop(vit._pos_embed(x)))  # type: ignore[operator]
+                assert x is not None
+                for block in blocks[a:b]:
+                    x = block(x)
+                if not last:
+                    return x
+                tokens = self.projector(vit.norm(x))  # type: ignore[operator]
+                out = tokens.new_zeros(pixels.shape[0], k, *tokens.shape[1:])
+                return out.index_put((present,), tokens) + 0.0 * tokens.sum()
+
+            loose = tuple(
+                f"vit.{n}"
+                for n in ("cls_token", "reg_token", "pos_embed")
+                if first and getattr(vit, n, None) is not None
+            )
+            stages.append(Stage(own, run, loose))
+        return stages
+
 
 class LanguageModel(nn.Module):
     """A causal LM that reads image tokens as a prefix: returns ``[B, S, V]`` logits of the text positions.
@@ -102,6 +152,11 @@ class LanguageModel(nn.Module):
         causal = create_causal_mask(
             config=self.lm.config, inputs_embeds=x, attention_mask=mask, cache=None, position_ids=positions
         )
+        if torch.is_tensor(causal) and causal.is_floating_point():
+            # transformers' eager attention takes its softmax in float32: a float64 model's mask value
+            # (float64's min) becomes -inf there, and a row with no key to attend (an absent image's
+            # slot) NaN. float32's min is the same mask for every dtype (identity in float32).
+            causal = causal.clamp(min=torch.finfo(torch.float32).min)
         return causal, self.lm.model.rotary_emb(x, position_ids=positions), positions
 
     def _layers(self, x: Tensor, rows: Any, a: int, b: int) -> Tensor:
@@ -194,6 +249,7 @@ class VLM(DistMMMixin, L.LightningModule):
         max_images: int = 2,
         optimizer: str = "sgd",
         lr: float = 0.1,
+        eps: float = 1e-8,
     ) -> None:
         super().__init__()
         lm = lm if lm is not None else LlamaForCausalLM(tiny_llama_config())
@@ -205,6 +261,7 @@ class VLM(DistMMMixin, L.LightningModule):
         self.frozen_llm = frozen_llm
         self.optimizer_name = optimizer
         self.lr = lr
+        self.eps = eps  # AdamW's epsilon (torch's default)
 
     def towers(self) -> dict[str, Tower]:
         return {
@@ -232,7 +289,7 @@ class VLM(DistMMMixin, L.LightningModule):
     def configure_optimizers(self) -> Any:
         params = [p for p in self.parameters() if p.requires_grad]
         if self.optimizer_name == "adamw":
-            return torch.optim.AdamW(params, lr=self.lr, weight_decay=0.01)
+            return torch.optim.AdamW(params, lr=self.lr, weight_decay=0.01, eps=self.eps)
         return torch.optim.SGD(params, lr=self.lr, momentum=0.9)
 
 

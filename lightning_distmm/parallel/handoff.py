@@ -25,6 +25,7 @@ from lightning_distmm.core.handoff import (
     SendTokens,
     TokenLoss,
     check_handoff_plan,
+    handoff_links,
     handoff_schedule,
 )
 from lightning_distmm.core.plan import Plan
@@ -34,7 +35,8 @@ from lightning_distmm.tower import Tower, TowerModule, tower_order
 
 _HEADER = 8  # ndim, up to 6 dims, dtype
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
-_TAG = 7000  # tags of the handoff's messages (pipeline links use their own groups)
+_TAG = 7000  # tags of the handoff's headers on the host group (the data go over each pair's own group)
+_KINDS = ("tokens", "grads")
 
 
 class TokenHandoff:
@@ -60,6 +62,9 @@ class TokenHandoff:
         self.device = device
         self.host_group = host_group
         self.rank = dist.get_rank()
+        # a process group per (kind, sender, receiver), as the pipeline links have: built collectively,
+        # in the same order on every rank (NCCL runs one communicator's operations in order)
+        self.links = {key: dist.new_group([key[1], key[2]]) for key in handoff_links(plan, self.consumes)}
         self.reset()
 
     @staticmethod
@@ -165,7 +170,7 @@ class TokenHandoff:
         data = t.detach().contiguous()
         works = [
             dist.isend(header, dst, group=self.host_group, tag=_TAG + 2 * kind),
-            dist.isend(data, dst, tag=_TAG + 2 * kind + 1),
+            dist.isend(data, dst, group=self.links[_KINDS[kind], self.rank, dst]),
         ]
         return PendingSend(works, (header, data))
 
@@ -174,7 +179,7 @@ class TokenHandoff:
         dist.recv(header, src, group=self.host_group, tag=_TAG + 2 * kind)
         ndim, *dims = header.tolist()[: _HEADER - 1]
         out = torch.empty(tuple(dims[:ndim]), dtype=_DTYPES[int(header[-1])], device=self.device)
-        dist.recv(out, src, tag=_TAG + 2 * kind + 1)
+        dist.recv(out, src, group=self.links[_KINDS[kind], src, self.rank])
         return out
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from lightning_distmm.core.handoff import RecvTokenGrads, RecvTokens, SendTokenGrads, SendTokens, TokenLoss
 from lightning_distmm.core.schedule import (
+    Backward,
     BatchSync,
     Forward,
     GradSync,
@@ -187,7 +188,14 @@ def simulate_handoff(
                     if len(arrivals[key]) < len(members):
                         break
                     start = max(clock[r], *arrivals[key].values())
+                elif isinstance(ins, (Forward, Backward)) and ins.recv_from is not None:
+                    key = (type(ins).__name__, ins.tower, ins.mb, ins.recv_from, r)
+                    if key not in sent:
+                        break
+                    start = max(start, sent[key] + (link(ins) if callable(link) else link))
                 end = start + duration(r, ins)
+                if isinstance(ins, (Forward, Backward)) and ins.send_to is not None:
+                    sent[type(ins).__name__, ins.tower, ins.mb, r, ins.send_to] = end
                 if isinstance(ins, SendTokens):
                     sent["tokens", ins.route, ins.route.dst] = end
                 elif isinstance(ins, SendTokenGrads):
