@@ -12,10 +12,19 @@ tokens (after norm_pre) --split--> [B, S/tp, D] per tp rank
 final norm (local) -> all-gather -> pooling, head (every tp rank)
 ```
 
+What each block keeps for backward (``S`` tokens, width ``D``, MLP width ``M``): the LayerNorm
+inputs and the gathered linears' inputs as this rank's ``S/tp`` tokens (Megatron's scheme: the qkv
+and fc1 regather in backward), q, k, v and the attention output of this rank's heads, and fc1's
+output ``[S, M/tp]``. The MLP's activation output is not kept: fc2 (``_ActLinear``) keeps the
+activation's input, which the activation's backward needs anyway, and recomputes the activation
+in backward (an elementwise op; timm's ``Mlp`` would keep both, ``2 S M / tp``). Nothing of the
+whole sequence at full width is kept inside a block.
+
 An all-gather before and a reduce-scatter after each tensor-parallel region replace TP's
 all-reduce (the same bytes on a ring). ``fc1`` / ``proj`` / ``fc2`` use DTensor's
 ``ColwiseParallel(input_layouts=Shard(1))`` / ``RowwiseParallel(output_layouts=Shard(1))``
-(:func:`lightning_distmm.parallel.tensor_parallel.apply_tp_vit` with ``sp``); the fused qkv's gather
+(:func:`lightning_distmm.parallel.tensor_parallel.apply_tp_vit` with ``sp``; ``mlp.fc2``'s sharded
+parameters are then used by :class:`_ActLinear` and this module's reduce-scatter); the fused qkv's gather
 and the split / gather of the stream are this package's (:mod:`.context_parallel`), which pads the
 sequence to a multiple of ``tp`` (197 ViT tokens work).
 
@@ -30,6 +39,7 @@ reduce-scatter then gives every chunk exactly its gradient.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -112,6 +122,73 @@ class _SeqColwise(nn.Module):
         return _GatherLinear.apply(x, self.weight.to_local(), bias, self.split)
 
 
+class _ActLinear(torch.autograd.Function):
+    """``linear(act(h), weight)`` keeping ``h`` (the activation's input) and not ``act(h)``: backward
+    recomputes the activation (elementwise, cheap) for the weight gradient and the activation's own
+    backward. ``h`` is ``[B, S, M/tp]``; the output is this rank's partial sum ``[B, S, D]``."""
+
+    @staticmethod
+    def forward(ctx: Any, h: Tensor, weight: Tensor, act: nn.Module) -> Tensor:
+        ctx.act = act
+        ctx.save_for_backward(h, weight)
+        return F.linear(act(h), weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor | None, None]:
+        h, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            leaf = h.detach().requires_grad_(True)
+            g = ctx.act(leaf)
+        gw = None
+        if ctx.needs_input_grad[1]:
+            gw = grad.reshape(-1, grad.shape[-1]).t() @ g.detach().reshape(-1, g.shape[-1])
+        (gh,) = torch.autograd.grad(g, leaf, grad @ weight)
+        return gh, gw, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """Sum ``[B, S, D]`` partial outputs over the tp ranks, keep this rank's tokens; backward all-gathers."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, split: SequenceSplit) -> Tensor:
+        ctx.split = split
+        return scatter_tokens(x, split)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return gather_tokens(grad, ctx.split), None
+
+
+def _fusable(mlp: nn.Module) -> bool:
+    """A timm ``Mlp`` whose activation output goes straight into fc2 (no dropout, no norm between)."""
+    drop, norm = getattr(mlp, "drop1", None), getattr(mlp, "norm", None)
+    plain_drop = isinstance(drop, nn.Identity) or (isinstance(drop, nn.Dropout) and drop.p == 0)
+    return all(hasattr(mlp, n) for n in ("fc1", "act", "fc2", "drop2")) and plain_drop and isinstance(norm, nn.Identity)
+
+
+@functools.cache
+def _sp_mlp_class(base: type[nn.Module]) -> type[nn.Module]:
+    class SequenceParallelMlp(base):  # type: ignore[valid-type,misc]
+        """timm's ``Mlp`` under sp: fc1 gathers (:class:`_SeqColwise`), fc2 is :class:`_ActLinear` on
+        its local shard, reduce-scattered, then fc2's replicated bias (its gradient summed over tp);
+        same parameters and names."""
+
+        _distmm_sp: SequenceSplit
+
+        def forward(self, x: Tensor) -> Tensor:
+            split = self._distmm_sp
+            y = _ActLinear.apply(self.fc1(x), self.fc2.weight.to_local(), self.act)
+            y = _ReduceScatter.apply(y, split)
+            if self.fc2.bias is not None:
+                bias = self.fc2.bias.to_local()
+                if bias.requires_grad:
+                    bias.register_hook(_sum_over(split.group))
+                y = y + bias
+            return self.drop2(y)
+
+    return SequenceParallelMlp
+
+
 def _sum_over(group: dist.ProcessGroup) -> Any:
     def hook(grad: Tensor) -> Tensor:
         grad = grad.contiguous()
@@ -154,6 +231,9 @@ def apply_sp(module: nn.Module, mesh: DeviceMesh, held: Callable[[nn.Module], bo
         block.attn._distmm_cp, block.attn._distmm_keys = None, split
         block.attn.qkv.gathered_linear = lambda x, w, b: _GatherLinear.apply(x, w, b, split)
         block.mlp.fc1 = _SeqColwise(block.mlp.fc1, mesh, split)
+        if _fusable(block.mlp):  # fc2 keeps the activation's input only (else DTensor's RowwiseParallel runs it)
+            block.mlp.__class__ = _sp_mlp_class(type(block.mlp))
+            block.mlp._distmm_sp = split
     # the parameters TP leaves replicated get partial gradients: each module puts the tp sum on its
     # own before it runs (the tower's loose tensors, class token and position embedding, with patch_embed)
     for sub in module.modules():
