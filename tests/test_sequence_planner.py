@@ -27,7 +27,9 @@ def test_activation_memory_with_cp_and_sp():
         assert act_per_sample(p, opts, 1, 1, cp=cp) == pytest.approx(ends + (whole - ends) / cp)
     tp2 = act_per_sample(p, opts, 2, 1)
     sp = act_per_sample(p, opts, 2, 1, sp=True)
-    assert tp2 - sp == pytest.approx(bel * p.layers * lay.act_rep / 2)  # sp divides what TP replicates
+    # sp divides what TP replicates, and its fc2 recomputes the MLP activation's output (M/tp per token)
+    assert lay.act_sp_recomputed == p.seq * p.width * 4
+    assert tp2 - sp == pytest.approx(bel * p.layers * (lay.act_rep + lay.act_sp_recomputed) / 2)
 
 
 def test_rank_groups_lay_replicas_out_as_the_runtime_does():
