@@ -62,11 +62,15 @@ from lightning_distmm.parallel.context_parallel import (
 
 def check_sp(module: nn.Module, tower: str, tp: int, cp: int, shard: str) -> None:
     """Raise, naming the tower and the rule, where ``sp: true`` cannot run (meta modules are fine)."""
+    from lightning_distmm.parallel.sequence_parallel_text import check_sp_text
+
     where = f"tower {tower!r}, tp={tp}, sp: true"
-    if not (hasattr(module, "patch_embed") and hasattr(module, "norm_pre") and hasattr(module, "blocks")):
+    vit = hasattr(module, "patch_embed") and hasattr(module, "norm_pre") and hasattr(module, "blocks")
+    if not vit and not check_sp_text(module):
         raise ValueError(
-            f"{where}: sequence parallelism is built for timm VisionTransformer towers; a {type(module).__name__}"
-            " tower runs tp without it (set sp: false) or splits its sequence with cp"
+            f"{where}: sequence parallelism is built for timm VisionTransformer towers and transformers CLIP-style"
+            f" text encoders; a {type(module).__name__} tower runs tp without it (set sp: false) or splits its"
+            " sequence with cp"
         )
     if cp > 1:
         raise ValueError(f"{where}: sp with cp={cp} is not supported; choose one way to split the sequence")
@@ -75,7 +79,7 @@ def check_sp(module: nn.Module, tower: str, tp: int, cp: int, shard: str) -> Non
             f"{where}: sp with shard: {shard} is not supported (FSDP replaces the parameters whose partial"
             " gradients sp sums over tp); use shard: none"
         )
-    if getattr(module, "dynamic_img_size", False) or not isinstance(module.patch_drop, nn.Identity):
+    if vit and (getattr(module, "dynamic_img_size", False) or not isinstance(module.patch_drop, nn.Identity)):
         raise ValueError(f"{where}: dynamic image sizes and patch dropout change the sequence length per batch")
 
 
@@ -214,11 +218,15 @@ def _sums_before_forward(group: dist.ProcessGroup, owners: list[nn.Module]) -> A
 
 
 def apply_sp(module: nn.Module, mesh: DeviceMesh, held: Callable[[nn.Module], bool] = lambda block: True) -> nn.Module:
-    """Split a tensor-parallel ViT's residual stream along the sequence over the tp ``mesh`` (in place,
+    """Split a tensor-parallel ViT's (or CLIP text tower's: :mod:`.sequence_parallel_text`) residual stream along the sequence over the tp ``mesh`` (in place,
     after :func:`~lightning_distmm.parallel.tensor_parallel.apply_tp` with ``sp=True``), in the blocks
     ``held`` says this rank runs (its pipeline stage's); idempotent."""
     if getattr(module, "_distmm_sp", None) is not None:
         return module
+    if not hasattr(module, "patch_embed"):  # a transformers CLIP-style text tower
+        from lightning_distmm.parallel.sequence_parallel_text import apply_sp_text
+
+        return apply_sp_text(module, mesh, held)
     group, tp = mesh.get_group(), mesh.size()
     split = SequenceSplit(group, tp, mesh.get_local_rank())
     split.length = module.patch_embed.num_patches + module.num_prefix_tokens  # type: ignore[union-attr,operator]
