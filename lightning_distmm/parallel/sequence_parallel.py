@@ -41,29 +41,23 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from lightning_distmm.parallel.context_parallel import (
     SequenceSplit,
     _gather_output,
     _split_output,
     _vit_attention_class,
-    gather_tokens,
-    scatter_tokens,
 )
+from lightning_distmm.parallel.sequence_parallel_text import apply_sp_text, check_sp_text
+from lightning_distmm.parallel.sp_ops import _ActLinear, _GatherLinear, _ReduceScatter, _sum_over, _sums_before_forward
 
 
 def check_sp(module: nn.Module, tower: str, tp: int, cp: int, shard: str) -> None:
     """Raise, naming the tower and the rule, where ``sp: true`` cannot run (meta modules are fine)."""
-    from lightning_distmm.parallel.sequence_parallel_text import check_sp_text
-
     where = f"tower {tower!r}, tp={tp}, sp: true"
     vit = hasattr(module, "patch_embed") and hasattr(module, "norm_pre") and hasattr(module, "blocks")
     if not vit and not check_sp_text(module):
@@ -83,30 +77,6 @@ def check_sp(module: nn.Module, tower: str, tp: int, cp: int, shard: str) -> Non
         raise ValueError(f"{where}: dynamic image sizes and patch dropout change the sequence length per batch")
 
 
-class _GatherLinear(torch.autograd.Function):
-    """``linear(all_gather(x), weight, bias)`` keeping only this rank's tokens ``x`` for backward, which
-    gathers them again (Megatron-LM's choice: the gathered input would be ``tp`` times the chunk); the
-    input gradient is reduce-scattered back to the chunks."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, split: SequenceSplit) -> Tensor:
-        ctx.split, ctx.bias = split, bias is not None
-        ctx.save_for_backward(x, weight)
-        return F.linear(gather_tokens(x, split), weight, bias)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None, None]:
-        x, weight = ctx.saved_tensors
-        g2 = grad.reshape(-1, grad.shape[-1])
-        gw = gb = None
-        if ctx.needs_input_grad[1]:
-            full = gather_tokens(x, ctx.split)
-            gw = g2.t() @ full.reshape(-1, full.shape[-1])
-        if ctx.bias and ctx.needs_input_grad[2]:
-            gb = g2.sum(0)
-        return scatter_tokens(grad @ weight, ctx.split), gw, gb, None
-
-
 class _SeqColwise(nn.Module):
     """``mlp.fc1`` under sequence parallelism: the weight and bias column-sharded (DTensors of the full
     layer, ``Shard(0)``, as ``ColwiseParallel`` makes them), its input gathered by :class:`_GatherLinear`."""
@@ -124,43 +94,6 @@ class _SeqColwise(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         bias = self.bias.to_local() if self.bias is not None else None
         return _GatherLinear.apply(x, self.weight.to_local(), bias, self.split)
-
-
-class _ActLinear(torch.autograd.Function):
-    """``linear(act(h), weight)`` keeping ``h`` (the activation's input) and not ``act(h)``: backward
-    recomputes the activation (elementwise, cheap) for the weight gradient and the activation's own
-    backward. ``h`` is ``[B, S, M/tp]``; the output is this rank's partial sum ``[B, S, D]``."""
-
-    @staticmethod
-    def forward(ctx: Any, h: Tensor, weight: Tensor, act: nn.Module) -> Tensor:
-        ctx.act = act
-        ctx.save_for_backward(h, weight)
-        return F.linear(act(h), weight)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor | None, None]:
-        h, weight = ctx.saved_tensors
-        with torch.enable_grad():
-            leaf = h.detach().requires_grad_(True)
-            g = ctx.act(leaf)
-        gw = None
-        if ctx.needs_input_grad[1]:
-            gw = grad.reshape(-1, grad.shape[-1]).t() @ g.detach().reshape(-1, g.shape[-1])
-        (gh,) = torch.autograd.grad(g, leaf, grad @ weight)
-        return gh, gw, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    """Sum ``[B, S, D]`` partial outputs over the tp ranks, keep this rank's tokens; backward all-gathers."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, split: SequenceSplit) -> Tensor:
-        ctx.split = split
-        return scatter_tokens(x, split)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return gather_tokens(grad, ctx.split), None
 
 
 def _fusable(mlp: nn.Module) -> bool:
@@ -193,39 +126,14 @@ def _sp_mlp_class(base: type[nn.Module]) -> type[nn.Module]:
     return SequenceParallelMlp
 
 
-def _sum_over(group: dist.ProcessGroup) -> Any:
-    def hook(grad: Tensor) -> Tensor:
-        grad = grad.contiguous()
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
-        return grad
-
-    return hook
-
-
-def _sums_before_forward(group: dist.ProcessGroup, owners: list[nn.Module]) -> Any:
-    """A forward pre-hook that puts the tp sum on each replicated parameter of ``owners`` (their own, not
-    their children's) that lacks it. At forward time, not once at preparation: a tower built on the
-    meta device gets new Parameter objects when it is materialised, after this module prepared it."""
-
-    def hook(module: nn.Module, args: Any) -> None:
-        for owner in owners:
-            for p in owner.parameters(recurse=False):
-                if p.requires_grad and not p.is_meta and not isinstance(p, DTensor) and not hasattr(p, "_distmm_sp"):
-                    p.register_hook(_sum_over(group))
-                    p._distmm_sp = True  # type: ignore[attr-defined]
-
-    return hook
-
-
 def apply_sp(module: nn.Module, mesh: DeviceMesh, held: Callable[[nn.Module], bool] = lambda block: True) -> nn.Module:
-    """Split a tensor-parallel ViT's (or CLIP text tower's: :mod:`.sequence_parallel_text`) residual stream along the sequence over the tp ``mesh`` (in place,
+    """Split a tensor-parallel ViT's (a CLIP text tower's: :mod:`.sequence_parallel_text`) residual
+    stream along the sequence over the tp ``mesh`` (in place,
     after :func:`~lightning_distmm.parallel.tensor_parallel.apply_tp` with ``sp=True``), in the blocks
     ``held`` says this rank runs (its pipeline stage's); idempotent."""
     if getattr(module, "_distmm_sp", None) is not None:
         return module
     if not hasattr(module, "patch_embed"):  # a transformers CLIP-style text tower
-        from lightning_distmm.parallel.sequence_parallel_text import apply_sp_text
-
         return apply_sp_text(module, mesh, held)
     group, tp = mesh.get_group(), mesh.size()
     split = SequenceSplit(group, tp, mesh.get_local_rank())

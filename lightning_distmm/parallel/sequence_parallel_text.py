@@ -40,7 +40,7 @@ from lightning_distmm.parallel.context_parallel import (
     _text_layers,
     _text_mask,
 )
-from lightning_distmm.parallel.sequence_parallel import (
+from lightning_distmm.parallel.sp_ops import (
     _ActLinear,
     _GatherLinear,
     _ReduceScatter,
