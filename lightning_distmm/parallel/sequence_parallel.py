@@ -97,10 +97,13 @@ class _SeqColwise(nn.Module):
 
 
 def _fusable(mlp: nn.Module) -> bool:
-    """A timm ``Mlp`` whose activation output goes straight into fc2 (no dropout, no norm between)."""
+    """timm's ``Mlp`` (its own forward: fc1, act, drop1, norm, fc2, drop2; not ``GluMlp`` / ``SwiGLU``,
+    which gate) whose activation output goes straight into fc2 (no dropout, no norm between)."""
+    from timm.layers import Mlp
+
     drop, norm = getattr(mlp, "drop1", None), getattr(mlp, "norm", None)
     plain_drop = isinstance(drop, nn.Identity) or (isinstance(drop, nn.Dropout) and drop.p == 0)
-    return all(hasattr(mlp, n) for n in ("fc1", "act", "fc2", "drop2")) and plain_drop and isinstance(norm, nn.Identity)
+    return type(mlp).forward is Mlp.forward and plain_drop and isinstance(norm, nn.Identity)
 
 
 @functools.cache
