@@ -70,7 +70,7 @@ def _saved_bytes(model: torch.nn.Module, images: torch.Tensor, listing: list | N
     if listing is not None:
         for name, sub in model.named_modules():
             sub.register_forward_pre_hook(lambda m, a, n=name: stack.append(n))
-            sub.register_forward_hook(lambda m, a, o: stack.pop() and None)
+            sub.register_forward_hook(lambda m, a, o: (stack.pop(), None)[1])
     params = set()
     for p in model.parameters():
         local = p.to_local() if isinstance(p, DTensor) else p
