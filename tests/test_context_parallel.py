@@ -147,6 +147,39 @@ def test_context_parallel_towers_are_exact(name, optimizer, tmp_path):
     compare_with_reference(lambda: cls(optimizer, lr=lr), plan, plan.world_size, 8, 3, tmp_path).assert_exact()
 
 
+class ShortText(TinyText):
+    """TinyText on the first 5 of the 6 tokens (every caption is at most 5 long): 5 does not divide by
+    cp=2, so a pipelined tower pads its sequence and its later stages must be told the length."""
+
+    def forward(self, input_ids, attention_mask):  # type: ignore[no-untyped-def]
+        return super().forward(input_ids[:, :5], attention_mask[:, :5])
+
+    def pipeline_stages(self, pp: int) -> list:
+        from lightning_distmm.parallel.pipeline import Stage
+
+        def short(run):  # type: ignore[no-untyped-def]
+            return lambda x, rows: run(x, {k: v[:, :5] if k != "image" else v for k, v in rows.items()})
+
+        return [Stage(st.modules, short(st.run), st.extra) for st in super().pipeline_stages(pp)]
+
+
+class ShortDeepCLIP(DeepCLIP):
+    def __init__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.text = ShortText(layers=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_pipelined_text_tower_pads_its_sequence_for_cp(optimizer, tmp_path):
+    """5 tokens over cp=2 in a text tower cut in pp=2 stages: padded to 6 on the first stage; the
+    second receives 3-token chunks and takes the whole length (5) from the batch rows, masks the
+    padded key and drops the padding before EOS pooling."""
+    plan = ldm.Plan(4, {"image": {"ranks": [0]}, "text": {"ranks": [0, 1, 2, 3], "cp": 2, "pp": 2, "microbatch": 4}})
+    lr = 0.05 if optimizer == "sgd" else 0.01
+    compare_with_reference(lambda: ShortDeepCLIP(optimizer, lr=lr), plan, 4, 8, 3, tmp_path).assert_exact()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_text_tower_with_tp2_and_sp_is_exact(optimizer, tmp_path):

@@ -76,8 +76,10 @@ def test_sequence_variants_follow_the_runtime_rules():
     assert not any(v["sp"] and v["cp"] > 1 for v in image)
     sharded = sequence_variants(profiles["image"], TowerPlan(ranks=list(range(8)), shard="full"), 8)
     assert not any(v["sp"] for v in sharded) and any(v["cp"] > 1 for v in sharded)
-    text = sequence_variants(profiles["text"], TowerPlan(ranks=list(range(8)), pp=2), 8)  # 12 heads, 77 tokens
-    assert all(v["cp"] == 1 and not v["sp"] for v in text) and {v["tp"] for v in text} == {2, 4}
+    # 12 heads, 77 tokens, pipelined: padded for cp (its later stages are told the length), sp too
+    text = sequence_variants(profiles["text"], TowerPlan(ranks=list(range(8)), pp=2), 8)
+    assert {v["cp"] * v["tp"] for v in text} <= {1, 2, 4} and {"cp": 2, "tp": 1, "sp": False} in text
+    assert {"cp": 1, "tp": 2, "sp": True} in text and not any(v["sp"] and v["cp"] > 1 for v in text)
     bert = model_profiles(yaml.safe_load((CONF_DIR / "model" / "lit_l16_bert_large.yaml").read_text()))["text"]
     assert bert.arch == "bert" and all(v["cp"] == 1 for v in sequence_variants(bert, TowerPlan(ranks=[0, 1]), 8))
 

@@ -64,8 +64,6 @@ def _sp_text_attention_class(base: type[nn.Module]) -> type[nn.Module]:
         def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, **kwargs: Any) -> Any:
             split = self._distmm_sp
             b, s, _ = hidden_states.shape
-            if not split.pad:  # a pipelined tower: this stage may not have run the split
-                split.length = attention_mask.shape[-1] if attention_mask is not None else split.cp * s
             projs = (self.q_proj, self.k_proj, self.v_proj)
             weight = torch.cat([_local(p.weight) for p in projs])  # type: ignore[misc]
             biases = [_local(p.bias) for p in projs]
@@ -110,8 +108,7 @@ def apply_sp_text(module: nn.Module, mesh: DeviceMesh, held: Callable[[nn.Module
     assert found is not None
     layers, norm = found
     group, tp = mesh.get_group(), mesh.size()
-    pipelined = not all(held(layer) for layer in layers)
-    split = SequenceSplit(group, tp, mesh.get_local_rank(), pad=not pipelined)
+    split = SequenceSplit(group, tp, mesh.get_local_rank())
     layers[0].register_forward_pre_hook(_split_first_input(split), with_kwargs=True)
     norm.register_forward_hook(_gather_output(split))
     for layer in layers:

@@ -35,18 +35,16 @@ CP_ARCHS = ("vit", "clip_text")
 
 def sequence_ways(profile: TowerProfile, tp: int, pp: int, shard: str, devices_per_node: int) -> list[tuple[int, bool]]:
     """The (cp, sp) a tower with this tp, pp and sharding may take, the runtime's rules applied: ``cp *
-    tp`` divides the heads and stays inside a node; cp on ViT and CLIP text towers only (a pipelined
-    text tower's length divisible by cp), not with ``shard: hybrid``; sp needs tp > 1, a ViT or CLIP
-    text tower (pipelined: its length divisible by tp), no sharding, no cp. (1, False) comes first."""
+    tp`` divides the heads and stays inside a node; cp on ViT and CLIP text towers only (any length:
+    padded, pipelined too), not with ``shard: hybrid``; sp needs tp > 1, a ViT or CLIP text tower, no
+    sharding, no cp. (1, False) comes first."""
     out = [(1, False)]
     seq_arch = profile.arch in CP_ARCHS
-    if seq_arch and tp > 1 and shard == "none" and (profile.arch == "vit" or pp == 1 or profile.seq % tp == 0):
+    if seq_arch and tp > 1 and shard == "none":
         out.append((1, True))
     for cp in (2, 4, 8):
         width = cp * tp
         if not seq_arch or width > devices_per_node or profile.heads % width or shard == "hybrid":
-            continue
-        if profile.arch != "vit" and pp > 1 and profile.seq % cp:
             continue
         out.append((cp, False))
     return out
