@@ -62,8 +62,7 @@ def _sp_text_attention_class(base: type[nn.Module]) -> type[nn.Module]:
         _distmm_sp: SequenceSplit
 
         def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, **kwargs: Any) -> Any:
-            split = self._distmm_sp
-            b, s, _ = hidden_states.shape
+            split, b = self._distmm_sp, hidden_states.shape[0]
             projs = (self.q_proj, self.k_proj, self.v_proj)
             weight = torch.cat([_local(p.weight) for p in projs])  # type: ignore[misc]
             biases = [_local(p.bias) for p in projs]
