@@ -12,8 +12,12 @@ prediction for the same tower (``planner.cost.memory.act_per_sample`` with the `
 arguments, fp32; attention probabilities counted when ``--probs`` says the CPU kernel keeps them,
 which the script finds out by measuring). A backward checks that the prepared tower trains.
 
+``--list tp2+sp`` (any config) also prints rank 0's saved tensors one by one: the module that
+saved each, its shape and megabytes (how the sp scheme was checked: nothing of the whole sequence
+at full width is kept inside a block).
+
 Usage: ``python benchmarks/sequence_memory.py [--img 224] [--patch 8] [--width 64] [--depth 2]
-[--heads 4] [--batch 2]``.
+[--heads 4] [--batch 2] [--list CONFIG]``.
 """
 
 from __future__ import annotations
@@ -59,8 +63,14 @@ def _tower(args: argparse.Namespace) -> VisionTransformer:
     )
 
 
-def _saved_bytes(model: torch.nn.Module, images: torch.Tensor) -> tuple[int, torch.Tensor]:
-    """Bytes of the storages the forward saves for backward (parameters excluded), and the output."""
+def _saved_bytes(model: torch.nn.Module, images: torch.Tensor, listing: list | None = None) -> tuple[int, torch.Tensor]:
+    """Bytes of the storages the forward saves for backward (parameters excluded), and the output;
+    ``listing`` gets (module, shape, bytes) of each storage when given."""
+    stack = ["(tower)"]
+    if listing is not None:
+        for name, sub in model.named_modules():
+            sub.register_forward_pre_hook(lambda m, a, n=name: stack.append(n))
+            sub.register_forward_hook(lambda m, a, o: (stack.pop(), None)[1])
     params = set()
     for p in model.parameters():
         local = p.to_local() if isinstance(p, DTensor) else p
@@ -70,6 +80,8 @@ def _saved_bytes(model: torch.nn.Module, images: torch.Tensor) -> tuple[int, tor
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
         if storage.data_ptr() not in params and storage.device.type != "meta":
+            if listing is not None and storage.data_ptr() not in seen:
+                listing.append((stack[-1], tuple(t.shape), storage.nbytes()))
             seen[storage.data_ptr()] = storage.nbytes()
         return t
 
@@ -92,9 +104,12 @@ def _worker(rank: int, world: int, port: int, name: str, args: argparse.Namespac
     if cp > 1:
         apply_cp(model, dist.group.WORLD, cp, rank)
     images = torch.randn(args.batch, 3, args.img, args.img, generator=torch.Generator().manual_seed(1))
-    saved, out = _saved_bytes(model, images)
+    listing: list | None = [] if args.list == name and rank == 0 else None
+    saved, out = _saved_bytes(model, images, listing)
     out.square().mean().backward()  # the prepared tower trains (every rank runs the same backward)
     results[(name, rank)] = saved
+    if listing is not None:
+        results[("list", name)] = listing
     dist.destroy_process_group()
 
 
@@ -123,6 +138,7 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=2)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--list", choices=list(CONFIGS), help="print this config's saved tensors (rank 0)")
     args = ap.parse_args()
     manager = mp.Manager()
     results = manager.dict()
@@ -156,6 +172,10 @@ def main() -> None:
             f" {predicted[name] / 2**20:>13.2f} {predicted[name] / predicted[base]:>7.3f}"
             + ("   (vs tp2)" if base == "tp2" else "")
         )
+    if args.list:
+        print(f"\n{args.list}, rank 0: saved tensors (module, shape of the saved view, MB of its storage)")
+        for where, shape, nbytes in results[("list", args.list)]:
+            print(f"  {where:<24} {str(shape):<22} {nbytes / 2**20:7.3f}")
 
 
 if __name__ == "__main__":

@@ -12,8 +12,10 @@ global batch whose step fits the GPUs' memory (doubling, then bisection) and the
 ``--global-batch`` (``-`` where it does not fit), the fastest marked. Nothing here is measured:
 these are the cost model's predictions.
 
-The planner's search does not enumerate cp / sp yet (docs/next-steps.md): this table is the
-evidence for when it should.
+A second table gives the planner's own choice (``make_plan`` on the same 16 GPUs, ``shards: [none,
+full]``) without and with ``planner.sequence`` (the search enumerates cp / sp with the other degrees,
+then tries the chosen devices' other ways): the long tower's devices and degrees and the predicted
+step, and how long the search took.
 
 Usage: ``python benchmarks/sequence_planner.py [--cluster a100_8x8] [--global-batch 256]``.
 """
@@ -143,6 +145,32 @@ def main() -> None:
             print(f"{head} {name:<11} {largest:>13}{cells}")
     print("largest batch: the long tower's GPUs hold its step; ms: its forward + backward + exposed sums + optimizer;")
     print("* the fastest variant at that batch; -: does not fit, or fewer rows than the tower's replicas")
+    _searched(args.cluster, sorted({*batches, 2}, reverse=True))  # 2 rows: fewer than a tower's GPUs
+
+
+def _searched(cluster_name: str, batches: list[int]) -> None:
+    """The planner's plan for each preset and batch, without and with ``sequence``."""
+    import time
+
+    from lightning_distmm.planner.search import make_plan
+
+    print("\nthe planner's choice (16 GPUs), without / with planner.sequence: the long tower, the predicted step")
+    print(
+        f"{'preset':<22} {'batch':>6} {'sequence':<9} {'long tower (ranks dp cp tp pp shard)':<38} {'step ms':>9} {'solve s':>8}"
+    )
+    for preset, tower in PRESETS.items():
+        cfg = yaml.safe_load((CONF_DIR / "model" / f"{preset}.yaml").read_text())
+        for b in batches:
+            for seq in (False, True):
+                t0 = time.perf_counter()
+                options = {"world_size": 16, "shards": ["none", "full"], "sequence": seq}
+                plan, report = make_plan(cfg, cluster_name, b, options)
+                solve = time.perf_counter() - t0
+                t = plan.towers[tower]
+                desc = f"{len(t.ranks)} r, dp{t.dp} cp{t.cp} tp{t.tp}{'+sp' if t.sp else ''} pp{t.pp} {t.shard}"
+                print(
+                    f"{preset:<22} {b:>6} {'on' if seq else 'off':<9} {desc:<38} {report.step_time * 1e3:>9.1f} {solve:>8.1f}"
+                )
 
 
 if __name__ == "__main__":

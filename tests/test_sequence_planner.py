@@ -27,7 +27,9 @@ def test_activation_memory_with_cp_and_sp():
         assert act_per_sample(p, opts, 1, 1, cp=cp) == pytest.approx(ends + (whole - ends) / cp)
     tp2 = act_per_sample(p, opts, 2, 1)
     sp = act_per_sample(p, opts, 2, 1, sp=True)
-    assert tp2 - sp == pytest.approx(bel * p.layers * lay.act_rep / 2)  # sp divides what TP replicates
+    # sp divides what TP replicates, and its fc2 recomputes the MLP activation's output (M/tp per token)
+    assert lay.act_sp_recomputed == p.seq * p.width * 4
+    assert tp2 - sp == pytest.approx(bel * p.layers * (lay.act_rep + lay.act_sp_recomputed) / 2)
 
 
 def test_rank_groups_lay_replicas_out_as_the_runtime_does():
@@ -74,25 +76,57 @@ def test_sequence_variants_follow_the_runtime_rules():
     assert not any(v["sp"] and v["cp"] > 1 for v in image)
     sharded = sequence_variants(profiles["image"], TowerPlan(ranks=list(range(8)), shard="full"), 8)
     assert not any(v["sp"] for v in sharded) and any(v["cp"] > 1 for v in sharded)
-    text = sequence_variants(profiles["text"], TowerPlan(ranks=list(range(8)), pp=2), 8)  # 12 heads, 77 tokens
-    assert all(v["cp"] == 1 and not v["sp"] for v in text) and {v["tp"] for v in text} == {2, 4}
+    # 12 heads, 77 tokens, pipelined: padded for cp (its later stages are told the length), sp too
+    text = sequence_variants(profiles["text"], TowerPlan(ranks=list(range(8)), pp=2), 8)
+    assert {v["cp"] * v["tp"] for v in text} <= {1, 2, 4} and {"cp": 2, "tp": 1, "sp": False} in text
+    assert {"cp": 1, "tp": 2, "sp": True} in text and not any(v["sp"] and v["cp"] > 1 for v in text)
     bert = model_profiles(yaml.safe_load((CONF_DIR / "model" / "lit_l16_bert_large.yaml").read_text()))["text"]
     assert bert.arch == "bert" and all(v["cp"] == 1 for v in sequence_variants(bert, TowerPlan(ranks=[0, 1]), 8))
 
 
 def test_the_search_chooses_cp_when_the_batch_is_below_the_devices():
-    """ViT-L/14 at 448 px, 2 samples on 16 A100s: the image tower's 8 GPUs hold 2 replicas; the search
-    gives it tp4, the sequence pass cp2 x tp2 (predicted faster); off by default."""
-    from lightning_distmm.planner.search import make_plan
+    """ViT-L/14 at 448 px, 2 samples on 16 A100s: the image tower's 8 GPUs hold 2 replicas; without
+    ``sequence`` the search gives it tp4; with it the search itself (the balancer's candidates, not
+    the pass after it) gives cp2 x tp2, predicted faster, at least as fast as the pass alone."""
+    from lightning_distmm.planner.search import make_plan, price_plan
+    from lightning_distmm.planner.sequence import refine_sequence
 
     cfg = yaml.safe_load((CONF_DIR / "model" / "clip_vit_l14_448.yaml").read_text())
     options = {"world_size": 16, "shards": ["none", "full"]}
     plain, plain_report = make_plan(cfg, "a100_8x8", 2, options)
     plan, report = make_plan(cfg, "a100_8x8", 2, {**options, "sequence": True})
     assert all(t.cp == 1 for t in plain.towers.values()) and not plain_report.sequence_notes
-    assert plan.towers["image"].cp == 2 and report.step_time < plain_report.step_time
-    assert "cp=2" in report.sequence_notes[0] and "sequence: tower 'image'" in report.table()
-    assert "cp2" in report.table()
+    assert (plan.towers["image"].cp, plan.towers["image"].tp) == (2, 2)
+    assert report.step_time < plain_report.step_time and "cp2" in report.table()
+    # the local pass after the plain search (session 8's method) finds no faster plan
+    profiles, cluster = model_profiles(cfg), load_cluster("a100_8x8").with_world(16)
+    price = lambda pl: price_plan(pl, profiles, cluster, {**options, "sequence": True}, 2)  # noqa: E731
+    _, local, _ = refine_sequence(plain, profiles, cluster, price, 2)
+    assert report.step_time <= local.step_time * (1 + 1e-9)
+
+
+def test_tower_candidates_enumerate_cp_and_sp_with_the_other_degrees():
+    """With ``sequence`` the balancer's candidates hold cp and sp configurations (each a valid runtime
+    plan on its devices), priced by the same terms as the plan pricing; without it, none."""
+    from lightning_distmm.planner.cost import CostOptions
+    from lightning_distmm.planner.partition import SearchSpace, tower_candidates, tower_space
+    from lightning_distmm.planner.search import tower_plan
+
+    profiles, cluster = _profiles(), load_cluster("a100_8x8").with_world(16)
+    image = profiles["image"]
+    tps, pps = tower_space(image, cluster, 16, None, None, None, None)
+    for sequence in (False, True):
+        space = SearchSpace({"image": tps}, {"image": pps}, ("gpipe",), 8, ("none", "full"), sequence=sequence)
+        cands = tower_candidates(image, cluster, CostOptions(), 64, 16, space, 0.0, max_devices=8)
+        assert cands.cp is not None and cands.sp is not None
+        if not sequence:
+            assert (cands.cp == 1).all() and not cands.sp.any()
+            continue
+        assert (cands.cp > 1).any() and cands.sp.any()
+        for i in range(len(cands)):
+            ch = cands.choice(i)
+            assert ch.n == ch.dp * ch.cp * ch.tp * ch.pp and not (ch.sp and (ch.cp > 1 or ch.shard != "none"))
+            tower_plan(ch, list(range(ch.n)))  # the runtime's validation accepts it
 
 
 def test_the_placement_picture_lays_cp_replicas_out_as_the_runtime_does():

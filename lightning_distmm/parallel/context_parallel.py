@@ -47,10 +47,9 @@ class SequenceSplit:
     group: dist.ProcessGroup
     cp: int
     rank: int
-    #: tokens before padding: fixed for a ViT, set by the split of each forward for a text tower
+    #: tokens before padding: fixed for a ViT, set by the split of each forward for a text tower (a
+    #: pipelined one's later stages: by the stage, :func:`tell_length`)
     length: int | None = None
-    #: a pipelined text tower's later stages infer the length from what they receive: no padding there
-    pad: bool = True
     #: the tower's name in the plan (for messages)
     tower: str = ""
 
@@ -230,8 +229,6 @@ def _clip_attention_class() -> type[nn.Module]:
         def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, **kwargs: Any) -> Any:
             split = self._distmm_cp
             b, s, _ = hidden_states.shape
-            if not split.pad:  # a pipelined tower: this stage may not have run the split
-                split.length = attention_mask.shape[-1] if attention_mask is not None else split.cp * s
             qkv = [
                 proj(hidden_states).view(b, s, 1, -1, self.head_dim) for proj in (self.q_proj, self.k_proj, self.v_proj)
             ]
@@ -285,16 +282,20 @@ def _split_first_input(split: SequenceSplit) -> Any:
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         x = args[0] if args else kwargs["hidden_states"]
         split.length = x.shape[1]
-        if not split.pad and x.shape[1] % split.cp:
-            raise ValueError(
-                f"tower {split.tower!r}, cp={split.cp}, pipelined: {x.shape[1]} tokens do not divide by cp={split.cp}"
-                " (its later stages cannot know a padded length): pad the captions to a multiple of cp"
-            )
         if args:
             return (_Split.apply(x, split), *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": _Split.apply(x, split)}
 
     return hook
+
+
+def tell_length(layers: Any, length: int) -> None:
+    """Give the cp / sp split of these text layers the whole sequence's length (a pipelined tower's
+    later stage receives padded chunks; ``clip_text_stages`` reads the length from the batch rows)."""
+    for layer in layers:
+        for split in (getattr(layer.self_attn, "_distmm_cp", None), getattr(layer.self_attn, "_distmm_sp", None)):
+            if isinstance(split, SequenceSplit):
+                split.length = length
 
 
 def _gather_output(split: SequenceSplit) -> Any:
@@ -364,10 +365,10 @@ def apply_cp(
 ) -> nn.Module:
     """Split a tower's sequence over the ``cp`` ranks of ``group`` (this rank is ``rank`` in it), in
     place; idempotent (a second Trainer call finds it split). A text tower cut into ``pp > 1`` stages
-    takes sequences that divide by ``cp`` (its later stages infer the length from what they receive)."""
+    pads as a whole one: its later stages are told the length by the stage (:func:`tell_length`)."""
     if getattr(module, "_distmm_cp", None) is not None:
         return module
-    split = SequenceSplit(group, cp, rank, pad=pp == 1 or hasattr(module, "patch_embed"), tower=tower)
+    split = SequenceSplit(group, cp, rank, tower=tower)
     if hasattr(module, "patch_embed"):  # timm ViT: the tokens after norm_pre, gathered after norm
         split.length = module.patch_embed.num_patches + module.num_prefix_tokens  # type: ignore[union-attr,operator]
         module.norm_pre.register_forward_hook(_split_output(split, static=True))  # type: ignore[union-attr]
@@ -387,4 +388,4 @@ def apply_cp(
     return module
 
 
-__all__ = ["SequenceSplit", "apply_cp", "check_cp", "feature_grad_scale", "head_copies"]
+__all__ = ["SequenceSplit", "apply_cp", "check_cp", "feature_grad_scale", "head_copies", "tell_length"]

@@ -106,6 +106,8 @@ def clip_text_stages(
     projection) on the last. Every stage rebuilds the causal + padding mask from the batch rows."""
     from transformers.masking_utils import create_causal_mask
 
+    from lightning_distmm.parallel.context_parallel import tell_length
+
     layers = text_model.encoder.layers  # type: ignore[union-attr]
     if len(layers) < pp:
         raise ValueError(f"a text encoder with {len(layers)} layers cannot be cut into pp={pp} stages")
@@ -125,12 +127,11 @@ def clip_text_stages(
                 x = text_model.embeddings(input_ids=rows[ids_field])  # type: ignore[operator]
             assert x is not None
             mask = rows[mask_field] if mask_field is not None else None
-            # the mask of the whole sequence: a stage of a context-parallel tower receives its share of the tokens
-            like = (
-                x
-                if mask is None or mask.shape[-1] == x.shape[1]
-                else x.new_empty(x.shape[0], mask.shape[-1], x.shape[2])
-            )
+            # the mask of the whole sequence: a stage of a cp / sp tower receives its share of the tokens
+            # (padded to a multiple of cp), so the length comes from the batch rows and its split is told
+            length = rows[ids_field].shape[1]
+            like = x if x.shape[1] == length else x.new_empty(x.shape[0], length, x.shape[2])
+            tell_length(layers[a:b], length)
             attn = create_causal_mask(config=text_model.config, inputs_embeds=like, attention_mask=mask, cache=None)
             for layer in layers[a:b]:
                 x = layer(x, attn, is_causal=True)

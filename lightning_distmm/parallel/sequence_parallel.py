@@ -12,10 +12,19 @@ tokens (after norm_pre) --split--> [B, S/tp, D] per tp rank
 final norm (local) -> all-gather -> pooling, head (every tp rank)
 ```
 
+What each block keeps for backward (``S`` tokens, width ``D``, MLP width ``M``): the LayerNorm
+inputs and the gathered linears' inputs as this rank's ``S/tp`` tokens (Megatron's scheme: the qkv
+and fc1 regather in backward), q, k, v and the attention output of this rank's heads, and fc1's
+output ``[S, M/tp]``. The MLP's activation output is not kept: fc2 (``_ActLinear``) keeps the
+activation's input, which the activation's backward needs anyway, and recomputes the activation
+in backward (an elementwise op; timm's ``Mlp`` would keep both, ``2 S M / tp``). Nothing of the
+whole sequence at full width is kept inside a block.
+
 An all-gather before and a reduce-scatter after each tensor-parallel region replace TP's
 all-reduce (the same bytes on a ring). ``fc1`` / ``proj`` / ``fc2`` use DTensor's
 ``ColwiseParallel(input_layouts=Shard(1))`` / ``RowwiseParallel(output_layouts=Shard(1))``
-(:func:`lightning_distmm.parallel.tensor_parallel.apply_tp_vit` with ``sp``); the fused qkv's gather
+(:func:`lightning_distmm.parallel.tensor_parallel.apply_tp_vit` with ``sp``; ``mlp.fc2``'s sharded
+parameters are then used by :class:`_ActLinear` and this module's reduce-scatter); the fused qkv's gather
 and the split / gather of the stream are this package's (:mod:`.context_parallel`), which pads the
 sequence to a multiple of ``tp`` (197 ViT tokens work).
 
@@ -30,33 +39,32 @@ reduce-scatter then gives every chunk exactly its gradient.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import Any
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from lightning_distmm.parallel.context_parallel import (
     SequenceSplit,
     _gather_output,
     _split_output,
     _vit_attention_class,
-    gather_tokens,
-    scatter_tokens,
 )
+from lightning_distmm.parallel.sequence_parallel_text import apply_sp_text, check_sp_text
+from lightning_distmm.parallel.sp_ops import _ActLinear, _GatherLinear, _ReduceScatter, _sum_over, _sums_before_forward
 
 
 def check_sp(module: nn.Module, tower: str, tp: int, cp: int, shard: str) -> None:
     """Raise, naming the tower and the rule, where ``sp: true`` cannot run (meta modules are fine)."""
     where = f"tower {tower!r}, tp={tp}, sp: true"
-    if not (hasattr(module, "patch_embed") and hasattr(module, "norm_pre") and hasattr(module, "blocks")):
+    vit = hasattr(module, "patch_embed") and hasattr(module, "norm_pre") and hasattr(module, "blocks")
+    if not vit and not check_sp_text(module):
         raise ValueError(
-            f"{where}: sequence parallelism is built for timm VisionTransformer towers; a {type(module).__name__}"
-            " tower runs tp without it (set sp: false) or splits its sequence with cp"
+            f"{where}: sequence parallelism is built for timm VisionTransformer towers and transformers CLIP-style"
+            f" text encoders; a {type(module).__name__} tower runs tp without it (set sp: false) or splits its"
+            " sequence with cp"
         )
     if cp > 1:
         raise ValueError(f"{where}: sp with cp={cp} is not supported; choose one way to split the sequence")
@@ -65,32 +73,8 @@ def check_sp(module: nn.Module, tower: str, tp: int, cp: int, shard: str) -> Non
             f"{where}: sp with shard: {shard} is not supported (FSDP replaces the parameters whose partial"
             " gradients sp sums over tp); use shard: none"
         )
-    if getattr(module, "dynamic_img_size", False) or not isinstance(module.patch_drop, nn.Identity):
+    if vit and (getattr(module, "dynamic_img_size", False) or not isinstance(module.patch_drop, nn.Identity)):
         raise ValueError(f"{where}: dynamic image sizes and patch dropout change the sequence length per batch")
-
-
-class _GatherLinear(torch.autograd.Function):
-    """``linear(all_gather(x), weight, bias)`` keeping only this rank's tokens ``x`` for backward, which
-    gathers them again (Megatron-LM's choice: the gathered input would be ``tp`` times the chunk); the
-    input gradient is reduce-scattered back to the chunks."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, split: SequenceSplit) -> Tensor:
-        ctx.split, ctx.bias = split, bias is not None
-        ctx.save_for_backward(x, weight)
-        return F.linear(gather_tokens(x, split), weight, bias)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None, None]:
-        x, weight = ctx.saved_tensors
-        g2 = grad.reshape(-1, grad.shape[-1])
-        gw = gb = None
-        if ctx.needs_input_grad[1]:
-            full = gather_tokens(x, ctx.split)
-            gw = g2.t() @ full.reshape(-1, full.shape[-1])
-        if ctx.bias and ctx.needs_input_grad[2]:
-            gb = g2.sum(0)
-        return scatter_tokens(grad @ weight, ctx.split), gw, gb, None
 
 
 class _SeqColwise(nn.Module):
@@ -112,36 +96,48 @@ class _SeqColwise(nn.Module):
         return _GatherLinear.apply(x, self.weight.to_local(), bias, self.split)
 
 
-def _sum_over(group: dist.ProcessGroup) -> Any:
-    def hook(grad: Tensor) -> Tensor:
-        grad = grad.contiguous()
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
-        return grad
+def _fusable(mlp: nn.Module) -> bool:
+    """timm's ``Mlp`` (its own forward: fc1, act, drop1, norm, fc2, drop2; not ``GluMlp`` / ``SwiGLU``,
+    which gate) whose activation output goes straight into fc2 (no dropout, no norm between)."""
+    from timm.layers import Mlp
 
-    return hook
+    drop, norm = getattr(mlp, "drop1", None), getattr(mlp, "norm", None)
+    plain_drop = isinstance(drop, nn.Identity) or (isinstance(drop, nn.Dropout) and drop.p == 0)
+    return type(mlp).forward is Mlp.forward and plain_drop and isinstance(norm, nn.Identity)
 
 
-def _sums_before_forward(group: dist.ProcessGroup, owners: list[nn.Module]) -> Any:
-    """A forward pre-hook that puts the tp sum on each replicated parameter of ``owners`` (their own, not
-    their children's) that lacks it. At forward time, not once at preparation: a tower built on the
-    meta device gets new Parameter objects when it is materialised, after this module prepared it."""
+@functools.cache
+def _sp_mlp_class(base: type[nn.Module]) -> type[nn.Module]:
+    class SequenceParallelMlp(base):  # type: ignore[valid-type,misc]
+        """timm's ``Mlp`` under sp: fc1 gathers (:class:`_SeqColwise`), fc2 is :class:`_ActLinear` on
+        its local shard, reduce-scattered, then fc2's replicated bias (its gradient summed over tp);
+        same parameters and names."""
 
-    def hook(module: nn.Module, args: Any) -> None:
-        for owner in owners:
-            for p in owner.parameters(recurse=False):
-                if p.requires_grad and not p.is_meta and not isinstance(p, DTensor) and not hasattr(p, "_distmm_sp"):
-                    p.register_hook(_sum_over(group))
-                    p._distmm_sp = True  # type: ignore[attr-defined]
+        _distmm_sp: SequenceSplit
 
-    return hook
+        def forward(self, x: Tensor) -> Tensor:
+            split = self._distmm_sp
+            y = _ActLinear.apply(self.fc1(x), self.fc2.weight.to_local(), self.act)
+            y = _ReduceScatter.apply(y, split)
+            if self.fc2.bias is not None:
+                bias = self.fc2.bias.to_local()
+                if bias.requires_grad:
+                    bias.register_hook(_sum_over(split.group))
+                y = y + bias
+            return self.drop2(y)
+
+    return SequenceParallelMlp
 
 
 def apply_sp(module: nn.Module, mesh: DeviceMesh, held: Callable[[nn.Module], bool] = lambda block: True) -> nn.Module:
-    """Split a tensor-parallel ViT's residual stream along the sequence over the tp ``mesh`` (in place,
+    """Split a tensor-parallel ViT's (a CLIP text tower's: :mod:`.sequence_parallel_text`) residual
+    stream along the sequence over the tp ``mesh`` (in place,
     after :func:`~lightning_distmm.parallel.tensor_parallel.apply_tp` with ``sp=True``), in the blocks
     ``held`` says this rank runs (its pipeline stage's); idempotent."""
     if getattr(module, "_distmm_sp", None) is not None:
         return module
+    if not hasattr(module, "patch_embed"):  # a transformers CLIP-style text tower
+        return apply_sp_text(module, mesh, held)
     group, tp = mesh.get_group(), mesh.size()
     split = SequenceSplit(group, tp, mesh.get_local_rank())
     split.length = module.patch_embed.num_patches + module.num_prefix_tokens  # type: ignore[union-attr,operator]
@@ -154,6 +150,9 @@ def apply_sp(module: nn.Module, mesh: DeviceMesh, held: Callable[[nn.Module], bo
         block.attn._distmm_cp, block.attn._distmm_keys = None, split
         block.attn.qkv.gathered_linear = lambda x, w, b: _GatherLinear.apply(x, w, b, split)
         block.mlp.fc1 = _SeqColwise(block.mlp.fc1, mesh, split)
+        if _fusable(block.mlp):  # fc2 keeps the activation's input only (else DTensor's RowwiseParallel runs it)
+            block.mlp.__class__ = _sp_mlp_class(type(block.mlp))
+            block.mlp._distmm_sp = split
     # the parameters TP leaves replicated get partial gradients: each module puts the tp sum on its
     # own before it runs (the tower's loose tensors, class token and position embedding, with patch_embed)
     for sub in module.modules():

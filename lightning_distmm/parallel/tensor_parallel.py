@@ -163,9 +163,13 @@ def apply_tp_vit(
     return model
 
 
-def apply_tp_clip_text(model: nn.Module, mesh: DeviceMesh, held: Callable[[nn.Module], bool] = _holds_all) -> nn.Module:
+def apply_tp_clip_text(
+    model: nn.Module, mesh: DeviceMesh, held: Callable[[nn.Module], bool] = _holds_all, sp: bool = False
+) -> nn.Module:
     """Shard the layers of a transformers CLIP text encoder (any module with ``encoder.layers``) in place;
-    only the layers ``held`` says this rank runs."""
+    only the layers ``held`` says this rank runs. ``sp``: out_proj and fc2 reduce-scatter the tokens
+    (their inputs' gathers are :func:`lightning_distmm.parallel.sequence_parallel.apply_sp`'s, which
+    must follow and computes q, k, v and fc1 from their shards)."""
     tp = mesh.size()
     layers = [m for name, m in model.named_modules() if name.endswith("encoder.layers")]
     if not layers:
@@ -179,9 +183,9 @@ def apply_tp_clip_text(model: nn.Module, mesh: DeviceMesh, held: Callable[[nn.Mo
             "self_attn.q_proj": ColwiseParallel(),
             "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(),
-            "self_attn.out_proj": RowwiseParallel(),
+            "self_attn.out_proj": RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel(),
             "mlp.fc1": ColwiseParallel(),
-            "mlp.fc2": RowwiseParallel(),
+            "mlp.fc2": RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel(),
         }
         parallelize_module(layer, mesh, plan)
         attn.num_heads //= tp
@@ -291,10 +295,14 @@ def apply_tp(
     family = _family(module)
     if family == "vit":
         apply_tp_vit(_vit_of(module), mesh, held, sp)
+    elif family == "clip_text":
+        apply_tp_clip_text(module, mesh, held, sp)
     elif sp:
-        raise ValueError(f"sp: true is built for timm ViT towers; a {type(module).__name__} tower runs tp without it")
+        raise ValueError(
+            f"sp: true is built for timm ViT and CLIP-style text towers; a {type(module).__name__} tower runs tp without it"
+        )
     else:
-        {"llama": apply_tp_llama}.get(family, apply_tp_clip_text)(module, mesh, held)
+        apply_tp_llama(module, mesh, held)
     module._distmm_tp_mesh = mesh  # type: ignore[assignment]
     return module
 

@@ -56,6 +56,7 @@ class Block:
     act_rep: float = 0.0  # activation elements kept for backward, replicated under tp
     act_split: float = 0.0  # activation elements kept for backward, divided by tp
     act_scores: float = 0.0  # attention probabilities kept without flash attention (divided by tp)
+    act_sp_recomputed: float = 0.0  # of act_split: the MLP activation's output, which sp recomputes instead
     tp_allreduce: float = 0.0  # elements all-reduced per sample in forward when tp > 1
     casts: float = 0.0  # residual-stream elements cast to the compute dtype per forward (norm outputs into GEMMs)
     kernels: int = 0
@@ -92,6 +93,7 @@ def transformer_block(s: int, h: int, heads: int, m: int) -> Block:
         elem_split_bwd=3.0 * s * m,
         act_rep=4.0 * s * h,  # LN inputs, attention input, MLP input
         act_split=4.0 * s * h + 2.0 * s * m,  # q, k, v, proj input; fc1 out, GELU out
+        act_sp_recomputed=float(s * m),  # GELU out: sp's fc2 keeps fc1's output only
         act_scores=float(heads * s * s),
         tp_allreduce=2.0 * s * h,
         casts=2.0 * s * h,  # both LayerNorms' outputs, into the qkv and fc1 GEMMs
@@ -177,6 +179,7 @@ def merge_blocks(a: Block, b: Block) -> Block:
         act_rep=a.act_rep + b.act_rep,
         act_split=a.act_split + b.act_split,
         act_scores=a.act_scores + b.act_scores,
+        act_sp_recomputed=a.act_sp_recomputed + b.act_sp_recomputed,
         tp_allreduce=a.tp_allreduce + b.tp_allreduce,
         casts=a.casts + b.casts,
         kernels=a.kernels + b.kernels,

@@ -1,10 +1,10 @@
 """Modality-aware partitioner: every way one tower can run on ``n`` devices, priced and filtered.
 
-For each tower, enumerate tensor parallelism ``tp`` (divides the heads, fits in a node), pipeline
-parallelism ``pp`` (divides the layers), the schedule and the number of microbatches ``K``; the
-data-parallel degree follows from the device count. Everything that depends on the replica count
-is evaluated as numpy arrays over (replicas x microbatch counts), so thousands of combinations
-cost a few array operations. Configurations that exceed device memory are dropped.
+For each tower, enumerate ``tp`` (divides the heads, fits in a node), ``pp`` (divides the layers),
+sharding, with ``planner.sequence`` cp / sp (:func:`~lightning_distmm.planner.sequence.sequence_ways`),
+the schedule and the microbatch count ``K``; the replica count follows. What depends on the replica
+count is numpy arrays over (replicas x microbatch counts): thousands of combinations cost a few array
+operations. Configurations that exceed device memory are dropped.
 
 A configuration's forward phase ``F`` is its time before the (first) batch-sync, its backward
 phase ``B`` the rest: the closed forms of :func:`lightning_distmm.planner.cost.phases`, which equal
@@ -51,7 +51,9 @@ from lightning_distmm.planner.cost import (
     sync_group_rows,
     tp_comm,
 )
+from lightning_distmm.planner.cost.comm import cp_comm
 from lightning_distmm.planner.profile import TowerProfile
+from lightning_distmm.planner.sequence import sequence_ways
 
 
 class InfeasibleError(PlanError):
@@ -80,6 +82,7 @@ class SearchSpace:
     max_microbatches: int | None = None
     shards: tuple[str, ...] = ("none",)  # how replicas may hold the training state (cost.options.SHARDS)
     max_k: int | None = None  # at most this many microbatches per replica (Megatron-LM's baseline: 1)
+    sequence: bool = False  # also enumerate context / sequence parallelism (cp, sp) per tower
 
 
 def tower_space(
@@ -151,6 +154,8 @@ class Candidates:
     global_batch: int
     notes: dict[str, Any] = field(default_factory=dict)
     shard: np.ndarray | None = None  # index into SHARDS per configuration (None: all "none")
+    cp: np.ndarray | None = None  # context-parallel degree per configuration (None: all 1)
+    sp: np.ndarray | None = None  # sequence parallelism with tp per configuration (None: all off)
 
     def __len__(self) -> int:
         return len(self.n)
@@ -171,6 +176,8 @@ class Candidates:
             self.global_batch,
             self.notes,
             None if self.shard is None else self.shard[idx],
+            None if self.cp is None else self.cp[idx],
+            None if self.sp is None else self.sp[idx],
         )
 
     def pareto(self) -> Candidates:
@@ -191,7 +198,8 @@ class Candidates:
 
     def choice(self, i: int) -> TowerChoice:
         tp, pp, n = int(self.tp[i]), int(self.pp[i]), int(self.n[i])
-        dp = n // (tp * pp)
+        cp, sp = (1 if self.cp is None else int(self.cp[i])), (False if self.sp is None else bool(self.sp[i]))
+        dp = n // (tp * pp * cp)
         return TowerChoice(
             name=self.tower,
             n=n,
@@ -201,6 +209,8 @@ class Candidates:
             schedule=self.schedules[int(self.sched[i])],
             replica_batch=tuple(split_batch(self.global_batch, None, dp)),
             shard=SHARDS[int(self.shard[i])] if self.shard is not None else "none",
+            cp=cp,
+            sp=sp,
         )
 
 
@@ -226,12 +236,16 @@ def _grid(
     separate: bool,
     distmm_loss_b: float | None = None,
     shard: str = "none",
+    cp: int = 1,
+    sp: bool = False,
 ) -> dict[str, dict[str, np.ndarray]]:
     """Costs over the grid replicas x microbatch-counts for each schedule (arrays [len(dp), len(Ks)]).
 
     ``K`` counts the replica's microbatches (``distmm``: over both sync groups, at least one each);
     ``distmm_loss_b``: the loss buffers of a batch-sync over half the batch (default ``loss_b``);
-    ``shard``: how the replicas hold the training state (weights gathered per layer under ``full``).
+    ``shard``: how the replicas hold the training state (weights gathered per layer under ``full``);
+    ``cp`` / ``sp``: tokens split over ``cp`` ranks (and their all-to-alls; state and gradients over
+    replicas x cp); sequence parallelism with tp (its regather).
     """
     w = tp * pp
     dpn = cluster.devices_per_node
@@ -240,21 +254,22 @@ def _grid(
     valid = K <= b
     mb = np.ceil(b / K)
     Keff = np.ceil(b / mb)
-    fc, bc = stage_compute(profile, cluster, opts, mb, tp, pp)
-    tpc = tp_comm(profile, cluster, opts, mb, tp, pp, False)
-    ppc = pp_comm(profile, cluster, opts, mb, pp, w > dpn)
+    fc, bc = stage_compute(profile, cluster, opts, mb / cp, tp, pp)
+    tpc = tp_comm(profile, cluster, opts, mb / cp, tp, pp, False)
+    ppc = pp_comm(profile, cluster, opts, mb / cp, pp, w * cp > dpn)
+    cpc = cp_comm(profile, cluster, opts, mb, tp, cp, pp) if cp > 1 else 0.0
     # a stage's time per microbatch (never below the transfer), the transfer between stages apart
-    fx, bx = fc + tpc, bc + tpc
+    fx, bx = fc + tpc + cpc, bc + tpc * (1.5 if sp else 1.0) + cpc  # sp: its gathered linears gather again
     if shard in LAYER_SHARDS:
-        ag, agrs = (np.asarray(x)[:, None] for x in shard_comm(profile, cluster, opts, dp, tp, pp, shard))
+        ag, agrs = (np.asarray(x)[:, None] for x in shard_comm(profile, cluster, opts, dp * cp, tp, pp, shard))
         fx, bx = sharded_stage(fx, ag, profile.layers // pp), sharded_stage(bx, agrs, profile.layers // pp)
     f = np.maximum(fx, ppc)
     bb = np.zeros_like(f) if profile.frozen else np.maximum(bx, ppc)
     gb = grad_bytes_per_device(profile, opts, tp, pp, shard)
-    ar = compact_dp_allreduce(cluster, gb, dp, tp, pp)[:, None] if gb > 0 else np.zeros((len(dp), 1))
-    # the optimizer step of one replica's share (sharded: 1/dp of the stage; per replica count)
-    group = shard_group(shard, dp, tp, pp, cluster.devices_per_node)  # replicas the state is split over
-    opt_t = np.asarray([optimizer_time(profile, cluster, opts, tp, pp, shard, int(d)) for d in group])[:, None]
+    ar = compact_dp_allreduce(cluster, gb, dp * cp, tp, pp)[:, None] if gb > 0 else np.zeros((len(dp), 1))
+    # the optimizer step of one replica's share (sharded over the replicas the state is split over, x cp)
+    group = shard_group(shard, dp, tp, pp, cluster.devices_per_node)
+    opt_t = np.asarray([optimizer_time(profile, cluster, opts, tp, pp, shard, int(d) * cp) for d in group])[:, None]
     cross = 0.0
     if separate and profile.cross_from:
         cross = cross_attention_time(cluster, opts.bytes_el * b * profile.cross_elems, cluster.nodes == 1)
@@ -279,9 +294,9 @@ def _grid(
         Bp = sum(segs[1:]) + (0.0 if profile.frozen else cross)
         window = last_slot(s, f, bb)  # colocated towers may also hide it behind each other (priced exactly later)
         Bx = Bp + exposed_allreduce(ar, window, gb, opts) + opt_t
-        mem = memory_per_device(profile, opts, s, mb, Ks_used, b, tp, pp, lb, shard, group[:, None])["total"]
+        mem = memory_per_device(profile, opts, s, mb, Ks_used, b, tp, pp, lb, shard, group[:, None], None, cp, sp)
         shape = mb.shape
-        mem = np.broadcast_to(mem, shape)
+        mem = np.broadcast_to(mem["total"], shape)
         ok = ok & (mem <= limit)
         out[s] = {
             "F": np.broadcast_to(Fp, shape),
@@ -319,19 +334,21 @@ def tower_candidates(
     Ks = k_grid(global_batch, space.max_microbatches)
     scheds = tuple(space.schedules)
     names = scheds if "gpipe" in scheds else scheds + ("gpipe",)  # a frozen tower always runs "gpipe"
-    keys = ("n", "F", "B", "tp", "pp", "sched", "K", "mb", "mem", "shard")
-    rows: dict[str, list[np.ndarray]] = {k: [] for k in keys}
-    for tp, pp, shard in itertools.product(tps, pps, space.shards):
-        w = tp * pp
+    rows: dict[str, list[np.ndarray]] = {k: [] for k in "n F B tp pp sched K mb mem shard cp sp".split()}
+    ways = sequence_ways if space.sequence and profile.analytic else lambda *_: [(1, False)]  # planner.sequence
+    dpn, degrees = cluster.devices_per_node, itertools.product(tps, pps, space.shards)
+    for tp, pp, shard, cp, sp in [(t, p, sh, *w) for t, p, sh in degrees for w in ways(profile, t, p, sh, dpn)]:
+        w = tp * pp * cp
         if w > D:
             continue
         dp = np.arange(1, min(D // w, global_batch) + 1, dtype=float)
         if shard == "hybrid":  # the runtime's HSDP: no tp across nodes, whole nodes when it spans several
-            dpn = cluster.devices_per_node
             dp = dp[(tp == 1) & ((dp * w <= dpn) | ((dp * w) % dpn == 0))]
         if len(dp) == 0:
             continue
-        g = _grid(profile, cluster, opts, global_batch, dp, Ks, tp, pp, scheds, loss_b, True, distmm_loss_b, shard)
+        g = _grid(
+            profile, cluster, opts, global_batch, dp, Ks, tp, pp, scheds, loss_b, True, distmm_loss_b, shard, cp, sp
+        )
         for s, d in g.items():
             obj = np.where(d["ok"], d["F"] + d["B"], np.inf)
             j = np.argmin(obj, axis=1)
@@ -350,6 +367,8 @@ def tower_candidates(
             rows["mb"].append(d["mb"][i, j])
             rows["mem"].append(d["mem"][i, j])
             rows["shard"].append(np.full(len(i), SHARDS.index(shard)))
+            rows["cp"].append(np.full(len(i), cp))
+            rows["sp"].append(np.full(len(i), sp))
     cat = {k: (np.concatenate(v) if v else np.zeros(0)) for k, v in rows.items()}
     return Candidates(
         name,
@@ -365,6 +384,8 @@ def tower_candidates(
         names,
         global_batch,
         shard=cat["shard"].astype(int),
+        cp=cat["cp"].astype(int),
+        sp=cat["sp"].astype(bool),
     )
 
 

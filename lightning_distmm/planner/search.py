@@ -115,7 +115,7 @@ def make_plan(
     for n, p in profiles.items():
         tps_all[n], pps_all[n] = tower_space(p, cl, D, opts.max_tp, opts.max_pp, opts.tp, opts.pp)
     scheds = tuple(opts.schedules) + ((RECOMPUTE,) if opts.recompute and "gpipe" in opts.schedules else ())
-    space = SearchSpace(tps_all, pps_all, scheds, opts.max_microbatches, tuple(opts.shards))
+    space = SearchSpace(tps_all, pps_all, scheds, opts.max_microbatches, tuple(opts.shards), sequence=opts.sequence)
     n_contrastive, embed = contrastive_features(profiles)
     lb = loss_bytes(G, D, n_contrastive, co, embed)
     lb_distmm = loss_bytes(split_batch(G, None, 2)[0], D, n_contrastive, co, embed)  # a batch-sync over half the batch

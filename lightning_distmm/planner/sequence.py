@@ -3,11 +3,17 @@
 The search proper (``planner.search.make_plan``) chooses each tower's devices, tp, pp, schedule,
 microbatch and sharding. With ``sequence`` on, each tower of the chosen plan is then offered the
 ways to split its tokens on the *same* devices: cp (DeepSpeed-Ulysses, ``cp * tp`` dividing its
-heads, inside a node), tp with ``sp`` (timm ViT towers, unsharded), and cp x tp; pipeline stages,
-schedule and sharding are kept. A variant replaces the tower's choice when the whole plan, priced
-by the same cost model (``price_plan``), fits and is faster. A local search around the optimum the
-search found, not a joint one: the balancer does not see cp / sp when it gives towers their devices
-(docs/planner.md, "Sequence and context parallelism").
+heads, inside a node), tp with ``sp`` (timm ViT and CLIP text towers, unsharded), and cp x tp;
+pipeline stages, schedule and sharding are kept. A variant replaces the tower's choice when the
+whole plan, priced by the same cost model (``price_plan``), fits and is faster.
+
+With ``sequence`` on, the search proper enumerates them too: :func:`sequence_ways` gives each
+(tp, pp, sharding) its (cp, sp), ``partition.tower_candidates`` prices every one on 1..D devices
+(1/cp of the tokens per rank, the all-to-alls, sp's regather, activations with cp / sp, gradients
+and state over replicas x cp), so the balancer gives the towers their devices with cp / sp in
+mind; :func:`refine_sequence` then still tries the same devices' other ways (colocated plans, and
+what the exact pricing of the placed plan prefers) (docs/planner.md, "Sequence and context
+parallelism").
 
 Pure Python, like the rest of the planner.
 """
@@ -27,29 +33,34 @@ from lightning_distmm.planner.profile import TowerProfile
 CP_ARCHS = ("vit", "clip_text")
 
 
+def sequence_ways(profile: TowerProfile, tp: int, pp: int, shard: str, devices_per_node: int) -> list[tuple[int, bool]]:
+    """The (cp, sp) a tower with this tp, pp and sharding may take, the runtime's rules applied: ``cp *
+    tp`` divides the heads and stays inside a node; cp on ViT and CLIP text towers only (any length:
+    padded, pipelined too), not with ``shard: hybrid``; sp needs tp > 1, a ViT or CLIP text tower, no
+    sharding, no cp. (1, False) comes first."""
+    out = [(1, False)]
+    seq_arch = profile.arch in CP_ARCHS
+    if seq_arch and tp > 1 and shard == "none":
+        out.append((1, True))
+    for cp in (2, 4, 8):
+        width = cp * tp
+        if not seq_arch or width > devices_per_node or profile.heads % width or shard == "hybrid":
+            continue
+        out.append((cp, False))
+    return out
+
+
 def sequence_variants(profile: TowerProfile, tower: TowerPlan, devices_per_node: int) -> list[dict[str, Any]]:
-    """The (tp, cp, sp) a tower may take on its devices, the runtime's rules applied: ``cp * tp``
-    divides the heads and a replica's stage (inside a node); cp on ViT and CLIP text towers only (a
-    pipelined text tower's length divisible by cp), not with ``shard: hybrid``; sp needs tp > 1, a
-    ViT, no sharding, no cp."""
+    """The (tp, cp, sp) a tower may take on its own devices (:func:`sequence_ways` for each tp whose
+    replica's stage, ``cp * tp`` ranks, divides them), its present one left out."""
     out = []
     n = len(tower.ranks)
-    for cp in (1, 2, 4, 8):
-        for tp in (1, 2, 4, 8):
-            width = cp * tp
-            if width > devices_per_node or n % (width * tower.pp) or profile.heads % width:
-                continue
-            if cp > 1 and (
-                profile.arch not in CP_ARCHS
-                or tower.shard == "hybrid"
-                or (profile.arch != "vit" and tower.pp > 1 and profile.seq % cp)
-            ):
-                continue
-            for sp in (False, True):
-                if sp and (tp == 1 or cp > 1 or profile.arch != "vit" or tower.shard != "none"):
-                    continue
-                if (cp, tp, sp) != (tower.cp, tower.tp, tower.sp):
-                    out.append({"cp": cp, "tp": tp, "sp": sp})
+    for tp in (1, 2, 4, 8):
+        if tp > devices_per_node or profile.heads % tp:
+            continue
+        for cp, sp in sequence_ways(profile, tp, tower.pp, tower.shard, devices_per_node):
+            if n % (cp * tp * tower.pp) == 0 and (cp, tp, sp) != (tower.cp, tower.tp, tower.sp):
+                out.append({"cp": cp, "tp": tp, "sp": sp})
     return out
 
 

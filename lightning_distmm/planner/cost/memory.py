@@ -65,7 +65,8 @@ def act_per_sample(
     ``cp``: each rank keeps its ``1/cp`` of every layer's tokens (attention probabilities too: its
     ``heads/cp`` over the whole sequence, Ulysses); the embeddings and the head run on the whole
     sequence. ``sp``: the activations TP replicates (LayerNorm inputs, the inputs of the gathered
-    linears, which keep only this rank's tokens) are divided by ``tp`` too."""
+    linears, which keep only this rank's tokens) are divided by ``tp`` too, and the MLP's activation
+    output is not kept (sp's fc2 recomputes it from fc1's output, ``act_sp_recomputed``)."""
     if not profile.analytic:
         fit = profile.measured
         assert fit is not None
@@ -74,7 +75,8 @@ def act_per_sample(
     lay = profile.layer
     split_rep = sp or opts.sequence_parallel  # sequence parallelism splits the replicated activations
     rep = lay.act_rep / tp if split_rep else lay.act_rep
-    per_layer = (rep + lay.act_split / tp + (0.0 if opts.flash_attention else lay.act_scores / tp)) / cp
+    split = lay.act_split - (lay.act_sp_recomputed if sp else 0.0)
+    per_layer = (rep + split / tp + (0.0 if opts.flash_attention else lay.act_scores / tp)) / cp
     ends = profile.pre.act_rep + profile.post.act_rep + (profile.pre.act_split + profile.post.act_split) / tp
     if pp > 1:
         ends = max(profile.pre.act_rep + profile.pre.act_split / tp, profile.post.act_rep + profile.post.act_split / tp)
