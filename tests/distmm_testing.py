@@ -21,52 +21,23 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 from torch.utils.data import DataLoader
-from transformers import CLIPTextConfig, CLIPTextModel
 
 import lightning_distmm as ldm
+from lightning_distmm.models import tiny
+from lightning_distmm.models.tiny import quiet_trainer_kwargs, tiny_vit
 
 EMBED = 8
 VOCAB = 20
 SEQ = 6
 
 
-class TinyText(nn.Module):
+class TinyText(tiny.TinyText):
+    """The tests' text tower: width 16, ``layers`` layers of 2 heads, the key bias frozen."""
+
     def __init__(self, layers: int = 1) -> None:
-        super().__init__()
-        cfg = CLIPTextConfig(
-            vocab_size=VOCAB,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=layers,
-            num_attention_heads=2,
-            max_position_embeddings=SEQ,
-            eos_token_id=VOCAB - 1,
-            bos_token_id=VOCAB - 2,
-            pad_token_id=0,
-        )
-        self.encoder = CLIPTextModel(cfg)
-        # Softmax ignores a shift shared by all keys, so the key bias has an exactly-zero true
-        # gradient; Adam turns the float noise there into +-lr steps that differ between any two
-        # correct implementations. Freeze it (timm's ViT below has no qkv bias for the same reason).
-        for layer in self.encoder.encoder.layers:
-            layer.self_attn.k_proj.bias.requires_grad_(False)
-        self.proj = nn.Linear(16, EMBED, bias=False)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return self._pool(hidden, attention_mask)
-
-    def _pool(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        last = attention_mask.sum(dim=1) - 1
-        return self.proj(hidden[torch.arange(hidden.shape[0]), last])
-
-    def pipeline_stages(self, pp: int) -> list:
-        from lightning_distmm.parallel.pipeline import clip_text_stages
-
-        return clip_text_stages(self.encoder, pp, lambda h, rows: self._pool(h, rows["attention_mask"]), [self.proj])
+        super().__init__(VOCAB, SEQ, width=16, embed=EMBED, layers=layers)
 
 
 class TinyCLIP(ldm.DistMMMixin, L.LightningModule):
@@ -75,16 +46,7 @@ class TinyCLIP(ldm.DistMMMixin, L.LightningModule):
         self.optimizer_name = optimizer
         self.lr = lr
         self.frozen_text = frozen_text
-        self.visual = VisionTransformer(
-            img_size=8,
-            patch_size=4,
-            embed_dim=16,
-            depth=1,
-            num_heads=2,
-            mlp_ratio=2.0,
-            num_classes=EMBED,
-            qkv_bias=False,
-        )
+        self.visual = tiny_vit(8, 4, width=16, depth=1, heads=2, embed=EMBED)
         self.text = TinyText()
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
 
@@ -149,17 +111,7 @@ def loader(batch: int, size: int = 64, log: str | None = None, shuffle: bool = F
 
 
 def trainer_kwargs(**extra: Any) -> dict[str, Any]:
-    kw = dict(
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
-    kw.update(extra)
-    return kw
+    return quiet_trainer_kwargs(**{"accelerator": "cpu", **extra})
 
 
 def run_distmm(
@@ -206,16 +158,7 @@ class DeepCLIP(TinyCLIP):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.visual = VisionTransformer(
-            img_size=8,
-            patch_size=4,
-            embed_dim=16,
-            depth=2,
-            num_heads=4,
-            mlp_ratio=2.0,
-            num_classes=EMBED,
-            qkv_bias=False,
-        )
+        self.visual = tiny_vit(8, 4, width=16, depth=2, heads=4, embed=EMBED)
         self.text = TinyText(layers=2)
 
 
