@@ -199,6 +199,38 @@ def compare_with_reference(
     )
 
 
+def compare_accumulating_and_clipping(plan: Any, optimizer: str, tmp_path: Path) -> Comparison:
+    """TinyCLIP (``optimizer``: sgd at lr 0.05, adamw at 0.01) under ``plan`` on 3 ranks against the
+    reference, batch 8 for 3 optimizer steps of 2 accumulated batches, clipped at a global norm of
+    0.05 (active: the whole model's gradient norm is above it)."""
+    lr = 0.05 if optimizer == "sgd" else 0.01
+    return compare_with_reference(
+        lambda: TinyCLIP(optimizer, lr=lr), plan, 3, 8, 3, tmp_path, accumulate_grad_batches=2, gradient_clip_val=0.05
+    )
+
+
+def recipe_stream_datamodule(experiment: str, train_dir: str | Path, val_dir: str | Path) -> tuple[Any, Any]:
+    """``recipes/train.py``'s config for ``experiment`` over a stream of 10 training pairs and 4
+    held-out ones at a global batch of 4, and the DataModule it builds; checks their sizes, that
+    retrieval reads the held-out pairs, and the first batch's shapes (32-pixel images, 16 tokens)."""
+    import sys
+
+    from hydra import compose, initialize_config_dir
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "recipes"))
+    import train
+
+    with initialize_config_dir(config_dir=str(root / "conf"), version_base="1.3"):
+        overrides = [f"experiment={experiment}", f"data.train={train_dir}", f"data.val={val_dir}", "data.batch_size=4"]
+        cfg = compose(config_name="train", overrides=["out_dir=/tmp/unused", *overrides])
+    dm = train.build_data(cfg, 4)
+    assert len(dm.train_dataset) == 10 and len(dm.val_dataset) == 4 and dm.retrieval_dataset is dm.val_dataset
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["image"].shape == (4, 3, 32, 32) and batch["input_ids"].shape == (4, 16)
+    return cfg, dm
+
+
 def in_subprocess(fn: Callable[[], None], timeout: float = 300) -> None:
     """Run ``fn`` in a forked process group; a hang past ``timeout`` fails the test (and is killed)."""
     ctx = mp.get_context("fork")
