@@ -15,14 +15,13 @@ import csv
 import sys
 from pathlib import Path
 
-import numpy as np
 from PIL import Image
 
 _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from lightning_distmm.data.demo.shapes import ShapesDataset, render  # noqa: E402
+from lightning_distmm.data.demo.shapes import ShapesDataset  # noqa: E402
 
 
 def write_split(dataset: ShapesDataset, out: Path, name: str) -> Path:
@@ -34,12 +33,10 @@ def write_split(dataset: ShapesDataset, out: Path, name: str) -> Path:
         writer = csv.writer(f)
         writer.writerow(["filepath", "title"])
         for i in range(len(dataset)):
-            attrs = dataset.attributes(i)
-            rng = np.random.default_rng([dataset.seed, dataset._global_index(i), 1])  # the dataset's image stream
-            pixels = render(attrs["color"], attrs["shape"], attrs["position"], rng, dataset.image_size, dataset.noise)
+            pixels, caption = dataset.for_file(i)
             file = images / f"{name}_{i:06d}.png"
-            Image.fromarray((pixels.transpose(1, 2, 0) * 255).round().astype(np.uint8)).save(file)
-            writer.writerow([file.relative_to(out).as_posix(), dataset.caption_of(attrs)])
+            Image.fromarray(pixels).save(file)
+            writer.writerow([file.relative_to(out).as_posix(), caption])
     return path
 
 

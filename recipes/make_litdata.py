@@ -19,14 +19,13 @@ import shutil
 import sys
 from pathlib import Path
 
-import numpy as np
 from PIL import Image
 
 _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from lightning_distmm.data.demo.shapes import ShapesDataset, render  # noqa: E402
+from lightning_distmm.data.demo.shapes import ShapesDataset  # noqa: E402
 
 
 def write_split(dataset: ShapesDataset, folder: Path, per_chunk: int) -> Path:
@@ -37,12 +36,10 @@ def write_split(dataset: ShapesDataset, folder: Path, per_chunk: int) -> Path:
     folder.mkdir(parents=True)
     writer = BinaryWriter(str(folder), chunk_size=per_chunk)
     for i in range(len(dataset)):
-        attrs = dataset.attributes(i)
-        rng = np.random.default_rng([dataset.seed, dataset._global_index(i), 1])  # the dataset's image stream
-        pixels = render(attrs["color"], attrs["shape"], attrs["position"], rng, dataset.image_size, dataset.noise)
+        pixels, caption = dataset.for_file(i)
         encoded = io.BytesIO()
-        Image.fromarray((pixels.transpose(1, 2, 0) * 255).round().astype(np.uint8)).save(encoded, format="PNG")
-        writer[i] = {"image": encoded.getvalue(), "caption": dataset.caption_of(attrs)}
+        Image.fromarray(pixels).save(encoded, format="PNG")
+        writer[i] = {"image": encoded.getvalue(), "caption": caption}
     writer.done()
     writer.merge(1)
     return folder

@@ -16,14 +16,13 @@ import io
 import sys
 from pathlib import Path
 
-import numpy as np
 from PIL import Image
 
 _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from lightning_distmm.data.demo.shapes import ShapesDataset, render  # noqa: E402
+from lightning_distmm.data.demo.shapes import ShapesDataset  # noqa: E402
 
 
 def write_split(dataset: ShapesDataset, out: Path, name: str, per_shard: int, fmt: str = "png") -> list[Path]:
@@ -36,13 +35,10 @@ def write_split(dataset: ShapesDataset, out: Path, name: str, per_shard: int, fm
         old.unlink()
     with wds.ShardWriter(str(folder / "shard-%06d.tar"), maxcount=per_shard, verbose=0) as sink:
         for i in range(len(dataset)):
-            attrs = dataset.attributes(i)
-            rng = np.random.default_rng([dataset.seed, dataset._global_index(i), 1])  # the dataset's image stream
-            pixels = render(attrs["color"], attrs["shape"], attrs["position"], rng, dataset.image_size, dataset.noise)
-            image = Image.fromarray((pixels.transpose(1, 2, 0) * 255).round().astype(np.uint8))
+            pixels, caption = dataset.for_file(i)
             encoded = io.BytesIO()
-            image.save(encoded, format="PNG" if fmt == "png" else "JPEG", quality=95)
-            sink.write({"__key__": f"{name}_{i:06d}", fmt: encoded.getvalue(), "txt": dataset.caption_of(attrs)})
+            Image.fromarray(pixels).save(encoded, format="PNG" if fmt == "png" else "JPEG", quality=95)
+            sink.write({"__key__": f"{name}_{i:06d}", fmt: encoded.getvalue(), "txt": caption})
     return sorted(folder.glob("shard-*.tar"))
 
 

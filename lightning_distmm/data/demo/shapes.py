@@ -188,11 +188,21 @@ class ShapesDataset(FieldDataset):
             color=attrs["color"], shape=attrs["shape"], where=POSITIONS[attrs["position"]][1]
         )
 
-    def render(self, index: int, attrs: dict[str, Any]) -> torch.Tensor:
-        """The normalised ``[3, S, S]`` image of sample ``index`` (the expensive part)."""
+    def pixels(self, index: int, attrs: dict[str, Any]) -> np.ndarray:
+        """The ``[3, S, S]`` render of sample ``index`` in ``[0, 1]`` (the expensive part)."""
         rng = np.random.default_rng([self.seed, self._global_index(index), _STREAM_IMAGE])
-        image = render(attrs["color"], attrs["shape"], attrs["position"], rng, self.image_size, self.noise)
-        return torch.from_numpy((image - PIXEL_MEAN) / PIXEL_STD)
+        return render(attrs["color"], attrs["shape"], attrs["position"], rng, self.image_size, self.noise)
+
+    def render(self, index: int, attrs: dict[str, Any]) -> torch.Tensor:
+        """The normalised ``[3, S, S]`` image of sample ``index``."""
+        return torch.from_numpy((self.pixels(index, attrs) - PIXEL_MEAN) / PIXEL_STD)
+
+    def for_file(self, index: int) -> tuple[np.ndarray, str]:
+        """Sample ``index`` as the recipes write it to files: the 8-bit ``[S, S, 3]`` pixels (for a
+        PNG or JPEG) and the caption."""
+        attrs = self.attributes(index)
+        pixels = (self.pixels(index, attrs).transpose(1, 2, 0) * 255).round().astype(np.uint8)
+        return pixels, self.caption_of(attrs)
 
     def tokenize(self, caption: str) -> dict[str, torch.Tensor]:
         if self._tokenizer is None:
