@@ -11,7 +11,6 @@ samples are those of ``recipes/make_csv.py`` (the same renders and captions, in 
 
 from __future__ import annotations
 
-import argparse
 import io
 import sys
 from pathlib import Path
@@ -21,6 +20,8 @@ from PIL import Image
 _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
+
+from shapes_files import shapes_parser, shapes_splits  # noqa: E402
 
 from lightning_distmm.data.demo.shapes import ShapesDataset  # noqa: E402
 
@@ -43,19 +44,14 @@ def write_split(dataset: ShapesDataset, out: Path, name: str, per_shard: int, fm
 
 
 def main(argv: list[str] | None = None) -> tuple[list[Path], list[Path]]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="data/shapes_wds", help="output folder")
-    parser.add_argument("--train", type=int, default=4000, help="training pairs")
-    parser.add_argument("--val", type=int, default=256, help="held-out pairs (<= 288: every description unique)")
+    parser = shapes_parser(__doc__, "data/shapes_wds")
     parser.add_argument("--per-shard", type=int, default=1000, help="samples per shard")
     parser.add_argument("--format", choices=["png", "jpg"], default="png", help="the image members' encoding")
-    parser.add_argument("--image-size", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=0, help="the data seed")
     args = parser.parse_args(argv)
     out = Path(args.out)
-    common = {"seed": args.seed, "image_size": args.image_size}
-    train = write_split(ShapesDataset("train", args.train, **common), out, "train", args.per_shard, args.format)
-    val = write_split(ShapesDataset("val", args.val, **common), out, "val", args.per_shard, args.format)
+    train_set, val_set = shapes_splits(args)
+    train = write_split(train_set, out, "train", args.per_shard, args.format)
+    val = write_split(val_set, out, "val", args.per_shard, args.format)
     print(f"wrote {len(train)} training shard(s) ({args.train} pairs) in {out / 'train'}")
     print(f"wrote {len(val)} held-out shard(s) ({args.val} pairs) in {out / 'val'}")
     return train, val
