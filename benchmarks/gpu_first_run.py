@@ -51,63 +51,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from synthetic import SyntheticPairs, TwoTowerCLIP  # noqa: E402
-from timm.models.vision_transformer import VisionTransformer  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
-from transformers import CLIPTextConfig, CLIPTextModel  # noqa: E402
 
 import lightning_distmm as ldm  # noqa: E402
 from lightning_distmm.models import Throughput  # noqa: E402
+from lightning_distmm.models.tiny import TinyText, quiet_trainer_kwargs, tiny_vit  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB, SEQ, EMBED, BATCH = 64, 8, 16, 8
 
 
 # ---------------------------------------------------------------------- the model and the data
-class TextTower(nn.Module):
-    """A transformers CLIP text encoder (2 layers) pooled at the end-of-text token, projected."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        cfg = CLIPTextConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            max_position_embeddings=SEQ,
-            eos_token_id=VOCAB - 1,
-            bos_token_id=VOCAB - 2,
-            pad_token_id=0,
-        )
-        self.encoder = CLIPTextModel(cfg)
-        for layer in self.encoder.encoder.layers:  # the key bias's true gradient is exactly zero
-            layer.self_attn.k_proj.bias.requires_grad_(False)
-        self.proj = nn.Linear(32, EMBED, bias=False)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        last = attention_mask.sum(dim=1) - 1
-        return self.proj(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])
-
-
 class FirstRunCLIP(TwoTowerCLIP):
     """A timm ViT (2 blocks) and the text tower above: ~70k parameters."""
 
     def __init__(self, optimizer: str = "sgd", lr: float = 0.05, groups: int = 1) -> None:
         super().__init__()
         self.optimizer_name, self.lr, self.sync_groups = optimizer, lr, groups
-        self.visual = VisionTransformer(
-            img_size=16,
-            patch_size=8,
-            embed_dim=32,
-            depth=2,
-            num_heads=2,
-            mlp_ratio=2.0,
-            num_classes=EMBED,
-            qkv_bias=False,
-        )
-        self.text = TextTower()
+        self.visual = tiny_vit(16, 8, width=32, depth=2, heads=2, embed=EMBED)
+        self.text = TinyText(VOCAB, SEQ, width=32, embed=EMBED, layers=2)
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
 
     def configure_optimizers(self) -> Any:
@@ -136,17 +99,7 @@ class Context:
 def trainer(ctx: Context, steps: int, plan: Any = None, **extra: Any) -> L.Trainer:
     """One device; distmm with ``plan`` (the script launcher: this process is the only rank), or
     Lightning's plain single-device strategy when ``plan`` is None."""
-    kw: dict[str, Any] = dict(
-        accelerator=ctx.device,
-        devices=1,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
+    kw = quiet_trainer_kwargs(accelerator=ctx.device, devices=1, max_steps=steps)
     if plan is not None:
         kw["strategy"] = plan if isinstance(plan, ldm.DistMMStrategy) else ldm.DistMMStrategy(plan)
     kw.update(extra)

@@ -37,56 +37,22 @@ from pathlib import Path
 import lightning as L
 import torch
 from synthetic import SyntheticPairs, TwoTowerCLIP
-from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 from torch.utils.data import DataLoader
-from transformers import CLIPTextConfig, CLIPTextModel
 
 import lightning_distmm as ldm
+from lightning_distmm.models.tiny import TinyText, quiet_trainer_kwargs, tiny_vit
 from lightning_distmm.parallel.memory import ActivationMeter
 
 EMBED, VOCAB, SEQ, IMG = 64, 128, 16, 32
-
-
-class TextTower(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        cfg = CLIPTextConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=256,
-            num_hidden_layers=4,
-            num_attention_heads=2,
-            max_position_embeddings=SEQ,
-            eos_token_id=VOCAB - 1,
-            bos_token_id=VOCAB - 2,
-            pad_token_id=0,
-        )
-        self.encoder = CLIPTextModel(cfg)
-        self.proj = nn.Linear(64, EMBED, bias=False)
-
-    def forward(self, input_ids, attention_mask):
-        return self._pool(
-            self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state, attention_mask
-        )
-
-    def _pool(self, hidden, mask):
-        return self.proj(hidden[torch.arange(hidden.shape[0]), mask.sum(1) - 1])
-
-    def pipeline_stages(self, pp):
-        from lightning_distmm.parallel.pipeline import clip_text_stages
-
-        return clip_text_stages(self.encoder, pp, lambda h, rows: self._pool(h, rows["attention_mask"]), [self.proj])
 
 
 class BenchCLIP(TwoTowerCLIP):
     def __init__(self, sync_groups: int = 1) -> None:
         super().__init__()
         self.sync_groups = sync_groups
-        self.visual = VisionTransformer(
-            img_size=IMG, patch_size=4, embed_dim=64, depth=4, num_heads=2, num_classes=EMBED
-        )
-        self.text = TextTower()
+        self.visual = tiny_vit(IMG, 4, width=64, depth=4, heads=2, embed=EMBED, mlp_ratio=4.0, qkv_bias=True)
+        self.text = TinyText(VOCAB, SEQ, width=64, embed=EMBED, layers=4, intermediate=256, freeze_key_bias=False)
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
 
     def configure_optimizers(self):
@@ -167,11 +133,8 @@ def run(
             devices=3,
             strategy=ldm.DistMMStrategy(plan, start_method="fork"),
             max_steps=steps,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
             callbacks=[Probe(folder, warmup)],
+            **quiet_trainer_kwargs(),
         )
         trainer.fit(
             BenchCLIP(plan.sync_groups),

@@ -46,50 +46,23 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from synthetic import SyntheticPairs, SyntheticStream, TwoTowerCLIP
-from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 from torch.utils.data import DataLoader
-from transformers import CLIPTextConfig, CLIPTextModel
 
 import lightning_distmm as ldm
+from lightning_distmm.models.tiny import TinyText, quiet_trainer_kwargs, tiny_vit
 
 EMBED, VOCAB, SEQ, IMG = 128, 256, 32, 32
-
-
-class TextTower(nn.Module):
-    def __init__(self, width: int, layers: int) -> None:
-        super().__init__()
-        cfg = CLIPTextConfig(
-            vocab_size=VOCAB,
-            hidden_size=width,
-            intermediate_size=4 * width,
-            num_hidden_layers=layers,
-            num_attention_heads=max(1, width // 64),
-            max_position_embeddings=SEQ,
-            eos_token_id=VOCAB - 1,
-            bos_token_id=VOCAB - 2,
-            pad_token_id=0,
-        )
-        self.encoder = CLIPTextModel(cfg)
-        self.proj = nn.Linear(width, EMBED, bias=False)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return self.proj(hidden[torch.arange(hidden.shape[0]), attention_mask.sum(1) - 1])
 
 
 class BenchCLIP(TwoTowerCLIP):
     def __init__(self, image_width: int = 192, image_layers: int = 4, text_width: int = 128, text_layers: int = 4):
         super().__init__()
-        self.visual = VisionTransformer(
-            img_size=IMG,
-            patch_size=4,
-            embed_dim=image_width,
-            depth=image_layers,
-            num_heads=max(1, image_width // 64),
-            num_classes=EMBED,
+        self.visual = tiny_vit(
+            IMG, 4, image_width, image_layers, max(1, image_width // 64), EMBED, mlp_ratio=4.0, qkv_bias=True
         )
-        self.text = TextTower(text_width, text_layers)
+        heads = max(1, text_width // 64)
+        self.text = TinyText(VOCAB, SEQ, text_width, EMBED, text_layers, heads, 4 * text_width, freeze_key_bias=False)
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
 
     def configure_optimizers(self):
@@ -239,12 +212,9 @@ def run(config: str, args: argparse.Namespace, out: str) -> tuple[list[float], l
         devices=world,
         strategy=strategy,
         max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[StepTimer(out)],
         use_distributed_sampler=config == "ddp",
+        **quiet_trainer_kwargs(),
     )
     trainer.fit(module, data)
     return _timed(out, args.warmup)

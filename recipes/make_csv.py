@@ -10,19 +10,19 @@ The images are the shapes renders in ``[0, 1]`` saved as 8-bit PNGs.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import sys
 from pathlib import Path
 
-import numpy as np
 from PIL import Image
 
 _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from lightning_distmm.data.demo.shapes import ShapesDataset, render  # noqa: E402
+from shapes_files import shapes_parser, shapes_splits  # noqa: E402
+
+from lightning_distmm.data.demo.shapes import ShapesDataset  # noqa: E402
 
 
 def write_split(dataset: ShapesDataset, out: Path, name: str) -> Path:
@@ -34,27 +34,20 @@ def write_split(dataset: ShapesDataset, out: Path, name: str) -> Path:
         writer = csv.writer(f)
         writer.writerow(["filepath", "title"])
         for i in range(len(dataset)):
-            attrs = dataset.attributes(i)
-            rng = np.random.default_rng([dataset.seed, dataset._global_index(i), 1])  # the dataset's image stream
-            pixels = render(attrs["color"], attrs["shape"], attrs["position"], rng, dataset.image_size, dataset.noise)
+            pixels, caption = dataset.for_file(i)
             file = images / f"{name}_{i:06d}.png"
-            Image.fromarray((pixels.transpose(1, 2, 0) * 255).round().astype(np.uint8)).save(file)
-            writer.writerow([file.relative_to(out).as_posix(), dataset.caption_of(attrs)])
+            Image.fromarray(pixels).save(file)
+            writer.writerow([file.relative_to(out).as_posix(), caption])
     return path
 
 
 def main(argv: list[str] | None = None) -> tuple[Path, Path]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="data/shapes_csv", help="output folder")
-    parser.add_argument("--train", type=int, default=4000, help="training pairs")
-    parser.add_argument("--val", type=int, default=256, help="held-out pairs (<= 288: every description unique)")
-    parser.add_argument("--image-size", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=0, help="the data seed")
+    parser = shapes_parser(__doc__, "data/shapes_csv")
     args = parser.parse_args(argv)
     out = Path(args.out)
-    common = {"seed": args.seed, "image_size": args.image_size}
-    train = write_split(ShapesDataset("train", args.train, **common), out, "train")
-    val = write_split(ShapesDataset("val", args.val, **common), out, "val")
+    train_set, val_set = shapes_splits(args)
+    train = write_split(train_set, out, "train")
+    val = write_split(val_set, out, "val")
     print(f"wrote {train} ({args.train} pairs) and {val} ({args.val} pairs)")
     return train, val
 

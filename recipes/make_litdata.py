@@ -13,20 +13,20 @@ process does, and each rank decodes only its rows' fields.
 
 from __future__ import annotations
 
-import argparse
 import io
 import shutil
 import sys
 from pathlib import Path
 
-import numpy as np
 from PIL import Image
 
 _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from lightning_distmm.data.demo.shapes import ShapesDataset, render  # noqa: E402
+from shapes_files import shapes_parser, shapes_splits  # noqa: E402
+
+from lightning_distmm.data.demo.shapes import ShapesDataset  # noqa: E402
 
 
 def write_split(dataset: ShapesDataset, folder: Path, per_chunk: int) -> Path:
@@ -37,30 +37,23 @@ def write_split(dataset: ShapesDataset, folder: Path, per_chunk: int) -> Path:
     folder.mkdir(parents=True)
     writer = BinaryWriter(str(folder), chunk_size=per_chunk)
     for i in range(len(dataset)):
-        attrs = dataset.attributes(i)
-        rng = np.random.default_rng([dataset.seed, dataset._global_index(i), 1])  # the dataset's image stream
-        pixels = render(attrs["color"], attrs["shape"], attrs["position"], rng, dataset.image_size, dataset.noise)
+        pixels, caption = dataset.for_file(i)
         encoded = io.BytesIO()
-        Image.fromarray((pixels.transpose(1, 2, 0) * 255).round().astype(np.uint8)).save(encoded, format="PNG")
-        writer[i] = {"image": encoded.getvalue(), "caption": dataset.caption_of(attrs)}
+        Image.fromarray(pixels).save(encoded, format="PNG")
+        writer[i] = {"image": encoded.getvalue(), "caption": caption}
     writer.done()
     writer.merge(1)
     return folder
 
 
 def main(argv: list[str] | None = None) -> tuple[Path, Path]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="data/shapes_litdata", help="output folder")
-    parser.add_argument("--train", type=int, default=4000, help="training pairs")
-    parser.add_argument("--val", type=int, default=256, help="held-out pairs (<= 288: every description unique)")
+    parser = shapes_parser(__doc__, "data/shapes_litdata")
     parser.add_argument("--per-chunk", type=int, default=500, help="items per chunk")
-    parser.add_argument("--image-size", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=0, help="the data seed")
     args = parser.parse_args(argv)
     out = Path(args.out)
-    common = {"seed": args.seed, "image_size": args.image_size}
-    train = write_split(ShapesDataset("train", args.train, **common), out / "train", args.per_chunk)
-    val = write_split(ShapesDataset("val", args.val, **common), out / "val", args.per_chunk)
+    train_set, val_set = shapes_splits(args)
+    train = write_split(train_set, out / "train", args.per_chunk)
+    val = write_split(val_set, out / "val", args.per_chunk)
     print(f"wrote {args.train} training pairs in {train}, {args.val} held-out pairs in {val}")
     return train, val
 

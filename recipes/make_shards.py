@@ -11,19 +11,19 @@ samples are those of ``recipes/make_csv.py`` (the same renders and captions, in 
 
 from __future__ import annotations
 
-import argparse
 import io
 import sys
 from pathlib import Path
 
-import numpy as np
 from PIL import Image
 
 _ROOT = Path(__file__).resolve().parents[1]
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from lightning_distmm.data.demo.shapes import ShapesDataset, render  # noqa: E402
+from shapes_files import shapes_parser, shapes_splits  # noqa: E402
+
+from lightning_distmm.data.demo.shapes import ShapesDataset  # noqa: E402
 
 
 def write_split(dataset: ShapesDataset, out: Path, name: str, per_shard: int, fmt: str = "png") -> list[Path]:
@@ -36,30 +36,22 @@ def write_split(dataset: ShapesDataset, out: Path, name: str, per_shard: int, fm
         old.unlink()
     with wds.ShardWriter(str(folder / "shard-%06d.tar"), maxcount=per_shard, verbose=0) as sink:
         for i in range(len(dataset)):
-            attrs = dataset.attributes(i)
-            rng = np.random.default_rng([dataset.seed, dataset._global_index(i), 1])  # the dataset's image stream
-            pixels = render(attrs["color"], attrs["shape"], attrs["position"], rng, dataset.image_size, dataset.noise)
-            image = Image.fromarray((pixels.transpose(1, 2, 0) * 255).round().astype(np.uint8))
+            pixels, caption = dataset.for_file(i)
             encoded = io.BytesIO()
-            image.save(encoded, format="PNG" if fmt == "png" else "JPEG", quality=95)
-            sink.write({"__key__": f"{name}_{i:06d}", fmt: encoded.getvalue(), "txt": dataset.caption_of(attrs)})
+            Image.fromarray(pixels).save(encoded, format="PNG" if fmt == "png" else "JPEG", quality=95)
+            sink.write({"__key__": f"{name}_{i:06d}", fmt: encoded.getvalue(), "txt": caption})
     return sorted(folder.glob("shard-*.tar"))
 
 
 def main(argv: list[str] | None = None) -> tuple[list[Path], list[Path]]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="data/shapes_wds", help="output folder")
-    parser.add_argument("--train", type=int, default=4000, help="training pairs")
-    parser.add_argument("--val", type=int, default=256, help="held-out pairs (<= 288: every description unique)")
+    parser = shapes_parser(__doc__, "data/shapes_wds")
     parser.add_argument("--per-shard", type=int, default=1000, help="samples per shard")
     parser.add_argument("--format", choices=["png", "jpg"], default="png", help="the image members' encoding")
-    parser.add_argument("--image-size", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=0, help="the data seed")
     args = parser.parse_args(argv)
     out = Path(args.out)
-    common = {"seed": args.seed, "image_size": args.image_size}
-    train = write_split(ShapesDataset("train", args.train, **common), out, "train", args.per_shard, args.format)
-    val = write_split(ShapesDataset("val", args.val, **common), out, "val", args.per_shard, args.format)
+    train_set, val_set = shapes_splits(args)
+    train = write_split(train_set, out, "train", args.per_shard, args.format)
+    val = write_split(val_set, out, "val", args.per_shard, args.format)
     print(f"wrote {len(train)} training shard(s) ({args.train} pairs) in {out / 'train'}")
     print(f"wrote {len(val)} held-out shard(s) ({args.val} pairs) in {out / 'val'}")
     return train, val

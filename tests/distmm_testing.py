@@ -22,52 +22,23 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 from torch.utils.data import DataLoader
-from transformers import CLIPTextConfig, CLIPTextModel
 
 import lightning_distmm as ldm
+from lightning_distmm.models import tiny
+from lightning_distmm.models.tiny import quiet_trainer_kwargs, tiny_vit
 
 EMBED = 8
 VOCAB = 20
 SEQ = 6
 
 
-class TinyText(nn.Module):
+class TinyText(tiny.TinyText):
+    """The tests' text tower: width 16, ``layers`` layers of 2 heads, the key bias frozen."""
+
     def __init__(self, layers: int = 1) -> None:
-        super().__init__()
-        cfg = CLIPTextConfig(
-            vocab_size=VOCAB,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=layers,
-            num_attention_heads=2,
-            max_position_embeddings=SEQ,
-            eos_token_id=VOCAB - 1,
-            bos_token_id=VOCAB - 2,
-            pad_token_id=0,
-        )
-        self.encoder = CLIPTextModel(cfg)
-        # Softmax ignores a shift shared by all keys, so the key bias has an exactly-zero true
-        # gradient; Adam turns the float noise there into +-lr steps that differ between any two
-        # correct implementations. Freeze it (timm's ViT below has no qkv bias for the same reason).
-        for layer in self.encoder.encoder.layers:
-            layer.self_attn.k_proj.bias.requires_grad_(False)
-        self.proj = nn.Linear(16, EMBED, bias=False)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return self._pool(hidden, attention_mask)
-
-    def _pool(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        last = attention_mask.sum(dim=1) - 1
-        return self.proj(hidden[torch.arange(hidden.shape[0]), last])
-
-    def pipeline_stages(self, pp: int) -> list:
-        from lightning_distmm.parallel.pipeline import clip_text_stages
-
-        return clip_text_stages(self.encoder, pp, lambda h, rows: self._pool(h, rows["attention_mask"]), [self.proj])
+        super().__init__(VOCAB, SEQ, width=16, embed=EMBED, layers=layers)
 
 
 class TinyCLIP(ldm.DistMMMixin, L.LightningModule):
@@ -76,16 +47,7 @@ class TinyCLIP(ldm.DistMMMixin, L.LightningModule):
         self.optimizer_name = optimizer
         self.lr = lr
         self.frozen_text = frozen_text
-        self.visual = VisionTransformer(
-            img_size=8,
-            patch_size=4,
-            embed_dim=16,
-            depth=1,
-            num_heads=2,
-            mlp_ratio=2.0,
-            num_classes=EMBED,
-            qkv_bias=False,
-        )
+        self.visual = tiny_vit(8, 4, width=16, depth=1, heads=2, embed=EMBED)
         self.text = TinyText()
         self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
 
@@ -150,17 +112,7 @@ def loader(batch: int, size: int = 64, log: str | None = None, shuffle: bool = F
 
 
 def trainer_kwargs(**extra: Any) -> dict[str, Any]:
-    kw = dict(
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
-    kw.update(extra)
-    return kw
+    return quiet_trainer_kwargs(**{"accelerator": "cpu", **extra})
 
 
 def run_distmm(
@@ -207,16 +159,7 @@ class DeepCLIP(TinyCLIP):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.visual = VisionTransformer(
-            img_size=8,
-            patch_size=4,
-            embed_dim=16,
-            depth=2,
-            num_heads=4,
-            mlp_ratio=2.0,
-            num_classes=EMBED,
-            qkv_bias=False,
-        )
+        self.visual = tiny_vit(8, 4, width=16, depth=2, heads=4, embed=EMBED)
         self.text = TinyText(layers=2)
 
 
@@ -255,6 +198,38 @@ def compare_with_reference(
     return Comparison(
         reference, module, initial, read_losses(tmp_path / "ref.json"), read_losses(tmp_path / "dist.json")
     )
+
+
+def compare_accumulating_and_clipping(plan: Any, optimizer: str, tmp_path: Path) -> Comparison:
+    """TinyCLIP (``optimizer``: sgd at lr 0.05, adamw at 0.01) under ``plan`` on 3 ranks against the
+    reference, batch 8 for 3 optimizer steps of 2 accumulated batches, clipped at a global norm of
+    0.05 (active: the whole model's gradient norm is above it)."""
+    lr = 0.05 if optimizer == "sgd" else 0.01
+    return compare_with_reference(
+        lambda: TinyCLIP(optimizer, lr=lr), plan, 3, 8, 3, tmp_path, accumulate_grad_batches=2, gradient_clip_val=0.05
+    )
+
+
+def recipe_stream_datamodule(experiment: str, train_dir: str | Path, val_dir: str | Path) -> tuple[Any, Any]:
+    """``recipes/train.py``'s config for ``experiment`` over a stream of 10 training pairs and 4
+    held-out ones at a global batch of 4, and the DataModule it builds; checks their sizes, that
+    retrieval reads the held-out pairs, and the first batch's shapes (32-pixel images, 16 tokens)."""
+    import sys
+
+    from hydra import compose, initialize_config_dir
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "recipes"))
+    import train
+
+    with initialize_config_dir(config_dir=str(root / "conf"), version_base="1.3"):
+        overrides = [f"experiment={experiment}", f"data.train={train_dir}", f"data.val={val_dir}", "data.batch_size=4"]
+        cfg = compose(config_name="train", overrides=["out_dir=/tmp/unused", *overrides])
+    dm = train.build_data(cfg, 4)
+    assert len(dm.train_dataset) == 10 and len(dm.val_dataset) == 4 and dm.retrieval_dataset is dm.val_dataset
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["image"].shape == (4, 3, 32, 32) and batch["input_ids"].shape == (4, 16)
+    return cfg, dm
 
 
 def in_subprocess(fn: Callable[[], None], timeout: float = 300) -> None:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from distmm_testing import EMBED, SEQ, VOCAB, PairData, compare_with_reference, in_subprocess
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from tiny_models import SGDCLIPModel, tiny_config
 from torch.utils.data import DataLoader
 
 import lightning_distmm as ldm
@@ -26,45 +27,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: a CoCa over the fields and sizes of distmm_testing.PairData (3x8x8 images, 6 tokens of 20)
 TINY_COCA: dict[str, Any] = {
-    "name": "coca_test",
-    "embed_dim": EMBED,
-    "loss": "coca",
-    "towers": {
-        "image": {
-            "arch": "vit",
-            "input": "image",
-            "img_size": 8,
-            "patch_size": 4,
-            "width": 16,
-            "layers": 2,
-            "heads": 2,
-            "mlp_ratio": 2.0,
-            "qkv_bias": False,
-            "attn_pool": {"queries": 4, "heads": 2},
-        },
-        "text": {
-            "arch": "clip_text",
-            "input": ["input_ids", "attention_mask"],
-            "vocab_size": VOCAB,
-            "context_length": SEQ,
-            "width": 16,
-            "layers": 1,
-            "heads": 2,
-            "mlp_ratio": 2.0,
-            "pad_token_id": 0,
-            "bos_token_id": VOCAB - 2,
-            "eos_token_id": VOCAB - 1,
-        },
-    },
+    **tiny_config("coca_test", "coca", image_layers=2, attn_pool={"queries": 4, "heads": 2}),
     "decoder": {"width": 16, "layers": 1, "heads": 2, "mlp_ratio": 2.0},
 }
-
-
-class SGDCoCa(CLIPModel):
-    """The CoCa model with plain SGD (momentum), as the other exactness tests use."""
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+SGDCoCa = SGDCLIPModel  # plain SGD with momentum, as the other exactness tests use
 
 
 def _batch(n: int = 6) -> dict[str, torch.Tensor]:

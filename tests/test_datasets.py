@@ -275,6 +275,21 @@ def test_csv_separator_and_empty_file_and_small_data_messages(tmp_path):
     assert (len(dm.train_dataset), len(dm.val_dataset)) == (4, 2)
 
 
+def test_pair_options_are_recorded_with_their_defaults_and_a_misspelt_one_is_named(tmp_path):
+    """The pairs DataModules take their eleven shared keys through PairOptions: every key, given or
+    default, is in the hyperparameters a checkpoint records, and a misspelt key is refused by name."""
+    from lightning_distmm.data.datasets.modules import PairsDataModule
+
+    path = _write_csv(tmp_path, 6, sep="\t")
+    tok = tmp_path / "tokenizer.json"
+    build_tokenizer(WORDS).save(str(tok))
+    dm = PairsDataModule(str(path), image_size=8, tokenizer=str(tok), val_size=2, batch_size=4)
+    assert dm.hparams["image_size"] == 8 and dm.hparams["val_size"] == 2 and dm.hparams["context_length"] == 77
+    assert dm.hparams["skip_bad_samples"] is False and (dm.batch_size, dm.val_batch_size) == (4, 4)
+    with pytest.raises(TypeError, match=r"PairsDataModule\(\) got unexpected keyword argument\(s\) \['image_sise'\]"):
+        PairsDataModule(str(path), image_sise=8, tokenizer=str(tok), val_size=2)
+
+
 def test_open_clip_tokenizer_gives_open_clips_ids_offline():
     """open_clip's tokenizer could not be passed (``'list' object has no attribute 'ids'``)."""
     open_clip = pytest.importorskip("open_clip")

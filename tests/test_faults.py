@@ -285,15 +285,21 @@ def test_master_port_in_use_ends_every_rank(tmp_path):
     assert re.search(r"(address already in use|EADDRINUSE|port)", out, re.IGNORECASE), out[-3000:]
 
 
+def _run_in_own_temp(case: str, tmp_path: Path) -> tuple[int, str, Path]:
+    """Run ``case`` with ``TMPDIR`` a fresh folder of its own; its exit code, output and that folder."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    job = _start(case, tmp_path, TMPDIR=str(temp))
+    code, out, _ = _finish(job, tmp_path, within=180)
+    return code, out, temp
+
+
 @pytest.mark.slow
 def test_a_failed_spawn_run_leaves_no_files_in_the_temp_dir(tmp_path):
     """torch's spawn names a ``pytorch-errorfile-*.pickle`` per rank that a failed rank fills and
     nobody removes; distmm's launcher keeps them out of the temp directory, and the ranks' failure
     records go when the run is over."""
-    temp = tmp_path / "tmp"
-    temp.mkdir()
-    job = _start("spawn-rank1-raises", tmp_path, TMPDIR=str(temp))
-    code, out, _ = _finish(job, tmp_path, within=180)
+    code, out, temp = _run_in_own_temp("spawn-rank1-raises", tmp_path)
     assert code != 0 and "boom on rank 1" in out, out[-3000:]
     left = [str(p.relative_to(temp)) for p in temp.rglob("*")]
     assert not left, left
@@ -303,10 +309,7 @@ def test_a_failed_spawn_run_leaves_no_files_in_the_temp_dir(tmp_path):
 def test_a_spawn_run_that_ends_well_leaves_no_files_in_the_temp_dir(tmp_path):
     """Rank 0 hands the parent the trained weights in a file of a ``mkdtemp`` folder; Lightning's
     parent removes the file but not the folder. distmm writes it into the launch's scratch folder."""
-    temp = tmp_path / "tmp"
-    temp.mkdir()
-    job = _start("spawn-ok", tmp_path, TMPDIR=str(temp))
-    code, out, _ = _finish(job, tmp_path, within=180)
+    code, out, temp = _run_in_own_temp("spawn-ok", tmp_path)
     assert code == 0, out[-3000:]
     left = [
         str(p.relative_to(temp))

@@ -23,6 +23,7 @@ from lightning_distmm.data.demo.shapes import (
 )
 from lightning_distmm.models.clip import CLIP_TINY, CLIPModel, TextTower, num_parameters
 from lightning_distmm.models.metrics import retrieval_from_features, retrieval_metrics
+from lightning_distmm.models.tiny import quiet_trainer_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -302,15 +303,10 @@ def test_training_reduces_loss_and_checkpoint_restores(tmp_path):
         accelerator="cpu",
         devices=1,
         max_steps=30,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
         gradient_clip_val=1.0,
         callbacks=[losses],
         default_root_dir=str(tmp_path),
+        **quiet_trainer_kwargs(),
     )
     trainer.fit(model, datamodule=dm)
     assert len(losses.values) == 30

@@ -4,7 +4,16 @@ import copy
 
 import lightning as L
 import pytest
-from distmm_testing import DeepCLIP, TinyCLIP, compare_with_reference, loader, max_param_diff, read_losses, run_distmm
+from distmm_testing import (
+    DeepCLIP,
+    TinyCLIP,
+    compare_accumulating_and_clipping,
+    compare_with_reference,
+    loader,
+    max_param_diff,
+    read_losses,
+    run_distmm,
+)
 from lightning.pytorch.callbacks import ModelCheckpoint
 from timm.models.vision_transformer import VisionTransformer
 
@@ -71,17 +80,7 @@ def test_accumulation_and_clipping_with_sharding(optimizer, tmp_path):
     """FSDP's gradient sync is off while Lightning accumulates; clipping uses the global norm with a
     sharded tower's shards each counted once. Clipping is active (the norm is above 0.05)."""
     plan = ldm.Plan(3, {"image": {"ranks": [0, 1], "shard": "full"}, "text": {"ranks": [1, 2], "shard": "full"}})
-    lr = 0.05 if optimizer == "sgd" else 0.01
-    result = compare_with_reference(
-        lambda: TinyCLIP(optimizer, lr=lr),
-        plan,
-        3,
-        8,
-        3,
-        tmp_path,
-        accumulate_grad_batches=2,
-        gradient_clip_val=0.05,
-    )
+    result = compare_accumulating_and_clipping(plan, optimizer, tmp_path)
     result.assert_exact()
     assert len(result.distributed_losses) == 6
 

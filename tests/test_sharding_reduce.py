@@ -12,7 +12,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch.distributed as dist
-from distmm_testing import TinyCLIP, compare_with_reference, loader, run_distmm
+from distmm_testing import TinyCLIP, compare_accumulating_and_clipping, loader, run_distmm
 
 import lightning_distmm as ldm
 
@@ -31,17 +31,7 @@ PLAN = ldm.Plan(
 def test_accumulation_and_clipping_with_sharded_microbatches(optimizer, tmp_path):
     """Microbatches and accumulated batches all reduce in the last backward of the optimizer step;
     clipping is active (the whole model's gradient norm is above 0.05)."""
-    lr = 0.05 if optimizer == "sgd" else 0.01
-    result = compare_with_reference(
-        lambda: TinyCLIP(optimizer, lr=lr),
-        PLAN,
-        3,
-        8,
-        3,
-        tmp_path,
-        accumulate_grad_batches=2,
-        gradient_clip_val=0.05,
-    )
+    result = compare_accumulating_and_clipping(PLAN, optimizer, tmp_path)
     result.assert_exact()
     assert len(result.distributed_losses) == 6
 

@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from distmm_testing import EMBED, SEQ, VOCAB, compare_with_reference, in_subprocess
+from distmm_testing import EMBED, compare_with_reference, in_subprocess
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from tiny_models import SGDCLIPModel, tiny_config
 
 import lightning_distmm as ldm
 from lightning_distmm.models.clip import CLIP_TINY, CLIPModel
@@ -19,44 +20,8 @@ from lightning_distmm.models.clip import CLIP_TINY, CLIPModel
 ROOT = Path(__file__).resolve().parents[1]
 
 #: a SigLIP CLIPModel over the fields and sizes of distmm_testing.PairData (3x8x8 images, 6 tokens of 20)
-TINY_SIGLIP: dict[str, Any] = {
-    "name": "siglip_test",
-    "embed_dim": EMBED,
-    "loss": "siglip",
-    "towers": {
-        "image": {
-            "arch": "vit",
-            "input": "image",
-            "img_size": 8,
-            "patch_size": 4,
-            "width": 16,
-            "layers": 1,
-            "heads": 2,
-            "mlp_ratio": 2.0,
-            "qkv_bias": False,
-        },
-        "text": {
-            "arch": "clip_text",
-            "input": ["input_ids", "attention_mask"],
-            "vocab_size": VOCAB,
-            "context_length": SEQ,
-            "width": 16,
-            "layers": 1,
-            "heads": 2,
-            "mlp_ratio": 2.0,
-            "pad_token_id": 0,
-            "bos_token_id": VOCAB - 2,
-            "eos_token_id": VOCAB - 1,
-        },
-    },
-}
-
-
-class SGDSigLIP(CLIPModel):
-    """The SigLIP model with plain SGD (momentum), as the other exactness tests use."""
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+TINY_SIGLIP: dict[str, Any] = tiny_config("siglip_test", "siglip")
+SGDSigLIP = SGDCLIPModel  # plain SGD with momentum, as the other exactness tests use
 
 
 def _pairwise_sigmoid(image: torch.Tensor, text: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

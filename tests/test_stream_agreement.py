@@ -19,6 +19,7 @@ from distmm_testing import (
     in_subprocess,
     max_param_diff,
     read_losses,
+    recipe_stream_datamodule,
     run_distmm,
     run_reference,
 )
@@ -329,15 +330,12 @@ def test_make_litdata_and_the_clip_litdata_experiment(tmp_path):
     builds a DataModule over them; a rank decodes only its rows' fields of them."""
     import sys
 
-    from hydra import compose, initialize_config_dir
-
     from lightning_distmm.data.datasets.litdata_pairs import LitDataPairs
 
     root = Path(__file__).resolve().parents[1]
     sys.path.insert(0, str(root / "recipes"))
     import make_csv
     import make_litdata
-    import train
 
     train_dir, val_dir = make_litdata.main(["--out", str(tmp_path), "--train", "10", "--val", "4", "--per-chunk", "4"])
     csv_path, _ = make_csv.main(["--out", str(tmp_path / "csv"), "--train", "10", "--val", "4"])
@@ -351,21 +349,7 @@ def test_make_litdata_and_the_clip_litdata_experiment(tmp_path):
     assert len(batches) == 2 and shuffled.decoded == {"input_ids": 8, "attention_mask": 8}  # no image opened
     assert "image" not in batches[0]
 
-    with initialize_config_dir(config_dir=str(root / "conf"), version_base="1.3"):
-        cfg = compose(
-            config_name="train",
-            overrides=[
-                "out_dir=/tmp/unused",
-                "experiment=clip_litdata",
-                f"data.train={train_dir}",
-                f"data.val={val_dir}",
-                "data.batch_size=4",
-            ],
-        )
-    dm = train.build_data(cfg, 4)
-    assert len(dm.train_dataset) == 10 and len(dm.val_dataset) == 4 and dm.retrieval_dataset is dm.val_dataset
-    batch = next(iter(dm.train_dataloader()))
-    assert batch["image"].shape == (4, 3, 32, 32) and batch["input_ids"].shape == (4, 16)
+    _, dm = recipe_stream_datamodule("clip_litdata", train_dir, val_dir)
     assert set(dm.val_dataset.load(2, ["caption"])) == {"caption"}
 
 

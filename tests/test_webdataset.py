@@ -16,7 +16,17 @@ import numpy as np
 import pytest
 import torch
 import webdataset as wds
-from distmm_testing import SEQ, VOCAB, TinyCLIP, in_subprocess, max_param_diff, read_losses, run_distmm, run_reference
+from distmm_testing import (
+    SEQ,
+    VOCAB,
+    TinyCLIP,
+    in_subprocess,
+    max_param_diff,
+    read_losses,
+    recipe_stream_datamodule,
+    run_distmm,
+    run_reference,
+)
 from lightning.pytorch.callbacks import ModelCheckpoint
 from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset
@@ -424,8 +434,6 @@ def test_make_shards_and_the_clip_wds_experiment(tmp_path):
     DataModule over them whose epoch length the recipe reads."""
     import sys
 
-    from hydra import compose, initialize_config_dir
-
     root = Path(__file__).resolve().parents[1]
     sys.path.insert(0, str(root / "recipes"))
     import make_csv
@@ -441,21 +449,7 @@ def test_make_shards_and_the_clip_wds_experiment(tmp_path):
     csv_captions = [line.split(",", 1)[1] for line in csv_path.read_text().splitlines()[1:]]
     assert [s["caption"] for s in WebDatasetPairs(tmp_path / "train")] == csv_captions
 
-    with initialize_config_dir(config_dir=str(root / "conf"), version_base="1.3"):
-        cfg = compose(
-            config_name="train",
-            overrides=[
-                "out_dir=/tmp/unused",
-                "experiment=clip_shapes_wds",
-                f"data.train={tmp_path / 'train'}",
-                f"data.val={tmp_path / 'val'}",
-                "data.batch_size=4",
-            ],
-        )
-    dm = train.build_data(cfg, 4)
-    assert len(dm.train_dataset) == 10 and len(dm.val_dataset) == 4 and dm.retrieval_dataset is dm.val_dataset
-    batch = next(iter(dm.train_dataloader()))
-    assert batch["image"].shape == (4, 3, 32, 32) and batch["input_ids"].shape == (4, 16)
+    cfg, dm = recipe_stream_datamodule("clip_shapes_wds", tmp_path / "train", tmp_path / "val")
     kwargs = {"max_steps": 5, "max_epochs": None}
     train.settle_max_epochs(kwargs, dm)
     assert kwargs["max_epochs"] == 3  # 2 batches of 4 an epoch

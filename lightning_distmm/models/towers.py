@@ -64,7 +64,27 @@ def _require(cfg: Mapping[str, Any], key: str, where: str) -> Any:
 
 
 # ---------------------------------------------------------------------- towers
-class TextTower(nn.Module):
+class _ProjectedEncoder(nn.Module):
+    """A transformers text encoder (``transformer``) whose pooled token a bias-free linear ``proj``
+    maps to the embedding; the subclass builds the encoder and says how it pools (``_head``)."""
+
+    def _attach(self, transformer: nn.Module, width: int, embed_dim: int, context_length: int) -> None:
+        self.context_length = context_length
+        self.transformer = transformer
+        self.proj = nn.Linear(width, embed_dim, bias=False)
+        nn.init.normal_(self.proj.weight, std=width**-0.5)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        hidden = self.transformer(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self._head(hidden, {"input_ids": input_ids, "attention_mask": attention_mask})
+
+    def _head(self, hidden: Tensor, rows: Mapping[str, Tensor]) -> Tensor:
+        raise NotImplementedError
+
+
+class TextTower(_ProjectedEncoder):
     """``CLIPTextModel`` + linear projection; pools the last attended token (``[EOS]``)."""
 
     def __init__(
@@ -100,18 +120,9 @@ class TextTower(nn.Module):
             hidden_act=act,
             layer_norm_eps=norm_eps,
         )
-        self.context_length = context_length
         #: CoCa: return the embedding, the token states and the ids in one row (coca.pack_text)
         self.output_tokens, self.id_digits = bool(output_tokens), coca.id_digits(vocab_size)
-        self.transformer = CLIPTextModel(config)
-        self.proj = nn.Linear(width, embed_dim, bias=False)
-        nn.init.normal_(self.proj.weight, std=width**-0.5)
-
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        hidden = self.transformer(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return self._head(hidden, {"input_ids": input_ids, "attention_mask": attention_mask})
+        self._attach(CLIPTextModel(config), width, embed_dim, context_length)
 
     def _pool(self, hidden: Tensor, attention_mask: Tensor) -> Tensor:
         last = (attention_mask.long().sum(dim=-1) - 1).clamp(min=0)  # right padding: last real token
@@ -132,7 +143,7 @@ class TextTower(nn.Module):
         return clip_text_stages(self.transformer, pp, self._head, [self.proj])
 
 
-class BertTower(nn.Module):
+class BertTower(_ProjectedEncoder):
     """``BertModel`` (no pooler) + linear projection; pools the first token ([BOS] / [CLS])."""
 
     def __init__(
@@ -159,15 +170,9 @@ class BertTower(nn.Module):
             type_vocab_size=1,
             pad_token_id=pad_token_id,
         )
-        self.context_length = context_length
-        self.transformer = BertModel(config, add_pooling_layer=False)
-        self.proj = nn.Linear(width, embed_dim, bias=False)
-        nn.init.normal_(self.proj.weight, std=width**-0.5)
+        self._attach(BertModel(config, add_pooling_layer=False), width, embed_dim, context_length)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        hidden = self.transformer(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    def _head(self, hidden: Tensor, rows: Mapping[str, Tensor]) -> Tensor:
         return self.proj(hidden[:, 0])
 
 

@@ -4,16 +4,10 @@ module map). It imports neither torch nor Lightning at import time: torch only i
 functions that measure the live machine or towers (:mod:`.measure`, :mod:`.tower_timing`,
 :mod:`.auto`)."""
 
-from lightning_distmm.core.plan import (  # re-exported: plans are what the planner makes
-    SCHEDULES,
-    Plan,
-    PlanError,
-    TowerPlan,
-    colocated_plan,
-    split_batch,
-)
+from lightning_distmm import core
+from lightning_distmm.core import SCHEDULES, Plan, PlanError, TowerPlan, colocated_plan, split_batch  # noqa: F401
 
-__all__ = ["SCHEDULES", "Plan", "PlanError", "TowerPlan", "colocated_plan", "split_batch"]
+__all__ = list(core.__all__)  # re-exported: plans are what the planner makes
 
 from lightning_distmm.planner.auto import TowerInfo, auto_plan, runtime_cost_defaults, tower_info_from_batch  # noqa: E402
 from lightning_distmm.planner.balance import (  # noqa: E402

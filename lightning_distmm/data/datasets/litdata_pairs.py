@@ -14,16 +14,15 @@ Fields: ``image`` (the transform's tensor), ``caption`` (str), ``input_ids`` / `
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from io import BytesIO
 from typing import Any
 
 from lightning_distmm.data.datasets.modules import StreamPairsDataModule
+from lightning_distmm.data.datasets.pair_options import stream_seed
 from lightning_distmm.data.datasets.pairs import PairDecoding
-from lightning_distmm.data.datasets.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, pair_preprocessing
 from lightning_distmm.data.loader.fields import FieldDataset
 from lightning_distmm.data.loader.litdata_stream import LitDataStream, LitIndex
-from lightning_distmm.data.loader.skipping import SkipBadSamples
 from lightning_distmm.data.loader.streaming import FieldStream
 
 
@@ -103,10 +102,8 @@ class LitDataDataModule(StreamPairsDataModule):
         train: the training folder; val: the held-out folder (None: no validation).
         shuffle, seed: LitData's order (seed None: ``PL_GLOBAL_SEED``, as ``seed_everything`` set it, else 0).
         image_key, caption_key: see :class:`LitDataPairs`.
-        image_size, mean, std, interpolation, crop_pct, tokenizer, context_length: the transform and
-            tokenizer (as :class:`~lightning_distmm.data.datasets.modules.PairsDataModule`).
-        batch_size: the global batch; val_batch_size, num_workers: as for any DataModule.
-        skip_bad_samples: replace an item that cannot be decoded (see :class:`LitDataPairs`), log and count it.
+        options: :class:`~lightning_distmm.data.datasets.pair_options.PairOptions` (the transform, the
+            tokenizer, the global ``batch_size``, ``val_batch_size``, ``num_workers``, ``skip_bad_samples``).
     """
 
     def __init__(
@@ -117,38 +114,21 @@ class LitDataDataModule(StreamPairsDataModule):
         seed: int | None = None,
         image_key: str = "image",
         caption_key: str = "caption",
-        image_size: int = 224,
-        mean: Sequence[float] = OPENAI_CLIP_MEAN,
-        std: Sequence[float] = OPENAI_CLIP_STD,
-        interpolation: str = "bicubic",
-        crop_pct: float = 1.0,
-        tokenizer: str | None = None,
-        context_length: int = 77,
-        batch_size: int = 64,
-        val_batch_size: int | None = None,
-        num_workers: int = 0,
-        skip_bad_samples: bool = False,
+        **options: Any,
     ):
         super().__init__()
-        self.save_hyperparameters()
-        self.batch_size, self.val_batch_size = int(batch_size), int(val_batch_size or batch_size)
-        self.num_workers = int(num_workers)
-        transform, self.text = pair_preprocessing(
-            image_size, mean, std, interpolation, crop_pct, tokenizer, context_length
-        )
-        seed = int(os.environ.get("PL_GLOBAL_SEED", 0)) if seed is None else int(seed)
+        own = dict(train=train, val=val, shuffle=shuffle, seed=seed, image_key=image_key, caption_key=caption_key)
+        transform = self.take_options(own, options)
         common: dict[str, Any] = dict(
             image_key=image_key, caption_key=caption_key, transform=transform, tokenizer=self.text
         )
-        self.train_dataset = LitDataPairs(
-            train, shuffle=shuffle, seed=seed, skip_bad_samples=skip_bad_samples, **common
-        )
-        self.val_dataset = None if val is None else LitDataPairs(val, shuffle=False, **common).in_memory()
-        if skip_bad_samples and self.val_dataset is not None:
-            self.val_dataset = SkipBadSamples(self.val_dataset, eager=True)  # the callbacks load per rank
-        probe = self.val_dataset if self.val_dataset is not None else self.train_dataset.in_memory()
-        self.check_captions(
-            probe, f"{val} (the held-out folder)" if val is not None else f"{train} (the training folder)"
+        skip = self.options.skip_bad_samples
+        train_pairs = LitDataPairs(train, shuffle=shuffle, seed=stream_seed(seed), skip_bad_samples=skip, **common)
+        self.hold(
+            train_pairs,
+            None if val is None else LitDataPairs(val, shuffle=False, **common).in_memory(),
+            train_pairs.in_memory,
+            f"{val} (the held-out folder)" if val is not None else f"{train} (the training folder)",
         )
 
 

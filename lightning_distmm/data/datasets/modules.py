@@ -8,21 +8,14 @@ or on a held-out tail of the first, and gives the evaluation callbacks what they
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import lightning as L
-import torch
 from torch.utils.data import DataLoader
 
+from lightning_distmm.data.datasets.pair_options import PairsModuleBase
 from lightning_distmm.data.datasets.pairs import CsvPairs, ImageFolderPairs
-from lightning_distmm.data.datasets.preprocess import (
-    OPENAI_CLIP_MEAN,
-    OPENAI_CLIP_STD,
-    CaptionTokenizer,
-    pair_preprocessing,
-)
-from lightning_distmm.data.datasets.shuffle import seeded_shuffle
+from lightning_distmm.data.datasets.shuffle import train_loader
 from lightning_distmm.data.loader.fields import FieldDataset
 from lightning_distmm.data.loader.skipping import SkipBadRows, SkipBadSamples
 
@@ -42,27 +35,28 @@ class FieldSubset(FieldDataset):
         return self.dataset.load(self.indices[index], fields)
 
 
-class StreamPairsDataModule(L.LightningDataModule):
+class StreamPairsDataModule(PairsModuleBase):
     """What the stream DataModules (WebDataset shards, LitData folders) share once their subclass
-    has set ``train_dataset`` (a stream), ``val_dataset`` (map-style or None), ``text`` (the
-    tokenizer), ``batch_size``, ``val_batch_size`` and ``num_workers``: the caption check, the
-    evaluation callbacks' ``retrieval_dataset`` and ``tokenize``, and the loaders."""
+    has taken its options (:meth:`PairsModuleBase.take_options`): the datasets and their caption
+    check (:meth:`hold`), the evaluation callbacks' ``retrieval_dataset``, and the loaders."""
 
     train_dataset: Any
     val_dataset: FieldDataset | None
-    text: CaptionTokenizer
-    batch_size: int
-    val_batch_size: int
-    num_workers: int
+
+    def hold(self, train: Any, val: FieldDataset | None, probe: Callable[[], FieldDataset], where: str) -> None:
+        """Keep the training stream ``train`` and the held-out pairs ``val`` (skipping bad samples
+        eagerly when asked: the callbacks load them per rank), and check the captions of ``val``, or
+        of ``probe()`` (the stream's first pairs by index) without one; ``where`` names the source."""
+        if self.options.skip_bad_samples and val is not None:
+            val = SkipBadSamples(val, eager=True)
+        self.train_dataset, self.val_dataset = train, val
+        self.check_captions(val if val is not None else probe(), where)
 
     def check_captions(self, probe: FieldDataset, where: str, limit: int = 64) -> None:
         """Refuse captions the tokenizer cannot read (:meth:`CaptionTokenizer.check_captions`), read
         from the first ``limit`` pairs of ``probe``; and hold the held-out pairs for retrieval."""
         self.text.check_captions([probe.load(i, ("caption",))["caption"] for i in range(min(limit, len(probe)))], where)
         self.retrieval_dataset = self.val_dataset
-
-    def tokenize(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
-        return self.text.batch(list(texts))
 
     def train_dataloader(self) -> DataLoader:
         split = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self.trainer else None
@@ -84,7 +78,7 @@ class StreamPairsDataModule(L.LightningDataModule):
         return DataLoader(self.val_dataset, batch_size=self.val_batch_size, num_workers=self.num_workers)
 
 
-class PairsDataModule(L.LightningDataModule):
+class PairsDataModule(PairsModuleBase):
     """Image-caption pairs from files.
 
     Args:
@@ -93,13 +87,10 @@ class PairsDataModule(L.LightningDataModule):
         val_size: pairs held out when ``val_path`` is None: a count, or a fraction below 1 (0.1: a tenth).
         img_key, caption_key, sep: the CSV's columns and separator (open_clip's defaults: ``filepath``, ``title``, tab).
         captions: an image folder's captions file (None: sidecar ``.txt`` files).
-        image_size: the image tower's input side; mean, std, interpolation, crop_pct: the eval transform
-            (``timm.data.create_transform``; CLIP's mean and std by default).
-        tokenizer: a local tokenizer directory or ``tokenizer.json`` (None: the embedded tokenizer).
-        context_length: token width.
-        batch_size: the global batch; val_batch_size, num_workers, shuffle: as for any DataModule.
-        skip_bad_samples: replace a sample that cannot be decoded by the next one that can, logging
-            and counting it (:mod:`lightning_distmm.data.loader.skipping`); off: the first one ends the run, named.
+        shuffle: the seeded shuffle of the training pairs (:func:`~lightning_distmm.data.datasets.shuffle.seeded_shuffle`).
+        options: :class:`~lightning_distmm.data.datasets.pair_options.PairOptions` (``image_size``, ``mean``,
+            ``std``, ``interpolation``, ``crop_pct``, ``tokenizer``, ``context_length``, ``batch_size``: the
+            global batch, ``val_batch_size``, ``num_workers``, ``skip_bad_samples``).
     """
 
     def __init__(
@@ -111,26 +102,14 @@ class PairsDataModule(L.LightningDataModule):
         caption_key: str = "title",
         sep: str | None = None,
         captions: str | None = None,
-        image_size: int = 224,
-        mean: Sequence[float] = OPENAI_CLIP_MEAN,
-        std: Sequence[float] = OPENAI_CLIP_STD,
-        interpolation: str = "bicubic",
-        crop_pct: float = 1.0,
-        tokenizer: str | None = None,
-        context_length: int = 77,
-        batch_size: int = 64,
-        val_batch_size: int | None = None,
-        num_workers: int = 0,
         shuffle: bool = True,
-        skip_bad_samples: bool = False,
+        **options: Any,
     ):
         super().__init__()
-        self.save_hyperparameters()
-        self.batch_size, self.val_batch_size = int(batch_size), int(val_batch_size or batch_size)
-        self.num_workers, self.shuffle = int(num_workers), bool(shuffle)
-        transform, self.text = pair_preprocessing(
-            image_size, mean, std, interpolation, crop_pct, tokenizer, context_length
-        )
+        own = dict(path=path, val_path=val_path, val_size=val_size, img_key=img_key, caption_key=caption_key)
+        own.update(sep=sep, captions=captions, shuffle=shuffle)
+        transform = self.take_options(own, options)
+        self.shuffle = bool(shuffle)
         self.image_transform = transform  # also what a class folder for zero-shot is read with
         common: dict[str, Any] = {"transform": transform, "tokenizer": self.text}
 
@@ -155,23 +134,13 @@ class PairsDataModule(L.LightningDataModule):
             val_size = held
             self.train_dataset = FieldSubset(train, range(n - val_size))
             self.val_dataset = FieldSubset(train, range(n - val_size, n))
-        if skip_bad_samples:
+        if self.options.skip_bad_samples:
             self.train_dataset = SkipBadSamples(self.train_dataset)
             self.val_dataset = SkipBadSamples(self.val_dataset, eager=True)  # the callbacks load per rank
         self.retrieval_dataset = self.val_dataset
 
-    def tokenize(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
-        return self.text.batch(list(texts))
-
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(
-            self.train_dataset,
-            batch_size=self.batch_size,
-            sampler=seeded_shuffle(self.train_dataset, self.trainer) if self.shuffle else None,
-            drop_last=True,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-        )
+        return train_loader(self.train_dataset, self.batch_size, self.trainer, self.shuffle, self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_dataset, batch_size=self.val_batch_size, num_workers=self.num_workers)

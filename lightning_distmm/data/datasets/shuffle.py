@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from torch.utils.data import Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 
 def seeded_shuffle(dataset: Dataset, trainer: Any | None, seed: int | None = None) -> DistributedSampler:
@@ -24,4 +24,27 @@ def seeded_shuffle(dataset: Dataset, trainer: Any | None, seed: int | None = Non
     return DistributedSampler(dataset, shuffle=True, seed=seed, drop_last=False, **kwargs)
 
 
-__all__ = ["seeded_shuffle"]
+def train_loader(
+    dataset: Dataset,
+    batch_size: int,
+    trainer: Any | None,
+    shuffle: bool,
+    num_workers: int,
+    seed: int | None = None,
+    **loader: Any,
+) -> DataLoader:
+    """The training loader of the bundled map-style DataModules: whole global batches (a last partial
+    one dropped) in the seeded shuffle's order when ``shuffle``, workers kept across epochs;
+    ``loader``: further ``DataLoader`` arguments (``pin_memory``)."""
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=seeded_shuffle(dataset, trainer, seed) if shuffle else None,
+        drop_last=True,
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+        **loader,
+    )
+
+
+__all__ = ["seeded_shuffle", "train_loader"]

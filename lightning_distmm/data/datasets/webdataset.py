@@ -32,11 +32,10 @@ from urllib.parse import urlparse
 from torch import Tensor
 
 from lightning_distmm.data.datasets.modules import StreamPairsDataModule
+from lightning_distmm.data.datasets.pair_options import stream_seed
 from lightning_distmm.data.datasets.pairs import PairDecoding
-from lightning_distmm.data.datasets.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, pair_preprocessing
 from lightning_distmm.data.datasets.tarstream import tar_members
 from lightning_distmm.data.loader.fields import FieldDataset
-from lightning_distmm.data.loader.skipping import SkipBadSamples
 from lightning_distmm.data.loader.streaming import FieldStream, skip_samples
 
 IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
@@ -305,10 +304,8 @@ class WebDatasetDataModule(StreamPairsDataModule):
         length: samples of a training epoch (needed for ``pipe:`` URLs to know an epoch's length).
         image_key, caption_key, shuffle, shuffle_buffer: see :class:`WebDatasetPairs`.
         seed: the order's seed (None: ``PL_GLOBAL_SEED``, as ``seed_everything`` set it, else 0).
-        image_size, mean, std, interpolation, crop_pct, tokenizer, context_length: the transform and
-            tokenizer (as :class:`~lightning_distmm.data.datasets.modules.PairsDataModule`).
-        batch_size: the global batch; val_batch_size, num_workers: as for any DataModule.
-        skip_bad_samples: replace a sample that cannot be decoded (see :class:`WebDatasetPairs`), log and count it.
+        options: :class:`~lightning_distmm.data.datasets.pair_options.PairOptions` (the transform, the
+            tokenizer, the global ``batch_size``, ``val_batch_size``, ``num_workers``, ``skip_bad_samples``).
     """
 
     def __init__(
@@ -321,45 +318,29 @@ class WebDatasetDataModule(StreamPairsDataModule):
         shuffle: bool = True,
         shuffle_buffer: int = 1000,
         seed: int | None = None,
-        image_size: int = 224,
-        mean: Sequence[float] = OPENAI_CLIP_MEAN,
-        std: Sequence[float] = OPENAI_CLIP_STD,
-        interpolation: str = "bicubic",
-        crop_pct: float = 1.0,
-        tokenizer: str | None = None,
-        context_length: int = 77,
-        batch_size: int = 64,
-        val_batch_size: int | None = None,
-        num_workers: int = 0,
-        skip_bad_samples: bool = False,
+        **options: Any,
     ):
         super().__init__()
-        self.save_hyperparameters()
-        self.batch_size, self.val_batch_size = int(batch_size), int(val_batch_size or batch_size)
-        self.num_workers = int(num_workers)
-        transform, self.text = pair_preprocessing(
-            image_size, mean, std, interpolation, crop_pct, tokenizer, context_length
-        )
+        own = dict(train=train, val=val, length=length, image_key=image_key, caption_key=caption_key)
+        own.update(shuffle=shuffle, shuffle_buffer=shuffle_buffer, seed=seed)
+        transform = self.take_options(own, options)
         common: dict[str, Any] = dict(image_key=image_key, caption_key=caption_key, transform=transform)
-        seed = int(os.environ.get("PL_GLOBAL_SEED", 0)) if seed is None else int(seed)
-        self.train_dataset = WebDatasetPairs(
+        train_pairs = WebDatasetPairs(
             train,
             shuffle=shuffle,
             shuffle_buffer=shuffle_buffer,
-            seed=seed,
+            seed=stream_seed(seed),
             length=length,
             tokenizer=self.text,
-            skip_bad_samples=skip_bad_samples,
+            skip_bad_samples=self.options.skip_bad_samples,
             **common,
         )
-        self.val_dataset = None if val is None else WebDatasetPairs(val, tokenizer=self.text, **common).in_memory()
-        if skip_bad_samples and self.val_dataset is not None:
-            self.val_dataset = SkipBadSamples(self.val_dataset, eager=True)  # the callbacks load per rank
-        probe = self.val_dataset if self.val_dataset is not None else self.train_dataset.in_memory(limit=64)
-        self.check_captions(
-            probe,
+        self.hold(
+            train_pairs,
+            None if val is None else WebDatasetPairs(val, tokenizer=self.text, **common).in_memory(),
+            lambda: train_pairs.in_memory(limit=64),
             f"{train if isinstance(train, str) else train[0]} (the training shards)"
-            if self.val_dataset is None
+            if val is None
             else f"{val if isinstance(val, str) else val[0]} (the held-out shards)",
         )
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from lightning_distmm.data.datasets.shuffle import seeded_shuffle
+from lightning_distmm.data.datasets.shuffle import train_loader
 from lightning_distmm.data.demo.tokenizer import build_tokenizer, encode
 from lightning_distmm.data.loader.fields import FieldDataset
 
@@ -131,13 +131,7 @@ class DigitsDataModule(L.LightningDataModule):
         return encode(list(texts), self.context_length, digits_tokenizer())
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(
-            self.train_dataset,
-            batch_size=self.batch_size,
-            sampler=seeded_shuffle(self.train_dataset, self.trainer) if self.shuffle else None,
-            drop_last=True,
-            num_workers=self.num_workers,
-        )
+        return train_loader(self.train_dataset, self.batch_size, self.trainer, self.shuffle, self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_dataset, batch_size=self.val_batch_size, num_workers=self.num_workers)

@@ -30,9 +30,9 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader
 
-from lightning_distmm.data.datasets.shuffle import seeded_shuffle
+from lightning_distmm.data.datasets.shuffle import train_loader
 from lightning_distmm.data.demo.captions import COLORS, POSITIONS, SHAPES, TEMPLATES, vocabulary
 from lightning_distmm.data.demo.tokenizer import build_caption_tokenizer, encode
 from lightning_distmm.data.loader.fields import FieldDataset
@@ -188,11 +188,21 @@ class ShapesDataset(FieldDataset):
             color=attrs["color"], shape=attrs["shape"], where=POSITIONS[attrs["position"]][1]
         )
 
-    def render(self, index: int, attrs: dict[str, Any]) -> torch.Tensor:
-        """The normalised ``[3, S, S]`` image of sample ``index`` (the expensive part)."""
+    def pixels(self, index: int, attrs: dict[str, Any]) -> np.ndarray:
+        """The ``[3, S, S]`` render of sample ``index`` in ``[0, 1]`` (the expensive part)."""
         rng = np.random.default_rng([self.seed, self._global_index(index), _STREAM_IMAGE])
-        image = render(attrs["color"], attrs["shape"], attrs["position"], rng, self.image_size, self.noise)
-        return torch.from_numpy((image - PIXEL_MEAN) / PIXEL_STD)
+        return render(attrs["color"], attrs["shape"], attrs["position"], rng, self.image_size, self.noise)
+
+    def render(self, index: int, attrs: dict[str, Any]) -> torch.Tensor:
+        """The normalised ``[3, S, S]`` image of sample ``index``."""
+        return torch.from_numpy((self.pixels(index, attrs) - PIXEL_MEAN) / PIXEL_STD)
+
+    def for_file(self, index: int) -> tuple[np.ndarray, str]:
+        """Sample ``index`` as the recipes write it to files: the 8-bit ``[S, S, 3]`` pixels (for a
+        PNG or JPEG) and the caption."""
+        attrs = self.attributes(index)
+        pixels = (self.pixels(index, attrs).transpose(1, 2, 0) * 255).round().astype(np.uint8)
+        return pixels, self.caption_of(attrs)
 
     def tokenize(self, caption: str) -> dict[str, torch.Tensor]:
         if self._tokenizer is None:
@@ -259,25 +269,29 @@ class ShapesDataModule(L.LightningDataModule):
         self.train_dataset = ShapesDataset("train", train_size, **common)
         self.val_dataset = ShapesDataset("val", val_size, **common)
 
-    def _loader(
-        self, dataset: ShapesDataset, batch_size: int, drop_last: bool, sampler: Sampler | None = None
-    ) -> DataLoader:
+    def _eval_loader(self, batch_size: int) -> DataLoader:
+        """The held-out split in order (the last partial batch kept)."""
         return DataLoader(
-            dataset,
+            self.val_dataset,
             batch_size=batch_size,
-            sampler=sampler,
-            drop_last=drop_last,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             pin_memory=self.pin_memory,
         )
 
     def train_dataloader(self) -> DataLoader:
-        sampler = seeded_shuffle(self.train_dataset, self.trainer, self.shuffle_seed) if self.shuffle else None
-        return self._loader(self.train_dataset, self.batch_size, drop_last=True, sampler=sampler)
+        return train_loader(
+            self.train_dataset,
+            self.batch_size,
+            self.trainer,
+            self.shuffle,
+            self.num_workers,
+            self.shuffle_seed,
+            pin_memory=self.pin_memory,
+        )
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_dataset, self.val_batch_size, drop_last=False)
+        return self._eval_loader(self.val_batch_size)
 
     # ------------------------------------------------------------------ for the evaluation callbacks
     @property
@@ -304,7 +318,7 @@ class ShapesDataModule(L.LightningDataModule):
 
     def eval_dataloader(self, batch_size: int | None = None) -> DataLoader:
         """The held-out (val) split in order, for retrieval metrics."""
-        return self._loader(self.val_dataset, batch_size or self.val_batch_size, drop_last=False)
+        return self._eval_loader(batch_size or self.val_batch_size)
 
 
 __all__ = [

@@ -38,16 +38,19 @@ def load_fields(dataset: Any, index: int, fields: Iterable[str]) -> Mapping[str,
     fields = tuple(fields)
     if isinstance(dataset, FieldDataset):
         return dataset.load(index, fields)
-    sample = dataset[index]
+    name = type(dataset).__name__
+    return select_fields(dataset[index], fields, name, f"{name}[{index}] returned")
+
+
+def select_fields(sample: Any, fields: Iterable[str], name: str, produced: str) -> dict[str, Any]:
+    """``fields`` of an already decoded ``sample`` of the dataset called ``name``: a sample that is
+    not a dict, or lacks a field a tower reads, is refused by name (``produced``: how the dataset gave
+    it, ``"Name[3] returned"`` or ``"Name yielded"``)."""
     if not isinstance(sample, Mapping):
-        raise TypeError(
-            f"distmm needs samples that are dicts keyed by field name; {type(dataset).__name__}[{index}]"
-            f" returned {type(sample).__name__}"
-        )
+        raise TypeError(f"distmm needs samples that are dicts keyed by field name; {produced} {type(sample).__name__}")
     missing = [f for f in fields if f not in sample]
     if missing:
         raise KeyError(
-            f"the samples of {type(dataset).__name__} have no field(s) {missing} that a tower reads;"
-            f" they have {sorted(sample)}"
+            f"the samples of {name} have no field(s) {missing} that a tower reads; they have {sorted(sample)}"
         )
     return {f: sample[f] for f in fields}

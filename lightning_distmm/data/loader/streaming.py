@@ -24,7 +24,7 @@ whole (its samples are decoded wherever it decodes them) and keeps its rows and 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from lightning_distmm.core.layout import RankLayout
 from lightning_distmm.data.loader.agreement import StreamAgreement, declared_rank_independent, explicit_key, key_of
+from lightning_distmm.data.loader.fields import select_fields
 from lightning_distmm.data.loader.sampling import DataPositionError, RankBatchSampler, _distributed
 from lightning_distmm.data.loader.skipping import StreamRow, decode_or_mark
 
@@ -145,19 +146,8 @@ class PlainStream(FieldStream):
         return skip_samples(one_pass(self.dataset), skip, epoch, type(self.dataset).__name__)
 
     def decode(self, sample: Any, fields: Iterable[str]) -> dict[str, Any]:
-        fields = tuple(fields)
-        if not isinstance(sample, Mapping):
-            raise TypeError(
-                f"distmm needs samples that are dicts keyed by field name; {type(self.dataset).__name__} yielded"
-                f" {type(sample).__name__}"
-            )
-        missing = [f for f in fields if f not in sample]
-        if missing:
-            raise KeyError(
-                f"the samples of {type(self.dataset).__name__} have no field(s) {missing} that a tower reads;"
-                f" they have {sorted(sample)}"
-            )
-        return {f: sample[f] for f in fields}
+        name = type(self.dataset).__name__
+        return select_fields(sample, tuple(fields), name, f"{name} yielded")
 
     def epoch_length(self) -> int | None:
         try:

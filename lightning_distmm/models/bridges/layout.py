@@ -149,15 +149,22 @@ _HF_NAMES = {
 }
 
 
+def _named_from(s: State, b: str, names: dict[str, str]) -> dict[str, Tensor]:
+    """A layer's weights and biases under our short names (``ln1_w``, ...), read from the module
+    names ``names`` maps them to under prefix ``b`` (the bridges' layer tables)."""
+    return {f"{k}_{kind[0]}": s[f"{b}{n}.{kind}"] for k, n in names.items() for kind in ("weight", "bias")}
+
+
+def _named_to(layer: dict[str, Tensor], b: str, names: dict[str, str]) -> State:
+    """:func:`_named_from` the other way: the layer's weights and biases under their module names."""
+    return {f"{b}{n}.{kind}": layer[f"{k}_{kind[0]}"] for k, n in names.items() for kind in ("weight", "bias")}
+
+
 def _hf_layers_from(s: State, p: str) -> list[dict[str, Tensor]]:
     layers = []
     for i in range(_layers(s, f"{p}encoder.layers.")):
         b = f"{p}encoder.layers.{i}."
-        layer = {
-            f"{k}_{'w' if kind == 'weight' else 'b'}": s[f"{b}{n}.{kind}"]
-            for k, n in _HF_NAMES.items()
-            for kind in ("weight", "bias")
-        }
+        layer = _named_from(s, b, _HF_NAMES)
         for kind, short in (("weight", "w"), ("bias", "b")):
             layer[f"qkv_{short}"] = torch.cat([s[f"{b}self_attn.{x}_proj.{kind}"] for x in "qkv"])
         layers.append(layer)
@@ -168,8 +175,7 @@ def _hf_layers_to(layers: list[dict[str, Tensor]], p: str) -> State:
     out = {}
     for i, layer in enumerate(layers):
         b = f"{p}encoder.layers.{i}."
-        for k, n in _HF_NAMES.items():
-            out[f"{b}{n}.weight"], out[f"{b}{n}.bias"] = layer[f"{k}_w"], layer[f"{k}_b"]
+        out.update(_named_to(layer, b, _HF_NAMES))
         for short, kind in (("w", "weight"), ("b", "bias")):
             for x, v in zip("qkv", layer[f"qkv_{short}"].chunk(3)):
                 out[f"{b}self_attn.{x}_proj.{kind}"] = v

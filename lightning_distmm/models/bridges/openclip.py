@@ -18,6 +18,8 @@ from lightning_distmm.models.bridges.layout import (
     _hf_text_prefix,
     _layers,
     _load_exact,
+    _named_from,
+    _named_to,
     _plain,
     _text_from_ours,
     _text_to_ours,
@@ -141,11 +143,7 @@ def _oc_layers_from(s: State, p: str) -> list[dict[str, Tensor]]:
     layers = []
     for i in range(_layers(s, f"{p}transformer.resblocks.")):
         b = f"{p}transformer.resblocks.{i}."
-        layer = {
-            f"{k}_{'w' if kind == 'weight' else 'b'}": s[f"{b}{n}.{kind}"]
-            for k, n in _OC_NAMES.items()
-            for kind in ("weight", "bias")
-        }
+        layer = _named_from(s, b, _OC_NAMES)
         layer["qkv_w"], layer["qkv_b"] = s[f"{b}attn.in_proj_weight"], s[f"{b}attn.in_proj_bias"]
         layers.append(layer)
     return layers
@@ -155,8 +153,7 @@ def _oc_layers_to(layers: list[dict[str, Tensor]], p: str) -> State:
     out = {}
     for i, layer in enumerate(layers):
         b = f"{p}transformer.resblocks.{i}."
-        for k, n in _OC_NAMES.items():
-            out[f"{b}{n}.weight"], out[f"{b}{n}.bias"] = layer[f"{k}_w"], layer[f"{k}_b"]
+        out.update(_named_to(layer, b, _OC_NAMES))
         out[f"{b}attn.in_proj_weight"], out[f"{b}attn.in_proj_bias"] = layer["qkv_w"], layer["qkv_b"]
     return out
 

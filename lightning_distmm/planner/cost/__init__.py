@@ -17,7 +17,8 @@ The functions accept numpy arrays (the partitioner evaluates thousands of (repli
 microbatches) combinations at once) and plain numbers (the final evaluation).
 """
 
-from lightning_distmm.planner.cost.breakdown import StepCost, TowerChoice, TowerCost
+from lightning_distmm.planner.cost import breakdown, instructions, options, pipeline
+from lightning_distmm.planner.cost.breakdown import *  # noqa: F403 (re-exported whole)
 from lightning_distmm.planner.cost.comm import (
     allgather_time,
     allreduce_time,
@@ -43,7 +44,7 @@ from lightning_distmm.planner.cost.compute import (
     shared_host_phases,
     stage_compute,
 )
-from lightning_distmm.planner.cost.instructions import instruction_seconds
+from lightning_distmm.planner.cost.instructions import *  # noqa: F403 (re-exported whole)
 from lightning_distmm.planner.cost.memory import (
     act_per_sample,
     grad_bytes_per_device,
@@ -52,45 +53,15 @@ from lightning_distmm.planner.cost.memory import (
     stage_params,
     static_per_param,
 )
-from lightning_distmm.planner.cost.options import (
-    LAYER_SHARDS,
-    PLANNABLE_SHARDS,
-    PRECISIONS,
-    SHARDS,
-    CostOptions,
-    PrecisionPolicy,
-    precision_policy,
-    shard_group,
-)
-from lightning_distmm.planner.cost.pipeline import (
-    RECOMPUTE,
-    SIMULATE_MAX_INSTRUCTIONS,
-    ReplicaTimeline,
-    cost_schedule,
-    microbatch_rows,
-    phases,
-    recomputes,
-    replica_instructions,
-    replica_plan,
-    replica_timeline,
-    runtime_schedule,
-    sync_group_rows,
-)
+from lightning_distmm.planner.cost.options import *  # noqa: F403 (re-exported whole)
+from lightning_distmm.planner.cost.pipeline import *  # noqa: F403 (re-exported whole)
 from lightning_distmm.planner.cost.step import evaluate_plan, rank_groups, sync_groups
 
 __all__ = [
-    "CostOptions",
-    "PrecisionPolicy",
-    "PRECISIONS",
-    "SHARDS",
-    "LAYER_SHARDS",
-    "PLANNABLE_SHARDS",
-    "precision_policy",
-    "shard_group",
-    "RECOMPUTE",
-    "cost_schedule",
-    "runtime_schedule",
-    "recomputes",
+    *options.__all__,  # re-exported whole: their own lists say what they offer
+    *pipeline.__all__,
+    *breakdown.__all__,
+    *instructions.__all__,
     "ATTN_BWD_FLOPS",
     "block_time",
     "block_times",
@@ -119,18 +90,6 @@ __all__ = [
     "sync_time",
     "batch_syncs",
     "sync_groups",
-    "sync_group_rows",
-    "phases",
-    "SIMULATE_MAX_INSTRUCTIONS",
-    "ReplicaTimeline",
-    "replica_plan",
-    "microbatch_rows",
-    "replica_instructions",
-    "replica_timeline",
-    "TowerChoice",
-    "TowerCost",
-    "StepCost",
     "rank_groups",
     "evaluate_plan",
-    "instruction_seconds",
 ]
