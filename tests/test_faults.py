@@ -244,8 +244,8 @@ def _finish(job: subprocess.Popen, folder: Path, within: float) -> tuple[int, st
 def test_sigterm_to_one_rank_ends_every_rank(tmp_path):
     """A scheduler's preemption of one node: every rank stops within seconds, non-zero, saying why."""
     job = _start("sigterm", tmp_path)
-    _wait_for("step*", tmp_path, 3, timeout=120)
-    os.kill(int((tmp_path / "pid2").read_text()), signal.SIGTERM)
+    _wait_for("step*", tmp_path, 2, timeout=120)
+    os.kill(int((tmp_path / "pid1").read_text()), signal.SIGTERM)
     code, out, _ = _finish(job, tmp_path, within=60)
     assert code != 0
     assert "SIGTERM" in out, out[-3000:]
@@ -254,7 +254,7 @@ def test_sigterm_to_one_rank_ends_every_rank(tmp_path):
 @pytest.mark.slow
 def test_sigkill_of_one_rank_names_it(tmp_path):
     job = _start("sigkill", tmp_path)
-    _wait_for("step*", tmp_path, 3, timeout=120)
+    _wait_for("step*", tmp_path, 2, timeout=120)
     os.kill(int((tmp_path / "pid1").read_text()), signal.SIGKILL)
     code, out, _ = _finish(job, tmp_path, within=60)
     assert code != 0
@@ -267,8 +267,7 @@ def test_an_error_on_rank_0_reaches_every_rank(tmp_path):
     job = _start("rank0-raises", tmp_path)
     code, out, _ = _finish(job, tmp_path, within=120)
     assert code != 0
-    for rank in (1, 2):
-        assert re.search(rf"\[rank{rank}\].*rank 0: RuntimeError: boom on rank 0", out), out[-4000:]
+    assert re.search(r"\[rank1\].*rank 0: RuntimeError: boom on rank 0", out), out[-4000:]
 
 
 @pytest.mark.slow
@@ -328,7 +327,7 @@ def test_survivors_of_a_peer_that_fails_without_closing_its_connections_end_with
     job = _start("rank1-raises-and-lingers", tmp_path)
     code, out, took = _finish(job, tmp_path, within=90)
     assert code != 0
-    assert re.search(r"\[rank[02]\]: distmm: rank 1: RuntimeError: boom on rank 1", out), out[-3000:]
+    assert re.search(r"\[rank0\]: distmm: rank 1: RuntimeError: boom on rank 1", out), out[-3000:]
 
 
 @pytest.mark.slow

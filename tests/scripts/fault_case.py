@@ -1,4 +1,4 @@
-"""One fault case under the real subprocess launcher (3 ranks): each rank writes its pid, then trains.
+"""One fault case under the real subprocess launcher (2 ranks, a tower each): each rank writes its pid, then trains.
 
 Usage: ``fault_case.py CASE FOLDER``. The test injects the fault from outside (a signal) or the
 case injects it from inside (an exception on one rank); every rank's pid file lets the test check
@@ -51,12 +51,12 @@ class Lingering(ldm.DistMMStrategy):
 
 
 if __name__ == "__main__":  # spawned ranks import this file too
-    plan = ldm.Plan(3, {"image": {"ranks": [0, 1]}, "text": {"ranks": [2]}})
+    plan = ldm.Plan(2, {"image": {"ranks": [0]}, "text": {"ranks": [1]}})
     timeout = timedelta(seconds=20) if case == "rank1-stalls" else timedelta(minutes=10)
     grace = {"failure_grace": timedelta(seconds=5)} if case == "rank1-raises-and-lingers" else {}
     start_method = "spawn" if case.startswith("spawn-") else "popen"
     trainer = L.Trainer(
-        devices=3,
+        devices=2,
         max_steps=4 if case == "spawn-ok" else 100_000,
         strategy=(Lingering if grace else ldm.DistMMStrategy)(
             plan, timeout=timeout, start_method=start_method, **grace
