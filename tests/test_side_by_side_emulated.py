@@ -108,6 +108,6 @@ def test_statistics_and_table():
         "notes": ["a note"],
     }
     text = sb.markdown(result)
-    assert "| fsdp | fsdp | 400 | 400 (380-420; 400) | 0.80x | 0.80x |" in text
+    assert "| fsdp | fsdp | 400 | 400 (380-420; 400) | +0% | 0.80x | 0.80x |" in text
     assert "| distmm | - | 2.00 (2.00) | 0.80 (0.80) | 1.60 (1.60) |" in text
     assert "distmm loses to fsdp" in text and "- a note" in text and "450 Mbit/s" in text
