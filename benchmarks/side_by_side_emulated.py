@@ -243,7 +243,12 @@ def markdown(result: Mapping[str, Any]) -> str:
         f" parameters), global batch {result['batch']}, {result['rounds']} rounds x {result['timed_steps']} timed"
         f" steps; other processes kept {result['foreign_cores']:.1f} cores busy (median over rounds).",
         f"Link rate: comm/compute of the DDP plan {link['ratio']:.2f} here vs {ref['ratio']:.2f} for"
-        f" {ref['model']} on 2 A100 nodes at {ref['link_gbps']:.0f} Gb/s.",
+        f" {ref['model']} on 2 A100 nodes at {ref['link_gbps']:.0f} Gb/s"
+        + (
+            f" (this host calibrated while other processes kept {result['calibration']['foreign_cores']:.1f} cores busy)."
+            if "calibration" in result
+            else "."
+        ),
         "",
         *rows,
         "",
@@ -277,6 +282,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cached-host", action="store_true", help="as placement_emulated's")
     parser.add_argument("--results", default=str(RESULTS), help="path prefix of the .json and .md written")
     parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--quiet-cores", type=float, default=0.5, help="calibrate once others use fewer cores")
+    parser.add_argument("--quiet-wait", type=float, default=120.0, help="at most this many seconds of waiting")
+    parser.add_argument("--dry-run", action="store_true", help="calibrate, plan and price; run nothing")
     args = parser.parse_args(argv)
     if args.warmup >= args.steps:
         parser.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
@@ -294,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     import signal
     import warnings
 
-    from cost_model_fidelity import ForeignLoad
+    from cost_model_fidelity import ForeignLoad, wait_quiet
 
     args = parse_args(argv)
     why = pe.preflight()
@@ -305,7 +313,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     warnings.filterwarnings("ignore")
     t0 = time.perf_counter()
     cores = pe.node_cores(args.pin)
+    waited = wait_quiet(args.quiet_cores, args.quiet_wait)  # a busy host's calibration sets a slow link
+    load = ForeignLoad()
+    load.start()
     host, concurrency, profiles = pe.calibrate(MODEL, args, cores[0], analytic=True)
+    calib_load = load.stop()
     options = pe.planner_options(args.step_overhead_ms * 1e-3)
     ref = {**REFERENCE, **reference_ratio()}
     towers = list(MODEL["towers"])
@@ -322,7 +334,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     cluster = pe.emulated_cluster(host, link, concurrency)
     comm, compute = comm_compute(price_plan(ddp_probe, profiles, cluster, options))
     print(
-        f"calibrated in {time.perf_counter() - t0:.0f} s: concurrency {concurrency:.2f}; link rate: the DDP plan's"
+        f"calibrated in {time.perf_counter() - t0:.0f} s (other processes kept {waited:.1f} cores busy before,"
+        f" {calib_load:.1f} during): concurrency {concurrency:.2f}; link rate: the DDP plan's"
         f" all-reduce / forward+backward is {ref['ratio']:.3f} for {ref['model']} on {ref['devices']} A100s"
         f" ({ref['per_device_batch']:.0f} per GPU; {ref['bytes_per_nic'] / 1e9:.2f} GB per NIC at"
         f" {ref['link_gbps']:.0f} Gb/s: {ref['allreduce_s'] * 1e3:.1f} ms over {ref['compute_s'] * 1e3:.1f} ms);"
@@ -354,10 +367,20 @@ def main(argv: Sequence[str] | None = None) -> None:
             + ", ".join(f"{t[k] / t['distmm']:.2f}x over {k}" for k in t if k != "distmm")
             + " (not measured)"
         )
+    for factor in (0.5, 2.0, 10.0):  # where the model says the comparison turns (priced, not measured)
+        cl_f = pe.emulated_cluster(host, pe.LinkSettings(rate * factor), concurrency)
+        t = {k: price_plan(p, profiles, cl_f, options).step_time for k, p in plans.items()}
+        notes.append(
+            f"at {rate * factor:g} Mbit/s ({factor:g}x the link) distmm's predicted speedup is "
+            + ", ".join(f"{t[k] / t['distmm']:.2f}x over {k}" for k in t if k != "distmm")
+            + " (same plans, not measured)"
+        )
     for k, p in plans.items():
         print(f"  {k:<9} {describe(p)}: predicted {predicted[k].step_time * 1e3:.0f} ms", flush=True)
     for n in notes:
         print(f"  {n}", flush=True)
+    if args.dry_run:
+        return
 
     model_path = None
     steps: dict[str, list[float]] = {k: [] for k in plans}
@@ -393,6 +416,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(emu.qdisc_stats())
     result = build_result(args, rate, mbit, comm / compute, ref, plans, predicted, steps, per_round, parts, foreign)
     result["notes"] = notes
+    result["calibration"] = {"foreign_cores_before": waited, "foreign_cores": calib_load, "concurrency": concurrency}
     report(result, Path(args.results))
 
 
