@@ -259,7 +259,7 @@ def markdown(result: Mapping[str, Any]) -> str:
         *[f"- {v}" for v in result["verdicts"]],
     ]
     if result.get("notes"):
-        lines += ["", *[f"- {n}" for n in result["notes"]]]
+        lines += ["", *[f"- {n.splitlines()[0][:300]}" for n in result["notes"]]]  # the JSON keeps them whole
     return "\n".join(lines) + "\n"
 
 
@@ -382,11 +382,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.dry_run:
         return
 
-    model_path = None
     steps: dict[str, list[float]] = {k: [] for k in plans}
     per_round: dict[str, list[float]] = {k: [] for k in plans}
     parts: dict[str, list[list[float]]] = {k: [] for k in plans}
     foreign: list[float] = []
+    failed: list[str] = []
     with tempfile.TemporaryDirectory(prefix="side_by_side_") as tmp, pe.Emulation(link) as emu:
         model_path = Path(tmp) / "model.json"
         model_path.write_text(json.dumps(MODEL))
@@ -397,7 +397,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             order = args.plans[r % len(plans) :] + args.plans[: r % len(plans)]  # each plan first in turn
             load = ForeignLoad()
             load.start()
-            got = pe.run_round(emu, {k: plans[k] for k in order}, run_args, Path(tmp), r, cores)
+            try:
+                got = pe.run_round(emu, {k: plans[k] for k in order}, run_args, Path(tmp), r, cores)
+            except RuntimeError as err:  # a failed launch costs its round, not the run: said in the result
+                failed.append(f"round {r + 1} failed and is not counted: {str(err)[-1500:]}")
+                print(failed[-1], flush=True)
+                continue
             foreign.append(load.stop())
             for k in order:
                 steps[k] += [row[0] for row in got["rank0"][k]]
@@ -414,8 +419,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                     print(f"  {k}: rank medians ms (wall/CPU/fwd/bwd/sync) {got['parts'][k]}", flush=True)
         if args.verbose:
             print(emu.qdisc_stats())
+    if not foreign:
+        sys.exit("side_by_side_emulated: every round failed:\n" + "\n".join(failed))
     result = build_result(args, rate, mbit, comm / compute, ref, plans, predicted, steps, per_round, parts, foreign)
-    result["notes"] = notes
+    result["notes"] = notes + failed
     result["calibration"] = {"foreign_cores_before": waited, "foreign_cores": calib_load, "concurrency": concurrency}
     report(result, Path(args.results))
 
@@ -430,7 +437,7 @@ def build_result(args, rate, mbit, ratio, ref, plans, predicted, steps, per_roun
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "model": {"name": MODEL["name"], "params": params, "config": MODEL},
         "batch": args.batch,
-        "rounds": args.rounds,
+        "rounds": len(foreign),
         "timed_steps": args.steps - args.warmup,
         "link": {"rate_mbit": rate, "measured_mbit": mbit, "ratio": ratio},
         "reference": ref,
