@@ -3,7 +3,7 @@
 The cluster is ``benchmarks/placement_emulated.py``'s (imported, not copied): two network
 namespaces of 2 CPU ranks (gloo) each, joined by a veth pair shaped by ``tc tbf``, one
 ``torchrun`` per namespace, each namespace's ranks on their own half of the cores. One launch per
-round trains four plans of the same model, the order rotating over ``--rounds`` rounds (noise on
+round trains four plans of the same model, the order rotating over ``--rounds`` rounds (4: each plan first once) (noise on
 the shared host hits every plan alike; the cores other processes kept busy are printed):
 
 * **distmm**: the planner's separate-tower plan (``make_plan`` with ``layouts=["separate"]`` and
@@ -43,7 +43,7 @@ Results go to ``--results`` (``benchmarks/results/emulated_side_by_side.json`` a
 Needs root, ``ip netns`` and ``tc`` (as placement_emulated). About 8 minutes with the defaults on
 the shared 2-core VM.
 
-    python benchmarks/side_by_side_emulated.py [--rate-mbit auto|N] [--rounds 3] [--steps 8] [-v]
+    python benchmarks/side_by_side_emulated.py [--rate-mbit auto|N] [--rounds 4] [--steps 8] [--dry-run] [-v]
 """
 
 from __future__ import annotations
