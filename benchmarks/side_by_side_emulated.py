@@ -3,8 +3,9 @@
 The cluster is ``benchmarks/placement_emulated.py``'s (imported, not copied): two network
 namespaces of 2 CPU ranks (gloo) each, joined by a veth pair shaped by ``tc tbf``, one
 ``torchrun`` per namespace, each namespace's ranks on their own half of the cores. One launch per
-round trains four plans of the same model, the order rotating over ``--rounds`` rounds (4: each plan first once) (noise on
-the shared host hits every plan alike; the cores other processes kept busy are printed):
+round trains four plans of the same model, the order rotating over ``--rounds`` rounds (4: each
+plan goes first once; noise on the shared host hits every plan alike; the cores other processes
+kept busy are printed):
 
 * **distmm**: the planner's separate-tower plan (``make_plan`` with ``layouts=["separate"]`` and
   what the runtime runs: tp = pp = 1, gpipe), each tower on its own ranks, placed by the planner;
