@@ -32,7 +32,8 @@ gradients cross each NIC per step, 53.3 ms of all-reduce, 68.0 ms of forward + b
 docs/planner.md section 15; with measured-like compute rho would be ~0.46, a faster link.) On the
 CPU ranks rho(rate) is the same ratio for this model's DDP plan at global batch 32 on the emulated
 spec calibrated here (fp32 gradients, 8.7 MB), and the rate is solved from rho(rate) = rho_A100
-by bisection (``matched_rate``); the script prints both sides. The other plans run on that link.
+by bisection (``matched_rate``); the script prints both sides (the committed run: 261 ms of
+all-reduce over 333 ms of compute at 299 Mbit/s). The other plans run on that link.
 
 Each plan is priced with ``price_plan`` on the emulated cluster spec (``placement_emulated``'s
 ``emulated_cluster``: the tbf rate, TCP framing, gloo's measured latency; this host calibrated,
@@ -41,8 +42,8 @@ plan: rank 0's step time (median of all timed steps), its spread (IQR of the ste
 round medians), the measured and predicted speedup over each other plan, and where DistMM loses.
 Results go to ``--results`` (``benchmarks/results/emulated_side_by_side.json`` and ``.md``).
 
-Needs root, ``ip netns`` and ``tc`` (as placement_emulated). About 8 minutes with the defaults on
-the shared 2-core VM.
+Needs root, ``ip netns`` and ``tc`` (as placement_emulated). About 7 minutes with the defaults on
+the 2-core VM when quiet (2 of them calibrating); ``--dry-run`` calibrates, plans and prices only.
 
     python benchmarks/side_by_side_emulated.py [--rate-mbit auto|N] [--rounds 4] [--steps 8] [--dry-run] [-v]
 """
