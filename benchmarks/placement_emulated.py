@@ -110,11 +110,17 @@ SMALL: dict[str, Any] = {
 
 
 def model_config(name: str) -> dict[str, Any]:
+    """``small``, ``tiny`` or the path of a JSON model config (a sibling benchmark's own model)."""
     if name == "tiny":
         from lightning_distmm.models.clip import CLIP_TINY
 
         return CLIP_TINY
-    return SMALL
+    if name == "small":
+        return SMALL
+    path = Path(name)
+    if not path.is_file():
+        raise ValueError(f"--model {name!r}: expected small, tiny or a JSON model config file")
+    return json.loads(path.read_text())
 
 
 # ---------------------------------------------------------------------- the link and its spec
@@ -537,16 +543,26 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------- the prediction
-def calibrate(model: dict[str, Any], args: argparse.Namespace, cores: set[int]) -> tuple[Cluster, float, dict]:
+def calibrate(
+    model: dict[str, Any], args: argparse.Namespace, cores: set[int], analytic: bool = False
+) -> tuple[Cluster, float, dict]:
     """This host as one node sees it (``cores``): measured devices and loopback gloo, the two ranks'
     concurrency on the node's cores, each tower's measured profile. With ``--cached-host`` the
     devices and gloo come from ``measure_local_cpu``'s per-host cache (measured unpinned, as
-    ``plan="auto"`` measures them, so that the cache holds what it always holds)."""
+    ``plan="auto"`` measures them, so that the cache holds what it always holds). With
+    ``analytic`` each measured fit rides on the tower's analytic profile, so that tp/pp splits
+    (and their all-reduces) can be priced too."""
     import torch
     from cost_model_fidelity import example_inputs
 
     from lightning_distmm.models.clip import CLIPModel
-    from lightning_distmm.planner import ConcurrencyProbe, measure_local_cpu, measure_tower, measured_profile
+    from lightning_distmm.planner import (
+        ConcurrencyProbe,
+        measure_local_cpu,
+        measure_tower,
+        measured_profile,
+        model_profiles,
+    )
 
     if args.cached_host:
         host = measure_local_cpu(devices=DEVICES_PER_NODE, measure_concurrency=False)
@@ -567,6 +583,7 @@ def calibrate(model: dict[str, Any], args: argparse.Namespace, cores: set[int]) 
                 measure_tower(t.module, inputs[name], args.profile_batches, "cpu", repeats=args.profile_repeats),
                 False,
                 int(model["embed_dim"]),
+                model_profiles(model)[name] if analytic else None,
             )
             for name, t in towers.items()
         }
@@ -591,7 +608,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate-mbit", type=float, default=200.0, help="the link's rate per node and direction")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay added by netem (needs netem)")
-    parser.add_argument("--model", choices=["small", "tiny"], default="small")
+    parser.add_argument("--model", default="small", help="small, tiny or a JSON model config file")
     parser.add_argument("--batch", type=int, default=32, help="global batch")
     parser.add_argument("--steps", type=int, default=8, help="steps per run, warm-up included")
     parser.add_argument("--warmup", type=int, default=2)
@@ -612,6 +629,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.model not in ("small", "tiny") and not Path(args.model).is_file():
+        parser.error(f"--model {args.model!r}: expected small, tiny or a JSON model config file")
     if not args.worker and args.warmup >= args.steps:
         parser.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
     return args

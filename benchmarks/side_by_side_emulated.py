@@ -1,0 +1,473 @@
+"""DistMM against DDP, FSDP and a Megatron-style plan, measured side by side on two emulated nodes.
+
+The cluster is ``benchmarks/placement_emulated.py``'s (imported, not copied): two network
+namespaces of 2 CPU ranks (gloo) each, joined by a veth pair shaped by ``tc tbf``, one
+``torchrun`` per namespace, each namespace's ranks on their own half of the cores. One launch per
+round trains four plans of the same model, the order rotating over ``--rounds`` rounds (4: each
+plan goes first once; noise on the shared host hits every plan alike; the cores other processes
+kept busy are printed):
+
+* **distmm**: the planner's separate-tower plan (``make_plan`` with ``layouts=["separate"]`` and
+  what the runtime runs: tp = pp = 1, gpipe), each tower on its own ranks, placed by the planner;
+  the plan ``plan="auto"`` would pick (separate or colocated) is printed beside it;
+* **ddp**: every rank runs both towers, replicated, gradients all-reduced (``colocated_plan``);
+* **fsdp**: the same with ``shard: full`` on both towers (FSDP2 over all 4 ranks);
+* **megatron**: the uniform Megatron-style plan: the same tp x pp on both towers (default tp 2,
+  pp 1: each tensor-parallel pair inside a node, data parallel across the link), one microbatch
+  per pipeline (the whole replica batch). Tensor parallelism across the namespaces is not run.
+
+The model's towers differ in size: a ViT image tower of 1.8M parameters and a text tower of 0.37M
+whose 192-token captions take about as long to compute (``placement_emulated``'s ``small`` with 4
+image heads instead of 3, so that tp 2 divides both towers' heads).
+
+**The link rate** is chosen so that a step's communication : compute matches two A100 nodes on a
+100 Gb/s network. Define rho = (the DDP plan's gradient all-reduce seconds) / (its forward +
+backward seconds), both from the cost model (``price_plan``; ``TowerCost.dp_allreduce``, summed
+over the towers, over ``forward_phase + backward_phase`` and, on CPU ranks that share a node's
+cores, the ``contention`` that stretches them). The A100 reference is ``clip_vit_b32``
+(151M parameters, the smallest CLIP preset: the scale of a 2-node job) on ``a100_8x8_eth100`` cut
+to 2 nodes x 8 (12.5 GB/s per node), global batch 4096 (256 per GPU), bf16-mixed: 1.21 GB of fp32
+gradients cross each NIC per step, 53.3 ms of all-reduce, 68.0 ms of forward + backward, rho =
+0.78. (The planner's A100 compute is ~1.7x optimistic against published CLIP throughputs,
+docs/planner.md section 15; with measured-like compute rho would be ~0.46, a faster link.) On the
+CPU ranks rho(rate) is the same ratio for this model's DDP plan at global batch 32 on the emulated
+spec calibrated here (fp32 gradients, 8.7 MB), and the rate is solved from rho(rate) = rho_A100
+by bisection (``matched_rate``); the script prints both sides (the committed run: 261 ms of
+all-reduce over 333 ms of compute at 299 Mbit/s). The other plans run on that link.
+
+Each plan is priced with ``price_plan`` on the emulated cluster spec (``placement_emulated``'s
+``emulated_cluster``: the tbf rate, TCP framing, gloo's measured latency; this host calibrated,
+the towers' measured fits riding on their analytic profiles so tp 2 can be priced). Printed per
+plan: rank 0's step time (median of all timed steps), its spread (IQR of the steps, min-max of the
+round medians), the measured and predicted speedup over each other plan, and where DistMM loses.
+Results go to ``--results`` (``benchmarks/results/emulated_side_by_side.json`` and ``.md``).
+
+Needs root, ``ip netns`` and ``tc`` (as placement_emulated). About 7 minutes with the defaults on
+the 2-core VM when quiet (2 of them calibrating); ``--dry-run`` calibrates, plans and prices only.
+
+    python benchmarks/side_by_side_emulated.py [--rate-mbit auto|N] [--rounds 4] [--steps 8] [--dry-run] [-v]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: placement_emulated, cost_model_fidelity
+import placement_emulated as pe  # noqa: E402
+
+from lightning_distmm.planner import Cluster, Plan, price_plan  # noqa: E402
+
+PLANS = ("distmm", "ddp", "fsdp", "megatron")
+RESULTS = pe.ROOT / "benchmarks" / "results" / "emulated_side_by_side"
+REFERENCE = {"model": "clip_vit_b32", "cluster": "a100_8x8_eth100", "nodes": 2, "global_batch": 4096}
+
+# predicted / measured samples/s of NeMo's ViT-g/14 on DGX A100 (docs/planner.md section 15): the cost
+# model's A100 compute is this much too fast, so the A100 side's rho may be this much too high
+NEMO_GAP = 1.43
+
+MODEL: dict[str, Any] = copy.deepcopy(pe.SMALL)
+MODEL["name"] = "clip_small_heavy_image_h4"
+MODEL["towers"]["image"]["heads"] = 4  # tp 2 divides both towers' heads (text has 2)
+
+
+# ---------------------------------------------------------------------- the link rate
+def comm_compute(cost: Any) -> tuple[float, float]:
+    """A priced step's gradient all-reduce seconds and compute seconds (forward + backward, stretched
+    by the node's other ranks on a shared host: ``contention``, 0 on GPUs), summed over towers."""
+    comm = sum(t.dp_allreduce for t in cost.towers.values())
+    compute = sum(t.forward_phase + t.backward_phase + t.contention for t in cost.towers.values())
+    return comm, compute
+
+
+def reference_ratio(reference: Mapping[str, Any] = REFERENCE) -> dict[str, float]:
+    """rho of the DDP plan of ``reference['model']`` on ``reference['nodes']`` nodes of the preset
+    cluster (the cost model's defaults: bf16-mixed, fp32 gradients), and the numbers behind it."""
+    import yaml
+
+    from lightning_distmm.core.plan import colocated_plan
+    from lightning_distmm.planner import load_cluster, model_profiles
+
+    cfg = yaml.safe_load((pe.ROOT / "conf" / "model" / f"{reference['model']}.yaml").read_text())
+    base = load_cluster(reference["cluster"])
+    cl = base.with_world(int(reference["nodes"]) * base.devices_per_node)
+    profiles = model_profiles(cfg)
+    G = int(reference["global_batch"])
+    cost = price_plan(colocated_plan(list(profiles), cl.world_size, G), profiles, cl)
+    comm, compute = comm_compute(cost)
+    return {
+        "devices": cl.world_size,
+        "per_device_batch": G / cl.world_size,
+        "link_gbps": cl.inter.bandwidth * 8 / 1e9,
+        "bytes_per_nic": sum(t.bytes_inter for t in cost.towers.values()),
+        "allreduce_s": comm,
+        "compute_s": compute,
+        "ratio": comm / compute,
+    }
+
+
+def matched_rate(target: float, ratio_at: Callable[[float], float], lo: float = 1.0, hi: float = 1e5) -> float:
+    """The link rate (Mbit/s) at which ``ratio_at(rate)`` (decreasing in the rate) equals ``target``:
+    bisection on a log scale; the nearest end of [lo, hi] when the target lies outside."""
+    if ratio_at(hi) >= target:
+        return hi
+    if ratio_at(lo) <= target:
+        return lo
+    for _ in range(60):
+        mid = math.sqrt(lo * hi)
+        if ratio_at(mid) > target:
+            lo = mid
+        else:
+            hi = mid
+        if hi / lo < 1.001:
+            break
+    return math.sqrt(lo * hi)
+
+
+# ---------------------------------------------------------------------- the plans
+def baseline_plans(towers: Sequence[str], batch: int, tp: int = 2, pp: int = 1) -> dict[str, Plan]:
+    """DDP, FSDP and the uniform Megatron-style plan on the emulated cluster's 4 ranks, all colocated."""
+    world = pe.NODES * pe.DEVICES_PER_NODE
+    ranks = list(range(world))
+    if world % (tp * pp):
+        raise ValueError(f"megatron tp {tp} x pp {pp} does not divide {world} ranks")
+    if tp > pe.DEVICES_PER_NODE:
+        raise ValueError(f"megatron tp {tp}: a tensor-parallel group across the namespaces is not run here")
+    return {
+        "ddp": Plan(world, {n: {"ranks": ranks} for n in towers}, global_batch=batch),
+        "fsdp": Plan(world, {n: {"ranks": ranks, "shard": "full"} for n in towers}, global_batch=batch),
+        # microbatch None: each pipeline runs its whole replica batch as one microbatch (Megatron-LM's
+        # schedules compute a loss per microbatch and cannot split a contrastive batch)
+        "megatron": Plan(world, {n: {"ranks": ranks, "tp": tp, "pp": pp} for n in towers}, global_batch=batch),
+    }
+
+
+def distmm_plans(profiles: Mapping[str, Any], cluster: Cluster, options: Mapping[str, Any], batch: int) -> dict:
+    """The planner's separate-tower plan and what ``plan="auto"`` would pick (both layouts), with
+    the options the runtime runs and no baselines in the pool."""
+    from lightning_distmm.planner import make_plan
+
+    base = {**options, "baselines": []}
+    separate, _ = make_plan(None, cluster, batch, {**base, "layouts": ["separate"]}, profiles=profiles)
+    auto, report = make_plan(None, cluster, batch, base, profiles=profiles)
+    return {"separate": separate, "auto": auto, "auto_layout": report.chosen.name}
+
+
+def describe(plan: Plan) -> str:
+    parts = []
+    for name, t in plan.towers.items():
+        extra = [f"tp{t.tp}"] if t.tp > 1 else []
+        extra += [f"pp{t.pp}"] if t.pp > 1 else []
+        extra += [f"mb{t.microbatch}"] if t.microbatch else []
+        extra += [f"shard {t.shard}"] if t.shard != "none" else []
+        extra += ["recompute"] if t.recompute else []
+        nodes = pe.nodes_of(t.ranks)
+        where = f"node{'s' if len(nodes) > 1 else ''} {','.join(map(str, nodes))}"
+        parts.append(f"{name}@{','.join(map(str, t.ranks))} ({where}{'; ' + ' '.join(extra) if extra else ''})")
+    return " | ".join(parts)
+
+
+# ---------------------------------------------------------------------- statistics and tables
+def spread(steps: Sequence[float], round_medians: Sequence[float]) -> dict[str, Any]:
+    """Median, quartiles and min-max of the timed steps, and the per-round medians."""
+    q = statistics.quantiles(steps, n=4, method="inclusive") if len(steps) > 1 else [steps[0]] * 3
+    return {
+        "median": statistics.median(steps),
+        "q1": q[0],
+        "q3": q[2],
+        "min": min(steps),
+        "max": max(steps),
+        "rounds": list(round_medians),
+        "steps": len(steps),
+    }
+
+
+def speedups(times: Mapping[str, float]) -> dict[str, dict[str, float]]:
+    """``out[a][b]``: how many times faster ``a`` is than ``b`` (``times[b] / times[a]``)."""
+    return {a: {b: times[b] / times[a] for b in times if b != a} for a in times}
+
+
+def verdicts(measured: Mapping[str, float], predicted: Mapping[str, float], who: str = "distmm") -> list[str]:
+    """Plain sentences: where ``who`` wins or loses, measured, with the prediction beside."""
+    out = []
+    m, p = speedups(measured)[who], speedups(predicted)[who]
+    for other in m:
+        verb = "wins against" if m[other] > 1.02 else "loses to" if m[other] < 0.98 else "ties with"
+        agree = "the model agrees" if (m[other] > 1) == (p[other] > 1) else "the model predicted the opposite"
+        out.append(f"{who} {verb} {other}: {m[other]:.2f}x measured, {p[other]:.2f}x predicted ({agree})")
+    return out
+
+
+def markdown(result: Mapping[str, Any]) -> str:
+    """The short table of a result (what docs/planner.md quotes)."""
+    plans = result["plans"]
+    names = list(plans)
+    rows = [
+        "| plan | towers | predicted ms | measured ms (IQR; round medians) | error | distmm's speedup measured |"
+        " predicted |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for k in names:
+        p = plans[k]
+        s = p["measured"]
+        rounds = " / ".join(f"{t * 1e3:.0f}" for t in s["rounds"])
+        if k == "distmm":
+            ms = mp = "-"
+        else:
+            ms = f"{result['speedup']['measured']['distmm'][k]:.2f}x"
+            mp = f"{result['speedup']['predicted']['distmm'][k]:.2f}x"
+        rows.append(
+            f"| {k} | {p['towers'].replace('|', chr(92) + '|')} | {p['predicted_s'] * 1e3:.0f} | {s['median'] * 1e3:.0f}"
+            f" ({s['q1'] * 1e3:.0f}-{s['q3'] * 1e3:.0f}; {rounds}) | {p['predicted_s'] / s['median'] - 1:+.0%} | {ms} | {mp} |"
+        )
+    head = ["| measured (predicted) speedup of row over column |", "|---" * (len(names) + 1) + "|"]
+    head[0] = "| row over column | " + " | ".join(names) + " |"
+    for a in names:
+        cells = [
+            "-" if a == b else f"{result['speedup']['measured'][a][b]:.2f} ({result['speedup']['predicted'][a][b]:.2f})"
+            for b in names
+        ]
+        head.append(f"| {a} | " + " | ".join(cells) + " |")
+    link, ref = result["link"], result["reference"]
+    lines = [
+        f"Emulated cluster: 2 namespaces x 2 CPU ranks (gloo), tbf {link['rate_mbit']:.0f} Mbit/s per node and"
+        f" direction ({link['measured_mbit']:.0f} measured), {result['model']['name']} (image"
+        f" {result['model']['params']['image'] / 1e6:.2f}M, text {result['model']['params']['text'] / 1e6:.2f}M"
+        f" parameters), global batch {result['batch']}, {result['rounds']} rounds x {result['timed_steps']} timed"
+        f" steps; other processes kept {result['foreign_cores']:.1f} cores busy (median over rounds).",
+        f"Link rate: comm/compute of the DDP plan {link['ratio']:.2f} here vs {ref['ratio']:.2f} for"
+        f" {ref['model']} on 2 A100 nodes at {ref['link_gbps']:.0f} Gb/s"
+        + (
+            f" (this host calibrated while other processes kept {result['calibration']['foreign_cores']:.1f} cores busy)."
+            if "calibration" in result
+            else "."
+        ),
+        "",
+        *rows,
+        "",
+        "Measured (predicted) speedup, row over column:",
+        "",
+        *head,
+        "",
+        *[f"- {v}" for v in result["verdicts"]],
+    ]
+    if result.get("notes"):
+        lines += ["", *[f"- {n.splitlines()[0][:300]}" for n in result["notes"]]]  # the JSON keeps them whole
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------- the run
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rate-mbit", default="auto", help="'auto' (matched to 2 A100 nodes at 100 Gb/s) or Mbit/s")
+    parser.add_argument("--batch", type=int, default=32, help="global batch")
+    parser.add_argument("--steps", type=int, default=8, help="steps per plan and round, warm-up included")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=4, help="rounds; each plan goes first in one of every 4")
+    parser.add_argument("--plans", default=",".join(PLANS), help="a subset of " + ",".join(PLANS))
+    parser.add_argument("--megatron-tp", type=int, default=2)
+    parser.add_argument("--megatron-pp", type=int, default=1)
+    parser.add_argument("--step-overhead-ms", type=float, default=0.0)
+    parser.add_argument("--no-pin", dest="pin", action="store_false")
+    parser.add_argument("--run-timeout", type=float, default=600.0, help="seconds one launch may take")
+    parser.add_argument("--profile-batches", type=lambda s: tuple(int(x) for x in s.split(",")), default=(4, 8, 16, 32))
+    parser.add_argument("--profile-repeats", type=int, default=3)
+    parser.add_argument("--cached-host", action="store_true", help="as placement_emulated's")
+    parser.add_argument("--results", default=str(RESULTS), help="path prefix of the .json and .md written")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("--quiet-cores", type=float, default=0.5, help="calibrate once others use fewer cores")
+    parser.add_argument("--quiet-wait", type=float, default=120.0, help="at most this many seconds of waiting")
+    parser.add_argument("--dry-run", action="store_true", help="calibrate, plan and price; run nothing")
+    args = parser.parse_args(argv)
+    if args.warmup >= args.steps:
+        parser.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
+    if args.rate_mbit != "auto":
+        args.rate_mbit = float(args.rate_mbit)
+    args.plans = tuple(k.strip() for k in args.plans.split(","))
+    if "distmm" not in args.plans or any(k not in PLANS for k in args.plans):
+        parser.error(f"--plans {','.join(args.plans)}: distmm and any of {', '.join(PLANS[1:])}")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    import signal
+    import warnings
+
+    from cost_model_fidelity import ForeignLoad, wait_quiet
+
+    args = parse_args(argv)
+    why = pe.preflight()
+    if why:
+        sys.exit(f"side_by_side_emulated: {why}")
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, pe._exit_on_signal)
+    warnings.filterwarnings("ignore")
+    t0 = time.perf_counter()
+    cores = pe.node_cores(args.pin)
+    waited = wait_quiet(args.quiet_cores, args.quiet_wait)  # a busy host's calibration sets a slow link
+    load = ForeignLoad()
+    load.start()
+    host, concurrency, profiles = pe.calibrate(MODEL, args, cores[0], analytic=True)
+    calib_load = load.stop()
+    options = pe.planner_options(args.step_overhead_ms * 1e-3)
+    ref = {**REFERENCE, **reference_ratio()}
+    towers = list(MODEL["towers"])
+    ddp_probe = baseline_plans(towers, args.batch)["ddp"]
+
+    def ratio_at(mbit: float) -> float:
+        comm, compute = comm_compute(
+            price_plan(ddp_probe, profiles, pe.emulated_cluster(host, pe.LinkSettings(mbit), concurrency), options)
+        )
+        return comm / compute
+
+    rate = round(matched_rate(ref["ratio"], ratio_at)) if args.rate_mbit == "auto" else float(args.rate_mbit)
+    link = pe.LinkSettings(rate)
+    cluster = pe.emulated_cluster(host, link, concurrency)
+    comm, compute = comm_compute(price_plan(ddp_probe, profiles, cluster, options))
+    print(
+        f"calibrated in {time.perf_counter() - t0:.0f} s (other processes kept {waited:.1f} cores busy before,"
+        f" {calib_load:.1f} during): concurrency {concurrency:.2f}; link rate: the DDP plan's"
+        f" all-reduce / forward+backward is {ref['ratio']:.3f} for {ref['model']} on {ref['devices']} A100s"
+        f" ({ref['per_device_batch']:.0f} per GPU; {ref['bytes_per_nic'] / 1e9:.2f} GB per NIC at"
+        f" {ref['link_gbps']:.0f} Gb/s: {ref['allreduce_s'] * 1e3:.1f} ms over {ref['compute_s'] * 1e3:.1f} ms);"
+        f" here {comm * 1e3:.0f} ms over {compute * 1e3:.0f} ms = {comm / compute:.3f} at {rate:g} Mbit/s",
+        flush=True,
+    )
+    dm = distmm_plans(profiles, cluster, options, args.batch)
+    plans = {"distmm": dm["separate"], **baseline_plans(towers, args.batch, args.megatron_tp, args.megatron_pp)}
+    plans = {k: plans[k] for k in args.plans}
+    predicted = {k: price_plan(p, profiles, cluster, options) for k, p in plans.items()}
+    notes = [
+        f"plan='auto' would run {dm['auto_layout']}: {describe(dm['auto'])}"
+        f" (predicted {price_plan(dm['auto'], profiles, cluster, options).step_time * 1e3:.0f} ms)",
+        "tensor parallelism across the namespaces (the link) is not run: megatron's tp pairs stay inside a node",
+    ]
+    for tp, pp in ((2, 1), (1, 2), (2, 2)):
+        if (tp, pp) != (args.megatron_tp, args.megatron_pp):
+            alt = baseline_plans(towers, args.batch, tp, pp)["megatron"]
+            notes.append(
+                f"megatron tp{tp} pp{pp} (not run) predicted {price_plan(alt, profiles, cluster, options).step_time * 1e3:.0f} ms"
+            )
+    if args.rate_mbit == "auto":  # the A100 side's compute as NeMo measured it: a faster link, priced only
+        slow = round(matched_rate(ref["ratio"] / NEMO_GAP, ratio_at))
+        cl_slow = pe.emulated_cluster(host, pe.LinkSettings(slow), concurrency)
+        t = {k: price_plan(p, profiles, cl_slow, options).step_time for k, p in plans.items()}
+        notes.append(
+            f"with A100 compute {NEMO_GAP}x the cost model's (its gap to NeMo's published ViT-g/14 rate), rho ="
+            f" {ref['ratio'] / NEMO_GAP:.2f} and the link {slow} Mbit/s; there distmm's predicted speedup is "
+            + ", ".join(f"{t[k] / t['distmm']:.2f}x over {k}" for k in t if k != "distmm")
+            + " (not measured)"
+        )
+    for factor in (0.5, 2.0, 10.0):  # where the model says the comparison turns (priced, not measured)
+        cl_f = pe.emulated_cluster(host, pe.LinkSettings(rate * factor), concurrency)
+        t = {k: price_plan(p, profiles, cl_f, options).step_time for k, p in plans.items()}
+        notes.append(
+            f"at {rate * factor:g} Mbit/s ({factor:g}x the link) distmm's predicted speedup is "
+            + ", ".join(f"{t[k] / t['distmm']:.2f}x over {k}" for k in t if k != "distmm")
+            + " (same plans, not measured)"
+        )
+    for k, p in plans.items():
+        print(f"  {k:<9} {describe(p)}: predicted {predicted[k].step_time * 1e3:.0f} ms", flush=True)
+    for n in notes:
+        print(f"  {n}", flush=True)
+    if args.dry_run:
+        return
+
+    steps: dict[str, list[float]] = {k: [] for k in plans}
+    per_round: dict[str, list[float]] = {k: [] for k in plans}
+    parts: dict[str, list[list[float]]] = {k: [] for k in plans}
+    foreign: list[float] = []
+    failed: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="side_by_side_") as tmp, pe.Emulation(link) as emu:
+        model_path = Path(tmp) / "model.json"
+        model_path.write_text(json.dumps(MODEL))
+        run_args = argparse.Namespace(**{**vars(args), "model": str(model_path)})
+        mbit = pe.probe_link(emu)
+        print(f"link: tbf {rate:g} Mbit/s, one TCP stream measured {mbit:.0f} Mbit/s", flush=True)
+        for r in range(args.rounds):
+            order = args.plans[r % len(plans) :] + args.plans[: r % len(plans)]  # each plan first in turn
+            load = ForeignLoad()
+            load.start()
+            try:
+                got = pe.run_round(emu, {k: plans[k] for k in order}, run_args, Path(tmp), r, cores)
+            except RuntimeError as err:  # a failed launch costs its round, not the run: said in the result
+                failed.append(f"round {r + 1} failed and is not counted: {str(err)[-1500:]}")
+                print(failed[-1], flush=True)
+                continue
+            foreign.append(load.stop())
+            for k in order:
+                steps[k] += [row[0] for row in got["rank0"][k]]
+                per_round[k].append(statistics.median(row[0] for row in got["rank0"][k]))
+                parts[k].append(got["parts"][k][0])
+            print(
+                f"round {r + 1} ({' then '.join(order)}; ranks on namespaces {got['nodes']}): "
+                + ", ".join(f"{k} {per_round[k][-1] * 1e3:.0f} ms" for k in plans)
+                + f"; other processes kept {foreign[-1]:.1f} cores busy ({time.perf_counter() - t0:.0f} s)",
+                flush=True,
+            )
+            if args.verbose:
+                for k in order:
+                    print(f"  {k}: rank medians ms (wall/CPU/fwd/bwd/sync) {got['parts'][k]}", flush=True)
+        if args.verbose:
+            print(emu.qdisc_stats())
+    if not foreign:
+        sys.exit("side_by_side_emulated: every round failed:\n" + "\n".join(failed))
+    result = build_result(args, rate, mbit, comm / compute, ref, plans, predicted, steps, per_round, parts, foreign)
+    result["notes"] = notes + failed
+    result["calibration"] = {"foreign_cores_before": waited, "foreign_cores": calib_load, "concurrency": concurrency}
+    report(result, Path(args.results))
+
+
+def build_result(args, rate, mbit, ratio, ref, plans, predicted, steps, per_round, parts, foreign) -> dict[str, Any]:
+    from lightning_distmm.models.clip import CLIPModel
+
+    params = {n: sum(p.numel() for p in t.module.parameters()) for n, t in CLIPModel(MODEL, pe.OPTIM).towers().items()}
+    measured = {k: statistics.median(steps[k]) for k in plans}
+    pred = {k: predicted[k].step_time for k in plans}
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "model": {"name": MODEL["name"], "params": params, "config": MODEL},
+        "batch": args.batch,
+        "rounds": len(foreign),
+        "timed_steps": args.steps - args.warmup,
+        "link": {"rate_mbit": rate, "measured_mbit": mbit, "ratio": ratio},
+        "reference": ref,
+        "foreign_cores": statistics.median(foreign),
+        "foreign_cores_per_round": foreign,
+        "plans": {
+            k: {
+                "towers": describe(plans[k]),
+                "plan": plans[k].to_dict(),
+                "predicted_s": pred[k],
+                "measured": spread(steps[k], per_round[k]),
+                "rank0_parts_s": parts[k],  # per round: wall, CPU, forward, backward, batch-sync medians
+            }
+            for k in plans
+        },
+        "speedup": {"measured": speedups(measured), "predicted": speedups(pred)},
+        "verdicts": verdicts(measured, pred),
+    }
+
+
+def report(result: dict[str, Any], prefix: Path) -> None:
+    text = markdown(result)
+    print("\n" + text)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    prefix.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    prefix.with_suffix(".md").write_text(f"# Side by side on two emulated nodes ({result['date']})\n\n{text}")
+    print(f"wrote {prefix.with_suffix('.json')} and {prefix.with_suffix('.md')}")
+
+
+if __name__ == "__main__":
+    main()

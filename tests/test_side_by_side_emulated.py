@@ -1,0 +1,113 @@
+"""benchmarks/side_by_side_emulated.py: its pure parts (the link-rate arithmetic, the four plans, the
+statistics and the table) on a made-up host, without namespaces or processes."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_distmm.planner import Cluster, Device, Link, model_profiles, price_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+pe = _load("placement_emulated")
+sb = _load("side_by_side_emulated")
+
+
+def host() -> Cluster:
+    device = Device("cpu/1t", 8e9, 50e9, 10e9, kernel_overhead=2e-6, concurrency=1.0)
+    return Cluster("local_cpu", 1, 2, device, Link(0.8e9, 150e-6), Link(0.8e9, 150e-6))
+
+
+def test_reference_ratio_is_the_a100_arithmetic():
+    ref = sb.reference_ratio()
+    assert ref["devices"] == 16 and ref["per_device_batch"] == 256 and ref["link_gbps"] == pytest.approx(100)
+    # fp32 gradients of clip_vit_b32's ~151M parameters: each node sends and receives about that much
+    assert 1.1e9 < ref["bytes_per_nic"] < 1.3e9
+    assert ref["ratio"] == pytest.approx(ref["allreduce_s"] / ref["compute_s"])
+    assert 0.3 < ref["ratio"] < 2.0  # communication comparable to compute: the regime of a 100 Gb/s network
+    faster = sb.reference_ratio({**sb.REFERENCE, "cluster": "a100_8x8"})  # 400 Gb/s
+    assert faster["ratio"] < ref["ratio"]
+
+
+def test_matched_rate_solves_the_ratio():
+    profiles = model_profiles(sb.MODEL)
+    ddp = sb.baseline_plans(list(profiles), 32)["ddp"]
+    opts = pe.planner_options(0.0)
+
+    def ratio_at(mbit):
+        comm, compute = sb.comm_compute(
+            price_plan(ddp, profiles, pe.emulated_cluster(host(), pe.LinkSettings(mbit)), opts)
+        )
+        return comm / compute
+
+    rate = sb.matched_rate(0.78, ratio_at)
+    assert ratio_at(rate) == pytest.approx(0.78, rel=0.01)
+    assert ratio_at(rate / 2) > 0.78 > ratio_at(rate * 2)
+    assert sb.matched_rate(1e-9, ratio_at, hi=1e4) == 1e4  # unreachable: the nearest end
+    assert sb.matched_rate(1e9, ratio_at, lo=2.0) == 2.0
+
+
+def test_the_four_plans():
+    profiles = model_profiles(sb.MODEL)
+    assert profiles["image"].heads % 2 == 0 and profiles["text"].heads % 2 == 0  # tp 2 divides both
+    cl = pe.emulated_cluster(host(), pe.LinkSettings(400))
+    opts = pe.planner_options(0.0)
+    base = sb.baseline_plans(["image", "text"], 32)
+    assert all(t.ranks == [0, 1, 2, 3] for p in base.values() for t in p.towers.values())  # all colocated
+    assert {t.shard for t in base["ddp"].towers.values()} == {"none"}
+    assert {t.shard for t in base["fsdp"].towers.values()} == {"full"}
+    assert {(t.tp, t.pp, t.microbatch) for t in base["megatron"].towers.values()} == {(2, 1, None)}
+    assert "tp2" in sb.describe(base["megatron"]) and "shard full" in sb.describe(base["fsdp"])
+    with pytest.raises(ValueError, match="across the namespaces"):
+        sb.baseline_plans(["image", "text"], 32, tp=4)
+    dm = sb.distmm_plans(profiles, cl, opts, 32)
+    sep = dm["separate"]
+    assert set(sep.towers["image"].ranks).isdisjoint(sep.towers["text"].ranks)  # each tower on its own ranks
+    assert all(len(pe.nodes_of(t.ranks)) == 1 for t in sep.towers.values())  # placed: groups inside a node
+    assert dm["auto_layout"] in ("separate", "colocated")
+    for plan in (*base.values(), sep):  # every plan priced on the emulated spec
+        assert price_plan(plan, profiles, cl, opts).step_time > 0
+
+
+def test_statistics_and_table():
+    s = sb.spread([1.0, 2.0, 3.0, 4.0, 5.0], [2.0, 4.0])
+    assert (s["median"], s["q1"], s["q3"], s["min"], s["max"]) == (3.0, 2.0, 4.0, 1.0, 5.0)
+    sp = sb.speedups({"distmm": 0.5, "ddp": 1.0, "fsdp": 0.4})
+    assert sp["distmm"]["ddp"] == 2.0 and sp["ddp"]["distmm"] == 0.5 and sp["distmm"]["fsdp"] == pytest.approx(0.8)
+    v = sb.verdicts({"distmm": 0.5, "ddp": 1.0, "fsdp": 0.4}, {"distmm": 0.5, "ddp": 0.9, "fsdp": 0.6})
+    assert v[0].startswith("distmm wins against ddp: 2.00x measured, 1.80x predicted (the model agrees)")
+    assert v[1].startswith("distmm loses to fsdp: 0.80x measured, 1.20x predicted (the model predicted the opposite)")
+    times = {"distmm": 0.5, "ddp": 1.0, "fsdp": 0.4, "megatron": 0.8}
+    plans = {
+        k: {"towers": k, "predicted_s": t, "measured": sb.spread([t, t * 1.1, t * 0.9], [t])} for k, t in times.items()
+    }
+    result = {
+        "plans": plans,
+        "speedup": {"measured": sb.speedups(times), "predicted": sb.speedups(times)},
+        "link": {"rate_mbit": 450, "measured_mbit": 430, "ratio": 0.78},
+        "reference": {"ratio": 0.78, "model": "clip_vit_b32", "link_gbps": 100.0},
+        "model": {"name": "m", "params": {"image": 1.8e6, "text": 3.7e5}},
+        "batch": 32,
+        "rounds": 3,
+        "timed_steps": 6,
+        "foreign_cores": 0.4,
+        "verdicts": sb.verdicts(times, times),
+        "notes": ["a note"],
+    }
+    text = sb.markdown(result)
+    assert "| fsdp | fsdp | 400 | 400 (380-420; 400) | +0% | 0.80x | 0.80x |" in text
+    assert "| distmm | - | 2.00 (2.00) | 0.80 (0.80) | 1.60 (1.60) |" in text
+    assert "distmm loses to fsdp" in text and "- a note" in text and "450 Mbit/s" in text
