@@ -84,25 +84,25 @@ def make_plan(
 ) -> tuple[Plan, Report]:
     """Plan ``model_cfg`` (or the given ``profiles``) on ``cluster`` for ``global_batch`` samples per step."""
     opts = PlannerOptions.from_any(options)
-    cl = load_cluster(cluster)  # may measure this machine (local_cpu): not part of the solve time
+    spec = load_cluster(cluster)  # may measure this machine (local_cpu): not part of the solve time
     t0 = time.perf_counter()
-    if opts.world_size is not None and opts.world_size != cl.world_size:
-        cl = cl.with_world(int(opts.world_size))
+    if opts.world_size is not None and opts.world_size != spec.world_size:
+        spec = spec.with_world(int(opts.world_size))
     if profiles is None:
         if model_cfg is None:
             raise ValueError("make_plan needs a model config or profiles")
         profiles = model_profiles(model_cfg)
     profiles = dict(profiles)
     model_name = str((to_plain(model_cfg) or {}).get("name", "model")) if model_cfg is not None else "model"
-    G = int(global_batch)
-    if G < 1:
+    n_global = int(global_batch)
+    if n_global < 1:
         raise InfeasibleError(f"global batch must be at least 1, got {global_batch}")
-    D = cl.world_size
-    co = opts.cost
+    n_devices = spec.world_size
+    costs = opts.cost
     names = list(profiles)
 
     # ---------------------------------------------------------------- search space and hard limits
-    if opts.tp is not None and opts.tp <= cl.devices_per_node:
+    if opts.tp is not None and opts.tp <= spec.devices_per_node:
         bad = {n: p for n, p in profiles.items() if p.analytic and p.heads % opts.tp}
         if bad and len(bad) == len(profiles):
             heads = ", ".join(
@@ -113,36 +113,48 @@ def make_plan(
             )
     tps_all, pps_all = {}, {}
     for n, p in profiles.items():
-        tps_all[n], pps_all[n] = tower_space(p, cl, D, opts.max_tp, opts.max_pp, opts.tp, opts.pp)
+        tps_all[n], pps_all[n] = tower_space(p, spec, n_devices, opts.max_tp, opts.max_pp, opts.tp, opts.pp)
     scheds = tuple(opts.schedules) + ((RECOMPUTE,) if opts.recompute and "gpipe" in opts.schedules else ())
     space = SearchSpace(tps_all, pps_all, scheds, opts.max_microbatches, tuple(opts.shards), sequence=opts.sequence)
     n_contrastive, embed = contrastive_features(profiles)
-    lb = loss_bytes(G, D, n_contrastive, co, embed)
-    lb_distmm = loss_bytes(split_batch(G, None, 2)[0], D, n_contrastive, co, embed)  # a batch-sync over half the batch
-    syncs = {k: batch_syncs(cl, co, G, embed, D, cl.nodes, n_contrastive, k)["total"] for k in (1, 2)}
-    limit = cl.device.memory * co.memory_margin
+    loss_mem = loss_bytes(n_global, n_devices, n_contrastive, costs, embed)
+    loss_mem_distmm = loss_bytes(
+        split_batch(n_global, None, 2)[0], n_devices, n_contrastive, costs, embed
+    )  # a batch-sync over half the batch
+    syncs = {
+        k: batch_syncs(spec, costs, n_global, embed, n_devices, spec.nodes, n_contrastive, k)["total"] for k in (1, 2)
+    }
+    limit = spec.device.memory * costs.memory_margin
     for p in profiles.values():
-        need = min_memory(p, cl, co, G, D, space, lb)
+        need = min_memory(p, spec, costs, n_global, n_devices, space, loss_mem)
         if need["total"] > limit:
-            raise InfeasibleError(describe_no_fit(p, cl, co, need, D))
-    _check_replicas(profiles, space, D, G)
+            raise InfeasibleError(describe_no_fit(p, spec, costs, need, n_devices))
+    _check_replicas(profiles, space, n_devices, n_global)
 
     # ---------------------------------------------------------------- separate towers
     candidates: dict[str, Evaluated | None] = {}
     balance: Balance | None = None
     scores: dict[str, float] = {}
-    if "separate" in opts.layouts and 1 < len(names) <= D:
+    if "separate" in opts.layouts and 1 < len(names) <= n_devices:
         cands = [
             tower_candidates(
-                profiles[n], cl, co, G, D, space, lb, max_devices=D - len(names) + 1, distmm_loss_b=lb_distmm
+                profiles[n],
+                spec,
+                costs,
+                n_global,
+                n_devices,
+                space,
+                loss_mem,
+                max_devices=n_devices - len(names) + 1,
+                distmm_loss_b=loss_mem_distmm,
             )
             for n in names
         ]
         fixed = None
         if opts.balancer == "proportional":
-            fixed = proportional_allocation({n: profiles[n].train_flops_per_sample() or 1.0 for n in names}, D)
+            fixed = proportional_allocation({n: profiles[n].train_flops_per_sample() or 1.0 for n in names}, n_devices)
         elif opts.balancer == "even":
-            fixed = even_allocation(names, D)
+            fixed = even_allocation(names, n_devices)
         # a plan runs distmm on every tower or on none (one or two sync groups): balance each family,
         # the second only when its lower bound (the min-max of F + B, plus its batch-syncs) can beat
         # the first's objective plus its batch-sync, and place it only when its objective does
@@ -154,11 +166,11 @@ def make_plan(
             if not all(len(c) for c in family):
                 continue
             if first is not None:
-                bound, _ = minmax_allocation(best_by_devices(family, D, [c.F + c.B for c in family]), D)
+                bound, _ = minmax_allocation(best_by_devices(family, n_devices, [c.F + c.B for c in family]), n_devices)
                 if bound + syncs[n_sync] >= first:
                     continue
             try:
-                bal = barrier_allocation(family, D, opts.max_points, fixed=fixed)
+                bal = barrier_allocation(family, n_devices, opts.max_points, fixed=fixed)
             except InfeasibleError as err:
                 errors.append(err)
                 continue
@@ -170,13 +182,13 @@ def make_plan(
             choices = {n: pruned[n].choice(bal.index[n]) for n in names}
 
             def score(layout: Mapping[str, list[int]], choices: dict[str, TowerChoice] = choices) -> float:
-                cost = evaluate_plan(profiles, cl, co, choices, layout, G)
+                cost = evaluate_plan(profiles, spec, costs, choices, layout, n_global)
                 return cost.step_time if cost.extra["fits"] else math.inf
 
             layout, layout_scores = place(
-                {n: choices[n].n for n in names}, {n: choices[n].tp for n in names}, cl, opts.placement, score
+                {n: choices[n].n for n in names}, {n: choices[n].tp for n in names}, spec, opts.placement, score
             )
-            cost = evaluate_plan(profiles, cl, co, choices, layout, G)
+            cost = evaluate_plan(profiles, spec, costs, choices, layout, n_global)
             if balance is None:
                 balance, scores = bal, layout_scores
             best = candidates.get("separate")
@@ -187,16 +199,16 @@ def make_plan(
             raise errors[0]
         candidates.setdefault("separate", None)
     if "colocated" in opts.layouts:
-        candidates["colocated"] = colocated_search(profiles, cl, co, G, space, "colocated")
+        candidates["colocated"] = colocated_search(profiles, spec, costs, n_global, space, "colocated")
 
     # ---------------------------------------------------------------- baselines (in the same model)
     baselines = {
         kind: colocated_search(
             profiles,
-            cl,
-            baseline_options(kind, co),
-            G,
-            baseline_space(kind, profiles, cl.devices_per_node, D, opts.max_microbatches),
+            spec,
+            baseline_options(kind, costs),
+            n_global,
+            baseline_space(kind, profiles, spec.devices_per_node, n_devices, opts.max_microbatches),
             kind,
         )
         for kind in (opts.baselines if opts.baselines is not None else BASELINES)
@@ -212,22 +224,26 @@ def make_plan(
                 and (profiles[n].frozen or ch.schedule in space.schedules)
                 and ch.shard in space.shards
                 and ch.recompute_layers is None  # the runtime recomputes a whole tower or nothing
-                and (ch.tp == 1 or not baseline_options(b.name, co).sequence_parallel)  # nor runs SP
+                and (ch.tp == 1 or not baseline_options(b.name, costs).sequence_parallel)  # nor runs SP
                 for n, ch in b.choices.items()
             ):
                 pool.append(b)
     if not pool:
-        raise InfeasibleError(_why_nothing(profiles, cl, co, space, D, G, opts))
+        raise InfeasibleError(_why_nothing(profiles, spec, costs, space, n_devices, n_global, opts))
     chosen = min(pool, key=lambda e: e.step_time)
-    plan = to_plan(chosen, D, G)
+    plan = to_plan(chosen, n_devices, n_global)
     notes: list[str] = []
     if opts.sequence:
-        plan, refined, notes = refine_sequence(plan, profiles, cl, lambda pl: price_plan(pl, profiles, cl, opts, G), G)
+        plan, refined, notes = refine_sequence(
+            plan, profiles, spec, lambda pl: price_plan(pl, profiles, spec, opts, n_global), n_global
+        )
         if notes:
-            choices, ranks = plan_choices(plan, G)
+            choices, ranks = plan_choices(plan, n_global)
             chosen = Evaluated(chosen.name, choices, ranks, refined)
     solve = time.perf_counter() - t0
-    report = Report(model_name, cl, G, plan, chosen, candidates, baselines, profiles, solve, opts, balance, scores)
+    report = Report(
+        model_name, spec, n_global, plan, chosen, candidates, baselines, profiles, solve, opts, balance, scores
+    )
     report.sequence_notes = notes
     return plan, report
 
