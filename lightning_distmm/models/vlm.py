@@ -60,18 +60,15 @@ class VisionProjector(nn.Module):
         and embeds their patches, the ViT blocks are split evenly, the last stage normalises, projects
         and puts each image's tokens back in its row's slot (rows of a microbatch travel between stages
         as ``[present images, tokens, width]``)."""
-        from lightning_distmm.parallel.pipeline import Stage
+        from lightning_distmm.parallel.pipeline import Stage, even_split
 
         vit, blocks = self.vit, self.vit.blocks  # type: ignore[union-attr]
         if self.freeze_vit:
             raise ValueError("a frozen ViT (freeze_vit=True) cannot be cut into pipeline stages yet: use pp=1")
         if len(blocks) < pp:
             raise ValueError(f"a ViT with {len(blocks)} blocks cannot be cut into pp={pp} stages")
-        base, extra = divmod(len(blocks), pp)
-        stages, start = [], 0
-        for s in range(pp):
-            a, b = start, start + base + (1 if s < extra else 0)
-            start = b
+        stages = []
+        for s, (a, b) in enumerate(even_split(len(blocks), pp)):
             first, last = s == 0, s == pp - 1
             own: list[nn.Module] = list(blocks[a:b])
             if first:
@@ -171,16 +168,13 @@ class LanguageModel(nn.Module):
     def pipeline_stages(self, pp: int) -> list:
         """``pp`` stages: the embeddings and the image prefix first, the decoder layers split evenly, the
         final norm and the LM head last (each stage keeps the rotary table, which has no parameters)."""
-        from lightning_distmm.parallel.pipeline import Stage
+        from lightning_distmm.parallel.pipeline import Stage, even_split
 
         layers = self.lm.model.layers
         if len(layers) < pp:
             raise ValueError(f"{len(layers)} decoder layers cannot be cut into {pp} pipeline stages")
-        base, extra = divmod(len(layers), pp)
-        stages, start = [], 0
-        for s in range(pp):
-            a, b = start, start + base + (1 if s < extra else 0)
-            start = b
+        stages = []
+        for s, (a, b) in enumerate(even_split(len(layers), pp)):
             first, last = s == 0, s == pp - 1
             own: list[nn.Module] = [self.lm.model.rotary_emb, *layers[a:b]]
             if first:

@@ -45,7 +45,8 @@ class Stage:
     extra: tuple[str, ...] = ()
 
 
-def _even_split(n: int, parts: int) -> list[tuple[int, int]]:
+def even_split(n: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous ``[a, b)`` ranges over ``n`` layers, the first ``n % parts`` one longer."""
     base, extra = divmod(n, parts)
     out, start = [], 0
     for i in range(parts):
@@ -60,7 +61,7 @@ def vit_stages(model: nn.Module, pp: int, fields: tuple[str, ...]) -> list[Stage
     if len(blocks) < pp:
         raise ValueError(f"a ViT with {len(blocks)} blocks cannot be cut into pp={pp} stages")
     stages = []
-    for s, (a, b) in enumerate(_even_split(len(blocks), pp)):
+    for s, (a, b) in enumerate(even_split(len(blocks), pp)):
         first, last = s == 0, s == pp - 1
         own: list[nn.Module] = list(blocks[a:b])
 
@@ -112,7 +113,7 @@ def clip_text_stages(
     if len(layers) < pp:
         raise ValueError(f"a text encoder with {len(layers)} layers cannot be cut into pp={pp} stages")
     stages = []
-    for s, (a, b) in enumerate(_even_split(len(layers), pp)):
+    for s, (a, b) in enumerate(even_split(len(layers), pp)):
         first, last = s == 0, s == pp - 1
         own: list[nn.Module] = list(layers[a:b])
         if first:
