@@ -151,3 +151,21 @@ def test_an_empty_run_folder_is_a_leftover_only_once_it_is_old(tmp_path, monkeyp
     monkeypatch.setenv(faults.RUN_ID_ENV, "another")
     remove_stale_runs(root)
     assert fresh.is_dir() and not old.exists()
+
+
+def test_the_clean_up_tolerates_another_run_removing_the_root(tmp_path, monkeypatch):
+    """Two runs on one host share the root: one may find it empty and remove it between the other's
+    check that it exists and its listing (seen with two test workers). The listing then finds
+    nothing to clean instead of failing the run at setup."""
+    root = tmp_path / "distmm-runs"
+    root.mkdir()
+    listed = Path.iterdir
+
+    def removed_meanwhile(self: Path):  # type: ignore[no-untyped-def]
+        if self == root and root.is_dir():
+            root.rmdir()  # the other run's clean-up, between is_dir() and the listing
+        return listed(self)
+
+    monkeypatch.setattr(Path, "iterdir", removed_meanwhile)
+    remove_stale_runs(root)
+    assert not root.exists()

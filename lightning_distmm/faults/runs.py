@@ -120,7 +120,11 @@ def remove_stale_runs(root: str | os.PathLike, include_current: bool = False) ->
         return
     keep = None if include_current else current_run_id()
     host = socket.gethostname()
-    for run in root.iterdir():
+    try:
+        runs = list(root.iterdir())
+    except FileNotFoundError:  # another run on this host found the root empty and removed it meanwhile
+        return
+    for run in runs:
         if run.name == keep or not run.is_dir():
             continue
         procs = list(run.glob("rank*.proc"))
@@ -130,8 +134,8 @@ def remove_stale_runs(root: str | os.PathLike, include_current: bool = False) ->
             continue
         if infos and all(i.get("host") == host and not pid_alive(int(i["pid"])) for i in infos):
             _remove_tree(run)
-        elif not infos and not any(run.iterdir()) and _age(run) > _EMPTY_RUN_GRACE_S:
-            with contextlib.suppress(OSError):
+        elif not infos and _age(run) > _EMPTY_RUN_GRACE_S:
+            with contextlib.suppress(OSError):  # not empty (rmdir refuses), or removed meanwhile
                 run.rmdir()
     try:
         root.rmdir()  # when no run is left
