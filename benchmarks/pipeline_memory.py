@@ -68,8 +68,10 @@ class Probe(L.Callback):
         self.peaks: list[int] = []
         self.times: list[float] = []
 
+    def on_train_start(self, trainer, pl_module):
+        trainer.strategy.runner.record_trace(True)
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        trainer.strategy.runtime.record_trace(True)
         self.meter.reset()
         self.stack.enter_context(self.meter.track())
         self.t0 = time.perf_counter()
@@ -78,10 +80,11 @@ class Probe(L.Callback):
         self.times.append(time.perf_counter() - self.t0)
         self.stack.close()
         # cached keeps each microbatch's stage input outside autograd until its recompute: count it
-        self.peaks.append(self.meter.peak + trainer.strategy.runtime.stash_bytes)
+        step = trainer.strategy.runner.step
+        self.peaks.append(self.meter.peak + step.stash_bytes)
         trace = [
             (type(i).__name__, getattr(i, "tower", ""), getattr(i, "mb", getattr(i, "sync_group", 0)), a, b)
-            for i, a, b in trainer.strategy.runtime.trace
+            for i, a, b in step.trace
         ]
         Path(self.folder, f"rank{trainer.global_rank}.json").write_text(
             json.dumps({"peak": max(self.peaks), "times": self.times[self.warmup :], "trace": trace})

@@ -1,17 +1,12 @@
 """``DistMMStrategy``: the Lightning wiring of a distmm plan.
 
-A thin layer of hooks over reusable parts: :mod:`lightning_distmm.planner` says who runs what,
-:mod:`lightning_distmm.parallel` builds the groups and runs the step, :mod:`lightning_distmm.data`
-loads each rank's share, :mod:`lightning_distmm.checkpoint` saves and restores shards. It subclasses
-Lightning's ``ModelParallelStrategy`` for process-group setup, launchers, DCP saving and
-restore-after-setup, and replaces what assumes one model replicated or sharded alike on every rank.
-
-One training step is one :class:`~lightning_distmm.parallel.step.StepState`: made when Lightning
-starts the batch (``on_train_batch_start``: does Lightning zero the gradients after this
-``training_step``), told whether its backward ends the optimizer step where Lightning decides it
-(``block_backward_sync``), and passed to the runtime by the module's ``contrastive_loss`` and
-``backward`` hooks through :class:`~lightning_distmm.parallel.runner.StepRunner`. Private Lightning accesses live in
-:mod:`lightning_distmm.lightning_seam`.
+Hooks over reusable parts: :mod:`~lightning_distmm.plan_choice` says which plan runs,
+:mod:`~lightning_distmm.parallel` builds its groups and owns the step (the module calls the
+:class:`~lightning_distmm.parallel.runner.StepRunner` installed here), :mod:`~lightning_distmm.data`
+loads each rank's share, :mod:`~lightning_distmm.checkpoint` saves and restores shards,
+:mod:`~lightning_distmm.rank_failures` ends every rank with the first cause. It subclasses Lightning's
+``ModelParallelStrategy`` for process groups, launchers, DCP saving and restore-after-setup; every
+private Lightning access goes through :mod:`~lightning_distmm.lightning_seam`.
 """
 
 from __future__ import annotations
@@ -35,7 +30,7 @@ from lightning_distmm import checkpoint as ckpt
 from lightning_distmm import faults
 from lightning_distmm import lightning_seam as seam
 from lightning_distmm.core.plan import Plan
-from lightning_distmm.data.loader.loading import rank_loader
+from lightning_distmm.data.loader.loading import RankLoaders
 from lightning_distmm.mixin import DistMMMixin
 from lightning_distmm.parallel.deferred import deferred_init
 from lightning_distmm.parallel.executor import RankRuntime
@@ -99,12 +94,9 @@ class DistMMStrategy(ModelParallelStrategy):
         failure_grace: timedelta | None = timedelta(seconds=30),
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
-        if int(stream_check_every) < 1:
-            raise ValueError(
-                f"stream_check_every={stream_check_every}: the ranks compare what they read every N >= 1 global"
-                f" batches; to skip the check for a dataset, declare it with lightning_distmm.data.rank_independent"
-            )
-        self._stream_check_every = int(stream_check_every)
+        self._loaders = RankLoaders(
+            self._batches_done, stream_check_every, note=lambda line: rank_zero_info(f"distmm: {line}")
+        )
         self._bucket_cap_mb = float(bucket_cap_mb)
         self._reuse_host_memory = reuse_host_memory
         self._plan_spec = parse_plan_spec(plan)
@@ -115,8 +107,6 @@ class DistMMStrategy(ModelParallelStrategy):
         self.runner: StepRunner | None = None
         #: each rank's first error, readable by every rank after any rank's death (docs/runtime.md)
         self.failures = RankFailures(failure_grace)
-        #: what was already said about the DataLoaders' batches (once each)
-        self._noted: set[str] = set()
 
     # ------------------------------------------------------------------ launch
     @override
@@ -217,7 +207,7 @@ class DistMMStrategy(ModelParallelStrategy):
     @override
     def teardown(self) -> None:
         module = self.lightning_module
-        if module is not None and self.runner is not None and getattr(module, "_distmm_runner", None) is self.runner:
+        if isinstance(module, DistMMMixin) and module._distmm_runner is self.runner:
             module._distmm_runner = None
         self.failures.stop()
         super().teardown()
@@ -231,23 +221,10 @@ class DistMMStrategy(ModelParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        if not isinstance(dataloader, DataLoader) or self.runtime is None:
+        if not isinstance(dataloader, DataLoader) or self.runtime is None or self.plan is None:
             return dataloader
-        assert self.plan is not None
-        return rank_loader(
-            dataloader,
-            self.plan,
-            self.runtime.layout,
-            {name: tower.fields for name, tower in self.runtime.towers.items()},
-            progress=self._batches_done,
-            check_every=self._stream_check_every,
-            note=self._note_once,
-        )
-
-    def _note_once(self, line: str) -> None:
-        if line not in self._noted:
-            self._noted.add(line)
-            rank_zero_info(f"distmm: {line}")
+        fields = {name: tower.fields for name, tower in self.runtime.towers.items()}
+        return self._loaders.wrap(dataloader, self.plan, self.runtime.layout, fields)
 
     def _batches_done(self) -> int:
         return seam.batches_processed(self.lightning_module.trainer if self.lightning_module is not None else None)
@@ -255,15 +232,10 @@ class DistMMStrategy(ModelParallelStrategy):
     # ------------------------------------------------------------------ preemption
     @override
     def on_train_start(self) -> None:
-        self._handle_preemption()
-
-    @override
-    def on_validation_start(self) -> None:
-        self._handle_preemption()
-
-    def _handle_preemption(self) -> None:
         """SIGTERM ends the rank that gets it at once, with an error every other rank reports."""
         self.failures.handle_preemption(seam.launcher_kill(self))
+
+    on_validation_start = on_train_start
 
     # ------------------------------------------------------------------ step
     @override

@@ -304,7 +304,7 @@ def test_the_first_batch_is_compared_at_once_and_later_ones_every_n_in_the_backg
 
 
 def test_the_interval_is_a_strategy_option():
-    assert ldm.DistMMStrategy(stream_check_every=8)._stream_check_every == 8
+    assert ldm.DistMMStrategy(stream_check_every=8)._loaders.check_every == 8
     with pytest.raises(ValueError, match="every N >= 1 global batches.*rank_independent"):
         ldm.DistMMStrategy(stream_check_every=0)
 

@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from lightning_distmm.core.layout import GLOBAL_BATCH_KEY
 from lightning_distmm.core.schedule import Backward, BatchSync, Forward
+from lightning_distmm.parallel.runner import StepRunner
 
 
 def _world_size() -> int:
@@ -87,7 +88,7 @@ class Throughput(L.Callback):
     Args:
         window: steps averaged over (samples and seconds summed over the window).
         prog_bar: show ``train/samples_per_sec`` in the progress bar.
-        tower_times: record and log per-tower times under distmm (``runtime.record_trace``: CUDA
+        tower_times: record and log per-tower times under distmm (``StepRunner.record_trace``: CUDA
             events on a GPU, read after the step).
     """
 
@@ -112,20 +113,22 @@ class Throughput(L.Callback):
             )
 
     # ------------------------------------------------------------------ timing
-    def _runtime(self, trainer: L.Trainer) -> Any:
-        return getattr(trainer.strategy, "runtime", None) if self.tower_times else None
+    def _runner(self, trainer: L.Trainer) -> StepRunner | None:
+        """The distmm step runner when per-tower times are asked for (None under other strategies)."""
+        runner = getattr(trainer.strategy, "runner", None) if self.tower_times else None
+        return runner if isinstance(runner, StepRunner) else None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._steps.clear()
         self._t0 = None
-        runtime = self._runtime(trainer)
-        if runtime is not None and hasattr(runtime, "record_trace"):
-            runtime.record_trace(True)
+        runner = self._runner(trainer)
+        if runner is not None:
+            runner.record_trace(True)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        runtime = self._runtime(trainer)
-        if runtime is not None and hasattr(runtime, "record_trace"):
-            runtime.record_trace(False)
+        runner = self._runner(trainer)
+        if runner is not None:
+            runner.record_trace(False)
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._t0 = None  # validation is not training time: the next step is timed from its start
@@ -135,9 +138,6 @@ class Throughput(L.Callback):
     ) -> None:
         if self._t0 is None:
             self._t0 = time.perf_counter()
-        runtime = self._runtime(trainer)
-        if runtime is not None and getattr(runtime, "trace", None) is not None:
-            runtime.trace.clear()  # this step's instructions only (not a validation's forwards)
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -163,13 +163,14 @@ class Throughput(L.Callback):
 
     def _tower_times(self, trainer: L.Trainer) -> dict[str, float]:
         """This step's seconds per tower and direction, the max over ranks (collective under distmm)."""
-        runtime = self._runtime(trainer)
-        if runtime is None or getattr(runtime, "trace", None) is None:
+        runner = self._runner(trainer)
+        trace = runner.step.trace if runner is not None and runner.step is not None else None
+        if runner is None or trace is None:
             return {}
-        names = [f"{tower}/{kind}" for tower in runtime.plan.towers for kind in ("forward", "backward")]
+        names = [f"{tower}/{kind}" for tower in runner.runtime.plan.towers for kind in ("forward", "backward")]
         names.append("batch_sync")
         seconds = dict.fromkeys(names, 0.0)
-        for ins, start, end in runtime.trace:
+        for ins, start, end in trace:
             if isinstance(ins, Forward):
                 seconds[f"{ins.tower}/forward"] += end - start
             elif isinstance(ins, Backward):

@@ -30,7 +30,6 @@ from lightning_distmm.parallel.exchange import (
 )
 from lightning_distmm.parallel.groups import Topology
 from lightning_distmm.parallel.step import ScheduleRun
-from lightning_distmm.parallel.timing import StepTrace
 from lightning_distmm.tower import TowerModule
 
 
@@ -67,9 +66,9 @@ class BatchSyncRunner:
             }
         return self._slots[n]
 
-    def post(self, ins: BatchSync | SyncPost, run: ScheduleRun, trace: StepTrace | None) -> None:
+    def post(self, ins: BatchSync | SyncPost, run: ScheduleRun) -> None:
         """Post the gather of sync group ``ins.sync_group``'s features (``async_op``); :meth:`meet` waits for it."""
-        start = trace.now() if trace is not None else 0.0
+        start = run.now()
         rows = self.plan.group_split(run.n)[ins.sync_group]
         local = {tower: torch.cat(outs) for (group, tower), outs in run.outputs.items() if group == ins.sync_group}
         if self.specs is None:
@@ -77,8 +76,8 @@ class BatchSyncRunner:
         run.gathers[ins.sync_group] = gather_features_async(
             local, self.slots(rows), self.specs, self.device, self.topology.batch_sync
         )
-        if trace is not None and isinstance(ins, SyncPost):
-            trace.add(ins, start)
+        if isinstance(ins, SyncPost):
+            run.traced(ins, start)
 
     def meet(
         self,
@@ -86,14 +85,13 @@ class BatchSyncRunner:
         ins: BatchSync | SyncWait,
         run: ScheduleRun,
         training: bool,
-        trace: StepTrace | None,
         start: Any = None,
     ) -> None:
         """Sync group ``ins.sync_group``'s features meet: wait for their gather (posted by :meth:`post`),
         the loss forward and backward, the feature gradients split (traced from ``start``, the post of a
         blocking ``BatchSync``)."""
         if start is None:
-            start = trace.now() if trace is not None else 0.0
+            start = run.now()
         group_sizes = self.plan.group_split(run.n)
         rows = group_sizes[ins.sync_group]
         full = run.gathers.pop(ins.sync_group).wait()
@@ -125,8 +123,7 @@ class BatchSyncRunner:
                 span = run.batch.towers[tower].spans[ins.sync_group]
                 a = offset + part.start - span.local_start
                 run.feature_grads[tower, mb] = grads[tower][a : a + part.stop - part.start]
-        if trace is not None:
-            trace.add(ins, start)
+        run.traced(ins, start)
 
 
 def check_features(tower: str, x: Any, rows: int, needs_grad: bool) -> None:

@@ -64,7 +64,6 @@ from lightning_distmm.parallel.prepare import (
     tower_parameters,
 )
 from lightning_distmm.parallel.step import Microbatch, ScheduleRun, StepState
-from lightning_distmm.parallel.timing import StepTrace
 from lightning_distmm.tower import TowerModule
 
 
@@ -108,20 +107,7 @@ class RankRuntime:
         #: count it) to hide one gather per step (docs/pipeline.md, "Asynchronous batch-sync"); set it
         #: before the first step
         self.overlap_batch_sync = False
-        #: when set (:meth:`record_trace`), the spans of this rank's instructions in the last step
-        self.trace: StepTrace | None = None
         self.stages: dict[str, Stage] = {}  # this rank's stage of each local tower with pp > 1
-        #: bytes of stage-boundary activations the last forward kept outside autograd (cached schedule)
-        self.stash_bytes = 0
-
-    def record_trace(self, on: bool = True) -> StepTrace | None:
-        """Start (or stop) recording the spans of this rank's instructions, one step at a time
-        (:class:`~lightning_distmm.parallel.timing.StepTrace`, timed with CUDA events on a GPU)."""
-        self.trace = StepTrace(self.device) if on else None
-        return self.trace
-
-    def _now(self) -> Any:
-        return self.trace.now() if self.trace is not None else 0.0
 
     def _gradients(self) -> RankGradients:
         tower_params, interaction_params = tower_parameters(self.module, self.towers)  # type: ignore[arg-type]
@@ -199,6 +185,7 @@ class RankRuntime:
                         f" {sorted(k for k in batch if k != GLOBAL_BATCH_KEY)}"
                     )
         run = ScheduleRun.of(self.schedule(n), self.layout.batch(n))
+        run.trace = step.trace
         # a handoff model's rank with nothing to train (a frozen LLM's) still runs the step's gradient
         # protocol, so that every rank makes the same decisions about the sums
         learns = training and (self.gradients.learns() or self.handoff is not None)
@@ -220,13 +207,13 @@ class RankRuntime:
                         rows.update(self.handoff.consumed(ins.tower, ins.mb))
                     self._forward(ins, rows, training, run)
                 elif isinstance(ins, BatchSync):
-                    posted = self._now()
-                    self.batch_sync.post(ins, run, self.trace)
-                    self.batch_sync.meet(module, ins, run, training, self.trace, posted)
+                    posted = run.now()
+                    self.batch_sync.post(ins, run)
+                    self.batch_sync.meet(module, ins, run, training, posted)
                 elif isinstance(ins, SyncPost):
-                    self.batch_sync.post(ins, run, self.trace)
+                    self.batch_sync.post(ins, run)
                 elif isinstance(ins, SyncWait):
-                    self.batch_sync.meet(module, ins, run, training, self.trace)
+                    self.batch_sync.meet(module, ins, run, training)
                 elif isinstance(ins, HANDOFF_INSTRUCTIONS):
                     assert self.handoff is not None
                     self.handoff.run(ins, run, module, batch, training)
@@ -242,7 +229,6 @@ class RankRuntime:
                 self.handoff.reset()
             run.sends.clear()
             run.gathers.clear()
-            self.stash_bytes = run.stash_bytes
             run.records.clear()
             run.outputs.clear()
             run.feature_grads.clear()
@@ -287,7 +273,7 @@ class RankRuntime:
             if ins.recv_from is not None
             else None
         )
-        start = self._now()
+        start = run.now()
         if grad and not ins.keep:  # cached: no activations now, recompute from the input in backward
             rng = _rng_state(self.device)
             with torch.no_grad():
@@ -301,8 +287,7 @@ class RankRuntime:
             x = self._run_stage(ins.tower, x_in, rows, training)
             if grad:
                 run.records[ins.tower, ins.mb] = Microbatch(x_in, rows, x, None)
-        if self.trace is not None:
-            self.trace.add(ins, start)
+        run.traced(ins, start)
         if ins.send_to is not None:
             run.sends.append(self.topology.links.send(x, ins.tower, "act", ins.send_to))
         else:
@@ -331,7 +316,7 @@ class RankRuntime:
         else:  # the cp (and sp) ranks all run the head: each backpropagates its share (parallel/context_parallel.py)
             t = self.plan.towers[ins.tower]
             g_out = feature_grad_scale(feature_grad, head_copies(t.cp, t.tp, t.sp))
-        start = self._now()
+        start = run.now()
         if micro.output is None:  # cached: recompute the stage from its saved input, same RNG
             x_in = micro.input.requires_grad_(True) if micro.input is not None else None
             with _restored_rng(micro.rng, self.device):  # type: ignore[arg-type]
@@ -339,8 +324,7 @@ class RankRuntime:
         else:
             x_in, out = micro.input, micro.output
         torch.autograd.backward(out, g_out)
-        if self.trace is not None:
-            self.trace.add(ins, start)
+        run.traced(ins, start)
         if ins.send_to is not None:
             assert x_in is not None
             run.sends.append(

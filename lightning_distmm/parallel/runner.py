@@ -23,6 +23,7 @@ from lightning_distmm.parallel.executor import RankRuntime
 from lightning_distmm.parallel.fsdp import mixed_precision_policy
 from lightning_distmm.parallel.groups import build_topology
 from lightning_distmm.parallel.step import StepState
+from lightning_distmm.parallel.timing import StepTrace
 from lightning_distmm.tower import TowerModule
 
 
@@ -48,13 +49,21 @@ class StepRunner:
 
     def __init__(self, runtime: RankRuntime) -> None:
         self.runtime = runtime
+        #: the step in progress, or the last one (its ``trace`` and ``stash_bytes`` read after it)
         self.step: StepState | None = None
+        self._tracing = False
+
+    def record_trace(self, on: bool = True) -> None:
+        """Record (or stop recording) each training step's instruction spans in its ``StepState.trace``
+        (:class:`~lightning_distmm.parallel.timing.StepTrace`: CUDA events on a GPU, read after the step)."""
+        self._tracing = on
 
     # ------------------------------------------------------------------ the step's lifecycle
     def start_step(self, zero_after: bool) -> StepState:
         """A training batch starts; ``zero_after``: Lightning zeroes the gradients after its
         ``training_step`` (the first batch of an accumulation window)."""
-        self.step = StepState(zero_after=zero_after)
+        trace = StepTrace(self.runtime.device) if self._tracing else None
+        self.step = StepState(zero_after=zero_after, trace=trace)
         return self.step
 
     @contextmanager

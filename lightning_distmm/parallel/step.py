@@ -2,8 +2,8 @@
 
 A step starts when Lightning starts a training batch; :class:`StepState` then carries what is
 decided there (does Lightning zero the gradients after this ``training_step``: ``zero_after``)
-and where Lightning decides it (does this step's backward end with the gradient sums: ``sync``,
-off while Lightning accumulates). The runtime's methods take it as an argument:
+and where Lightning decides it (does this step's backward end with the gradient sums:
+``ends_with_sums``, off while Lightning accumulates), and, when traced, its instructions' spans. The runtime's methods take it as an argument:
 ``contrastive_loss`` runs the schedule and records one :class:`ScheduleRun` in it per call (the
 rank batch and rows, the instruction list, the gradients set aside and produced, the sums
 posted), and ``backward`` hands those gradients back, scaled by the upstream gradient that
@@ -23,6 +23,7 @@ from lightning_distmm.core.layout import RankBatch
 from lightning_distmm.core.schedule import Forward, Instruction
 from lightning_distmm.parallel.exchange import PendingGather, PendingSum
 from lightning_distmm.parallel.pipeline import PendingSend
+from lightning_distmm.parallel.timing import StepTrace
 
 #: a parameter and a gradient tensor of it, taken out of ``.grad``
 Gradients = list[tuple[nn.Parameter, Tensor]]
@@ -69,6 +70,17 @@ class ScheduleRun:
     gathers: dict[int, PendingGather] = field(default_factory=dict)
     #: bytes of stage-boundary activations the run kept outside autograd (cached schedule)
     stash_bytes: int = 0
+    #: where the run records its instructions' spans (its step's trace), when the step is traced
+    trace: StepTrace | None = None
+
+    def now(self) -> Any:
+        """A timestamp for the trace (0.0 when the step is not traced)."""
+        return self.trace.now() if self.trace is not None else 0.0
+
+    def traced(self, ins: Instruction, start: Any) -> None:
+        """Record that ``ins`` ran from ``start`` to now, when the step is traced."""
+        if self.trace is not None:
+            self.trace.add(ins, start)
 
     @property
     def n(self) -> int:
@@ -100,11 +112,18 @@ class StepState:
             sums are linear, so one sum per optimizer step is exact).
         zero_after: Lightning zeroes the gradients after this ``training_step`` (the first batch of
             an accumulation window), so the gradients from before it may be dropped at once.
+        trace: when set, the spans of the step's instructions on this rank (CUDA events on a GPU).
     """
 
     ends_with_sums: bool = True
     zero_after: bool = False
+    trace: StepTrace | None = None
     runs: list[ScheduleRun] = field(default_factory=list)
+
+    @property
+    def stash_bytes(self) -> int:
+        """The most stage-boundary activation bytes one of the step's runs kept outside autograd."""
+        return max((run.stash_bytes for run in self.runs), default=0)
 
     @property
     def final(self) -> bool:

@@ -180,26 +180,41 @@ class DistMMDataLoader(DataLoader):
         self.rank_sampler.load_state_dict(state)
 
 
-def rank_loader(
-    dataloader: DataLoader,
-    plan: Plan,
-    layout: RankLayout,
-    fields: Mapping[str, Sequence[str]],
-    progress: Callable[[], int],
-    check_every: int,
-    note: Callable[[str], None],
-) -> DistMMDataLoader:
-    """The rank's loader over the user's ``dataloader`` for ``plan`` (``Strategy.process_dataloader``).
+class RankLoaders:
+    """Makes this rank's loader of each DataLoader the Trainer hands the strategy
+    (``Strategy.process_dataloader``), saying once what it notices about their batches.
 
-    Every rank checks every tower's fields, so a bad dataset fails everywhere at once, before
-    training; a batch size the plan's global batch does not match is refused, and one it splits
-    differently from the plan's replica batches is stated (``note``).
+    Args:
+        progress: samples of the epoch already trained (read when a loader's iterator starts).
+        check_every: over an iterable dataset, the ranks compare what they read every this many
+            global batches (:mod:`lightning_distmm.data.loader.agreement`).
+        note: where a line for the user goes (rank 0's log).
     """
-    check_dataloader(dataloader, fields, {name: t.dp for name, t in plan.towers.items()}, plan.sync_groups)
-    batch_size = getattr(dataloader.batch_sampler, "batch_size", None)
-    if batch_size is not None:
-        plan.check_global_batch(batch_size)
-        said = plan.batch_note(batch_size)
-        if said is not None:
-            note(said)
-    return DistMMDataLoader(dataloader, layout, progress=progress, check_every=check_every)
+
+    def __init__(self, progress: Callable[[], int], check_every: int, note: Callable[[str], None]) -> None:
+        if int(check_every) < 1:
+            raise ValueError(
+                f"stream_check_every={check_every}: the ranks compare what they read every N >= 1 global"
+                f" batches; to skip the check for a dataset, declare it with lightning_distmm.data.rank_independent"
+            )
+        self.progress, self.check_every, self._note = progress, int(check_every), note
+        self._noted: set[str] = set()
+
+    def wrap(
+        self, dataloader: DataLoader, plan: Plan, layout: RankLayout, fields: Mapping[str, Sequence[str]]
+    ) -> DistMMDataLoader:
+        """The rank's loader over the user's ``dataloader`` for ``plan``.
+
+        Every rank checks every tower's fields, so a bad dataset fails everywhere at once, before
+        training; a batch size the plan's global batch does not match is refused, and one it splits
+        differently from the plan's replica batches is stated (once).
+        """
+        check_dataloader(dataloader, fields, {name: t.dp for name, t in plan.towers.items()}, plan.sync_groups)
+        batch_size = getattr(dataloader.batch_sampler, "batch_size", None)
+        if batch_size is not None:
+            plan.check_global_batch(batch_size)
+            said = plan.batch_note(batch_size)
+            if said is not None and said not in self._noted:
+                self._noted.add(said)
+                self._note(said)
+        return DistMMDataLoader(dataloader, layout, progress=self.progress, check_every=self.check_every)
