@@ -20,6 +20,7 @@ from lightning_distmm.planner.cost import (
 )
 from lightning_distmm.planner.cost.memory import gathered_layers_bytes
 from lightning_distmm.planner.cost.nccl import choose_protocol
+from lightning_distmm.planner.job import SearchJob
 from lightning_distmm.planner.measure import load_cluster
 from lightning_distmm.planner.profile import model_profiles
 from lightning_distmm.planner.report import describe
@@ -139,7 +140,9 @@ def test_baselines_priced_like_any_plan():
     profiles = model_profiles(model("clip_vit_h14"))
     o = CostOptions()
     for kind in BASELINES:
-        ev = colocated_search(profiles, cl, o, 2048, baseline_space(kind, profiles, 8, 64), kind)
+        ev = colocated_search(
+            profiles, SearchJob(cl, o, 2048, cl.world_size, baseline_space(kind, profiles, 8, 64)), kind
+        )
         assert ev is not None and ev.name == kind
         again = evaluate_plan(profiles, cl, o, ev.choices, ev.ranks, 2048)
         assert again.step_time == pytest.approx(ev.step_time)

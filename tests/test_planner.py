@@ -123,6 +123,7 @@ def test_barrier_balancer_equals_brute_force(seed):
 def test_balancer_on_real_towers_equals_brute_force():
     """Real candidate tables (three towers, uneven replica batches, a frozen-free CoCa) vs brute force."""
     from lightning_distmm.planner.cost import CostOptions, loss_bytes
+    from lightning_distmm.planner.job import SearchJob
     from lightning_distmm.planner.partition import SearchSpace, tower_candidates, tower_space
     from lightning_distmm.planner.profile import model_profiles
 
@@ -132,7 +133,8 @@ def test_balancer_on_real_towers_equals_brute_force():
     degrees = {n: tower_space(p, cl, 8, None, None, None, None) for n, p in profiles.items()}
     space = SearchSpace({n: d[0] for n, d in degrees.items()}, {n: d[1] for n, d in degrees.items()})
     lb = loss_bytes(100, 8, 2, co, 768)
-    cands = [tower_candidates(p, cl, co, 100, 8, space, lb, max_devices=6) for p in profiles.values()]
+    job = SearchJob(cl, co, 100, 8, space, lb)
+    cands = [tower_candidates(p, job, max_devices=6) for p in profiles.values()]
     got = barrier_allocation(cands, 8)
     assert got.objective == pytest.approx(brute_force_barrier(cands, 8), rel=1e-12)
 

@@ -109,6 +109,7 @@ def test_tower_candidates_enumerate_cp_and_sp_with_the_other_degrees():
     """With ``sequence`` the balancer's candidates hold cp and sp configurations (each a valid runtime
     plan on its devices), priced by the same terms as the plan pricing; without it, none."""
     from lightning_distmm.planner.cost import CostOptions
+    from lightning_distmm.planner.job import SearchJob
     from lightning_distmm.planner.partition import SearchSpace, tower_candidates, tower_space
     from lightning_distmm.planner.search import tower_plan
 
@@ -117,7 +118,7 @@ def test_tower_candidates_enumerate_cp_and_sp_with_the_other_degrees():
     tps, pps = tower_space(image, cluster, 16, None, None, None, None)
     for sequence in (False, True):
         space = SearchSpace({"image": tps}, {"image": pps}, ("gpipe",), 8, ("none", "full"), sequence=sequence)
-        cands = tower_candidates(image, cluster, CostOptions(), 64, 16, space, 0.0, max_devices=8)
+        cands = tower_candidates(image, SearchJob(cluster, CostOptions(), 64, 16, space), max_devices=8)
         assert cands.cp is not None and cands.sp is not None
         if not sequence:
             assert (cands.cp == 1).all() and not cands.sp.any()

@@ -28,6 +28,7 @@ from lightning_distmm.planner.cost import (  # noqa: E402
     evaluate_plan,
     replica_timeline,
 )
+from lightning_distmm.planner.job import SearchJob  # noqa: E402
 from lightning_distmm.planner.measure import (  # noqa: E402
     ConcurrencyProbe,
     host_busy_seconds,
@@ -68,6 +69,7 @@ __all__ += [
     "replica_timeline",
     "Candidates",
     "InfeasibleError",
+    "SearchJob",
     "SearchSpace",
     "tower_candidates",
     "place",

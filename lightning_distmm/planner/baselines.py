@@ -60,7 +60,7 @@ from lightning_distmm.planner.cost import (
     loss_bytes,
     memory_per_device,
 )
-from lightning_distmm.planner.partition import SearchSpace
+from lightning_distmm.planner.job import SearchJob, SearchSpace
 from lightning_distmm.planner.profile import TowerProfile
 
 BASELINES = ("megatron", "megatron-tp-pp", "fsdp", "ddp", "uniform+batchsync")
@@ -129,54 +129,47 @@ class Evaluated:
         return self.cost.step_time
 
 
-def _choice(name: str, o: Mapping[str, Any], world: int, G: int) -> TowerChoice:
-    dp = world // (o["tp"] * o["pp"])
-    rb = tuple(split_batch(G, None, dp))
-    return TowerChoice(name, world, o["tp"], o["pp"], o["mb"], o["schedule"], rb, o.get("shard", "none"))
+def _choice(name: str, o: Mapping[str, Any], devices: int, global_batch: int) -> TowerChoice:
+    dp = devices // (o["tp"] * o["pp"])
+    rb = tuple(split_batch(global_batch, None, dp))
+    return TowerChoice(name, devices, o["tp"], o["pp"], o["mb"], o["schedule"], rb, o.get("shard", "none"))
 
 
 def colocated_search(
-    profiles: Mapping[str, TowerProfile],
-    cluster: Cluster,
-    opts: CostOptions,
-    global_batch: int,
-    space: SearchSpace,
-    mode: str = "colocated",
-    top: int = 8,
+    profiles: Mapping[str, TowerProfile], job: SearchJob, mode: str = "colocated", top: int = 8
 ) -> Evaluated | None:
     """The fastest colocated plan of the given ``mode`` (``colocated`` or a baseline of :data:`BASELINES`,
-    searched within ``space``, see :func:`baseline_space`), or None when nothing fits."""
-    world = cluster.world_size
+    searched within ``job.space``, see :func:`baseline_space`), or None when nothing fits. Every tower
+    runs on all ``job.devices``; the loss buffers are counted here, once per device (the job's are
+    not used)."""
+    cluster, costs, global_batch, devices, space = job.cluster, job.costs, job.global_batch, job.devices, job.space
     names = list(profiles)
     n_contrastive, embed = contrastive_features(profiles)
-    limit = cluster.device.memory * opts.memory_margin
     # per sync-group count (1, or 2 under distmm): the loss buffers (memory left for the towers) and
     # the batch-syncs' seconds, which differ between the two families of plans
     budget, sync = {}, {}
     for groups in (1, 2):
-        budget[groups] = limit - loss_bytes(
-            split_batch(global_batch, None, groups)[0], world, n_contrastive, opts, embed
+        budget[groups] = job.memory_limit - loss_bytes(
+            split_batch(global_batch, None, groups)[0], devices, n_contrastive, costs, embed
         )
-        sync[groups] = batch_syncs(cluster, opts, global_batch, embed, world, cluster.nodes, n_contrastive, groups)[
+        sync[groups] = batch_syncs(cluster, costs, global_batch, embed, devices, cluster.nodes, n_contrastive, groups)[
             "total"
         ]
     combos: list[tuple[float, tuple[dict[str, Any], ...]]] = []
     if mode in ("ddp", "fsdp"):
-        opts_per = [colocated_options(profiles[n], cluster, opts, global_batch, world, space, [1], [1]) for n in names]
-        combos = combine(opts_per, budget, opts, sync)
+        combos = combine([colocated_options(profiles[n], job, [1], [1]) for n in names], budget, costs, sync)
     elif mode == "colocated":
-        opts_per = [colocated_options(profiles[n], cluster, opts, global_batch, world, space) for n in names]
-        combos = combine(opts_per, budget, opts, sync)
+        combos = combine([colocated_options(profiles[n], job) for n in names], budget, costs, sync)
     elif mode in UNIFORM:
         tps = sorted(set.intersection(*(set(space.tps[n]) for n in names)))
         pps = sorted(set.intersection(*(set(space.pps[n]) for n in names)))
         for tp, pp in itertools.product(tps, pps):
-            if world % (tp * pp) or (mode == "megatron-tp-pp" and tp * pp == 1):
+            if devices % (tp * pp) or (mode == "megatron-tp-pp" and tp * pp == 1):
                 continue
             per = []
             for n in names:
                 entries = {}
-                for o in uniform_options(profiles[n], cluster, opts, global_batch, world, space, tp, pp):
+                for o in uniform_options(profiles[n], job, tp, pp):
                     # a frozen tower has no backward: it runs alongside whatever schedule the others use
                     for s in space.schedules if profiles[n].frozen else [o["schedule"]]:
                         entries[(s, o["K"], o["shard"])] = o
@@ -185,22 +178,22 @@ def colocated_search(
                 group = tuple(d[key] for d in per)
                 groups = sync_group_count({n: o["schedule"] for n, o in zip(names, group)})
                 if groups is not None and sum(o["mem"] for o in group) <= budget[groups]:
-                    combos.append((colocated_estimate(group, opts) + sync[groups], group))
+                    combos.append((colocated_estimate(group, costs) + sync[groups], group))
     else:
         raise ValueError(f"unknown colocated mode {mode!r}")
     if not combos:
         return None
     combos.sort(key=lambda c: c[0])
-    ranks = {n: list(range(world)) for n in names}
+    ranks = {n: list(range(devices)) for n in names}
     best: Evaluated | None = None
     for _, group in combos[:top]:
-        choices = {n: _choice(n, o, world, global_batch) for n, o in zip(names, group)}
-        cost = evaluate_plan(profiles, cluster, opts, choices, ranks, global_batch)
+        choices = {n: _choice(n, o, devices, global_batch) for n, o in zip(names, group)}
+        cost = evaluate_plan(profiles, cluster, costs, choices, ranks, global_batch)
         if not cost.extra["fits"]:
             continue
         ev = Evaluated(mode, choices, ranks, cost)
         if mode in ("megatron", "megatron-tp-pp"):
-            ev = partial_recompute(ev, profiles, cluster, opts, global_batch)
+            ev = partial_recompute(ev, profiles, cluster, costs, global_batch)
         if best is None or ev.step_time < best.step_time:
             best = ev
     return best

@@ -12,39 +12,31 @@ from typing import Any
 
 import numpy as np
 
-from lightning_distmm.planner.cluster import Cluster
 from lightning_distmm.planner.cost import CostOptions
-from lightning_distmm.planner.partition import SearchSpace, _grid, k_grid
+from lightning_distmm.planner.job import SearchJob
+from lightning_distmm.planner.partition import _grid
 from lightning_distmm.planner.profile import TowerProfile
 
 
 def colocated_options(
-    profile: TowerProfile,
-    cluster: Cluster,
-    opts: CostOptions,
-    global_batch: int,
-    world: int,
-    space: SearchSpace,
-    tps: Sequence[int] | None = None,
-    pps: Sequence[int] | None = None,
+    profile: TowerProfile, job: SearchJob, tps: Sequence[int] | None = None, pps: Sequence[int] | None = None
 ) -> list[dict[str, Any]]:
-    """Every (tp, pp, schedule, K) of one tower on all ``world`` devices, with its time and memory
-    *excluding* loss buffers (the caller adds them once per device). Pareto-pruned on (time, memory)."""
-    Ks = k_grid(global_batch, space.max_microbatches)
+    """Every (tp, pp, schedule, K) of one tower on all the job's devices, with its time and memory
+    *excluding* loss buffers (the caller adds them once per device). Pareto-pruned on (time, memory).
+    ``tps`` / ``pps``: the degrees tried (default: the job's space for this tower)."""
+    space, devices = job.space, job.devices
+    Ks = job.microbatch_counts
     out: list[dict[str, Any]] = []
     for tp in tps if tps is not None else space.tps[profile.name]:
         for pp in pps if pps is not None else space.pps[profile.name]:
-            w = tp * pp
-            if world % w or world // w > global_batch:
+            ways = tp * pp
+            if devices % ways or devices // ways > job.global_batch:
                 continue
-            dp = np.array([world // w], dtype=float)
+            dp = np.array([devices // ways], dtype=float)
             for shard in space.shards:
-                if shard == "hybrid" and tp > 1 and world > cluster.devices_per_node:
+                if shard == "hybrid" and tp > 1 and devices > job.cluster.devices_per_node:
                     continue  # the runtime's HSDP has no tensor parallelism across nodes
-                g = _grid(
-                    profile, cluster, opts, global_batch, dp, Ks, tp, pp, space.schedules, 0.0, False, None, shard
-                )
-                for s, d in g.items():
+                for s, d in _grid(profile, job, dp, Ks, tp, pp, False, shard).items():
                     for j in range(len(Ks)):
                         if d["ok"][0, j] and (space.max_k is None or d["K"][0, j] <= space.max_k):
                             out.append(option(d, tp, pp, s, j))
@@ -83,19 +75,19 @@ def option(d: dict[str, np.ndarray], tp: int, pp: int, schedule: str, j: int, i:
     }
 
 
-def uniform_options(
-    profile: TowerProfile, cluster: Cluster, opts: CostOptions, G: int, world: int, space: SearchSpace, tp: int, pp: int
-) -> list[dict[str, Any]]:
-    """Every (schedule, K, shard) of one tower at a fixed tp x pp on all devices (no Pareto pruning)."""
-    if world // (tp * pp) > G:
+def uniform_options(profile: TowerProfile, job: SearchJob, tp: int, pp: int) -> list[dict[str, Any]]:
+    """Every (schedule, K, shard) of one tower at a fixed tp x pp on all the job's devices (no Pareto
+    pruning; memory without loss buffers, as :func:`colocated_options`)."""
+    replicas = job.devices // (tp * pp)
+    if replicas > job.global_batch:
         return []
-    dp = np.array([world // (tp * pp)], dtype=float)
-    Ks = k_grid(G, space.max_microbatches)
+    dp = np.array([replicas], dtype=float)
+    Ks, max_k = job.microbatch_counts, job.space.max_k
     out = []
-    for shard in space.shards:
-        for s, d in _grid(profile, cluster, opts, G, dp, Ks, tp, pp, space.schedules, 0.0, False, None, shard).items():
+    for shard in job.space.shards:
+        for s, d in _grid(profile, job, dp, Ks, tp, pp, False, shard).items():
             for j in range(len(Ks)):
-                if d["ok"][0, j] and Ks[j] == d["K"][0, j] and (space.max_k is None or Ks[j] <= space.max_k):
+                if d["ok"][0, j] and Ks[j] == d["K"][0, j] and (max_k is None or Ks[j] <= max_k):
                     out.append(option(d, tp, pp, s, j))
     return out
 

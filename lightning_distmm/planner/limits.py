@@ -7,61 +7,55 @@ import itertools
 import math
 from typing import Any
 
-from lightning_distmm.planner.cluster import GB, Cluster
-from lightning_distmm.planner.cost import CostOptions, memory_per_device
-from lightning_distmm.planner.partition import SearchSpace, tower_schedules
+from lightning_distmm.planner.cluster import GB
+from lightning_distmm.planner.cost import memory_per_device
+from lightning_distmm.planner.job import SearchJob
+from lightning_distmm.planner.partition import tower_schedules
 from lightning_distmm.planner.profile import TowerProfile
 
 
-def min_memory(
-    profile: TowerProfile,
-    cluster: Cluster,
-    opts: CostOptions,
-    global_batch: int,
-    world: int,
-    space: SearchSpace,
-    loss_b: float,
-) -> dict[str, Any]:
-    """The least memory per device this tower can need in the search space (largest split, one-sample
-    microbatches, the leanest schedule), to say by how much an infeasible tower misses."""
+def min_memory(profile: TowerProfile, job: SearchJob) -> dict[str, Any]:
+    """The least memory per device this tower can need in the job's space (largest split, one-sample
+    microbatches, the leanest schedule, the job's loss buffers), to say by how much an infeasible
+    tower misses."""
     best: dict[str, Any] | None = None
+    space, costs, global_batch = job.space, job.costs, job.global_batch
     tps, pps = space.tps[profile.name] or [1], space.pps[profile.name] or [1]
     for tp in tps:
         for pp in pps:
-            w = tp * pp
-            if w > world:
+            ways = tp * pp
+            if ways > job.devices:
                 continue
-            dp = max(1, min(world // w, global_batch))
-            b = math.ceil(global_batch / dp)
-            for s, shard in itertools.product(tower_schedules(profile, space.schedules), space.shards):
-                K = b
-                m = memory_per_device(profile, opts, s, 1, K, b, tp, pp, loss_b, shard, dp)
-                tot = float(m["total"])
-                if best is None or tot < best["total"]:
+            replicas = max(1, min(job.devices // ways, global_batch))
+            rows = math.ceil(global_batch / replicas)  # the largest replica batch
+            for schedule, shard in itertools.product(tower_schedules(profile, space.schedules), space.shards):
+                # one-sample microbatches: as many as the replica has rows
+                m = memory_per_device(profile, costs, schedule, 1, rows, rows, tp, pp, job.loss_bytes, shard, replicas)
+                total = float(m["total"])
+                if best is None or total < best["total"]:
                     best = {
-                        "total": tot,
+                        "total": total,
                         "static": float(m["static"]),
                         "activations": float(m["activations"]),
                         "tp": tp,
                         "pp": pp,
-                        "schedule": s,
+                        "schedule": schedule,
                     }
     assert best is not None
     return best
 
 
-def describe_no_fit(
-    profile: TowerProfile, cluster: Cluster, opts: CostOptions, need: dict[str, Any], world: int
-) -> str:
-    limit = cluster.device.memory * opts.memory_margin
-    w = need["tp"] * need["pp"]
+def describe_no_fit(profile: TowerProfile, job: SearchJob, need: dict[str, Any]) -> str:
+    """Why ``profile`` fits no device of the job's cluster: ``need`` (:func:`min_memory`) against the limit."""
+    cluster, limit = job.cluster, job.memory_limit
+    ways = need["tp"] * need["pp"]
     return (
         f"tower {profile.name!r} ({profile.params / 1e9:.2f}B parameters) fits no device even split"
-        f" tp*pp = {need['tp']}*{need['pp']} = {w} ways (the most its {profile.heads} heads, {profile.layers} layers,"
-        f" nodes of {cluster.devices_per_node} and {world} devices allow): it needs {need['total'] / GB:.2f} GB per device"
+        f" tp*pp = {need['tp']}*{need['pp']} = {ways} ways (the most its {profile.heads} heads, {profile.layers} layers,"
+        f" nodes of {cluster.devices_per_node} and {job.devices} devices allow): it needs {need['total'] / GB:.2f} GB per device"
         f" (static {need['static'] / GB:.2f} GB + activations {need['activations'] / GB:.2f} GB at microbatch 1,"
         f" schedule {need['schedule']}) but one {cluster.device.name} offers {cluster.device.memory / GB:.1f} GB x"
-        f" memory_margin {opts.memory_margin} = {limit / GB:.2f} GB: over by {(need['total'] - limit) / GB:.2f} GB"
+        f" memory_margin {job.costs.memory_margin} = {limit / GB:.2f} GB: over by {(need['total'] - limit) / GB:.2f} GB"
     )
 
 

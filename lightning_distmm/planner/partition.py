@@ -33,7 +33,6 @@ from lightning_distmm.planner.cluster import Cluster
 from lightning_distmm.planner.cost import (
     LAYER_SHARDS,
     SHARDS,
-    CostOptions,
     TowerChoice,
     compact_dp_allreduce,
     cross_attention_time,
@@ -52,37 +51,13 @@ from lightning_distmm.planner.cost import (
     tp_comm,
 )
 from lightning_distmm.planner.cost.comm import cp_comm
+from lightning_distmm.planner.job import SearchJob, SearchSpace, k_grid
 from lightning_distmm.planner.profile import TowerProfile
 from lightning_distmm.planner.sequence import sequence_ways
 
 
 class InfeasibleError(PlanError):
     """No plan exists; the message names the tower, the limit and by how much it is missed."""
-
-
-def k_grid(max_batch: int, limit: int | None = None) -> np.ndarray:
-    """Microbatch counts tried: 1, 2, 3, 4, 6, 8, 12, 16, ... up to the replica batch."""
-    vals = {1, 2, 3}
-    x = 4
-    top = max_batch if limit is None else min(max_batch, limit)
-    while x <= top:
-        vals.update({x, x * 3 // 2})
-        x *= 2
-    vals.add(top)
-    return np.array(sorted(v for v in vals if 1 <= v <= top), dtype=float)
-
-
-@dataclass
-class SearchSpace:
-    """Per tower: the tp and pp values allowed, the schedules, the microbatch-count limit."""
-
-    tps: dict[str, list[int]]
-    pps: dict[str, list[int]]
-    schedules: tuple[str, ...] = ("gpipe", "cached")  # distmm changes the loss: only when listed
-    max_microbatches: int | None = None
-    shards: tuple[str, ...] = ("none",)  # how replicas may hold the training state (cost.options.SHARDS)
-    max_k: int | None = None  # at most this many microbatches per replica (Megatron-LM's baseline: 1)
-    sequence: bool = False  # also enumerate context / sequence parallelism (cp, sp) per tower
 
 
 def tower_space(
@@ -224,60 +199,57 @@ def tower_schedules(profile: TowerProfile, schedules: Sequence[str]) -> list[str
 
 def _grid(
     profile: TowerProfile,
-    cluster: Cluster,
-    opts: CostOptions,
-    G: int,
+    job: SearchJob,
     dp: np.ndarray,
     Ks: np.ndarray,
     tp: int,
     pp: int,
-    schedules: Sequence[str],
-    loss_b: float,
     separate: bool,
-    distmm_loss_b: float | None = None,
     shard: str = "none",
     cp: int = 1,
     sp: bool = False,
 ) -> dict[str, dict[str, np.ndarray]]:
-    """Costs over the grid replicas x microbatch-counts for each schedule (arrays [len(dp), len(Ks)]).
+    """Costs over the grid replicas x microbatch-counts for each of the job's schedules (arrays
+    [len(dp), len(Ks)]).
 
     ``K`` counts the replica's microbatches (``distmm``: over both sync groups, at least one each);
-    ``distmm_loss_b``: the loss buffers of a batch-sync over half the batch (default ``loss_b``);
-    ``shard``: how the replicas hold the training state (weights gathered per layer under ``full``);
-    ``cp`` / ``sp``: tokens split over ``cp`` ranks (and their all-to-alls; state and gradients over
-    replicas x cp); sequence parallelism with tp (its regather).
+    ``separate``: the tower on devices of its own, so it holds the job's loss buffers (``distmm``:
+    those of half the batch) and pays for the tokens it reads from another tower (colocated options
+    leave both to their caller); ``shard``: how the replicas hold the training state (weights
+    gathered per layer under ``full``); ``cp`` / ``sp``: tokens split over ``cp`` ranks (and their
+    all-to-alls; state and gradients over replicas x cp); sequence parallelism with tp (its regather).
     """
+    cluster, costs, global_batch = job.cluster, job.costs, job.global_batch
     w = tp * pp
     dpn = cluster.devices_per_node
-    b = np.ceil(G / dp)[:, None]
+    b = np.ceil(global_batch / dp)[:, None]
     K = Ks[None, :]
     valid = K <= b
     mb = np.ceil(b / K)
     Keff = np.ceil(b / mb)
-    fc, bc = stage_compute(profile, cluster, opts, mb / cp, tp, pp)
-    tpc = tp_comm(profile, cluster, opts, mb / cp, tp, pp, False)
-    ppc = pp_comm(profile, cluster, opts, mb / cp, pp, w * cp > dpn)
-    cpc = cp_comm(profile, cluster, opts, mb, tp, cp, pp) if cp > 1 else 0.0
+    fc, bc = stage_compute(profile, cluster, costs, mb / cp, tp, pp)
+    tpc = tp_comm(profile, cluster, costs, mb / cp, tp, pp, False)
+    ppc = pp_comm(profile, cluster, costs, mb / cp, pp, w * cp > dpn)
+    cpc = cp_comm(profile, cluster, costs, mb, tp, cp, pp) if cp > 1 else 0.0
     # a stage's time per microbatch (never below the transfer), the transfer between stages apart
     fx, bx = fc + tpc + cpc, bc + tpc * (1.5 if sp else 1.0) + cpc  # sp: its gathered linears gather again
     if shard in LAYER_SHARDS:
-        ag, agrs = (np.asarray(x)[:, None] for x in shard_comm(profile, cluster, opts, dp * cp, tp, pp, shard))
+        ag, agrs = (np.asarray(x)[:, None] for x in shard_comm(profile, cluster, costs, dp * cp, tp, pp, shard))
         fx, bx = sharded_stage(fx, ag, profile.layers // pp), sharded_stage(bx, agrs, profile.layers // pp)
     f = np.maximum(fx, ppc)
     bb = np.zeros_like(f) if profile.frozen else np.maximum(bx, ppc)
-    gb = grad_bytes_per_device(profile, opts, tp, pp, shard)
+    gb = grad_bytes_per_device(profile, costs, tp, pp, shard)
     ar = compact_dp_allreduce(cluster, gb, dp * cp, tp, pp)[:, None] if gb > 0 else np.zeros((len(dp), 1))
     # the optimizer step of one replica's share (sharded over the replicas the state is split over, x cp)
     group = shard_group(shard, dp, tp, pp, cluster.devices_per_node)
-    opt_t = np.asarray([optimizer_time(profile, cluster, opts, tp, pp, shard, int(d) * cp) for d in group])[:, None]
+    opt_t = np.asarray([optimizer_time(profile, cluster, costs, tp, pp, shard, int(d) * cp) for d in group])[:, None]
     cross = 0.0
     if separate and profile.cross_from:
-        cross = cross_attention_time(cluster, opts.bytes_el * b * profile.cross_elems, cluster.nodes == 1)
-    limit = cluster.device.memory * opts.memory_margin
+        cross = cross_attention_time(cluster, costs.bytes_el * b * profile.cross_elems, cluster.nodes == 1)
     out = {}
-    for s in tower_schedules(profile, schedules):
+    for s in tower_schedules(profile, job.space.schedules):
         ok = valid
-        lb = loss_b
+        loss = job.loss_bytes_for(s) if separate else 0.0
         if s == "distmm":
             # two sync groups: each replica gets rows of both (Plan.check_global_batch), K >= 2
             # microbatches so that none is larger than a sync group
@@ -285,19 +257,18 @@ def _grid(
             K0, K1 = np.ceil(w0 / mb), np.ceil(w1 / mb)
             segs, _ = phases(s, profile.frozen, K0, pp, f, bb, ppc, K1)
             Ks_used = K0 + K1
-            ok = valid & (K >= 2) & (G // 2 >= dp)[:, None]
-            lb = loss_b if distmm_loss_b is None else distmm_loss_b
+            ok = valid & (K >= 2) & (global_batch // 2 >= dp)[:, None]
         else:
             segs, _ = phases(s, profile.frozen, Keff, pp, f, bb, ppc)
             Ks_used = Keff
         Fp = segs[0] + cross
         Bp = sum(segs[1:]) + (0.0 if profile.frozen else cross)
         window = last_slot(s, f, bb)  # colocated towers may also hide it behind each other (priced exactly later)
-        Bx = Bp + exposed_allreduce(ar, window, gb, opts) + opt_t
-        mem = memory_per_device(profile, opts, s, mb, Ks_used, b, tp, pp, lb, shard, group[:, None], None, cp, sp)
+        Bx = Bp + exposed_allreduce(ar, window, gb, costs) + opt_t
+        mem = memory_per_device(profile, costs, s, mb, Ks_used, b, tp, pp, loss, shard, group[:, None], None, cp, sp)
         shape = mb.shape
         mem = np.broadcast_to(mem["total"], shape)
-        ok = ok & (mem <= limit)
+        ok = ok & (mem <= job.memory_limit)
         out[s] = {
             "F": np.broadcast_to(Fp, shape),
             "B": np.broadcast_to(Bx, shape),
@@ -315,41 +286,28 @@ def _grid(
     return out
 
 
-def tower_candidates(
-    profile: TowerProfile,
-    cluster: Cluster,
-    opts: CostOptions,
-    global_batch: int,
-    world: int,
-    space: SearchSpace,
-    loss_b: float,
-    max_devices: int | None = None,
-    distmm_loss_b: float | None = None,
-) -> Candidates:
-    """Feasible configurations of one tower on 1..``max_devices`` devices of its own
-    (``distmm_loss_b``: the loss buffers of a ``distmm`` plan's half-batch sync, default ``loss_b``)."""
-    name = profile.name
+def tower_candidates(profile: TowerProfile, job: SearchJob, max_devices: int | None = None) -> Candidates:
+    """Feasible configurations of one tower on 1..``max_devices`` devices of its own (default: all
+    the job's), each holding the job's loss buffers."""
+    name, space, global_batch = profile.name, job.space, job.global_batch
     tps, pps = space.tps[name], space.pps[name]
-    D = max_devices if max_devices is not None else world
-    Ks = k_grid(global_batch, space.max_microbatches)
+    devices = max_devices if max_devices is not None else job.devices
+    Ks = job.microbatch_counts
     scheds = tuple(space.schedules)
     names = scheds if "gpipe" in scheds else scheds + ("gpipe",)  # a frozen tower always runs "gpipe"
     rows: dict[str, list[np.ndarray]] = {k: [] for k in "n F B tp pp sched K mb mem shard cp sp".split()}
     ways = sequence_ways if space.sequence and profile.analytic else lambda *_: [(1, False)]  # planner.sequence
-    dpn, degrees = cluster.devices_per_node, itertools.product(tps, pps, space.shards)
+    dpn, degrees = job.cluster.devices_per_node, itertools.product(tps, pps, space.shards)
     for tp, pp, shard, cp, sp in [(t, p, sh, *w) for t, p, sh in degrees for w in ways(profile, t, p, sh, dpn)]:
         w = tp * pp * cp
-        if w > D:
+        if w > devices:
             continue
-        dp = np.arange(1, min(D // w, global_batch) + 1, dtype=float)
+        dp = np.arange(1, min(devices // w, global_batch) + 1, dtype=float)
         if shard == "hybrid":  # the runtime's HSDP: no tp across nodes, whole nodes when it spans several
             dp = dp[(tp == 1) & ((dp * w <= dpn) | ((dp * w) % dpn == 0))]
         if len(dp) == 0:
             continue
-        g = _grid(
-            profile, cluster, opts, global_batch, dp, Ks, tp, pp, scheds, loss_b, True, distmm_loss_b, shard, cp, sp
-        )
-        for s, d in g.items():
+        for s, d in _grid(profile, job, dp, Ks, tp, pp, True, shard, cp, sp).items():
             obj = np.where(d["ok"], d["F"] + d["B"], np.inf)
             j = np.argmin(obj, axis=1)
             i = np.arange(len(dp))
@@ -391,6 +349,7 @@ def tower_candidates(
 
 __all__ = [
     "InfeasibleError",
+    "SearchJob",
     "SearchSpace",
     "Candidates",
     "k_grid",

@@ -23,6 +23,7 @@ the planner consider it, on every tower or on none.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -49,7 +50,6 @@ from lightning_distmm.planner.config import to_plain
 from lightning_distmm.planner.cost import (
     PLANNABLE_SHARDS,
     RECOMPUTE,
-    CostOptions,
     StepCost,
     TowerChoice,
     batch_syncs,
@@ -59,6 +59,7 @@ from lightning_distmm.planner.cost import (
     loss_bytes,
     runtime_schedule,
 )
+from lightning_distmm.planner.job import SearchJob
 from lightning_distmm.planner.limits import describe_no_fit, min_memory
 from lightning_distmm.planner.measure import load_cluster
 from lightning_distmm.planner.options import DEFAULT_SCHEDULES, PlannerOptions
@@ -124,32 +125,19 @@ def make_plan(
     syncs = {
         k: batch_syncs(spec, costs, n_global, embed, n_devices, spec.nodes, n_contrastive, k)["total"] for k in (1, 2)
     }
-    limit = spec.device.memory * costs.memory_margin
+    job = SearchJob(spec, costs, n_global, n_devices, space, loss_mem, loss_mem_distmm)
     for p in profiles.values():
-        need = min_memory(p, spec, costs, n_global, n_devices, space, loss_mem)
-        if need["total"] > limit:
-            raise InfeasibleError(describe_no_fit(p, spec, costs, need, n_devices))
-    _check_replicas(profiles, space, n_devices, n_global)
+        need = min_memory(p, job)
+        if need["total"] > job.memory_limit:
+            raise InfeasibleError(describe_no_fit(p, job, need))
+    _check_replicas(profiles, job)
 
     # ---------------------------------------------------------------- separate towers
     candidates: dict[str, Evaluated | None] = {}
     balance: Balance | None = None
     scores: dict[str, float] = {}
     if "separate" in opts.layouts and 1 < len(names) <= n_devices:
-        cands = [
-            tower_candidates(
-                profiles[n],
-                spec,
-                costs,
-                n_global,
-                n_devices,
-                space,
-                loss_mem,
-                max_devices=n_devices - len(names) + 1,
-                distmm_loss_b=loss_mem_distmm,
-            )
-            for n in names
-        ]
+        cands = [tower_candidates(profiles[n], job, max_devices=n_devices - len(names) + 1) for n in names]
         fixed = None
         if opts.balancer == "proportional":
             fixed = proportional_allocation({n: profiles[n].train_flops_per_sample() or 1.0 for n in names}, n_devices)
@@ -199,16 +187,17 @@ def make_plan(
             raise errors[0]
         candidates.setdefault("separate", None)
     if "colocated" in opts.layouts:
-        candidates["colocated"] = colocated_search(profiles, spec, costs, n_global, space, "colocated")
+        candidates["colocated"] = colocated_search(profiles, job, "colocated")
 
     # ---------------------------------------------------------------- baselines (in the same model)
     baselines = {
         kind: colocated_search(
             profiles,
-            spec,
-            baseline_options(kind, costs),
-            n_global,
-            baseline_space(kind, profiles, spec.devices_per_node, n_devices, opts.max_microbatches),
+            dataclasses.replace(
+                job,
+                costs=baseline_options(kind, costs),
+                space=baseline_space(kind, profiles, spec.devices_per_node, n_devices, opts.max_microbatches),
+            ),
             kind,
         )
         for kind in (opts.baselines if opts.baselines is not None else BASELINES)
@@ -229,7 +218,7 @@ def make_plan(
             ):
                 pool.append(b)
     if not pool:
-        raise InfeasibleError(_why_nothing(profiles, spec, costs, space, n_devices, n_global, opts))
+        raise InfeasibleError(_why_nothing(profiles, job, opts))
     chosen = min(pool, key=lambda e: e.step_time)
     plan = to_plan(chosen, n_devices, n_global)
     notes: list[str] = []
@@ -340,48 +329,49 @@ def price_plan(
     return evaluate_plan(profiles, cl, PlannerOptions.from_any(options).cost, choices, ranks, G)
 
 
-def _max_split(space: SearchSpace, name: str, D: int) -> tuple[int, int, int]:
+def _max_split(space: SearchSpace, name: str, devices: int) -> tuple[int, int, int]:
+    """The largest split ``(tp * pp, tp, pp)`` the space allows tower ``name`` on ``devices``."""
     best = (1, 1, 1)
     for tp in space.tps[name] or [1]:
         for pp in space.pps[name] or [1]:
-            if tp * pp <= D and tp * pp > best[0]:
+            if tp * pp <= devices and tp * pp > best[0]:
                 best = (tp * pp, tp, pp)
     return best
 
 
-def _check_replicas(profiles: Mapping[str, TowerProfile], space: SearchSpace, D: int, G: int) -> None:
+def _check_replicas(profiles: Mapping[str, TowerProfile], job: SearchJob) -> None:
     """Every device runs a replica of some tower, and every replica needs a sample."""
-    splits = {n: _max_split(space, n, D) for n in profiles}
-    colocated_need = max(math.ceil(D / splits[n][0]) for n in profiles)
+    devices, global_batch = job.devices, job.global_batch
+    splits = {n: _max_split(job.space, n, devices) for n in profiles}
+    colocated_need = max(math.ceil(devices / splits[n][0]) for n in profiles)
     need = colocated_need
-    if 1 < len(profiles) <= D:
-        need = min(need, math.ceil(D / sum(s[0] for s in splits.values())))
-    if G < need:
+    if 1 < len(profiles) <= devices:
+        need = min(need, math.ceil(devices / sum(s[0] for s in splits.values())))
+    if global_batch < need:
         tight = min(profiles, key=lambda n: splits[n][0])
-        w, tp, pp = splits[tight]
+        ways, tp, pp = splits[tight]
         raise InfeasibleError(
-            f"global batch {G} is below the replica count: {D} devices need at least {need} data-parallel replicas"
-            f" (tower {tight!r} splits at most tp*pp = {tp}*{pp} = {w} ways), and every replica needs at least one"
-            f" sample: short by {need - G}; raise global_batch to {need} or plan for fewer devices"
+            f"global batch {global_batch} is below the replica count: {devices} devices need at least {need}"
+            f" data-parallel replicas (tower {tight!r} splits at most tp*pp = {tp}*{pp} = {ways} ways), and every"
+            f" replica needs at least one sample: short by {need - global_batch}; raise global_batch to {need} or"
+            " plan for fewer devices"
         )
 
 
-def _why_nothing(
-    profiles: Mapping[str, TowerProfile],
-    cl: Cluster,
-    co: CostOptions,
-    space: SearchSpace,
-    D: int,
-    G: int,
-    opts: PlannerOptions,
-) -> str:
+def _why_nothing(profiles: Mapping[str, TowerProfile], job: SearchJob, opts: PlannerOptions) -> str:
+    """Why no plan fits: the device memory, and what each tower needs alone (without loss buffers)."""
+    cluster, devices = job.cluster, job.devices
     parts = [
-        f"no plan for {D} devices and global batch {G} fits device memory ({cl.device.memory / GB:.1f} GB x {co.memory_margin})"
+        f"no plan for {devices} devices and global batch {job.global_batch} fits device memory"
+        f" ({cluster.device.memory / GB:.1f} GB x {job.costs.memory_margin})"
     ]
-    if opts.layouts == ("separate",) and len(profiles) > D:
-        parts.append(f"layouts=separate needs at least one device per tower ({len(profiles)} towers, {D} devices)")
+    if opts.layouts == ("separate",) and len(profiles) > devices:
+        parts.append(
+            f"layouts=separate needs at least one device per tower ({len(profiles)} towers, {devices} devices)"
+        )
+    alone = dataclasses.replace(job, loss_bytes=0.0, distmm_loss_bytes=None)
     for n, p in profiles.items():
-        need = min_memory(p, cl, co, G, D, space, 0.0)
+        need = min_memory(p, alone)
         parts.append(
             f"tower {n!r} needs at least {need['total'] / GB:.2f} GB per device alone (tp={need['tp']}, pp={need['pp']})"
         )
