@@ -440,6 +440,7 @@ def main() -> None:
     )
     rows = []
     large: list[float] = []
+    losses: list[str] = []  # where a baseline's plan is predicted faster than DistMM's
     worst_solve = 0.0
     for G in [int(x) for x in args.global_batch.split(",")]:
         for m in args.models.split(","):
@@ -453,10 +454,11 @@ def main() -> None:
                 worst_solve = max(worst_solve, rep.solve_time)
                 params = sum(p.params for p in rep.profiles.values())
                 meg, ddp = rep.baselines["megatron"], rep.baselines["ddp"]
-                for b in rep.baselines.values():
-                    assert b is None or rep.step_time <= b.step_time * (1 + 1e-9), (
-                        "DistMM predicted slower than a baseline"
-                    )
+                for name, b in rep.baselines.items():
+                    if b is not None and b.step_time < rep.step_time * (1 - 1e-9):
+                        losses.append(
+                            f"{m} on {c} at batch {G}: {name} {fmt_time(b.step_time)} < DistMM {fmt_time(rep.step_time)}"
+                        )
                 sm, sd = rep.speedup("megatron"), rep.speedup("ddp")
                 if params >= 1.05e9 and sm is not None:
                     large.append(sm)
@@ -487,6 +489,12 @@ def main() -> None:
             f"speedup over Megatron-LM for presets >= 1.1B parameters: {min(large):.2f}x .. {max(large):.2f}x"
             f" (paper: 1.32x .. 3.27x; docs/planner.md explains the difference)"
         )
+    if losses:
+        # a baseline can price a configuration the runtime does not run (Megatron-LM's ZeRO-1 with
+        # sequence parallelism), which the search may not choose: where it wins, DistMM loses
+        print("predicted slower than a baseline:")
+        for line in losses:
+            print(f"  {line}")
     print(f"slowest solve at 64 devices: {worst_solve * 1e3:.0f} ms")
     if args.scale_devices:
         solve_at_scale(args.scale_devices)
