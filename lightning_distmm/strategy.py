@@ -4,9 +4,9 @@ Hooks over reusable parts: :mod:`~lightning_distmm.plan_choice` says which plan 
 :mod:`~lightning_distmm.parallel` builds its groups and owns the step (the module calls the
 :class:`~lightning_distmm.parallel.runner.StepRunner` installed here), :mod:`~lightning_distmm.data`
 loads each rank's share, :mod:`~lightning_distmm.checkpoint` saves and restores shards,
-:mod:`~lightning_distmm.rank_failures` ends every rank with the first cause. It subclasses Lightning's
-``ModelParallelStrategy`` for process groups, launchers, DCP saving and restore-after-setup; every
-private Lightning access goes through :mod:`~lightning_distmm.lightning_seam`.
+:mod:`~lightning_distmm.rank_failures` ends every rank with the first cause. Lightning's
+``ModelParallelStrategy`` gives process groups, launchers, DCP saving and restore-after-setup;
+private Lightning accesses go through :mod:`~lightning_distmm.lightning_seam`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
+import lightning.pytorch as pl
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -41,14 +42,13 @@ from lightning_distmm.parallel.runner import StepRunner, start_runner
 from lightning_distmm.plan_choice import PlanSpec, check_precision, parse_plan_spec, plan_of_run
 from lightning_distmm.rank_failures import RankFailures, after_ranks_ended
 
-if TYPE_CHECKING:  # pragma: no cover
-    import lightning.pytorch as pl
-
-
-#: how long a collective may wait before it fails: long enough for a slow checkpoint write, short
-#: enough that a stalled rank ends the job in minutes, not Lightning's default half hour
+#: how long a collective waits before it fails: a slow checkpoint write, not Lightning's half hour
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 StartMethod = Literal["popen", "spawn", "fork"]
+
+
+def _say(line: str) -> None:  # a function, not a lambda: spawn pickles the strategy with it
+    rank_zero_info(f"distmm: {line}")
 
 
 class DistMMStrategy(ModelParallelStrategy):
@@ -94,9 +94,7 @@ class DistMMStrategy(ModelParallelStrategy):
         failure_grace: timedelta | None = timedelta(seconds=30),
     ) -> None:
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
-        self._loaders = RankLoaders(
-            self._batches_done, stream_check_every, note=lambda line: rank_zero_info(f"distmm: {line}")
-        )
+        self._loaders = RankLoaders(self._batches_done, stream_check_every, note=_say)
         self._bucket_cap_mb = float(bucket_cap_mb)
         self._reuse_host_memory = reuse_host_memory
         self._plan_spec = parse_plan_spec(plan)

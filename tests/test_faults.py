@@ -1,10 +1,10 @@
-"""Fault handling parts on their own: the error relay's choice of root cause, the parent watchdog."""
+"""Fault handling parts on their own: the error relay's choice of root cause, the parent watchdog, the
+launcher pid a rank trusts. Whole jobs that fail: ``test_fault_jobs.py``; how ranks end: ``test_rank_exit.py``."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from job_testing import ROOT, alive, clean_env
 
 from lightning_distmm.faults import (
     ErrorRelay,
@@ -159,20 +160,11 @@ def test_a_rank_whose_launcher_dies_ends_within_seconds():
         os.kill(child.pid, signal.SIGKILL)  # the launcher dies without a word
         child.wait(timeout=10)
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and _alive(grandchild):
+        while time.monotonic() < deadline and alive(grandchild):
             time.sleep(0.1)
-        assert not _alive(grandchild), "the rank outlived its launcher by more than 10 s"
+        assert not alive(grandchild), "the rank outlived its launcher by more than 10 s"
     finally:
         child.kill()
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` is a live process (a zombie, dead but not reaped by its new parent, is not)."""
-    stat = Path(f"/proc/{pid}/stat")
-    try:
-        return stat.read_text().split(") ")[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
 
 
 @pytest.mark.slow
@@ -180,224 +172,7 @@ def _alive(pid: int) -> bool:
 def test_alive_tells_a_finished_process():
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
-    assert not _alive(proc.pid) and _alive(os.getpid())
-
-
-# ---------------------------------------------------------------------------- whole jobs
-SCRIPTS = Path(__file__).parent / "scripts"
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MASTER_PORT", "MASTER_ADDR")}
-    env["PYTHONWARNINGS"] = "ignore"
-    return env
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(case: str, folder: Path, **env: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, str(SCRIPTS / "fault_case.py"), case, str(folder)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**_clean_env(), "MASTER_PORT": str(_free_port()), **env},
-        start_new_session=True,
-    )
-
-
-def _wait_for(path_glob: str, folder: Path, count: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and len(list(folder.glob(path_glob))) < count:
-        time.sleep(0.2)
-    assert len(list(folder.glob(path_glob))) >= count, f"only {sorted(folder.iterdir())} after {timeout} s"
-
-
-def _finish(job: subprocess.Popen, folder: Path, within: float) -> tuple[int, str, float]:
-    """Wait for the launcher and every rank to be gone; the launcher's code, output and seconds taken."""
-    start = time.monotonic()
-    try:
-        out, _ = job.communicate(timeout=within)
-    except subprocess.TimeoutExpired:
-        os.killpg(job.pid, signal.SIGKILL)
-        out, _ = job.communicate()
-        raise AssertionError(f"the job did not end within {within} s:\n{out[-3000:]}") from None
-    pids = [int(p.read_text()) for p in folder.glob("pid*")]
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.2)
-    left = [p for p in pids if _alive(p)]
-    for p in left:
-        os.kill(p, signal.SIGKILL)
-    assert not left, f"rank processes {left} outlived the job:\n{out[-3000:]}"
-    return job.returncode, out, time.monotonic() - start
-
-
-@pytest.mark.slow
-def test_sigterm_to_one_rank_ends_every_rank(tmp_path):
-    """A scheduler's preemption of one node: every rank stops within seconds, non-zero, saying why."""
-    job = _start("sigterm", tmp_path)
-    _wait_for("step*", tmp_path, 2, timeout=120)
-    os.kill(int((tmp_path / "pid1").read_text()), signal.SIGTERM)
-    code, out, _ = _finish(job, tmp_path, within=60)
-    assert code != 0
-    assert "SIGTERM" in out, out[-3000:]
-
-
-@pytest.mark.slow
-def test_sigkill_of_one_rank_names_it(tmp_path):
-    job = _start("sigkill", tmp_path)
-    _wait_for("step*", tmp_path, 2, timeout=120)
-    os.kill(int((tmp_path / "pid1").read_text()), signal.SIGKILL)
-    code, out, _ = _finish(job, tmp_path, within=60)
-    assert code != 0
-    assert re.search(r"rank 1 .*(died|killed|signal)", out), out[-3000:]
-
-
-@pytest.mark.slow
-def test_an_error_on_rank_0_reaches_every_rank(tmp_path):
-    """Rank 0 hosts the store; its error must still be what the other ranks end with."""
-    job = _start("rank0-raises", tmp_path)
-    code, out, _ = _finish(job, tmp_path, within=120)
-    assert code != 0
-    assert re.search(r"\[rank1\].*rank 0: RuntimeError: boom on rank 0", out), out[-4000:]
-
-
-@pytest.mark.slow
-def test_master_port_in_use_ends_every_rank(tmp_path):
-    import socket
-
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        job = _start("port", tmp_path, MASTER_PORT=str(port), MASTER_ADDR="127.0.0.1")
-        code, out, took = _finish(job, tmp_path, within=90)
-    assert code != 0
-    assert re.search(r"(address already in use|EADDRINUSE|port)", out, re.IGNORECASE), out[-3000:]
-
-
-def _run_in_own_temp(case: str, tmp_path: Path) -> tuple[int, str, Path]:
-    """Run ``case`` with ``TMPDIR`` a fresh folder of its own; its exit code, output and that folder."""
-    temp = tmp_path / "tmp"
-    temp.mkdir()
-    job = _start(case, tmp_path, TMPDIR=str(temp))
-    code, out, _ = _finish(job, tmp_path, within=180)
-    return code, out, temp
-
-
-@pytest.mark.slow
-def test_a_failed_spawn_run_leaves_no_files_in_the_temp_dir(tmp_path):
-    """torch's spawn names a ``pytorch-errorfile-*.pickle`` per rank that a failed rank fills and
-    nobody removes; distmm's launcher keeps them out of the temp directory, and the ranks' failure
-    records go when the run is over."""
-    code, out, temp = _run_in_own_temp("spawn-rank1-raises", tmp_path)
-    assert code != 0 and "boom on rank 1" in out, out[-3000:]
-    left = [str(p.relative_to(temp)) for p in temp.rglob("*")]
-    assert not left, left
-
-
-@pytest.mark.slow
-def test_a_spawn_run_that_ends_well_leaves_no_files_in_the_temp_dir(tmp_path):
-    """Rank 0 hands the parent the trained weights in a file of a ``mkdtemp`` folder; Lightning's
-    parent removes the file but not the folder. distmm writes it into the launch's scratch folder."""
-    code, out, temp = _run_in_own_temp("spawn-ok", tmp_path)
-    assert code == 0, out[-3000:]
-    left = [
-        str(p.relative_to(temp))
-        for p in temp.rglob("*")
-        if not p.relative_to(temp).parts[0].startswith("torchinductor_")
-    ]
-    assert not left, left
-
-
-@pytest.mark.slow
-def test_survivors_of_a_peer_that_fails_without_closing_its_connections_end_with_its_error(tmp_path):
-    """Rank 1 raises and then lingers with its connections open, as an NCCL peer looks to the others
-    (gloo fails their collective at once when a peer's process ends). The other ranks end within a
-    minute with rank 1's error (failure_grace 5 s here, 30 s by default); before, they waited in their
-    collective for the timeout (10 minutes)."""
-    job = _start("rank1-raises-and-lingers", tmp_path)
-    code, out, took = _finish(job, tmp_path, within=90)
-    assert code != 0
-    assert re.search(r"\[rank0\]: distmm: rank 1: RuntimeError: boom on rank 1", out), out[-3000:]
-
-
-@pytest.mark.slow
-def test_a_stalled_rank_ends_the_job_at_the_collective_timeout(tmp_path):
-    job = _start("rank1-stalls", tmp_path)
-    code, out, took = _finish(job, tmp_path, within=150)
-    assert code != 0
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["popen", "spawn", "fork", "torchrun"])
-def test_every_rank_gets_its_share_of_the_cores(launcher, tmp_path):
-    """Lightning's launchers give each of n local ranks cpus // n intra-op threads; so must distmm's,
-    whoever starts the processes (under torchrun the script itself is the rank)."""
-    script = str(SCRIPTS / "thread_count.py")
-    env = {**_clean_env(), "MASTER_PORT": str(_free_port())}
-    if launcher == "torchrun":
-        port = _free_port()
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port)]
-        cmd += [script, "popen", str(tmp_path)]
-    else:
-        cmd = [sys.executable, script, launcher, str(tmp_path)]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    cpus = len(os.sched_getaffinity(0))
-    expected = max(1, cpus // 2)
-    threads = {p.name: int(p.read_text()) for p in tmp_path.glob("rank*")}
-    assert threads == {"rank0": expected, "rank1": expected}, threads
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("plan", ["colocated", "tp"])
-def test_a_spawned_rank_ends_without_its_process_groups(plan, tmp_path):
-    """A spawned rank's work done, its process groups are gone before the interpreter exits (with a
-    plan whose module holds no DTensors, no gloo or store thread is left), the handlers the run
-    registered with ``atexit`` still run, and every rank exits with 0. Before, the towers' meshes kept
-    their gloo groups alive into the interpreter's finalisation, where a finished rank could abort."""
-    script = str(SCRIPTS / "rank_exit.py")
-    env = {**_clean_env(), "MASTER_PORT": str(_free_port())}
-    done = subprocess.run(
-        [sys.executable, script, plan, str(tmp_path)], capture_output=True, text=True, env=env, timeout=240
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert (tmp_path / "parent").exists()
-    threads = {r: (tmp_path / f"rank{r}").read_text().split() for r in (0, 1)}  # the atexit handlers ran
-    if plan == "colocated":
-        left = {r: [t for t in names if "gloo" in t or "tcpstore" in t] for r, names in threads.items()}
-        assert left == {0: [], 1: []}, left
-
-
-@pytest.mark.slow
-def test_a_rank_ending_while_its_collectives_complete_exits_cleanly():
-    """A script rank whose last collectives complete while its interpreter ends exits with 0: the
-    hook the strategy registers lets gloo's workers free the gathered tensors first. Without it
-    (``SETTLE`` 0) the same script aborted in 5 of 6 runs on this machine (docs/runtime.md)."""
-    script = str(SCRIPTS / "exit_settle.py")
-    env = _clean_env()
-    for _ in range(3):
-        port = str(_free_port())
-        peer = subprocess.Popen([sys.executable, script, "0", port, "1"], env=env, stderr=subprocess.PIPE, text=True)
-        try:
-            done = subprocess.run(
-                [sys.executable, script, "1", port, "1"], env=env, capture_output=True, text=True, timeout=120
-            )
-            assert peer.wait(timeout=60) == 0, peer.stderr.read()[-2000:] if peer.stderr else ""
-        finally:
-            if peer.poll() is None:
-                peer.kill()
-        assert done.returncode == 0, done.stderr[-2000:]
-        assert "terminate called" not in done.stderr
+    assert not alive(proc.pid) and alive(os.getpid())
 
 
 @pytest.mark.slow
@@ -413,7 +188,7 @@ def test_a_launcher_pid_noted_for_another_launch_is_ignored():
         "print(faults.started_by_our_launcher(), faults.expected_parent() == os.getppid())"
     )
     # noted = this test process, which is the child's parent: trusted
-    env = {**_clean_env(), "DISTMM_LAUNCHER_PID": str(os.getpid())}
+    env = {**clean_env(), "DISTMM_LAUNCHER_PID": str(os.getpid())}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["True", "True"], out.stderr[-2000:]
     # noted = a live process that is not the parent: ignored

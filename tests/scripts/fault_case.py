@@ -1,4 +1,5 @@
-"""One fault case under the real subprocess launcher (2 ranks, a tower each): each rank writes its pid, then trains.
+"""One fault case under the real subprocess launcher (2 ranks, a tower each): each rank writes its pid
+and its intra-op thread count, then trains.
 
 Usage: ``fault_case.py CASE FOLDER``. The test injects the fault from outside (a signal) or the
 case injects it from inside (an exception on one rank); every rank's pid file lets the test check
@@ -15,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from datetime import timedelta  # noqa: E402
 
 import lightning as L  # noqa: E402
+import torch  # noqa: E402
 from distmm_testing import TinyCLIP, loader, trainer_kwargs  # noqa: E402
 
 import lightning_distmm as ldm  # noqa: E402
@@ -25,6 +27,7 @@ case, folder = sys.argv[1], Path(sys.argv[2])
 class Inject(L.Callback):
     def on_train_start(self, trainer, pl_module):
         (folder / f"pid{trainer.global_rank}").write_text(str(os.getpid()))
+        (folder / f"threads{trainer.global_rank}").write_text(str(torch.get_num_threads()))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx >= 2:
@@ -57,7 +60,7 @@ if __name__ == "__main__":  # spawned ranks import this file too
     start_method = "spawn" if case.startswith("spawn-") else "popen"
     trainer = L.Trainer(
         devices=2,
-        max_steps=4 if case == "spawn-ok" else 100_000,
+        max_steps=100_000,
         strategy=(Lingering if grace else ldm.DistMMStrategy)(
             plan, timeout=timeout, start_method=start_method, **grace
         ),
