@@ -17,6 +17,18 @@ SCRIPTS = Path(__file__).parent / "scripts"
 ROOT = Path(__file__).resolve().parents[1]
 
 
+#: Python source that imports ``lightning_distmm.faults`` alone, under a bare stand-in for the package:
+#: the package's own import loads Lightning (it registers the strategy), seconds of CPU per process,
+#: and ``faults/`` needs only the standard library
+FAULTS_ALONE = (
+    "import sys, types\n"
+    f"package = types.ModuleType('lightning_distmm'); package.__path__ = [{str(ROOT / 'lightning_distmm')!r}]\n"
+    "sys.modules['lightning_distmm'] = package\n"
+    "from lightning_distmm import faults\n"
+    "assert 'lightning' not in sys.modules and 'torch' not in sys.modules\n"
+)
+
+
 def clean_env() -> dict[str, str]:
     """This process's environment without the thread count and rendezvous a launcher sets."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MASTER_PORT", "MASTER_ADDR")}

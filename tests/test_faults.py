@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from job_testing import ROOT, alive, clean_env
+from job_testing import FAULTS_ALONE, ROOT, alive, clean_env
 
 from lightning_distmm.faults import (
     ErrorRelay,
@@ -136,14 +136,11 @@ def test_sigterm_handler_forwards_then_ends_the_rank():
     assert not is_consequence(Preempted("rank 3 received SIGTERM"))
 
 
+#: the launcher: starts a rank that watches its parent (this process) and must end when it is killed
 _CHILD = textwrap.dedent(
-    """
+    f"""
     import subprocess, sys, time
-    # the grandchild watches its parent (this process) and must end when this process is killed
-    code = (
-        "import time, sys; from lightning_distmm.faults import ParentWatchdog; "
-        "ParentWatchdog(interval=0.2).start(); print('ready', flush=True); time.sleep(120)"
-    )
+    code = {FAULTS_ALONE + "faults.ParentWatchdog(interval=0.2).start(); print('ready', flush=True); import time; time.sleep(120)"!r}
     grandchild = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert grandchild.stdout.readline().strip() == "ready"
     print(grandchild.pid, flush=True)

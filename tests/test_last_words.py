@@ -8,9 +8,9 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+from job_testing import FAULTS_ALONE
 from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 
 from lightning_distmm import faults, lightning_seam
@@ -47,15 +47,8 @@ def test_the_observer_says_them_before_it_kills_the_job():
 
 @pytest.mark.slow
 def test_a_clean_up_sigterm_after_the_root_cause_repeats_it():
-    # faults/ alone, under a bare stand-in for the package: the package's own import loads Lightning
-    # (it registers the strategy), seconds of CPU per process; faults/ needs only the standard library
-    package = str(Path(faults.__file__).parents[1])
-    script = (
-        "import os, signal, sys, time, types\n"
-        f"package = types.ModuleType('lightning_distmm'); package.__path__ = [{package!r}]\n"
-        "sys.modules['lightning_distmm'] = package\n"
-        "from lightning_distmm import faults\n"
-        "assert 'lightning' not in sys.modules and 'torch' not in sys.modules\n"
+    script = FAULTS_ALONE + (
+        "import os, signal, time\n"
         "cause = None\n"
         "signal.signal(signal.SIGTERM, faults.preemption_handler(1, None, lambda: cause))\n"
         "print('started', flush=True)\n"
