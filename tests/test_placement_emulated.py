@@ -5,13 +5,13 @@ slow run at the tiniest size where root and ``ip netns`` are available."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from forked_main import main_in_fork
 
 from lightning_distmm.planner import Cluster, Device, Link, model_profiles, price_plan
 
@@ -105,48 +105,18 @@ def test_arguments():
         pe.parse_args(["--steps", "3", "--warmup", "3"])
 
 
-def _main_in_fork(argv: list[str], log: Path, timeout: float) -> tuple[int, int | None]:
-    """``pe.main(argv)`` in a forked child of this process (its own session, its output in ``log``):
-    the benchmark's own entry point without a fresh interpreter's ``import lightning`` (seconds on
-    this host; a pytest worker has it loaded). Past ``timeout`` the child gets SIGTERM, on which the
-    script tears its namespaces down (then SIGKILL). Returns the child's pid and exit code."""
-    import gc
-    import multiprocessing as mp
-
-    import lightning_distmm.models.clip  # noqa: F401  (loaded here once: the child shares it)
-
-    def child() -> None:
-        os.setsid()
-        gc.freeze()  # the test process's objects stay out of the child's collections
-        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)  # the processes it starts (the probe, torchrun) write here too
-        sys.stdout = sys.stderr = open(fd, "w", buffering=1)  # noqa: SIM115 - the child's whole life
-        pe.main(argv)
-
-    proc = mp.get_context("fork").Process(target=child)
-    proc.start()
-    try:
-        proc.join(timeout)
-    finally:
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(60)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    return proc.pid, proc.exitcode
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(pe.preflight() is not None, reason=f"placement_emulated: {pe.preflight()}")
 def test_benchmark_runs_at_the_tiniest_size(tmp_path):
-    """Both placements trained in two namespaces over a shaped veth, then nothing of it left. One
-    launch runs both placements, each 2 steps; the probe measures concurrency once."""
+    """Both placements trained in two namespaces over a shaped veth, then nothing of it left. The
+    script's ``main`` runs in a forked child of this process (no fresh interpreter's ``import
+    lightning``); one launch runs both placements, each 2 steps; the probe measures concurrency once."""
     argv = ["--model", "tiny", "--rounds", "1", "--steps", "2", "--warmup", "0", "--batch", "8"]
     argv += ["--profile-batches", "4,8", "--profile-repeats", "1", "--concurrency-rounds", "1", "--cached-host"]
+    import lightning_distmm.models.clip  # noqa: F401  (loaded here once: the forked benchmark shares it)
+
     log = tmp_path / "benchmark.log"
-    pid, code = _main_in_fork(argv, log, timeout=240)
+    pid, code = main_in_fork(pe.main, argv, log, timeout=240)
     out = log.read_text()
     assert code == 0, out[-4000:]
     assert re.search(r"ranks on namespaces \[(0, 0, 1, 1|1, 1, 0, 0)\]", out)  # two per node, in order
