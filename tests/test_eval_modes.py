@@ -45,6 +45,9 @@ def runs(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
         s.bind(("127.0.0.1", 0))
         env["MASTER_PORT"] = str(s.getsockname()[1])
     env["PYTHONWARNINGS"] = "ignore"
+    # the ranks at the reference's 1 thread on any host: unset, Lightning's launcher would give them
+    # cores / 2 (1 only on a 2-core host), and fp32 sums in another order drift past 1e-5 under AdamW
+    env["OMP_NUM_THREADS"] = "1"
     launch = subprocess.Popen(
         [sys.executable, str(SCRIPT), str(out), *PLANS],
         stdout=subprocess.PIPE,
