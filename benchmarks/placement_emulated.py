@@ -572,7 +572,8 @@ def calibrate(
         if not args.cached_host:
             host = measure_local_cpu(devices=DEVICES_PER_NODE, cache=False, measure_concurrency=False)
         with ConcurrencyProbe(DEVICES_PER_NODE, threads_per_rank(cores)) as probe:
-            concurrency = probe.measure()
+            # side_by_side_emulated's arguments have no --concurrency-rounds: the probe's default there
+            concurrency = probe.measure(rounds=getattr(args, "concurrency_rounds", 3))
         torch.manual_seed(0)
         towers = CLIPModel(model, OPTIM).towers()
         inputs = example_inputs(model)
@@ -617,6 +618,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--run-timeout", type=float, default=300.0, help="seconds one launch may take")
     parser.add_argument("--profile-batches", type=lambda s: tuple(int(x) for x in s.split(",")), default=(4, 8, 16, 32))
     parser.add_argument("--profile-repeats", type=int, default=3)
+    parser.add_argument(
+        "--concurrency-rounds", type=int, default=3, help="rounds of the two ranks' concurrency probe (median)"
+    )
     parser.add_argument(
         "--cached-host",
         action="store_true",

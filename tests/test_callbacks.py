@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
@@ -11,7 +13,7 @@ import torch
 from distmm_testing import in_subprocess
 
 import lightning_distmm as ldm
-from lightning_distmm.data.demo.digits import ZERO_SHOT_TEMPLATES, DigitsDataModule
+from lightning_distmm.data.demo.digits import ZERO_SHOT_TEMPLATES, DigitsDataModule, DigitsDataset
 from lightning_distmm.data.demo.shapes import ShapesDataModule
 from lightning_distmm.models.clip import CLIPModel
 from lightning_distmm.models.evaluation import Retrieval, ZeroShotClassification
@@ -132,13 +134,34 @@ def test_a_plan_the_callbacks_cannot_evaluate_is_refused_before_training(tmp_pat
     assert not (tmp_path / "trained").exists()
 
 
+class _KeptDigits(DigitsDataset):
+    """The digits training split, each sample decoded once and kept: 300 steps are 12 epochs of it,
+    and decoding (upsampling, caption, tokens) was a fifth of a step. The same values, so the same
+    training; the shallow copy keeps the kept sample's dict out of the caller's hands."""
+
+    def load(self, index: int, fields: Iterable[str]) -> dict[str, Any]:
+        kept = self.__dict__.setdefault("_kept", {})
+        key = (index, tuple(fields))
+        if key not in kept:
+            kept[key] = super().load(index, key[1])
+        return dict(kept[key])
+
+
+def _kept_digits() -> DigitsDataModule:
+    dm = DigitsDataModule()
+    d = dm.train_dataset
+    dm.train_dataset = _KeptDigits(d.split, d.seed, d.image_size, d.context_length)
+    return dm
+
+
 @pytest.mark.slow
 def test_clip_digits_zero_shot_far_above_chance(tmp_path, capsys):
     """Real scans (scikit-learn's digits): 300 steps of the tiny CLIP (AdamW 3e-3, 50 warmup steps,
-    cosine), then zero-shot with a prompt template the training captions never use."""
+    cosine), then zero-shot with a prompt template the training captions never use. (150 steps at
+    3e-3 or 6e-3 reached top-1 0.32 / 0.19, 200 steps 0.56: the steps stay.)"""
     callbacks = [ZeroShotClassification(templates=ZERO_SHOT_TEMPLATES)]
     optim = {"warmup_steps": 50, "scheduler": "cosine", "lr": 3e-3}
-    in_subprocess(lambda: _fit("auto", 1, tmp_path / "m.json", callbacks, DigitsDataModule(), 300, optim))
+    in_subprocess(lambda: _fit("auto", 1, tmp_path / "m.json", callbacks, _kept_digits(), 300, optim))
     metrics = json.loads((tmp_path / "m.json").read_text())
     top1, top5 = metrics["val/zeroshot/top1"], metrics["val/zeroshot/top5"]
     with capsys.disabled():

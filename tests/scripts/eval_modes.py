@@ -3,10 +3,14 @@ processes (the script launcher), with Lightning's loops made to see a non-gloo b
 (NCCL) Lightning runs its standalone evaluation loops under ``torch.inference_mode``, which it skips
 on gloo; FSDP2's all-gather buffers made under it break the evaluation or the training after it.
 
-Usage: python eval_modes.py PLAN OUT   (PLAN: a key of PLANS, or ``reference`` for one process)
+Usage: python eval_modes.py OUT PLAN [PLAN ...]   (PLAN: a key of PLANS)
 
-Writes OUT/result.json (the validation, test and prediction losses, whether the loops ran under
-inference mode) and OUT/weights.pt (the whole model after the second fit), from rank 0.
+The two ranks run the whole sequence for each plan in turn, on a fresh module built from the same
+seed (one launch: the ranks' start, ``import lightning`` included, is most of a run's time). For
+each plan, rank 0 writes OUT/PLAN/result.json (the validation, test and prediction losses, whether
+the loops ran under inference mode) and OUT/PLAN/weights.pt (the whole model after the second fit).
+``run_sequence(None, out)`` is the one-process reference (``tests/test_eval_modes.py`` calls it in
+a forked child of the test process).
 """
 
 import json
@@ -53,18 +57,18 @@ class EvalCLIP(TinyCLIP):
         return self.contrastive_loss(batch)
 
 
-def main() -> None:
-    name, out = sys.argv[1], Path(sys.argv[2])
+def run_sequence(plan: str | None, out: Path) -> None:
+    """The sequence on a fresh module (seed 0) under ``PLANS[plan]`` on 2 ranks, or in one process
+    (``plan=None``: the reference); rank 0 writes ``out/result.json`` and ``out/weights.pt``."""
     torch.set_num_threads(1)
     look_like_nccl()
-    L.seed_everything(0)
+    L.seed_everything(0, verbose=False)
     module = EvalCLIP("adamw", lr=0.01)
     module.inference = []
-    reference = name == "reference"
 
     def trainer(steps: int) -> L.Trainer:
         kw: dict[str, Any] = (
-            {"devices": 1} if reference else {"devices": 2, "strategy": ldm.DistMMStrategy(PLANS[name])}
+            {"devices": 1} if plan is None else {"devices": 2, "strategy": ldm.DistMMStrategy(PLANS[plan])}
         )
         return L.Trainer(
             max_steps=steps,
@@ -80,12 +84,21 @@ def main() -> None:
     predicted = [float(p) for p in first.predict(module, loader(8, size=16))]
     again = trainer(2)
     again.fit(module, loader(8, size=32))
-    state = module.state_dict() if reference else consolidated_state_dict(again)
+    state = module.state_dict() if plan is None else consolidated_state_dict(again)
     if again.global_rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         torch.save(state, out / "weights.pt")
         result = {"before": before, "val": val, "test": test, "predict": predicted, "inference": module.inference}
         (out / "result.json").write_text(json.dumps(result))
+
+
+def main() -> None:
+    out, plans = Path(sys.argv[1]), sys.argv[2:]
+    unknown = [p for p in plans if p not in PLANS]
+    if unknown or not plans:
+        sys.exit(f"eval_modes.py: plans {unknown or plans} not among {sorted(PLANS)}")
+    for plan in plans:
+        run_sequence(plan, out / plan)
 
 
 if __name__ == "__main__":
