@@ -4,14 +4,15 @@ GPU will run cannot rot, and the loader that turns its JSON into a device profil
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
+from forked_main import main_in_fork
 
 from lightning_distmm.planner import load_cluster, make_plan
 from lightning_distmm.planner.calibration import (
@@ -30,18 +31,25 @@ SCRIPT = ROOT / "benchmarks" / "gpu_calibrate.py"
 SMOKE = ROOT / "tests" / "data" / "calibration_cpu_smoke.json"  # written by the CPU smoke run: not GPU numbers
 
 
-def run_script(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300, cwd=ROOT, check=False
-    )
+def run_script(tmp_path: Path, *args: str) -> tuple[int | None, str]:
+    """The script's ``main`` in a forked child of this process (no fresh interpreter importing torch
+    and lightning first): its exit code and its output."""
+    spec = importlib.util.spec_from_file_location("gpu_calibrate", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_calibrate"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    log = tmp_path / "gpu_calibrate.log"
+    env = {"MASTER_PORT": None, "MASTER_ADDR": None}
+    _, code = main_in_fork(module.main, list(args), log, timeout=300, env=env)
+    return code, log.read_text()
 
 
 @pytest.mark.slow
 def test_cpu_smoke_run_writes_every_section(tmp_path):
     out = tmp_path / "tmp.json"
-    proc = run_script("--cpu-smoke", "--out", str(out))
-    assert proc.returncode == 0, proc.stderr
-    assert "GEMM by size" in proc.stdout and "tower step" in proc.stdout and "gloo world 1" in proc.stdout
+    code, said = run_script(tmp_path, "--cpu-smoke", "--out", str(out))
+    assert code == 0, said[-3000:]
+    assert "GEMM by size" in said and "tower step" in said and "gloo world 1" in said
     data = json.loads(out.read_text())
     assert data["schema"] == SCHEMA and data["kind"] == "cpu-smoke" and "NOT GPU" in data["note"]
     assert data["errors"] == [] and data["budget"]["complete"] and data["budget"]["skipped"] == []
@@ -73,8 +81,8 @@ def test_cpu_smoke_run_writes_every_section(tmp_path):
 @pytest.mark.slow
 def test_timeout_stops_cleanly_and_still_writes(tmp_path):
     out = tmp_path / "cut.json"
-    proc = run_script("--cpu-smoke", "--out", str(out), "--timeout-s", "0.5")
-    assert proc.returncode == 0, proc.stderr
+    code, said = run_script(tmp_path, "--cpu-smoke", "--out", str(out), "--timeout-s", "0.5")
+    assert code == 0, said[-3000:]
     data = json.loads(out.read_text())
     assert not data["budget"]["complete"] and data["budget"]["skipped"]
     assert data["gemm"] == [] and data["models"] == [] and data["nccl"] is None
