@@ -1,7 +1,8 @@
-"""Train TinyCLIP under strategy="distmm" on 2 "nodes" x 2 ranks, launched by torchrun or by a
-SLURM-style environment; rank 0 writes the consolidated weights and each rank's node to OUT.
+"""Train TinyCLIP under strategy="distmm" on 2 "nodes" x N ranks (N = 2 by default, or 1), launched
+by torchrun or by a SLURM-style environment; rank 0 writes the consolidated weights and each rank's
+node to OUT.
 
-Usage (each "node"): python multinode_train.py OUT  (under torchrun, or with SLURM_* variables set)
+Usage (each "node"): python multinode_train.py OUT [N]  (under torchrun, or with SLURM_* variables set)
 """
 
 import json
@@ -20,7 +21,11 @@ import lightning_distmm as ldm  # noqa: E402
 from lightning_distmm.checkpoint import consolidated_state_dict  # noqa: E402
 
 #: image sharded inside each node and replicated across the two (HSDP), text on one rank per node
-PLAN = ldm.Plan(4, {"image": {"ranks": [0, 1, 2, 3], "shard": "hybrid"}, "text": {"ranks": [1, 3]}})
+#: (the node's last), by ranks per node
+PLANS = {
+    2: ldm.Plan(4, {"image": {"ranks": [0, 1, 2, 3], "shard": "hybrid"}, "text": {"ranks": [1, 3]}}),
+    1: ldm.Plan(2, {"image": {"ranks": [0, 1], "shard": "hybrid"}, "text": {"ranks": [0, 1]}}),
+}
 
 
 class Consolidate(L.Callback):
@@ -39,14 +44,15 @@ class Consolidate(L.Callback):
 
 def main() -> None:
     out = Path(sys.argv[1])
+    per_node = int(sys.argv[2]) if len(sys.argv) > 2 else 2
     torch.set_num_threads(1)
     L.seed_everything(0)
     module = TinyCLIP("sgd", lr=0.05)
     trainer = L.Trainer(
         num_nodes=2,
-        devices=2,
+        devices=per_node,
         max_steps=3,
-        strategy=ldm.DistMMStrategy(plan=PLAN, timeout=timedelta(seconds=180)),
+        strategy=ldm.DistMMStrategy(plan=PLANS[per_node], timeout=timedelta(seconds=180)),
         callbacks=[Consolidate(out)],
         **trainer_kwargs(),
     )
