@@ -55,24 +55,28 @@ def _worker_states(names: tuple[str, ...]) -> dict[int, tuple[str, int]] | None:
 
 
 def settle_collective_threads(
-    timeout: float = 3.0, pause: float = 0.005, names: tuple[str, ...] = (GLOO_WORKER,)
+    timeout: float = 3.0, pause: float = 0.05, rounds: int = 2, names: tuple[str, ...] = (GLOO_WORKER,)
 ) -> bool:
     """Wait until every thread named in ``names`` is idle; ``True`` when they are, ``False`` when
     ``timeout`` seconds passed first (a collective still running: a failed job's peer gone, say).
 
-    Idle means asleep (state ``S``) and not woken once across a ``pause`` spent in ``time.sleep``,
-    which releases the interpreter lock: a worker that wanted the lock gets it in that pause and
-    shows up as woken, so it is waited for. Without ``/proc`` this sleeps ``pause`` ten times.
+    Idle means asleep (state ``S``) and not woken once across ``rounds`` pauses of ``pause`` seconds
+    each, spent in ``time.sleep``, which releases the interpreter lock: a worker that wanted the lock
+    gets it in a pause and shows up as woken, so it is waited for. The pauses are long enough for
+    a loaded host to schedule such a worker (at 5 ms, a torchrun rank of a busy host was judged idle
+    and aborted). Without ``/proc`` this sleeps ``rounds`` pauses.
     """
     before = _worker_states(names)
     if before is None:
-        time.sleep(10 * pause)
+        time.sleep(rounds * pause)
         return True
     deadline = time.monotonic() + timeout
+    quiet = 0
     while True:
         time.sleep(pause)
         after = _worker_states(names) or {}
-        if after == before and all(state == "S" for state, _ in after.values()):
+        quiet = quiet + 1 if after == before and all(state == "S" for state, _ in after.values()) else 0
+        if quiet >= rounds:
             return True
         if time.monotonic() >= deadline:
             return False
