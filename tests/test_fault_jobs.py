@@ -75,9 +75,13 @@ def test_survivors_of_a_peer_that_fails_without_closing_its_connections_end_with
 
 @pytest.mark.slow
 def test_a_stalled_rank_ends_the_job_at_the_collective_timeout(tmp_path):
+    """Rank 1 hangs in its fourth step; rank 0's collective times out (20 s here) and the job ends
+    naming the rank that stalled (not a failure at setup: both ranks had trained two steps)."""
     job = start_case("rank1-stalls", tmp_path)
     code, out, took = finish(job, tmp_path, within=150)
     assert code != 0
+    assert {"step0", "step1"} <= {p.name for p in tmp_path.iterdir()}, sorted(tmp_path.iterdir())
+    assert re.search(r"rank 1: RankStalled: rank 1 .*stalled", out), out[-3000:]
 
 
 @pytest.mark.slow
