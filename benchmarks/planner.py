@@ -41,7 +41,7 @@ from lightning_distmm.planner.baselines import BASELINES  # noqa: E402
 from lightning_distmm.planner.cluster import CONF_DIR  # noqa: E402
 from lightning_distmm.planner.report import Report, describe  # noqa: E402
 
-ALL_SHARDS = {"shards": ["none", "full", "hybrid"]}  # every sharding the runtime runs and the planner prices
+ALL_SHARDS = {"shards": ["none", "zero2", "full", "hybrid"]}  # every sharding the runtime runs and the planner prices
 PAPER_MODELS = ["distmm_1b", "clip_vit_g14", "clip_vit_bigg14", "distmm_4b", "distmm_10b", "distmm_26b"]
 PAPER_CLUSTERS = ["a100_8x8", "h100_8x8", "h200_8x8"]
 SUMMARY = ("megatron", "megatron-tp-pp", "fsdp")  # the baselines the --paper summary lines compare with

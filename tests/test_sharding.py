@@ -59,6 +59,9 @@ MORE_PLANS = {
     "recompute-colocated": ldm.Plan(
         2, {"image": {"ranks": [0, 1], "shard": "full", "recompute": True}, "text": {"ranks": [0, 1], "shard": "full"}}
     ),
+    # ZeRO-2 (FSDP2's reshard_after_forward=False): each block's weights kept whole from the forward of
+    # the first of 3 microbatches to its backward
+    "zero2-mb3": ldm.Plan(3, {"image": {"ranks": [0, 1], "shard": "zero2", "microbatch": 3}, "text": {"ranks": [2]}}),
     # tensor parallelism inside each replica, FSDP across the replicas: a 2-D (dp, tp) layout
     "image-tp2xfsdp2+text-colocated": ldm.Plan(
         4, {"image": {"ranks": [0, 1, 2, 3], "tp": 2, "shard": "full"}, "text": {"ranks": [0, 2], "shard": "full"}}
@@ -91,9 +94,13 @@ def test_shard_in_plan_yaml_round_trip_and_validation():
     assert again.towers["image"].shard == "full" and again.towers["text"].shard == "hybrid"
     assert again.towers["image"].sharded and not ldm.Plan(1, {"a": {"ranks": [0]}}).towers["a"].sharded
     assert "full" in plan.table()
+    zero2 = ldm.Plan.from_yaml(
+        ldm.Plan(2, {"image": {"ranks": [0, 1], "shard": "zero2"}, "text": {"ranks": [1]}}).to_yaml()
+    )
+    assert zero2.towers["image"].shard == "zero2" and zero2.towers["image"].sharded
     with pytest.raises(ldm.PlanError, match="unknown shard 'zero3'"):
         ldm.Plan(1, {"image": {"ranks": [0], "shard": "zero3"}})
-    with pytest.raises(ldm.PlanError, match="towers.image.shard: expected one of none, full, hybrid"):
+    with pytest.raises(ldm.PlanError, match="towers.image.shard: expected one of none, zero2, full, hybrid"):
         ldm.Plan.from_dict({"world_size": 1, "towers": {"image": {"ranks": [0], "shard": True}}})
 
 
@@ -159,11 +166,10 @@ def test_the_planner_refuses_shardings_the_runtime_lacks():
 
     with pytest.raises(ValueError, match="runtime has no ZeRO-1"):
         auto_plan({}, 2, 8, options={"shards": ["none", "optimizer"]})
-    with pytest.raises(ValueError, match="runtime has no ZeRO-2"):
-        auto_plan({}, 2, 8, options={"shards": ["none", "zero2"]})
     from lightning_distmm.planner.options import PlannerOptions
 
-    assert PlannerOptions(shards=("none", "full", "hybrid")).shards == ("none", "full", "hybrid")  # HSDP is priced
+    # HSDP and ZeRO-2 are run and priced
+    assert PlannerOptions(shards=("none", "zero2", "full", "hybrid")).shards == ("none", "zero2", "full", "hybrid")
 
 
 def _hybrid_mesh_worker(rank, init, errors):

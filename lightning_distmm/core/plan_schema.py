@@ -16,9 +16,11 @@ import yaml
 
 SCHEDULES = ("gpipe", "distmm", "cached")
 #: how a tower's parameters, gradients and optimizer state are held over its data-parallel ranks:
-#: ``none`` replicated (DDP-style sums), ``full`` sharded over all of them (FSDP), ``hybrid`` sharded
-#: inside a node and replicated across nodes (HSDP)
-SHARDS = ("none", "full", "hybrid")
+#: ``none`` replicated (DDP-style sums), ``zero2`` sharded over all of them with each layer's weights
+#: kept whole from its forward to its backward (ZeRO-2: FSDP2's ``reshard_after_forward=False``),
+#: ``full`` sharded over all of them (ZeRO-3, FSDP2's default), ``hybrid`` sharded inside a node and
+#: replicated across nodes (HSDP)
+SHARDS = ("none", "zero2", "full", "hybrid")
 
 
 class PlanError(ValueError):

@@ -50,8 +50,10 @@ class TowerPlan:
     (Megatron-LM ``--recompute-granularity full``, open_clip ``--grad-checkpointing``)."""
     shard: str = "none"
     """Parameters, gradients and optimizer state over the tower's data-parallel ranks: ``none``
-    (replicated), ``full`` (sharded over all replicas, FSDP) or ``hybrid`` (sharded over the replicas
-    on one node, replicated across nodes, HSDP)."""
+    (replicated), ``full`` (sharded over all replicas, FSDP), ``zero2`` (sharded over all replicas,
+    each layer's weights gathered once in the forward and kept to the backward: FSDP2's
+    ``reshard_after_forward=False``) or ``hybrid`` (sharded over the replicas on one node, replicated
+    across nodes, HSDP)."""
     cp: int = 1
     """Context parallelism: each row's token sequence split over ``cp`` ranks of the replica, attention
     exact across the split (DeepSpeed-Ulysses all-to-all over heads: the heads must divide by

@@ -92,9 +92,12 @@ def apply_fsdp(
     mesh: DeviceMesh,
     mp_policy: MixedPrecisionPolicy | None = None,
     stage: Stage | None = None,
+    reshard_after_forward: bool = True,
 ) -> nn.Module:
     """Shard ``module`` over ``mesh`` (1-D: FSDP; 2-D ``(replicate, shard)``: HSDP), block by block
-    and then the root, with gradients summed over the mesh (in place).
+    and then the root, with gradients summed over the mesh (in place). ``reshard_after_forward=False``
+    (a plan's ``shard: zero2``): each block's weights, gathered in its forward, stay whole until its
+    backward, which then gathers nothing (ZeRO-2's traffic, one block's whole weights more memory).
 
     Returns the FSDP root: ``module`` itself, or with ``stage`` (a pipeline stage of ``module``,
     :class:`~lightning_distmm.parallel.pipeline.Stage`) the :class:`StageModule` to call instead of
@@ -120,6 +123,7 @@ def apply_fsdp(
         "mesh": mesh,
         "mp_policy": mp_policy or MixedPrecisionPolicy(),
         "shard_placement_fn": partial(_placement, dp=mesh.size()),
+        "reshard_after_forward": reshard_after_forward,
     }
     if stage is None:
         blocks, root, ignored = transformer_blocks(module), module, set()

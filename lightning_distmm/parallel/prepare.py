@@ -119,7 +119,8 @@ def shard_local_towers(
         mesh = groups[name].shard_mesh
         if plan.towers[name].sharded and mesh is not None:
             stage = out.get(name)
-            root = apply_fsdp(towers[name].module, mesh, groups[name].mp_policy, stage)
+            zero2 = plan.towers[name].shard == "zero2"
+            root = apply_fsdp(towers[name].module, mesh, groups[name].mp_policy, stage, reshard_after_forward=not zero2)
             if stage is not None:
                 out[name] = Stage(stage.modules, root, stage.extra)
     return out

@@ -75,7 +75,6 @@ class PlannerOptions:
             why = {
                 "optimizer": "the runtime has no ZeRO-1 (optimizer-state-only sharding): the planner prices it for"
                 " the megatron baseline alone",
-                "zero2": "the runtime has no ZeRO-2: the planner prices it for the fsdp baseline alone",
             }
             reasons = "; ".join(f"{s!r}: {why[s]}" for s in self.shards if s in why)
             raise ValueError(
