@@ -6,11 +6,25 @@ process does (its own session; its output, and that of every process it starts, 
 from __future__ import annotations
 
 import gc
+import importlib.util
 import multiprocessing as mp
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from types import ModuleType
+
+
+def script_module(path: Path, name: str | None = None) -> ModuleType:
+    """The script at ``path`` imported as the module ``name`` (its file name by default), registered
+    in ``sys.modules`` (dataclasses look their module up there); its ``__main__`` block does not run."""
+    name = name or path.stem
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def main_in_fork(

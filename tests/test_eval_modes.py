@@ -4,7 +4,6 @@ the losses and the weights equal one process's (``tests/scripts/eval_modes.py`` 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -16,18 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 from distmm_testing import in_subprocess
+from forked_main import script_module
 
 SCRIPT = Path(__file__).parent / "scripts" / "eval_modes.py"
 PLANS = ["mesh1", "mesh2"]
-
-
-def _script():
-    """The script as a module, for its one-process reference (imported, not started: no second
-    ``import lightning``)."""
-    spec = importlib.util.spec_from_file_location("eval_modes_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
 
 
 def _results(out: Path) -> tuple[dict, dict]:
@@ -57,7 +48,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
         start_new_session=True,
     )
     try:
-        script = _script()
+        script = script_module(SCRIPT, "eval_modes_script")  # imported, not started: no second import lightning
         in_subprocess(lambda: script.run_sequence(None, out / "reference"))
         output, _ = launch.communicate(timeout=400)
     finally:

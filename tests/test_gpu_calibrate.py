@@ -4,15 +4,13 @@ GPU will run cannot rot, and the loader that turns its JSON into a device profil
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
-from forked_main import main_in_fork
+from forked_main import main_in_fork, script_module
 
 from lightning_distmm.planner import load_cluster, make_plan
 from lightning_distmm.planner.calibration import (
@@ -34,10 +32,7 @@ SMOKE = ROOT / "tests" / "data" / "calibration_cpu_smoke.json"  # written by the
 def run_script(tmp_path: Path, *args: str) -> tuple[int | None, str]:
     """The script's ``main`` in a forked child of this process (no fresh interpreter importing torch
     and lightning first): its exit code and its output."""
-    spec = importlib.util.spec_from_file_location("gpu_calibrate", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_calibrate"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    module = script_module(SCRIPT)
     log = tmp_path / "gpu_calibrate.log"
     env = {"MASTER_PORT": None, "MASTER_ADDR": None}
     _, code = main_in_fork(module.main, list(args), log, timeout=300, env=env)

@@ -4,14 +4,12 @@ slow run at the tiniest size where root and ``ip netns`` are available."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from forked_main import main_in_fork
+from forked_main import main_in_fork, script_module
 
 from lightning_distmm.planner import Cluster, Device, Link, model_profiles, price_plan
 
@@ -19,15 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "placement_emulated.py"
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("placement_emulated", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["placement_emulated"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
-
-
-pe = _load()
+pe = script_module(SCRIPT)
 
 
 def host() -> Cluster:

@@ -3,27 +3,18 @@ statistics and the table) on a made-up host, without namespaces or processes."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from forked_main import script_module
 
 from lightning_distmm.planner import Cluster, Device, Link, model_profiles, price_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
-
-
-pe = _load("placement_emulated")
-sb = _load("side_by_side_emulated")
+pe = script_module(ROOT / "benchmarks" / "placement_emulated.py")
+sb = script_module(ROOT / "benchmarks" / "side_by_side_emulated.py")
 
 
 def host() -> Cluster:
