@@ -715,15 +715,21 @@ def main(argv: Sequence[str] | None = None) -> None:
                         + ", ".join("/".join(f"{x * 1e3:.0f}" for x in rank) for rank in got["parts"][k]),
                         flush=True,
                     )
-            print(
-                f"round {r + 1} ({' then '.join(order)}, ranks on namespaces {got['nodes']}): "
-                + ", ".join(f"{k} {per_round[k][-1] * 1e3:.0f} ms" for k in PLACEMENTS)
-                + f"; other processes kept {foreign[-1]:.1f} cores busy ({time.perf_counter() - t0:.0f} s)",
-                flush=True,
-            )
+            print(round_line(r, order, got["nodes"], per_round, PLACEMENTS, foreign[-1], t0), flush=True)
         if args.verbose:
             print(emu.qdisc_stats())
     report(args, link, cluster, layouts, predicted, rows, per_round, mbit, foreign)
+
+
+def round_line(
+    r: int, order: list[str], nodes: Any, per_round: dict[str, list[float]], names: Any, busy: float, t0: float
+) -> str:
+    """One round's line: the order run, the ranks' namespaces, each run's median step, the other load."""
+    return (
+        f"round {r + 1} ({' then '.join(order)}, ranks on namespaces {nodes}): "
+        + ", ".join(f"{k} {per_round[k][-1] * 1e3:.0f} ms" for k in names)
+        + f"; other processes kept {busy:.1f} cores busy ({time.perf_counter() - t0:.0f} s)"
+    )
 
 
 def report(args, link, cluster, layouts, predicted, rows, per_round, mbit, foreign) -> None:

@@ -410,12 +410,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 steps[k] += [row[0] for row in got["rank0"][k]]
                 per_round[k].append(statistics.median(row[0] for row in got["rank0"][k]))
                 parts[k].append(got["parts"][k][0])
-            print(
-                f"round {r + 1} ({' then '.join(order)}; ranks on namespaces {got['nodes']}): "
-                + ", ".join(f"{k} {per_round[k][-1] * 1e3:.0f} ms" for k in plans)
-                + f"; other processes kept {foreign[-1]:.1f} cores busy ({time.perf_counter() - t0:.0f} s)",
-                flush=True,
-            )
+            print(pe.round_line(r, order, got["nodes"], per_round, plans, foreign[-1], t0), flush=True)
             if args.verbose:
                 for k in order:
                     print(f"  {k}: rank medians ms (wall/CPU/fwd/bwd/sync) {got['parts'][k]}", flush=True)

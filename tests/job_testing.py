@@ -93,3 +93,10 @@ def finish(job: subprocess.Popen, folder: Path, within: float) -> tuple[int, str
         os.kill(p, signal.SIGKILL)
     assert not left, f"rank processes {left} outlived the job:\n{out[-3000:]}"
     return job.returncode, out, time.monotonic() - start
+
+
+def failed_job_output(job: subprocess.Popen, folder: Path, within: float) -> str:
+    """:func:`finish` for a job that must fail: its exit code is checked non-zero; its output."""
+    code, out, _ = finish(job, folder, within)
+    assert code != 0, f"the job ended with 0:\n{out[-3000:]}"
+    return out

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from job_testing import SCRIPTS, clean_env, expected_threads, finish, free_port, start_case, wait_for
+from job_testing import SCRIPTS, clean_env, expected_threads, failed_job_output, free_port, start_case, wait_for
 
 
 @pytest.mark.slow
@@ -23,8 +23,7 @@ def test_sigterm_to_one_rank_ends_every_rank(tmp_path):
     job = start_case("sigterm", tmp_path)
     wait_for("step*", tmp_path, 2, timeout=120)
     os.kill(int((tmp_path / "pid1").read_text()), signal.SIGTERM)
-    code, out, _ = finish(job, tmp_path, within=60)
-    assert code != 0
+    out = failed_job_output(job, tmp_path, within=60)
     assert "SIGTERM" in out, out[-3000:]
     threads = {p.name: int(p.read_text()) for p in tmp_path.glob("threads*")}
     assert threads == {"threads0": expected_threads(2), "threads1": expected_threads(2)}, threads
@@ -35,8 +34,7 @@ def test_sigkill_of_one_rank_names_it(tmp_path):
     job = start_case("sigkill", tmp_path)
     wait_for("step*", tmp_path, 2, timeout=120)
     os.kill(int((tmp_path / "pid1").read_text()), signal.SIGKILL)
-    code, out, _ = finish(job, tmp_path, within=60)
-    assert code != 0
+    out = failed_job_output(job, tmp_path, within=60)
     assert re.search(r"rank 1 .*(died|killed|signal)", out), out[-3000:]
 
 
@@ -44,8 +42,7 @@ def test_sigkill_of_one_rank_names_it(tmp_path):
 def test_an_error_on_rank_0_reaches_every_rank(tmp_path):
     """Rank 0 hosts the store; its error must still be what the other ranks end with."""
     job = start_case("rank0-raises", tmp_path)
-    code, out, _ = finish(job, tmp_path, within=120)
-    assert code != 0
+    out = failed_job_output(job, tmp_path, within=120)
     assert re.search(r"\[rank1\].*rank 0: RuntimeError: boom on rank 0", out), out[-4000:]
 
 
@@ -56,8 +53,7 @@ def test_master_port_in_use_ends_every_rank(tmp_path):
         taken.listen()
         port = taken.getsockname()[1]
         job = start_case("port", tmp_path, MASTER_PORT=str(port), MASTER_ADDR="127.0.0.1")
-        code, out, took = finish(job, tmp_path, within=90)
-    assert code != 0
+        out = failed_job_output(job, tmp_path, within=90)
     assert re.search(r"(address already in use|EADDRINUSE|port)", out, re.IGNORECASE), out[-3000:]
 
 
@@ -68,8 +64,7 @@ def test_survivors_of_a_peer_that_fails_without_closing_its_connections_end_with
     minute with rank 1's error (failure_grace 5 s here, 30 s by default); before, they waited in their
     collective for the timeout (10 minutes)."""
     job = start_case("rank1-raises-and-lingers", tmp_path)
-    code, out, took = finish(job, tmp_path, within=90)
-    assert code != 0
+    out = failed_job_output(job, tmp_path, within=90)
     assert re.search(r"\[rank0\]: distmm: rank 1: RuntimeError: boom on rank 1", out), out[-3000:]
 
 
@@ -78,8 +73,7 @@ def test_a_stalled_rank_ends_the_job_at_the_collective_timeout(tmp_path):
     """Rank 1 hangs in its fourth step; rank 0's collective times out (20 s here) and the job ends
     naming the rank that stalled (not a failure at setup: both ranks had trained two steps)."""
     job = start_case("rank1-stalls", tmp_path)
-    code, out, took = finish(job, tmp_path, within=150)
-    assert code != 0
+    out = failed_job_output(job, tmp_path, within=150)
     assert {"step0", "step1"} <= {p.name for p in tmp_path.iterdir()}, sorted(tmp_path.iterdir())
     assert re.search(r"rank 1: RankStalled: rank 1 .*stalled", out), out[-3000:]
 

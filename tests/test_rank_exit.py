@@ -13,7 +13,7 @@ import lightning as L
 import pytest
 import torch
 from distmm_testing import TinyCLIP, loader, trainer_kwargs
-from job_testing import SCRIPTS, clean_env, expected_threads, finish, free_port, start_case
+from job_testing import SCRIPTS, clean_env, expected_threads, failed_job_output, free_port, start_case
 
 import lightning_distmm as ldm
 
@@ -34,8 +34,8 @@ def test_a_failed_spawn_run_leaves_no_files_in_the_temp_dir(tmp_path):
     records go when the run is over."""
     temp = tmp_path / "tmp"
     temp.mkdir()
-    code, out, _ = finish(start_case("spawn-rank1-raises", tmp_path, TMPDIR=str(temp)), tmp_path, within=180)
-    assert code != 0 and "boom on rank 1" in out, out[-3000:]
+    out = failed_job_output(start_case("spawn-rank1-raises", tmp_path, TMPDIR=str(temp)), tmp_path, within=180)
+    assert "boom on rank 1" in out, out[-3000:]
     assert not _left_in(temp), _left_in(temp)
 
 
