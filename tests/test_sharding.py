@@ -77,6 +77,43 @@ def test_sharding_composes(name, tmp_path):
     compare_with_reference(make, plan, plan.world_size, 10, 3, tmp_path).assert_exact()
 
 
+class _ResharedAfterForward(L.Callback):
+    """Rank 0 (an image rank) writes whether each FSDP unit of the image tower reshards its weights
+    after its forward (FSDP2 keeps the mesh it reshards to; none under reshard_after_forward=False)."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_train_start(self, trainer, pl_module):
+        from lightning_distmm.parallel.fsdp import fsdp_modules
+
+        if trainer.global_rank == 0:
+            units = list(fsdp_modules(pl_module.visual))
+            kept = [u._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None for u in units]
+            with open(self.out, "w") as f:
+                f.write(" ".join(map(str, kept)))
+
+
+@pytest.mark.slow
+def test_zero2_keeps_weights_whole_from_forward_to_backward(tmp_path):
+    """``shard: zero2`` is FSDP2's reshard_after_forward=False on every unit of the tower; ``full``
+    reshards each unit after its forward (ZeRO-3)."""
+    for shard in ("zero2", "full"):
+        plan = ldm.Plan(3, {"image": {"ranks": [0, 1], "shard": shard}, "text": {"ranks": [2]}})
+        out = tmp_path / f"{shard}.txt"
+        run_distmm(
+            TinyCLIP(),
+            plan,
+            3,
+            loader(8),
+            1,
+            str(tmp_path / f"{shard}.json"),
+            callbacks=[_ResharedAfterForward(str(out))],
+        )
+        reshards = out.read_text().split()
+        assert len(reshards) >= 2 and set(reshards) == {"False" if shard == "zero2" else "True"}, (shard, reshards)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_accumulation_and_clipping_with_sharding(optimizer, tmp_path):
