@@ -124,7 +124,9 @@ def build_tower_groups(
             if tower.cp > 1:
                 shard_mesh = sum_mesh  # None off the tower; plan validation refuses cp > 1 with hybrid
             elif rows is None or len(rows[0]) == 1:
-                shard_mesh = mesh["dp"]
+                # slicing is local (it reuses the groups the mesh made), but torch can slice a mesh
+                # with several dp sub-meshes (tp or pp > 1) only on a rank inside it
+                shard_mesh = mesh["dp"] if mesh.get_coordinate() is not None else None
             elif tower.pp == 1:
                 shard_mesh = DeviceMesh(
                     device_type, torch.tensor(rows[0], dtype=torch.int), mesh_dim_names=("replicate", "shard")
