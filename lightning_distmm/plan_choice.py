@@ -24,6 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_distmm import lightning_seam as seam
 from lightning_distmm.core.plan import Plan, PlanError, colocated_plan
 from lightning_distmm.parallel.flops import tower_counts
+from lightning_distmm.parallel.plan_checks import check_plan_runs
 from lightning_distmm.tower import Tower
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -83,8 +84,13 @@ def plan_of_run(strategy: Any, trainer: pl.Trainer, module: Any, nodes: list[int
             rank_zero_info(line)
         plan = Plan.from_dict(chosen)
     plan.check_world(strategy.world_size)
-    plan.check_towers(list(module.tower_specs()))
+    towers = module.tower_specs()
+    plan.check_towers(list(towers))
+    check_plan_runs(plan, towers)
     check_loss_semantics(plan, module)
+    batch = seam.train_batch_size(trainer)
+    if batch is not None:  # how the run's batches split, before any group is built
+        plan.check_batch_split(batch)
     return plan
 
 

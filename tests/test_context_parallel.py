@@ -13,13 +13,13 @@ from lightning_distmm.parallel.sequence_parallel import check_sp
 
 
 def test_cp_and_sp_round_trip_through_yaml_and_show_in_the_table():
-    plan = Plan(4, {"image": {"ranks": [0, 1, 2, 3], "cp": 2, "tp": 2, "sp": True}, "text": {"ranks": [0], "cp": 1}})
+    plan = Plan(4, {"image": {"ranks": [0, 1, 2, 3], "cp": 2, "tp": 2}, "text": {"ranks": [0, 1], "tp": 2, "sp": True}})
     again = Plan.from_yaml(plan.to_yaml())
-    assert again == plan and again.towers["image"].cp == 2 and again.towers["image"].sp
+    assert again == plan and again.towers["image"].cp == 2 and again.towers["text"].sp
     rows = {line.split()[0]: line.split() for line in plan.table().splitlines()[2:]}
     head = plan.table().splitlines()[1].split()
-    assert rows["image"][head.index("cp")] == "2" and rows["image"][head.index("tp")] == "2+sp"
-    assert rows["text"][head.index("cp")] == "1" and rows["text"][head.index("tp")] == "1"
+    assert rows["image"][head.index("cp")] == "2" and rows["image"][head.index("tp")] == "2"
+    assert rows["text"][head.index("cp")] == "1" and rows["text"][head.index("tp")] == "2+sp"
 
 
 def test_rank_layout_with_cp():
@@ -194,26 +194,36 @@ def test_text_tower_with_tp2_and_sp_is_exact(optimizer, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "module, cp, shard, message",
+    "module, message",
     [
         (
             nn.Linear(2, 2),
-            1,
-            "none",
             r"tower 'x', tp=2, sp: true: sequence parallelism is built for timm VisionTransformer towers and"
             r" transformers CLIP-style text encoders; a Linear tower",
         ),
-        (TinyText(), 1, "full", r"sp with shard: full is not supported"),
-        (_vit(4), 2, "none", r"sp with cp=2 is not supported"),
-        (_vit(4), 1, "full", r"sp with shard: full is not supported"),
-        (_vit(4, patch_drop_rate=0.5), 1, "none", "patch dropout"),
+        (_vit(4, patch_drop_rate=0.5), "patch dropout"),
     ],
 )
-def test_sp_checks_name_the_tower_and_the_rule(module, cp, shard, message):
+def test_sp_checks_name_the_tower_and_the_rule(module, message):
     with pytest.raises(ValueError, match=message):
-        check_sp(module, "x", 2, cp, shard)
-    check_sp(_vit(4), "x", 2, 1, "none")
-    check_sp(TinyText(), "x", 2, 1, "none")  # a CLIP-style text tower splits its sequence too
+        check_sp(module, "x", 2)
+    check_sp(_vit(4), "x", 2)
+    check_sp(TinyText(), "x", 2)  # a CLIP-style text tower splits its sequence too
+
+
+@pytest.mark.parametrize(
+    "tower, message",
+    [
+        ({"tp": 2, "sp": True, "shard": "full"}, r"tower 'image': sp: true with shard: full is not supported"),
+        ({"tp": 2, "sp": True, "shard": "zero2"}, r"tower 'image': sp: true with shard: zero2 is not supported"),
+        ({"tp": 2, "sp": True, "cp": 2}, r"tower 'image': sp: true with cp=2 is not supported"),
+    ],
+)
+def test_sp_with_cp_or_sharding_is_refused_by_the_plan(tower, message):
+    """What sp cannot run with is the plan's own rule: refused when the plan is made, naming the key."""
+    with pytest.raises(PlanError, match=message) as refused:
+        Plan(4, {"image": {"ranks": [0, 1, 2, 3], **tower}})
+    assert refused.value.key == "towers.image.sp"
 
 
 @pytest.mark.slow

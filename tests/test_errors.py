@@ -117,12 +117,6 @@ CASES = {
         lambda: loader(6),
         r"tower 'image', tp=3: blocks.0.attn: 2 attention heads do not divide by tp=3",
     ),
-    "sp-with-shard": (
-        2,
-        ldm.Plan(2, {"image": {"ranks": [0]}, "text": {"ranks": [0, 1], "tp": 2, "sp": True, "shard": "full"}}),
-        lambda: loader(4),
-        r"tower 'text', tp=2, sp: true: sp with shard: full is not supported",
-    ),
     "pp-too-deep": (
         2,
         ldm.Plan(2, {"image": {"ranks": [0, 1], "pp": 2}, "text": {"ranks": [0]}}),

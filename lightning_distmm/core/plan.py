@@ -52,70 +52,88 @@ class Plan:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
+        """Every rule the plan alone decides, each refusal a :class:`PlanError` naming its key; with a
+        ``global_batch``, the batch's rules too (:meth:`check_global_batch`)."""
         if not is_int(self.world_size) or self.world_size < 1:
-            raise PlanError(f"world_size must be a positive integer, got {self.world_size!r}")
+            raise PlanError(f"world_size must be a positive integer, got {self.world_size!r}", "world_size")
         if self.global_batch is not None and (not is_int(self.global_batch) or self.global_batch < 1):
-            raise PlanError(f"global_batch must be a positive integer or None, got {self.global_batch!r}")
+            raise PlanError(
+                f"global_batch must be a positive integer or None, got {self.global_batch!r}", "global_batch"
+            )
         if not self.towers:
-            raise PlanError("a plan needs at least one tower")
+            raise PlanError("a plan needs at least one tower", "towers")
         held: set[int] = set()
         for name, t in self.towers.items():
-            where = f"tower {name!r}"
+            where, key = f"tower {name!r}", f"towers.{name}"
             if not t.ranks:
-                raise PlanError(f"{where} has no ranks")
+                raise PlanError(f"{where} has no ranks", f"{key}.ranks")
             if len(set(t.ranks)) != len(t.ranks):
-                raise PlanError(f"{where} lists a rank twice: {t.ranks}")
+                raise PlanError(f"{where} lists a rank twice: {t.ranks}", f"{key}.ranks")
             bad = [r for r in t.ranks if not is_int(r) or not 0 <= r < self.world_size]
             if bad:
                 raise PlanError(
-                    f"{where} uses ranks {bad} outside the world of {self.world_size} ranks (0..{self.world_size - 1})"
+                    f"{where} uses ranks {bad} outside the world of {self.world_size} ranks (0..{self.world_size - 1})",
+                    f"{key}.ranks",
                 )
             for degree in ("tp", "pp", "cp"):
                 value = getattr(t, degree)
                 if not is_int(value) or value < 1:
-                    raise PlanError(f"{where}: {degree} must be a positive integer, got {value!r}")
-            check_sequence_split(where, t.cp, t.tp, t.pp, t.sp, t.shard, len(t.ranks))
+                    raise PlanError(f"{where}: {degree} must be a positive integer, got {value!r}", f"{key}.{degree}")
+            check_sequence_split(name, t.cp, t.tp, t.pp, t.sp, t.shard, len(t.ranks))
             if t.schedule not in SCHEDULES:
-                raise PlanError(f"{where}: unknown schedule {t.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+                raise PlanError(
+                    f"{where}: unknown schedule {t.schedule!r}; choose one of {', '.join(SCHEDULES)}", f"{key}.schedule"
+                )
             if not isinstance(t.recompute, bool):
-                raise PlanError(f"{where}: recompute must be true or false, got {t.recompute!r}")
+                raise PlanError(f"{where}: recompute must be true or false, got {t.recompute!r}", f"{key}.recompute")
             if t.shard not in SHARDS:
-                raise PlanError(f"{where}: unknown shard {t.shard!r}; choose one of {', '.join(SHARDS)}")
+                raise PlanError(
+                    f"{where}: unknown shard {t.shard!r}; choose one of {', '.join(SHARDS)}", f"{key}.shard"
+                )
             if t.microbatch is not None and (not is_int(t.microbatch) or t.microbatch < 1):
-                raise PlanError(f"{where}: microbatch must be a positive integer or null, got {t.microbatch!r}")
+                raise PlanError(
+                    f"{where}: microbatch must be a positive integer or null, got {t.microbatch!r}", f"{key}.microbatch"
+                )
             if t.replica_batch is not None:
                 if len(t.replica_batch) != t.dp:
                     raise PlanError(
-                        f"{where}: replica_batch has {len(t.replica_batch)} entries but the tower has dp={t.dp} replicas"
+                        f"{where}: replica_batch has {len(t.replica_batch)} entries but the tower has dp={t.dp} replicas",
+                        f"{key}.replica_batch",
                     )
                 if any(not is_int(b) or b < 1 for b in t.replica_batch):
-                    raise PlanError(f"{where}: replica_batch entries must be positive integers, got {t.replica_batch}")
+                    raise PlanError(
+                        f"{where}: replica_batch entries must be positive integers, got {t.replica_batch}",
+                        f"{key}.replica_batch",
+                    )
                 if self.global_batch is not None and sum(t.replica_batch) != self.global_batch:
                     raise PlanError(
                         f"{where}: replica_batch {t.replica_batch} sums to {sum(t.replica_batch)},"
-                        f" not the global batch {self.global_batch}"
+                        f" not the global batch {self.global_batch}",
+                        f"{key}.replica_batch",
                     )
-            if self.global_batch is not None and self.global_batch < t.dp:
-                raise PlanError(
-                    f"{where}: global batch {self.global_batch} is smaller than its {t.dp} data-parallel replicas"
-                )
             held.update(t.ranks)
         if sync_group_count({n: t.schedule for n, t in self.towers.items()}) is None:
             in_distmm = sorted(n for n, t in self.towers.items() if t.schedule == "distmm")
             others = sorted(set(self.towers) - set(in_distmm))
             raise PlanError(
                 f"schedule 'distmm' splits the whole batch into two sync groups that every tower must share;"
-                f" tower(s) {in_distmm} use it but {others} do not: set schedule: distmm on every tower or on none"
+                f" tower(s) {in_distmm} use it but {others} do not: set schedule: distmm on every tower or on none",
+                f"towers.{others[0]}.schedule",
             )
         idle = sorted(set(range(self.world_size)) - held)
         if idle:
-            raise PlanError(f"ranks {idle} run no tower: every rank of the world of {self.world_size} must hold one")
+            raise PlanError(
+                f"ranks {idle} run no tower: every rank of the world of {self.world_size} must hold one", "towers"
+            )
+        if self.global_batch is not None:
+            self.check_global_batch(self.global_batch)
 
     def check_world(self, world_size: int) -> None:
         if world_size != self.world_size:
             raise PlanError(
                 f"the plan is for world_size={self.world_size} but the trainer runs {world_size} processes"
-                f" (devices x num_nodes); make a plan for {world_size} ranks or change devices"
+                f" (devices x num_nodes); make a plan for {world_size} ranks or change devices",
+                "world_size",
             )
 
     def check_towers(self, names: Sequence[str]) -> None:
@@ -123,10 +141,11 @@ class Plan:
         missing = sorted(set(names) - set(self.towers))
         if unknown:
             raise PlanError(
-                f"the plan names tower(s) {unknown} that the module does not define; the module's towers() are {sorted(names)}"
+                f"the plan names tower(s) {unknown} that the module does not define; the module's towers() are {sorted(names)}",
+                f"towers.{unknown[0]}",
             )
         if missing:
-            raise PlanError(f"the plan has no entry for tower(s) {missing} of the module")
+            raise PlanError(f"the plan has no entry for tower(s) {missing} of the module", "towers")
 
     def batch_note(self, n: int) -> str | None:
         """What a batch of ``n`` rows does to a plan written for another global batch with replica
@@ -145,7 +164,30 @@ class Plan:
         )
 
     def check_global_batch(self, n: int) -> None:
+        """Every rule of a global batch of ``n`` rows: enough rows for every replica of every sync
+        group, then :meth:`check_batch_split`."""
         self._check_batch_rows(n)
+        self.check_batch_split(n)
+
+    def check_batch_split(self, n: int) -> None:
+        """How a batch of ``n`` rows splits: no replica left without a row by uneven replica batches,
+        the same number of microbatches on every replica of a sharded tower. (Too few rows for the
+        replicas is :meth:`check_global_batch`'s and the data loader's to say, with the loader's
+        numbers: nothing is refused here then.)"""
+        if any(min(self.group_split(n)) < t.dp for t in self.towers.values()):
+            return
+        for name, t in self.towers.items():
+            for g, rows in enumerate(self.group_split(n)):
+                split = t.split(rows)
+                if 0 in split:
+                    where = f" in sync group {g} ({rows} rows)" if self.sync_groups > 1 else ""
+                    raise PlanError(
+                        f"tower {name!r}: replica_batch {t.replica_batch} splits the {rows} rows of a global batch"
+                        f" of {n}{where} as {split}, leaving replica {split.index(0)} without a row; every replica"
+                        " needs at least one: write replica batches in which each replica's share is at least one"
+                        " row, or leave replica_batch out (an even split)",
+                        f"towers.{name}.replica_batch",
+                    )
         self.check_sharded_microbatches(n)
 
     def check_sharded_microbatches(self, n: int) -> None:
@@ -163,24 +205,28 @@ class Plan:
                         f"tower {name!r}, shard={t.shard!r}: its replicas get {t.split(rows)} rows of a global batch of"
                         f" {n}{where}, which microbatch={t.microbatch} cuts into {counts} microbatches; the replicas of"
                         " a sharded tower meet in FSDP's collectives once per microbatch and must run the same number:"
-                        " choose a microbatch size that gives every replica as many, or even replica batches"
+                        " choose a microbatch size that gives every replica as many, or even replica batches",
+                        f"towers.{name}.microbatch",
                     )
 
     def _check_batch_rows(self, n: int) -> None:
         if self.sync_groups > 1 and n < self.sync_groups:
             raise PlanError(
-                f"schedule 'distmm' needs a global batch of at least {self.sync_groups} (one row per sync group), got {n}"
+                f"schedule 'distmm' needs a global batch of at least {self.sync_groups} (one row per sync group), got {n}",
+                f"towers.{next(iter(self.towers))}.schedule",
             )
         for name, t in self.towers.items():
             if min(self.group_split(n)) < t.dp:
                 if self.sync_groups > 1:
                     raise PlanError(
                         f"tower {name!r}: each of the {self.sync_groups} sync groups of a global batch of {n}"
-                        f" ({self.group_split(n)}) must give each of its {t.dp} data-parallel replicas a sample"
+                        f" ({self.group_split(n)}) must give each of its {t.dp} data-parallel replicas a sample",
+                        f"towers.{name}.ranks",
                     )
                 raise PlanError(
                     f"tower {name!r}: global batch {n} is smaller than its {t.dp} data-parallel replicas;"
-                    f" raise the DataLoader batch_size or use drop_last=True to avoid a short last batch"
+                    f" raise the DataLoader batch_size or use drop_last=True to avoid a short last batch",
+                    f"towers.{name}.ranks",
                 )
 
     # ------------------------------------------------------------------ queries

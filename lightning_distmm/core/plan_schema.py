@@ -24,7 +24,19 @@ SHARDS = ("none", "zero2", "full", "hybrid")
 
 
 class PlanError(ValueError):
-    """A plan that cannot run: the message names the tower and the problem."""
+    """A plan that cannot run: the message names the tower and the problem.
+
+    ``key`` is the plan key the refusal is about, as a path into the plan's plain data
+    (``towers.image.sp``, ``world_size``; None where no single key is to blame), so that a sweep can
+    tell its refusals apart without parsing the message.
+    """
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled across ranks and launchers with its key
+        return (type(self), (str(self), self.key))
 
 
 def is_int(value: Any) -> bool:
@@ -34,7 +46,7 @@ def is_int(value: Any) -> bool:
 
 def _expect(ok: bool, path: str, what: str, value: Any) -> None:
     if not ok:
-        raise PlanError(f"{path}: expected {what}, got {value!r}")
+        raise PlanError(f"{path}: expected {what}, got {value!r}", path)
 
 
 def check_types(data: Mapping[str, Any]) -> None:
@@ -70,25 +82,42 @@ def check_types(data: Mapping[str, Any]) -> None:
                 _expect(isinstance(value, str), path, f"one of {', '.join(SHARDS)}", value)
 
 
-def check_sequence_split(where: str, cp: int, tp: int, pp: int, sp: Any, shard: str, ranks: int) -> None:
-    """The rules of a tower's context / sequence parallelism that the plan alone can check (the head
-    count and sequence length are checked against the module when the runtime prepares it)."""
+def check_sequence_split(name: str, cp: int, tp: int, pp: int, sp: Any, shard: str, ranks: int) -> None:
+    """The rules of tower ``name``'s context / sequence parallelism that the plan alone can check (the
+    head count, the tower's kind and its sequence length are checked against the module before the
+    runtime builds a process group: :func:`lightning_distmm.parallel.plan_checks.check_plan_runs`)."""
+    where, key = f"tower {name!r}", f"towers.{name}"
     if ranks % (cp * tp * pp):
         raise PlanError(
             f"{where}: {ranks} ranks do not divide into replicas of cp*tp*pp = {cp}*{tp}*{pp} = {cp * tp * pp}"
-            " (a replica is pp stages of cp*tp ranks)"
+            " (a replica is pp stages of cp*tp ranks)",
+            f"{key}.ranks",
         )
     if not isinstance(sp, bool):
-        raise PlanError(f"{where}: sp must be true or false, got {sp!r}")
+        raise PlanError(f"{where}: sp must be true or false, got {sp!r}", f"{key}.sp")
     if sp and tp == 1:
         raise PlanError(
             f"{where}: sp: true shards along the sequence the regions that tensor parallelism replicates over its"
-            " tp ranks, so it needs tp > 1 (this tower has tp=1); set tp > 1 or use cp to split the sequence"
+            " tp ranks, so it needs tp > 1 (this tower has tp=1); set tp > 1 or use cp to split the sequence",
+            f"{key}.sp",
+        )
+    if sp and cp > 1:
+        raise PlanError(
+            f"{where}: sp: true with cp={cp} is not supported; choose one way to split the sequence (sp: false, or"
+            " cp: 1)",
+            f"{key}.sp",
+        )
+    if sp and shard != "none":
+        raise PlanError(
+            f"{where}: sp: true with shard: {shard} is not supported (FSDP replaces the parameters whose partial"
+            " gradients sp sums over tp); use shard: none, or sp: false",
+            f"{key}.sp",
         )
     if cp > 1 and shard == "hybrid":
         raise PlanError(
             f"{where}: cp={cp} with shard: hybrid is not supported (HSDP would need a mesh of the replicas and"
-            " their cp ranks per node); use shard: full, which shards over the replicas and cp ranks together"
+            " their cp ranks per node); use shard: full, which shards over the replicas and cp ranks together",
+            f"{key}.shard",
         )
 
 

@@ -4,8 +4,9 @@ Applied to the user's plain module from outside (torchtitan's ``parallelize`` st
 the optimizer sees the parameters: towers this rank does not run go to the meta device, a
 pipelined tower keeps only this rank's stage, a tower with ``tp > 1`` is sharded over its
 tensor-parallel mesh, and a tower with ``shard: full | hybrid`` is wrapped with FSDP2 over its
-data-parallel mesh (a pipelined one stage by stage, over the stage's replicas). Every rank checks every tower's cut and sharding, so a plan that cannot be
-applied fails on all ranks at once.
+data-parallel mesh (a pipelined one stage by stage, over the stage's replicas). Whether the plan can
+be applied to the module at all was checked on every rank before any group was built
+(:func:`lightning_distmm.parallel.plan_checks.check_plan_runs`).
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ from torch import nn
 from lightning_distmm.core.layout import RankLayout
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.core.schedule import stage_neighbours
-from lightning_distmm.parallel.context_parallel import apply_cp, check_cp
+from lightning_distmm.parallel.context_parallel import apply_cp
 from lightning_distmm.parallel.fsdp import apply_fsdp
 from lightning_distmm.parallel.groups import TowerGroups
 from lightning_distmm.parallel.pipeline import Stage, owned_names, release_unowned, tower_stages
-from lightning_distmm.parallel.sequence_parallel import apply_sp, check_sp
-from lightning_distmm.parallel.tensor_parallel import apply_tp, check_tp
+from lightning_distmm.parallel.sequence_parallel import apply_sp
+from lightning_distmm.parallel.tensor_parallel import apply_tp
 from lightning_distmm.tower import Tower
 
 
@@ -54,12 +55,6 @@ def release_remote_towers(towers: Mapping[str, Tower], layout: RankLayout) -> No
 
 def cut_pipelines(plan: Plan, towers: Mapping[str, Tower], layout: RankLayout, rank: int) -> dict[str, Stage]:
     """For towers with pp > 1: keep only this rank's stage of the tower, release the rest."""
-    for name, tower in plan.towers.items():  # every rank checks every cut: fail together
-        if tower.pp > 1:
-            try:
-                tower_stages(towers[name].module, tower.pp, towers[name].fields)
-            except ValueError as err:
-                raise ValueError(f"tower {name!r}, pp={tower.pp}: {err}") from None
     stages: dict[str, Stage] = {}
     for name in layout.local_towers:
         tower = plan.towers[name]
@@ -81,13 +76,6 @@ def parallelize_local_towers(
     """Shard the local towers that the plan gives tensor parallelism (tp > 1) over their tp mesh (a
     pipelined tower: its stage's blocks), then split the sequence of those with context parallelism
     (cp > 1) over their cp ranks."""
-    for name, tower in plan.towers.items():  # every rank checks every tower: fail together
-        if tower.tp > 1:
-            check_tp(towers[name].module, tower.tp, name)
-        if tower.cp > 1:
-            check_cp(towers[name].module, tower.cp, tower.tp, name, tower.pp)
-        if tower.sp:
-            check_sp(towers[name].module, name, tower.tp, tower.cp, tower.shard)
     for name in layout.local_towers:
         tower = plan.towers[name]
         if tower.tp > 1:

@@ -56,8 +56,10 @@ from lightning_distmm.parallel.sequence_parallel_text import apply_sp_text, chec
 from lightning_distmm.parallel.sp_ops import _ActLinear, _GatherLinear, _ReduceScatter, _sum_over, _sums_before_forward
 
 
-def check_sp(module: nn.Module, tower: str, tp: int, cp: int, shard: str) -> None:
-    """Raise, naming the tower and the rule, where ``sp: true`` cannot run (meta modules are fine)."""
+def check_sp(module: nn.Module, tower: str, tp: int) -> None:
+    """Raise, naming the tower and the rule, where ``sp: true`` cannot run on ``module`` (meta modules
+    are fine). The rules the plan alone decides (sp needs tp > 1, and neither cp nor sharding) are
+    the plan's own (:func:`lightning_distmm.core.plan_schema.check_sequence_split`)."""
     where = f"tower {tower!r}, tp={tp}, sp: true"
     vit = hasattr(module, "patch_embed") and hasattr(module, "norm_pre") and hasattr(module, "blocks")
     if not vit and not check_sp_text(module):
@@ -65,13 +67,6 @@ def check_sp(module: nn.Module, tower: str, tp: int, cp: int, shard: str) -> Non
             f"{where}: sequence parallelism is built for timm VisionTransformer towers and transformers CLIP-style"
             f" text encoders; a {type(module).__name__} tower runs tp without it (set sp: false) or splits its"
             " sequence with cp"
-        )
-    if cp > 1:
-        raise ValueError(f"{where}: sp with cp={cp} is not supported; choose one way to split the sequence")
-    if shard != "none":
-        raise ValueError(
-            f"{where}: sp with shard: {shard} is not supported (FSDP replaces the parameters whose partial"
-            " gradients sp sums over tp); use shard: none"
         )
     if vit and (getattr(module, "dynamic_img_size", False) or not isinstance(module.patch_drop, nn.Identity)):
         raise ValueError(f"{where}: dynamic image sizes and patch dropout change the sequence length per batch")

@@ -1,0 +1,60 @@
+"""The plan against the module: every rule that needs the towers themselves, checked before any group exists.
+
+:class:`lightning_distmm.core.plan.Plan` refuses what the plan alone decides. What it cannot know
+is the towers: whether a tower's head count divides by ``tp`` (and by ``cp * tp``), whether a tower
+of its kind can be cut into ``pp`` stages, split along its sequence (``cp``) or run sequence
+parallelism (``sp``), and whether a model whose towers feed each other can run the plan's schedule.
+:func:`check_plan_runs` asks each of these of the module's structure alone (a module on the meta
+device is fine), on every rank, before the strategy builds any process group: every rank refuses
+the same plan with the same :class:`~lightning_distmm.core.plan_schema.PlanError`, which names
+the plan key, and nothing is left half-built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from lightning_distmm.core.handoff import check_handoff_plan
+from lightning_distmm.core.plan import Plan
+from lightning_distmm.core.plan_schema import PlanError
+from lightning_distmm.parallel.context_parallel import check_cp
+from lightning_distmm.parallel.pipeline import tower_stages
+from lightning_distmm.parallel.sequence_parallel import check_sp
+from lightning_distmm.parallel.tensor_parallel import check_tp
+from lightning_distmm.tower import Tower
+
+
+def _refuse_as(key: str, check: Callable[[], object], prefix: str = "") -> None:
+    """Run ``check``; its ValueError becomes a PlanError about plan key ``key``."""
+    try:
+        check()
+    except PlanError:
+        raise
+    except ValueError as err:
+        raise PlanError(f"{prefix}{err}", key) from None
+
+
+def check_plan_runs(plan: Plan, towers: Mapping[str, Tower]) -> None:
+    """Raise a :class:`PlanError` naming the key where ``plan`` cannot run ``towers`` (the module's
+    ``tower_specs()``); the plan's own rules were checked when it was made. Pure: no process group,
+    no data; every rank calls it with the same arguments and so fails alike."""
+    consumes = {n: list(t.consumes) for n, t in towers.items() if t.consumes}
+    if consumes:
+        first = next(iter(plan.towers))
+        _refuse_as(f"towers.{first}.schedule", lambda: check_handoff_plan(plan, consumes))
+    for name, t in plan.towers.items():
+        module = towers[name].module
+        key = f"towers.{name}"
+        if t.tp > 1:
+            _refuse_as(f"{key}.tp", lambda: check_tp(module, t.tp, name))
+        if t.cp > 1:
+            _refuse_as(f"{key}.cp", lambda: check_cp(module, t.cp, t.tp, name, t.pp))
+        if t.sp:
+            _refuse_as(f"{key}.sp", lambda: check_sp(module, name, t.tp))
+        if t.pp > 1:
+            _refuse_as(
+                f"{key}.pp", lambda: tower_stages(module, t.pp, towers[name].fields), f"tower {name!r}, pp={t.pp}: "
+            )
+
+
+__all__ = ["check_plan_runs"]
