@@ -41,6 +41,30 @@ def test_connection_errors_and_timeouts_are_consequences():
     assert not is_consequence(KeyError("tower 'image' reads batch field 'image'"))
 
 
+def test_a_dataloader_workers_error_is_recorded_with_its_own_message(tmp_path):
+    """torch re-raises a worker's error as "Caught X in DataLoader worker process 0." and the worker's
+    traceback: the record (what every other rank ends with) keeps the worker's message, not that line."""
+    from torch.utils.data._utils import ExceptionWrapper
+
+    class MissingChunkError(FileNotFoundError):
+        pass
+
+    try:
+        raise MissingChunkError("LitData chunk /data/lit/chunk-0-6.bin does not exist: it was deleted")
+    except MissingChunkError:
+        wrapped = ExceptionWrapper(sys.exc_info(), where="in DataLoader worker process 0")
+    with pytest.raises(MissingChunkError) as raised:
+        wrapped.reraise()
+    assert str(raised.value).startswith("Caught MissingChunkError in DataLoader worker process 0.")
+    record = ErrorRelay(tmp_path, 1).record(raised.value)
+    assert record.describe() == (
+        "rank 1: MissingChunkError: LitData chunk /data/lit/chunk-0-6.bin does not exist: it was deleted"
+        " (in DataLoader worker process 0)"
+    )
+    plain = ErrorRelay(tmp_path, 2).record(ValueError("Caught in the act\nsecond line"))
+    assert plain.message == "Caught in the act"  # any other error: its first line
+
+
 def test_the_earliest_root_cause_wins_over_earlier_consequences():
     records = [
         FailureRecord(2, 10.0, "RuntimeError", "Connection closed by peer", True),

@@ -59,6 +59,22 @@ def is_consequence(exception: BaseException) -> bool:
     return any(t in text for t in _CONSEQUENCE_TEXT)
 
 
+def message_line(exception: BaseException) -> str:
+    """The line of ``exception``'s message a record keeps: its first; for an error that a DataLoader
+    worker raised (torch re-raises it as ``Caught X in DataLoader worker process N.`` and the worker's
+    traceback) the worker's own message, which is the traceback's last line."""
+    lines = str(exception).strip().splitlines()
+    if not lines:
+        return ""
+    first = lines[0]
+    caught = f"Caught {type(exception).__name__} in "
+    if first.startswith(caught) and len(lines) > 2 and lines[1].startswith("Original Traceback"):
+        kind, _, said = lines[-1].partition(": ")
+        if kind.rsplit(".", 1)[-1] == type(exception).__name__ and said:
+            first = f"{said} (in {first[len(caught) :].rstrip('.')})"
+    return first[:2000]
+
+
 @dataclass(frozen=True)
 class FailureRecord:
     """One rank's first error: when, what, and whether it is a consequence of another's."""
@@ -161,7 +177,7 @@ class ErrorRelay:
             rank=self.rank,
             time=time.time() if when is None else when,
             kind=type(exception).__name__,
-            message=str(exception).strip().splitlines()[0][:2000] if str(exception).strip() else "",
+            message=message_line(exception),
             consequence=is_consequence(exception),
         )
         path = self._path(self.rank)
