@@ -3,8 +3,8 @@
 
 Rank 0 prices (or measures and prices) and the strategy broadcasts what it chose, so every rank
 runs the same plan: :func:`choose_on_rank0` returns the plan as a dictionary, the line to log and,
-instead of raising, the error (every rank then fails with rank 0's reason rather than waiting for
-a broadcast that never comes). The pricing is the planner's (:mod:`lightning_distmm.planner.default`,
+instead of raising, the error with the file and line it was raised at (every rank then fails with
+rank 0's reason rather than waiting for a broadcast that never comes; the traceback stays on rank 0). The pricing is the planner's (:mod:`lightning_distmm.planner.default`,
 :mod:`lightning_distmm.planner.auto`); what is read from the live job (its towers, a sample batch,
 the device, the precision) is gathered into a :class:`LiveJob`. :func:`plan_of_run` is what the
 strategy's ``setup`` calls.
@@ -13,6 +13,8 @@ strategy's ``setup`` calls.
 from __future__ import annotations
 
 import os
+import sysconfig
+import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,8 +115,41 @@ def choose_on_rank0(spec: str, job: LiveJob) -> tuple[dict | None, str | None, s
         if spec == "auto":
             return auto_choice(job).to_dict(), None, None
         raise PlanError(f"unknown plan {spec!r}")
-    except Exception as err:  # noqa: BLE001 - every rank fails with rank 0's reason
+    except PlanError as err:  # a plan that cannot be: its message says why, not where
         return None, None, f"{type(err).__name__}: {err}"
+    except Exception as err:  # noqa: BLE001 - every rank fails with rank 0's reason
+        return None, None, f"{type(err).__name__}: {err}{raised_at(err)}"
+
+
+def raised_at(err: BaseException) -> str:
+    """Where ``err`` was raised, for a message that crosses to other ranks without its traceback:
+    `` (raised at FILE:LINE in FUNCTION)``, the traceback's innermost frame, and, when that frame is
+    a library's (torch's, Lightning's, this package's, Python's), the innermost frame of the code
+    that called it (``, from model.py:42 in forward``); empty without a traceback."""
+    frames = traceback.extract_tb(err.__traceback__)
+    if not frames:
+        return ""
+    last = frames[-1]
+    where = f"raised at {last.filename}:{last.lineno} in {last.name}"
+    own = [f for f in frames if not _in_library(f.filename)]
+    if own and own[-1] is not last:
+        where += f", from {own[-1].filename}:{own[-1].lineno} in {own[-1].name}"
+    return f" ({where})"
+
+
+def _in_library(filename: str) -> bool:
+    """Whether ``filename`` is torch's, Lightning's, this package's or Python's own (not an installed package's)."""
+    import lightning
+
+    def under(folders: list[Path]) -> bool:
+        return any(path.is_relative_to(f) for f in folders)
+
+    path = Path(filename).resolve()
+    paths = sysconfig.get_paths()
+    packages = [Path(m.__file__).parent.resolve() for m in (torch, lightning)] + [Path(__file__).parent.resolve()]
+    python = [Path(paths[k]).resolve() for k in ("stdlib", "platstdlib")]
+    installed = [Path(paths[k]).resolve() for k in ("purelib", "platlib")]
+    return under(packages) or (under(python) and not under(installed))
 
 
 def default_choice(job: LiveJob) -> tuple[dict, str, None]:
@@ -213,4 +248,5 @@ __all__ = [
     "choose_on_rank0",
     "parse_plan_spec",
     "plan_of_run",
+    "raised_at",
 ]

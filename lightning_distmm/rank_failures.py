@@ -31,7 +31,8 @@ _FIRST_FAILURE_KEY = "distmm/first_failure"
 
 
 class DistMMRankFailure(RuntimeError):
-    """Another rank failed first; the message is that rank's error."""
+    """Another rank failed first, or this rank stalled and the others gave up on it; the message is
+    the job's root cause."""
 
 
 class RankFailures:
@@ -81,9 +82,24 @@ class RankFailures:
             self.relay.share_across_hosts(seam.default_store(), world_size)
 
     def recorded_cause(self) -> str | None:
-        """The root cause other ranks recorded, if any (what a rank says when its launcher is gone)."""
+        """The root cause other ranks recorded, if any, or that this rank stalled (what a rank says when
+        its launcher is gone)."""
         found = self.relay.first(wait=2.0) if self.relay is not None else None
-        return found.describe() if found is not None and found.rank != self.rank else None
+        if found is None or (found.rank == self.rank and found.kind != faults.STALLED):
+            return None
+        return self._said(found)
+
+    def _said(self, found: faults.FailureRecord) -> str:
+        """``found`` as this rank reports it: a rank named stalled says that it is the one."""
+        return (
+            faults.stalled_here(found) if found.rank == self.rank and found.kind == faults.STALLED else found.describe()
+        )
+
+    def stalled_words(self) -> str | None:
+        """This rank's last line if the other ranks named it stalled: they waited for it until their
+        collectives timed out (it woke since, or a launcher is tearing it down)."""
+        found = self.relay.declared_stalled() if self.relay is not None else None
+        return f"distmm: {faults.stalled_here(found)}" if found is not None else None
 
     def launcher_last_words(self, ended: list[tuple[int, int | None]]) -> None:
         """Said by a popen launcher before Lightning's observer SIGKILLs it and its ranks (a rank ended
@@ -100,19 +116,22 @@ class RankFailures:
     def handle_preemption(self, forward: Callable[..., object] | None) -> None:
         """SIGTERM ends this rank at once, with an error every other rank reports; ``forward``: the
         launcher's way of passing the signal on to its ranks. A rank already failing repeats its
-        cause instead (the SIGTERM is then a launcher's clean-up, not a cause)."""
+        cause instead (the SIGTERM is then a launcher's clean-up, not a cause), and so does a rank the
+        others named stalled (the launcher ends the job they failed for it)."""
         if threading.current_thread() is threading.main_thread():
-            ended = lambda: self.last_words  # noqa: E731
+            ended = lambda: self.last_words or self.stalled_words()  # noqa: E731
             signal.signal(signal.SIGTERM, faults.preemption_handler(self.rank, forward, ended))
 
     def on_exception(self, exception: BaseException, world_size: int) -> None:
-        """Record this rank's error and raise the job's first one if it is another rank's."""
+        """Record this rank's error and raise the job's first one if it is another rank's, or that this
+        rank stalled (its own error is then a consequence: its peers gave up on it)."""
         first = self._first_failure(exception)
         if self.relay is not None:
             self.relay.finish(world_size)
         mine = f"rank {self.rank}: {type(exception).__name__}: {exception}"
         self.last_words = f"distmm: {first or mine}"
-        if first is not None and not first.startswith(f"rank {self.rank}:"):
+        stalled = first is not None and first.startswith(f"rank {self.rank}: {faults.STALLED}:")
+        if first is not None and (stalled or not first.startswith(f"rank {self.rank}:")):
             raise DistMMRankFailure(f"distmm: {first}") from exception
 
     def _first_failure(self, exception: BaseException) -> str | None:
@@ -125,7 +144,7 @@ class RankFailures:
         found = self.relay.first(wait=5.0 if mine.consequence else 0.0)
         if found is not None and found.consequence and stored is not None:
             return stored  # a root cause from a rank whose records this host cannot read
-        return found.describe() if found is not None else stored
+        return self._said(found) if found is not None else stored
 
     def stop(self) -> None:
         """At teardown: the watches end (the records stay until the process exits)."""

@@ -231,6 +231,60 @@ def test_bad_input_fails_with_its_message(case, tmp_path, capfd):
         assert re.search(message, text), (name, text[-2000:])
 
 
+class _RaisesInForward(torch.nn.Module):
+    def __init__(self, shapes: bool = False) -> None:
+        super().__init__()
+        self.proj, self.shapes = torch.nn.Linear(4, 4), shapes
+
+    def forward(self, x):
+        if self.shapes:
+            return self.proj(x[:, :3])  # torch raises, inside torch
+        raise ValueError("boom in the image tower")
+
+
+def test_a_tower_that_raises_while_rank_0_chooses_the_plan_is_named_with_its_file_and_line():
+    """Rank 0 runs the towers' forwards to choose the plan ("default" or "auto") and broadcasts the
+    error's text to every rank: the text keeps where it was raised (and, raised inside torch, the
+    tower's line that called it); before, every rank showed "ValueError: boom" alone."""
+    import contextlib
+    import inspect
+    from types import SimpleNamespace
+
+    from lightning_distmm.plan_choice import LiveJob, choose_on_rank0, plan_of_run
+
+    source, first = inspect.getsourcelines(_RaisesInForward.forward)
+    line = {key: first + next(i for i, text in enumerate(source) if key in text) for key in ("raise ", "self.proj(")}
+    here = re.escape(__file__)
+
+    def job(tower: torch.nn.Module) -> LiveJob:
+        return LiveJob(
+            towers={"image": ldm.Tower(tower, input="image"), "text": ldm.Tower(torch.nn.Linear(4, 4), input="x")},
+            sync_groups=1,
+            example={"image": torch.zeros(8, 4), "x": torch.zeros(8, 4)},
+            global_batch=8,
+            world_size=2,
+            per_node=2,
+            device=torch.device("cpu"),
+            precision="32-true",
+            forward_context=contextlib.nullcontext,
+            random_state_kept=lambda device: contextlib.nullcontext(),
+        )
+
+    raised = rf"ValueError: boom in the image tower \(raised at {here}:{line['raise ']} in forward\)$"
+    for spec in ("default", "auto"):
+        chosen, said, error = choose_on_rank0(spec, job(_RaisesInForward()))
+        assert chosen is None and said is None and re.match(raised, error or ""), (spec, error)
+        rank1 = SimpleNamespace(_plan_spec=spec, plan=None, global_rank=1, num_processes=2)
+        rank1.broadcast = lambda data, src: (None, None, error)  # what rank 0 sent
+        with pytest.raises(ldm.PlanError, match=rf"the {spec} plan could not be chosen \(rank 0\): {raised}"):
+            plan_of_run(rank1, None, None, [0, 0])
+    error = choose_on_rank0("default", job(_RaisesInForward(shapes=True)))[2]
+    assert re.match(rf"RuntimeError: .*\(raised at .*torch.*, from {here}:{line['self.proj(']} in forward\)$", error), (
+        error
+    )
+    assert choose_on_rank0("best", job(_RaisesInForward()))[2] == "PlanError: unknown plan 'best'"  # no place
+
+
 def test_plan_yaml_with_unknown_keys_fails_at_construction(tmp_path):
     path = tmp_path / "plan.yaml"
     path.write_text("world_size: 2\ntowers:\n  image: {ranks: [0], tp_size: 2}\n  text: {ranks: [1]}\n")

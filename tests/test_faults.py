@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -38,6 +39,30 @@ def test_connection_errors_and_timeouts_are_consequences():
     assert not is_consequence(RuntimeError("stage 1 exploded in its forward"))
     assert not is_consequence(DistBackendError("port: 29500, code: -98, name: EADDRINUSE, address already in use"))
     assert not is_consequence(KeyError("tower 'image' reads batch field 'image'"))
+
+
+def test_a_dataloader_workers_error_is_recorded_with_its_own_message(tmp_path):
+    """torch re-raises a worker's error as "Caught X in DataLoader worker process 0." and the worker's
+    traceback: the record (what every other rank ends with) keeps the worker's message, not that line."""
+    from torch.utils.data._utils import ExceptionWrapper
+
+    class MissingChunkError(FileNotFoundError):
+        pass
+
+    try:
+        raise MissingChunkError("LitData chunk /data/lit/chunk-0-6.bin does not exist: it was deleted")
+    except MissingChunkError:
+        wrapped = ExceptionWrapper(sys.exc_info(), where="in DataLoader worker process 0")
+    with pytest.raises(MissingChunkError) as raised:
+        wrapped.reraise()
+    assert str(raised.value).startswith("Caught MissingChunkError in DataLoader worker process 0.")
+    record = ErrorRelay(tmp_path, 1).record(raised.value)
+    assert record.describe() == (
+        "rank 1: MissingChunkError: LitData chunk /data/lit/chunk-0-6.bin does not exist: it was deleted"
+        " (in DataLoader worker process 0)"
+    )
+    plain = ErrorRelay(tmp_path, 2).record(ValueError("Caught in the act\nsecond line"))
+    assert plain.message == "Caught in the act"  # any other error: its first line
 
 
 def test_the_earliest_root_cause_wins_over_earlier_consequences():
@@ -125,6 +150,31 @@ def test_a_live_silent_rank_is_named_stalled_after_the_wait(tmp_path):
         assert found is not None and found.rank == 2 and "stalled" in found.message
     finally:
         live.kill()
+
+
+def test_a_rank_named_stalled_ends_saying_it_is_the_one(tmp_path):
+    """Rank 0 timed out waiting for rank 2 and named it stalled. Rank 2's own last line, whether its
+    launcher is gone, a launcher's SIGTERM tears it down or it wakes into a failed collective, names
+    rank 2 as the rank that stalled; before, it repeated rank 0's timeout, a consequence. (Rank 2's
+    note carries this test process's parent's pid: a live process that is not the one asking.)"""
+    from lightning_distmm.rank_failures import DistMMRankFailure, RankFailures
+
+    folder = tmp_path / "run"
+    timeout = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 20000ms for recv operation")
+    ErrorRelay(folder, 0).record(timeout, when=1.0)
+    (folder / "rank2.proc").write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname()}))
+    found = ErrorRelay(folder, 0).first(wait=0.0)
+    assert found is not None and found.rank == 2 and found.kind == "RankStalled"
+
+    stalled = RankFailures(None)
+    stalled.rank, stalled.relay = 2, ErrorRelay(folder, 2)
+    itself = r"rank 2: RankStalled: rank 2 \(pid \d+\) .*stalled.*; this is that rank: its peers waited for it"
+    assert re.match(itself, stalled.recorded_cause() or ""), stalled.recorded_cause()  # the launcher is gone
+    assert re.match(f"distmm: {itself}", stalled.stalled_words() or ""), stalled.stalled_words()  # a SIGTERM
+    with pytest.raises(DistMMRankFailure, match=f"^distmm: {itself}"):  # it wakes; its collective fails
+        stalled.on_exception(RuntimeError("Connection closed by peer"), world_size=3)
+    assert RankFailures(None).stalled_words() is None  # no relay, no word
+    assert ErrorRelay(folder, 1).declared_stalled() is None  # only the rank named
 
 
 def test_sigterm_handler_forwards_then_ends_the_rank():

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import datasets
 import lightning as L
@@ -130,6 +132,38 @@ def test_litdata_is_read_as_one_process_reads_it(tmp_path, monkeypatch):
     assert all(isinstance(r, LitIndex) for r in raw) and [_ids([stream.decode(r, ALL)]) for r in raw] == [
         [r] for r in raw
     ]
+
+
+def test_a_litdata_chunk_deleted_mid_epoch_is_named_missing(tmp_path, monkeypatch):
+    """A chunk of a local folder deleted while the epoch reads it: LitData waits for the file (2 s) and
+    reports a hung download ("Timed out after 2s waiting for chunk ..., not a missing object"), which the
+    failure relay counted as a consequence, not the cause. The stream names the chunk as missing, with
+    what to do, whether it reads items by index or LitData's own iteration."""
+    import litdata.streaming.item_loader as item_loader
+
+    from lightning_distmm.data.loader.litdata_stream import MissingChunkError, _chunk_source
+    from lightning_distmm.faults import is_consequence
+
+    monkeypatch.setattr(item_loader, "_MAX_WAIT_TIME", 0.2)  # LitData's wait for a local chunk: min(2 s, this)
+    folder = _write_litdata(tmp_path / "lit", n=16, chunk=8)
+    stream = as_stream(litdata.StreamingDataset(str(folder), shuffle=False))
+    samples = list(stream.samples(0))
+    stream.decode(samples[3], ALL)  # the first chunk is read; the second goes before it is opened
+    (folder / "chunk-0-1.bin").unlink()
+    missing = re.escape(str(folder / "chunk-0-1.bin")) + " does not exist: it was deleted or moved"
+    with pytest.raises(MissingChunkError, match=f"^LitData chunk {missing} .*item 12 is in it") as raised:
+        stream.decode(samples[12], ALL)
+    assert str(raised.value).endswith(
+        "Put the chunk back, or write the folder again (litdata.optimize) and start the run again"
+    )
+    assert not is_consequence(raised.value) and raised.value.__suppress_context__  # LitData's timeout is not the cause
+    monkeypatch.setattr(type(stream), "_indices", lambda self: None)  # LitData's own iteration
+    with pytest.raises(MissingChunkError, match=f"^LitData chunk {missing} .*the epoch reads it"):
+        list(stream.samples(0))
+    remote = SimpleNamespace(input_dir=SimpleNamespace(path="/cache/x", url="s3://bucket/x"))
+    assert _chunk_source(remote, "/cache/x/chunk-0-1.bin") is None  # may still be downloading: LitData's error
+    copy = SimpleNamespace(input_dir=SimpleNamespace(path="/cache/x", url="local:/data/x"))
+    assert _chunk_source(copy, "/cache/x/chunk-0-1.bin") == os.path.join("/data/x", "chunk-0-1.bin")
 
 
 class CountingLit(litdata.StreamingDataset):

@@ -8,7 +8,8 @@ Three parts, none of which needs Lightning:
   connection mid-collective, a collective timed out) or a *root cause* (anything else). A rank
   that fails reads every rank's record and reports the earliest root cause, falling back to the
   earliest consequence. Files survive the death of any rank, rank 0 (which hosts the
-  torch.distributed store) included.
+  torch.distributed store) included. A rank the others named stalled reads that it did, and says so
+  as its last line.
 - :class:`ParentWatchdog`: a daemon thread that ends its process when the process that started
   it (Lightning's launcher, which is rank 0 under the subprocess launcher, torchrun's agent, the
   spawn/fork parent) is gone, so no rank outlives its job waiting on a collective.
@@ -18,7 +19,14 @@ Three parts, none of which needs Lightning:
   join, which leaves every rank waiting until the collective timeout.
 """
 
-from lightning_distmm.faults.records import ErrorRelay, FailureRecord, earliest_cause, is_consequence
+from lightning_distmm.faults.records import (
+    STALLED,
+    ErrorRelay,
+    FailureRecord,
+    earliest_cause,
+    is_consequence,
+    stalled_here,
+)
 from lightning_distmm.faults.runs import (
     LAUNCHER_PID_ENV,
     RUN_ID_ENV,
@@ -42,6 +50,7 @@ from lightning_distmm.faults.watch import (
 __all__ = [
     "LAUNCHER_PID_ENV",
     "RUN_ID_ENV",
+    "STALLED",
     "ErrorRelay",
     "FailureRecord",
     "ParentWatchdog",
@@ -58,5 +67,6 @@ __all__ = [
     "pid_alive",
     "preemption_handler",
     "remove_stale_runs",
+    "stalled_here",
     "started_by_our_launcher",
 ]

@@ -5,7 +5,9 @@ spans several hosts, to the job's store), with the time it happened and whether 
 *consequence* (a peer closed its connection mid-collective, a collective timed out) or a *root
 cause* (anything else). A rank that fails reads every rank's record and reports the earliest root
 cause, falling back to the earliest consequence; a rank of this host that died without a word, or
-stalled, is named as such."""
+stalled, is named as such. A rank named stalled is told so (``rank<N>.stalled``): when it wakes, or
+is torn down, its own last line says that it is the rank that stalled, not the timeouts its peers
+recorded while they waited for it."""
 
 from __future__ import annotations
 
@@ -57,6 +59,22 @@ def is_consequence(exception: BaseException) -> bool:
     return any(t in text for t in _CONSEQUENCE_TEXT)
 
 
+def message_line(exception: BaseException) -> str:
+    """The line of ``exception``'s message a record keeps: its first; for an error that a DataLoader
+    worker raised (torch re-raises it as ``Caught X in DataLoader worker process N.`` and the worker's
+    traceback) the worker's own message, which is the traceback's last line."""
+    lines = str(exception).strip().splitlines()
+    if not lines:
+        return ""
+    first = lines[0]
+    caught = f"Caught {type(exception).__name__} in "
+    if first.startswith(caught) and len(lines) > 2 and lines[1].startswith("Original Traceback"):
+        kind, _, said = lines[-1].partition(": ")
+        if kind.rsplit(".", 1)[-1] == type(exception).__name__ and said:
+            first = f"{said} (in {first[len(caught) :].rstrip('.')})"
+    return first[:2000]
+
+
 @dataclass(frozen=True)
 class FailureRecord:
     """One rank's first error: when, what, and whether it is a consequence of another's."""
@@ -69,6 +87,19 @@ class FailureRecord:
 
     def describe(self) -> str:
         return f"rank {self.rank}: {self.kind}: {self.message}"
+
+
+#: the kind of the record that names a rank which is alive and recorded nothing while the others failed
+STALLED = "RankStalled"
+
+
+def stalled_here(record: FailureRecord) -> str:
+    """What the rank ``record`` names stalled says of itself when it wakes or is torn down: its peers'
+    timeouts are the consequence, it is the cause."""
+    return (
+        f"{record.describe()}; this is that rank: its peers waited for it until their collectives timed out"
+        f" and named it stalled"
+    )
 
 
 def earliest_cause(records: Iterable[FailureRecord]) -> FailureRecord | None:
@@ -137,7 +168,7 @@ class ErrorRelay:
                 out.append(FailureRecord(rank, time.time(), "RankDied", message, False))
             elif stalled_too and pid != os.getpid():
                 message = f"rank {rank} (pid {pid}) reported no error and is still running: it stalled, the others waited for it"
-                out.append(FailureRecord(rank, time.time() + 1e6, "RankStalled", message, False))
+                out.append(FailureRecord(rank, time.time() + 1e6, STALLED, message, False))
         return out
 
     def record(self, exception: BaseException, when: float | None = None) -> FailureRecord:
@@ -146,7 +177,7 @@ class ErrorRelay:
             rank=self.rank,
             time=time.time() if when is None else when,
             kind=type(exception).__name__,
-            message=str(exception).strip().splitlines()[0][:2000] if str(exception).strip() else "",
+            message=message_line(exception),
             consequence=is_consequence(exception),
         )
         path = self._path(self.rank)
@@ -209,10 +240,21 @@ class ErrorRelay:
             return None
 
     def records(self) -> list[FailureRecord]:
+        """Every rank's record in this host's folder, and the ranks another rank named stalled."""
         if not self.folder.is_dir():
             return []
-        found = (self._read(p) for p in sorted(self.folder.glob("rank*.json")))
+        paths = sorted(self.folder.glob("rank*.json")) + sorted(self.folder.glob("rank*.stalled"))
+        found = (self._read(p) for p in paths)
         return [r for r in found if r is not None]
+
+    def _declare_stalled(self, record: FailureRecord) -> None:
+        """Tell the rank ``record`` names stalled (it is alive and may read its folder later)."""
+        with contextlib.suppress(OSError):
+            _write_atomically(self.folder, f"rank{record.rank}.stalled", json.dumps(asdict(record)))
+
+    def declared_stalled(self) -> FailureRecord | None:
+        """The record another rank of this host wrote when it named this rank stalled, if one did."""
+        return self._read(self.folder / f"rank{self.rank}.stalled")
 
     def first(self, wait: float = 3.0, poll: float = 0.1) -> FailureRecord | None:
         """The job's root cause as far as the records tell, waiting up to ``wait`` seconds for one
@@ -231,7 +273,10 @@ class ErrorRelay:
             expired = time.monotonic() >= deadline
             silent = self._silent_ranks({r.rank for r in records}, stalled_too=expired) if self.folder.is_dir() else []
             if silent:
-                return earliest_cause(silent)
+                found = earliest_cause(silent)
+                if found is not None and found.kind == STALLED:
+                    self._declare_stalled(found)
+                return found
             if expired:
                 return found
             time.sleep(poll)
@@ -261,15 +306,15 @@ class ErrorRelay:
             pass
 
     def leave(self) -> None:
-        """At this process's exit: remove its note unless it recorded a failure (that record and the
-        folder are then :meth:`finish`'s, or the next start's stale-run cleanup), and the run folder
-        and its parent when this rank is the last one out (``rmdir``: only empty folders go)."""
+        """At this process's exit: remove its note (and another rank's word that it stalled) unless it
+        recorded a failure (that record and the folder are then :meth:`finish`'s, or the next start's
+        stale-run cleanup), and the run folder and its parent when this rank is the last one out
+        (``rmdir``: only empty folders go)."""
         if self.recorded():
             return
-        try:
-            (self.folder / f"rank{self.rank}.proc").unlink()
-        except FileNotFoundError:
-            pass
+        for name in (f"rank{self.rank}.proc", f"rank{self.rank}.stalled"):
+            with contextlib.suppress(FileNotFoundError):
+                (self.folder / name).unlink()
         for folder in (self.folder, self.folder.parent):
             try:
                 folder.rmdir()

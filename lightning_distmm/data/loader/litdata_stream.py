@@ -66,8 +66,20 @@ class LitDataStream(PlainStream):
             reset()  # a state loaded by StreamingDataLoader.load_state_dict would override the epoch
         self.dataset.set_epoch(epoch + 1)  # StreamingDataLoader's first epoch is 1
         indices = self._indices()
-        source = indices if indices is not None else one_pass(self.dataset)
+        source = indices if indices is not None else self._read_whole(one_pass(self.dataset))
         return skip_samples(source, skip, epoch, self.name)
+
+    def _read_whole(self, items: Iterator[Any]) -> Iterator[Any]:
+        """LitData's own iteration (its lay-out not readable), a missing chunk named as missing."""
+        while True:
+            try:
+                item = next(items)
+            except StopIteration:
+                return
+            except FileNotFoundError as err:
+                self._raise_if_chunk_missing(err, None)
+                raise
+            yield item
 
     def _indices(self) -> Iterator[LitIndex] | None:
         """The epoch's item indices in LitData's order, or None where its lay-out is not readable."""
@@ -98,7 +110,27 @@ class LitDataStream(PlainStream):
             # a DataLoader worker: the reader the main process opened is not this process's
             self.dataset.cache = None
             self._cache_pid = os.getpid()
-        return self.dataset[int(sample)]
+        try:
+            return self.dataset[int(sample)]
+        except FileNotFoundError as err:
+            self._raise_if_chunk_missing(err, int(sample))
+            raise
+
+    def _raise_if_chunk_missing(self, err: FileNotFoundError, index: int | None) -> None:
+        """Raise :class:`MissingChunkError` when ``err`` is LitData failing to find a chunk of a folder on
+        this machine that no longer holds it. LitData waits for a chunk file it does not find (2 s for a
+        local folder), as if a download were under way, and then reports a hung download; a folder read
+        through a cache of a remote store (``s3://...``) may be downloading, and keeps LitData's error."""
+        path = getattr(err, "path", None) or err.filename
+        source = _chunk_source(self.dataset, os.fspath(path)) if path else None
+        if source is None or os.path.exists(source):
+            return
+        item = f"item {index} is in it" if index is not None else "the epoch reads it"
+        raise MissingChunkError(
+            f"LitData chunk {source} does not exist: it was deleted or moved after the dataset was opened ({item};"
+            f" LitData waited {getattr(err, 'waited_s', 0):.0f} s for the file, as for a download, then gave up)."
+            f" Put the chunk back, or write the folder again (litdata.optimize) and start the run again"
+        ) from None  # LitData's error calls it a hung download: a consequence's words, not the cause's
 
     def decode(self, sample: Any, fields: Iterable[str]) -> dict[str, Any]:
         return super().decode(self.item(sample), fields)
@@ -108,4 +140,23 @@ class LitDataStream(PlainStream):
         return ("index", int(sample)) if isinstance(sample, LitIndex) else None
 
 
-__all__ = ["LitDataStream", "LitIndex"]
+class MissingChunkError(FileNotFoundError):
+    """A chunk of a LitData folder on this machine is gone while the run reads the folder."""
+
+
+def _chunk_source(dataset: Any, path: str) -> str | None:
+    """Where the chunk LitData looked for at ``path`` comes from when it is a file on this machine: the
+    path itself for a local folder, the same name in the source folder of a ``local:`` copy; None for
+    a remote store (its chunks are downloaded to ``path``, and one not there yet may be on its way)."""
+    input_dir = getattr(dataset, "input_dir", None)
+    url = getattr(input_dir, "url", None)
+    if input_dir is None:
+        return None
+    if url is None:
+        return path
+    if str(url).startswith("local:"):
+        return os.path.join(str(url)[len("local:") :], os.path.basename(path))
+    return None
+
+
+__all__ = ["LitDataStream", "LitIndex", "MissingChunkError"]
