@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -163,6 +164,12 @@ def test_image_counts_that_miss_the_images_stop_training_with_the_sample(case: s
         trainer.fit(VLM(**model_kwargs), torch.utils.data.DataLoader(dataset, batch_size=6))
     assert str(raised.value) == message
     assert trainer.global_step == 0
+
+
+def test_docs_show_the_messages_the_code_gives() -> None:
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "mllm.md").read_text()
+    for case in ("claims-an-empty-slot", "more-than-its-slots", "negative", "fewer-slots-than-max-images"):
+        assert MISCOUNTED[case][2] in docs, case
 
 
 def test_validation_batches_are_checked_too() -> None:
