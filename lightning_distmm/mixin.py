@@ -14,7 +14,7 @@ clipping by norm uses the norm of the whole model across ranks.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -142,6 +142,14 @@ class DistMMMixin:
             return runner.global_batch_size(batch)
         first = self.tower_specs()[next(iter(self.tower_specs()))].fields[0]
         return len(batch[first])
+
+    def batch_rows(self, batch: Mapping[str, Any]) -> Sequence[int]:
+        """The row of the global batch (the DataLoader's batch) of each row of ``batch``: under distmm a
+        rank holds some rows of it, in one process every row. For messages that name a sample."""
+        runner = self._distmm_runner
+        if runner is not None:
+            return runner.batch_rows(batch)
+        return range(self.global_batch_size(batch))
 
     # ------------------------------------------------------------------ Lightning hooks
     def backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:

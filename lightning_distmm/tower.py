@@ -89,6 +89,10 @@ class TowerRunner(Protocol):
         """Samples in the global batch this rank's share of ``batch`` belongs to."""
         ...
 
+    def batch_rows(self, batch: Mapping[str, Any]) -> Sequence[int]:
+        """The global batch's row of each row of this rank's share ``batch``."""
+        ...
+
     def backward(self, run_backward: Callable[[], None]) -> None:
         """Around the autograd backward of the returned loss: hand the step's gradients back and sum them."""
         ...

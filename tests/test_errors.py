@@ -12,8 +12,10 @@ import pytest
 import torch
 from distmm_testing import TinyCLIP, loader, trainer_kwargs
 from torch.utils.data import DataLoader, Dataset
+from vlm_testing import MiscountedVLMData
 
 import lightning_distmm as ldm
+from lightning_distmm.models.vlm import VLM
 
 
 class ErrorRecorder(L.Callback):
@@ -148,6 +150,15 @@ CASES = {
     ),
     "loss-vector": (2, SEPARATE, lambda: loader(4), r"must return a scalar tensor .*, got \[4\]", VectorLoss),
     "loss-detached": (2, SEPARATE, lambda: loader(4), r"loss that does not depend on the features", DetachedLoss),
+    # only the encoder's rank (1) loads pixel_values and sees that sample 4's second slot is empty;
+    # the LLM's rank ends with the same message, relayed
+    "vlm-empty-image-slot": (
+        2,
+        ldm.Plan(2, {"image": {"ranks": [1]}, "llm": {"ranks": [0]}}),
+        lambda: DataLoader(MiscountedVLMData(4, 2, size=12), batch_size=6, drop_last=True),
+        r"the sample at row 4 of the batch has n_images=2, but its pixel_values slot 1 is all zeros",
+        VLM,
+    ),
     "batch-below-replicas": (
         2,
         ldm.Plan(2, {"image": {"ranks": [0, 1]}, "text": {"ranks": [0]}}),
@@ -158,10 +169,11 @@ CASES = {
 
 
 #: the cases run under the real subprocess launcher (one per phase: the plan against the world at
-#: setup, a tower's output in the first step); the others fork their ranks from the test process,
+#: setup, a tower's output in the first step, a batch seen by one rank before it moves: every rank
+#: must end with what a fork would leave to a race); the others fork their ranks from the test process,
 #: which has Lightning imported already (a popen case starts a Python process per rank, 9-15 s of
 #: imports each on the 2-core machine)
-POPEN_CASES = ("world-size", "tower-returns-tuple")
+POPEN_CASES = ("world-size", "tower-returns-tuple", "vlm-empty-image-slot")
 
 
 def _run_case(case: str, folder: str, start_method: str = "popen") -> None:

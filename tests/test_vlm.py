@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 from distmm_testing import LossRecorder, read_losses, trainer_kwargs
-from vlm_testing import VLMData, compare_vlm, vlm_loader
+from vlm_testing import MiscountedVLMData, VLMData, compare_vlm, vlm_loader
 
 import lightning_distmm as ldm
-from lightning_distmm.models.vlm import VLM
+from lightning_distmm.core.layout import GLOBAL_BATCH_KEY, RankLayout
+from lightning_distmm.models.vlm import VLM, check_images
 from lightning_distmm.tower import tower_order
 
 
@@ -100,6 +102,126 @@ def test_trains_under_an_ordinary_trainer(tmp_path) -> None:
     trainer.fit(model, torch.utils.data.DataLoader(VLMData(8), batch_size=8, drop_last=True))
     losses = read_losses(tmp_path / "l.json")
     assert losses[-1] < 0.6 * losses[0], losses
+
+
+# ---------------------------------------------------------------------- image counts against the images
+# VLMData's sample i carries i % 3 images: sample 4 one (its slot 1 all zeros), sample 5 two
+MISCOUNTED = {
+    "claims-an-empty-slot": (
+        dict(index=4, n_images=2),
+        {},
+        "the sample at row 4 of the batch has n_images=2, but its pixel_values slot 1 is all zeros (the padding of"
+        " an absent image): the sample carries 1 image, not 2. A sample's n_images images fill its pixel_values"
+        " slots 0 to n_images-1; set n_images to the images the sample carries, in its first slots",
+    ),
+    "claims-an-image-with-none": (
+        dict(index=3, n_images=1),
+        {},
+        "the sample at row 3 of the batch has n_images=1, but its pixel_values slot 0 is all zeros (the padding of"
+        " an absent image): the sample carries 0 images, not 1. A sample's n_images images fill its pixel_values"
+        " slots 0 to n_images-1; set n_images to the images the sample carries, in its first slots",
+    ),
+    "more-than-its-slots": (
+        dict(index=5, n_images=3),
+        {},
+        "the sample at row 5 of the batch has n_images=3, more than the model's max_images=2 (the pixel_values"
+        " image slots of a sample): give the sample at most 2 images, or build the model with max_images=3 and"
+        " pad every sample's pixel_values to 3 slots",
+    ),
+    "negative": (
+        dict(index=1, n_images=-1),
+        {},
+        "the sample at row 1 of the batch has n_images=-1: n_images is how many images the sample carries in its"
+        " pixel_values slots 0 to n_images-1, from 0 to the model's max_images=2; set it to the number of images"
+        " the sample carries",
+    ),
+    # the data's 2 slots for a model of 1: before, "image_embeds has 2 images of 5 tokens per sample ..."
+    "more-than-max-images": (
+        None,
+        dict(max_images=1),
+        "the sample at row 2 of the batch has n_images=2, more than the model's max_images=1 (the pixel_values"
+        " image slots of a sample): give the sample at most 1 image, or build the model with max_images=2 and"
+        " pad every sample's pixel_values to 2 slots",
+    ),
+    "fewer-slots-than-max-images": (
+        None,
+        dict(max_images=3),
+        "pixel_values has 2 image slots per sample (shape [6, 2, 3, 8, 8]) but the model was built with"
+        " max_images=3: give every sample's pixel_values 3 slots (those past its n_images all zeros), or build"
+        " the model with max_images=2",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(MISCOUNTED))
+def test_image_counts_that_miss_the_images_stop_training_with_the_sample(case: str) -> None:
+    """An ordinary Trainer stops before the first step with the sample's row and fields; before, a
+    claimed empty slot trained as an image and a count past max_images named image_embeds."""
+    data, model_kwargs, message = MISCOUNTED[case]
+    dataset = MiscountedVLMData(**data, size=6) if data else VLMData(6)
+    trainer = L.Trainer(devices=1, max_steps=1, **trainer_kwargs())
+    with pytest.raises(ValueError) as raised:
+        trainer.fit(VLM(**model_kwargs), torch.utils.data.DataLoader(dataset, batch_size=6))
+    assert str(raised.value) == message
+    assert trainer.global_step == 0
+
+
+def test_docs_show_the_messages_the_code_gives() -> None:
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "mllm.md").read_text()
+    for case in ("claims-an-empty-slot", "more-than-its-slots", "negative", "fewer-slots-than-max-images"):
+        assert MISCOUNTED[case][2] in docs, case
+
+
+def test_validation_batches_are_checked_too() -> None:
+    trainer = L.Trainer(devices=1, **trainer_kwargs(limit_val_batches=1))
+    with pytest.raises(ValueError, match="row 4 of the batch has n_images=2, but its pixel_values slot 1 is all zeros"):
+        trainer.validate(VLM(), torch.utils.data.DataLoader(MiscountedVLMData(4, 2, size=6), batch_size=6))
+
+
+class _RankRows:
+    """A distmm rank's runner as the image check sees it: which rows of the global batch it holds."""
+
+    def __init__(self, layout: RankLayout) -> None:
+        self.layout = layout
+
+    def batch_rows(self, batch):  # type: ignore[no-untyped-def]
+        return self.layout.batch(batch[GLOBAL_BATCH_KEY]).rows
+
+
+def test_a_distmm_rank_names_the_row_of_the_global_batch() -> None:
+    """Image dp2 + LLM on rank 0: rank 1 holds rows 3-5 of a batch of 6, and its local row 1 is row 4."""
+    plan = ldm.Plan(2, {"image": {"ranks": [0, 1]}, "llm": {"ranks": [0]}})
+    model = VLM()
+    layout = RankLayout(plan, 1, {name: t.fields for name, t in model.tower_specs().items()})
+    assert layout.batch(6).rows == (3, 4, 5)
+    data = MiscountedVLMData(4, 2, size=6)
+    rows = [data.load(i, layout.fields) for i in layout.batch(6).rows]
+    batch = {f: torch.stack([r[f] for r in rows]) for f in layout.fields}
+    batch[GLOBAL_BATCH_KEY] = 6
+    model._distmm_runner = _RankRows(layout)  # type: ignore[assignment]
+    with pytest.raises(
+        ValueError, match=r"the sample at row 4 of the batch has n_images=2, but its pixel_values slot 1"
+    ):
+        model.on_before_batch_transfer(batch, 0)
+
+
+def test_the_image_check_reads_only_cpu_values_and_finds_an_image_its_probe_misses() -> None:
+    """Tensors on another device (meta here: reading one raises) get the shape check alone, so the
+    check never waits for a device; an image zero at every probed value but one pixel is an image."""
+    pixels, counts = torch.randn(4, 2, 3, 8, 8), torch.tensor([2, 2, 1, 0])
+    pixels[2:, 1:] = 0
+    pixels[3] = 0
+    check_images(counts.to("meta"), pixels.to("meta"), 2)
+    check_images(counts, pixels.to("meta"), 2)
+    with pytest.raises(ValueError, match="pixel_values has 2 image slots per sample"):
+        check_images(counts.to("meta"), pixels.to("meta"), 3)
+    sparse = torch.zeros(1, 2, 3, 8, 8)
+    sparse[0, 0, 2, 7, 6] = 1.0  # flat position 190 of 192: not among every third value
+    sparse[0, 1, 0, 0, 1] = 1.0
+    check_images(torch.tensor([2]), sparse, 2)
+    sparse[0, 0] = 0
+    with pytest.raises(ValueError, match=r"row 0 of the batch has n_images=2, but its pixel_values slot 0 is all"):
+        check_images(torch.tensor([2]), sparse, 2)
 
 
 # ---------------------------------------------------------------------- distributed, against one process

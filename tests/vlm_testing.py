@@ -52,6 +52,20 @@ class VLMData(ldm.FieldDataset):
         return {k: full[k] for k in fields}
 
 
+class MiscountedVLMData(VLMData):
+    """:class:`VLMData` whose sample ``index`` says ``n_images`` (its pixel_values stay VLMData's)."""
+
+    def __init__(self, index: int, n_images: int, size: int = 64) -> None:
+        super().__init__(size)
+        self.index, self.n_images = index, n_images
+
+    def load(self, index: int, fields: Any) -> dict[str, Any]:
+        sample = super().load(index, fields)
+        if index == self.index and "n_images" in sample:
+            sample["n_images"] = torch.tensor(self.n_images)
+        return sample
+
+
 def vlm_loader(batch: int, size: int = 64, dtype: torch.dtype = torch.float32) -> DataLoader:
     return DataLoader(VLMData(size, dtype), batch_size=batch, drop_last=True)
 

@@ -28,7 +28,7 @@ hands the step's gradients back around the autograd backward of that loss.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -159,6 +159,10 @@ class RankRuntime:
                 " dataset that yields single samples (dicts keyed by field)"
             )
         return int(batch[GLOBAL_BATCH_KEY])
+
+    def batch_rows(self, batch: Mapping[str, Any]) -> Sequence[int]:
+        """The global row of each row of this rank's ``batch`` (the rows the distmm loader loaded, in order)."""
+        return self.layout.batch(self.global_batch_size(batch)).rows
 
     def schedule(self, n: int) -> list[Instruction]:
         """This rank's instructions for a global batch of ``n`` (the plan's schedule, as data)."""

@@ -100,6 +100,9 @@ class StepRunner:
     def global_batch_size(self, batch: Mapping[str, Any]) -> int:
         return self.runtime.global_batch_size(batch)
 
+    def batch_rows(self, batch: Mapping[str, Any]) -> Sequence[int]:
+        return self.runtime.batch_rows(batch)
+
     def backward(self, run_backward: Callable[[], None]) -> None:
         self.runtime.backward(self._current(), run_backward)
 
