@@ -77,6 +77,25 @@ def test_sharding_composes(name, tmp_path):
     compare_with_reference(make, plan, plan.world_size, 10, 3, tmp_path).assert_exact()
 
 
+#: tp or pp inside a sharded tower that not every rank holds: the ranks outside it build the tower's
+#: meshes too but never slice them (torch slices a mesh of several dp sub-meshes only on its own ranks)
+SUBSET_PLANS = {
+    f"image-{split}+{shard}-on-0-1+text-on-2": ldm.Plan(
+        3, {"image": {"ranks": [0, 1], split[:2]: 2, "shard": shard}, "text": {"ranks": [2]}}
+    )
+    for split, shard in (("tp2", "full"), ("pp2", "full"), ("tp2", "hybrid"), ("tp2", "zero2"))
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("name", list(SUBSET_PLANS))
+def test_tp_or_pp_with_sharding_on_a_subset_of_ranks(name, optimizer, tmp_path):
+    lr = 0.05 if optimizer == "sgd" else 0.01
+    plan = SUBSET_PLANS[name]
+    compare_with_reference(lambda: DeepCLIP(optimizer, lr=lr), plan, 3, 7, 3, tmp_path).assert_exact()
+
+
 class _ResharedAfterForward(L.Callback):
     """Rank 0 (an image rank) writes whether each FSDP unit of the image tower reshards its weights
     after its forward (FSDP2 keeps the mesh it reshards to; none under reshard_after_forward=False)."""

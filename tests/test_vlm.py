@@ -358,6 +358,17 @@ def test_vlm_llm_tp2_equals_one_process(optimizer: str, tmp_path) -> None:
     c.assert_exact(1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_vlm_llm_tp2_sharded_on_its_own_ranks_equals_one_process(optimizer: str, tmp_path) -> None:
+    """The LLM at tp2 with ``shard: full`` on ranks the encoder does not hold (the shape the encoder->LLM
+    planner picks for LLaVA-1.5-7B on 64 A100s: "llm 32 dev: dp16 tp2 ... full; separate")."""
+    plan = ldm.Plan(3, {"image": {"ranks": [0]}, "llm": {"ranks": [1, 2], "tp": 2, "shard": "full"}})
+    lr = 0.1 if optimizer == "sgd" else 0.01
+    c = compare_vlm(lambda: VLM(optimizer=optimizer, lr=lr, eps=ADAM_EPS), plan, 3, batch=6, steps=3, tmp_path=tmp_path)
+    c.assert_exact(1e-5)
+
+
 def tiny_qwen2(tmp_path) -> str:
     """A tiny Qwen2-style causal LM saved as a local Hugging Face folder (random init, offline)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
