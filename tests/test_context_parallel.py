@@ -116,6 +116,12 @@ CP_PLANS = {
         TinyCLIP,
         ldm.Plan(3, {"image": {"ranks": [0, 1], "tp": 2, "sp": True}, "text": {"ranks": [2]}}),
     ),
+    # microbatches of 7 and 1 rows: at one row the position embedding's gradient is the stream's own
+    # tensor (nothing to sum over the batch), which sp's tp sum of that gradient must not change in place
+    "image-tp2+sp-one-row-microbatch+text-colocated": (
+        TinyCLIP,
+        ldm.Plan(2, {"image": {"ranks": [0, 1], "tp": 2, "sp": True, "microbatch": 7}, "text": {"ranks": [0, 1]}}),
+    ),
     "image-dp2xtp2+sp+text-colocated": (
         DeepCLIP,
         ldm.Plan(4, {"image": {"ranks": [0, 1, 2, 3], "tp": 2, "sp": True}, "text": {"ranks": [0]}}),

@@ -78,8 +78,13 @@ class _ReduceScatter(torch.autograd.Function):
 
 
 def _sum_over(group: dist.ProcessGroup) -> Any:
+    """A gradient hook that sums the gradient over ``group``, in a copy of its own: the tensor autograd
+    hands the hook may be a view of a gradient that still flows elsewhere (a class token's gradient
+    at batch 1 is a slice of the concatenation's, which the patch embedding's backward reads next),
+    so an in-place sum on it would add the other ranks' share to that gradient too."""
+
     def hook(grad: Tensor) -> Tensor:
-        grad = grad.contiguous()
+        grad = grad.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
         return grad
 
