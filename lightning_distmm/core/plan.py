@@ -123,7 +123,9 @@ class Plan:
         idle = sorted(set(range(self.world_size)) - held)
         if idle:
             raise PlanError(
-                f"ranks {idle} run no tower: every rank of the world of {self.world_size} must hold one", "towers"
+                f"ranks {idle} run no tower: every rank of the world of {self.world_size} must hold one (add them to"
+                " the ranks of one of the towers, or make world_size smaller)",
+                "towers",
             )
         if self.global_batch is not None:
             self.check_global_batch(self.global_batch)
@@ -220,11 +222,13 @@ class Plan:
                 if self.sync_groups > 1:
                     raise PlanError(
                         f"tower {name!r}: each of the {self.sync_groups} sync groups of a global batch of {n}"
-                        f" ({self.group_split(n)}) must give each of its {t.dp} data-parallel replicas a sample",
+                        f" ({self.group_split(n)}) must give each of its {t.dp} data-parallel replicas (ranks"
+                        f" {t.ranks}) a sample",
                         f"towers.{name}.ranks",
                     )
                 raise PlanError(
-                    f"tower {name!r}: global batch {n} is smaller than its {t.dp} data-parallel replicas;"
+                    f"tower {name!r}: global batch {n} is smaller than its {t.dp} data-parallel replicas (ranks"
+                    f" {t.ranks});"
                     f" raise the DataLoader batch_size or use drop_last=True to avoid a short last batch",
                     f"towers.{name}.ranks",
                 )

@@ -41,7 +41,11 @@ def check_plan_runs(plan: Plan, towers: Mapping[str, Tower]) -> None:
     consumes = {n: list(t.consumes) for n, t in towers.items() if t.consumes}
     if consumes:
         first = next(iter(plan.towers))
-        _refuse_as(f"towers.{first}.schedule", lambda: check_handoff_plan(plan, consumes))
+        _refuse_as(
+            f"towers.{first}.schedule",
+            lambda: check_handoff_plan(plan, consumes),
+            f"tower {first!r}, schedule {plan.towers[first].schedule!r}: ",
+        )
     for name, t in plan.towers.items():
         module = towers[name].module
         key = f"towers.{name}"

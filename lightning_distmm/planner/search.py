@@ -112,20 +112,12 @@ def make_plan(
             raise InfeasibleError(
                 f"tp={opts.tp} divides no tower's head count: {heads}; leave planner.tp unset or pick a common divisor"
             )
-    tps_all, pps_all = {}, {}
-    for n, p in profiles.items():
-        tps_all[n], pps_all[n] = tower_space(p, spec, n_devices, opts.max_tp, opts.max_pp, opts.tp, opts.pp)
-    scheds = tuple(opts.schedules) + ((RECOMPUTE,) if opts.recompute and "gpipe" in opts.schedules else ())
-    space = SearchSpace(tps_all, pps_all, scheds, opts.max_microbatches, tuple(opts.shards), sequence=opts.sequence)
+    job = search_job(profiles, spec, n_global, opts)
+    space = job.space
     n_contrastive, embed = contrastive_features(profiles)
-    loss_mem = loss_bytes(n_global, n_devices, n_contrastive, costs, embed)
-    loss_mem_distmm = loss_bytes(
-        split_batch(n_global, None, 2)[0], n_devices, n_contrastive, costs, embed
-    )  # a batch-sync over half the batch
     syncs = {
         k: batch_syncs(spec, costs, n_global, embed, n_devices, spec.nodes, n_contrastive, k)["total"] for k in (1, 2)
     }
-    job = SearchJob(spec, costs, n_global, n_devices, space, loss_mem, loss_mem_distmm)
     for p in profiles.values():
         need = min_memory(p, job)
         if need["total"] > job.memory_limit:
@@ -235,6 +227,27 @@ def make_plan(
     )
     report.sequence_notes = notes
     return plan, report
+
+
+def search_job(
+    profiles: Mapping[str, TowerProfile], spec: Cluster, global_batch: int, opts: PlannerOptions
+) -> SearchJob:
+    """What the search may choose from for ``profiles`` on ``spec`` (each tower's tp and pp, the
+    schedules, microbatch counts, shardings, cp and sp) and the memory it must leave for the loss:
+    :func:`~lightning_distmm.planner.partition.tower_candidates` of each tower over this job is every
+    tower plan the search can emit."""
+    n_devices, costs = spec.world_size, opts.cost
+    tps_all, pps_all = {}, {}
+    for n, p in profiles.items():
+        tps_all[n], pps_all[n] = tower_space(p, spec, n_devices, opts.max_tp, opts.max_pp, opts.tp, opts.pp)
+    scheds = tuple(opts.schedules) + ((RECOMPUTE,) if opts.recompute and "gpipe" in opts.schedules else ())
+    space = SearchSpace(tps_all, pps_all, scheds, opts.max_microbatches, tuple(opts.shards), sequence=opts.sequence)
+    n_contrastive, embed = contrastive_features(profiles)
+    loss_mem = loss_bytes(global_batch, n_devices, n_contrastive, costs, embed)
+    loss_mem_distmm = loss_bytes(
+        split_batch(global_batch, None, 2)[0], n_devices, n_contrastive, costs, embed
+    )  # a batch-sync over half the batch
+    return SearchJob(spec, costs, global_batch, n_devices, space, loss_mem, loss_mem_distmm)
 
 
 def _sync_families(cands: Sequence[Candidates]) -> list[tuple[int, list[Candidates]]]:

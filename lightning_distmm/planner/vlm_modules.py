@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from lightning_distmm.core.tower_plan import split_batch
 from lightning_distmm.planner.cluster import Cluster
 from lightning_distmm.planner.cost.comm import (
     compact_dp_allreduce,
@@ -44,6 +45,16 @@ class ModuleChoice:
     @property
     def dp(self) -> int:
         return self.devices // (self.tp * self.pp)
+
+    def runnable(self, global_batch: int) -> bool:
+        """Whether the runtime runs this choice: a sharded module's replicas meet in FSDP's collectives
+        once per microbatch, so each must run as many microbatches (the plan's refusal otherwise:
+        :meth:`lightning_distmm.core.plan.Plan.check_sharded_microbatches`)."""
+        if self.shard != "full" or self.dp == 1:
+            return True
+        split = split_batch(global_batch, None, self.dp)
+        size = math.ceil(max(split) / min(self.microbatches, max(split)))
+        return len({math.ceil(rows / size) for rows in split}) == 1
 
     def label(self) -> str:
         extra = (f" {self.shard}" if self.shard != "none" else "") + (" recompute" if self.recompute else "")
@@ -138,7 +149,8 @@ def module_options(
     tps: tuple[int, ...] | None = None,
     pps: tuple[int, ...] | None = None,
 ) -> list[ModuleCost]:
-    """Every choice of ``module`` on ``devices`` ranks that fits, priced (the partitioner's grid)."""
+    """Every choice of ``module`` on ``devices`` ranks that the runtime runs and that fits, priced (the
+    partitioner's grid)."""
     prof = profs.vision if module == "image" else profs.llm
     dpn = cluster.devices_per_node
     tp_ok = tps or tuple(t for t in _divisors(dpn) if prof.heads % t == 0)
@@ -155,6 +167,8 @@ def module_options(
                         if m < pp and pp > 1:
                             continue
                         c = ModuleChoice(module, devices, tp, pp, shard, recompute, m)
+                        if not c.runnable(global_batch):
+                            continue
                         priced = price_module(profs, c, global_batch, cluster, opts)
                         if priced is not None:
                             out.append(priced)
