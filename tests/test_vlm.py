@@ -496,6 +496,16 @@ def test_vlm_image_tp2_equals_one_process(optimizer: str, tmp_path) -> None:
 
 
 @pytest.mark.slow
+def test_vlm_image_tp2_microbatch_without_images_equals_one_process(tmp_path) -> None:
+    """One-row microbatches through a tensor-parallel ViT: a third of the rows carry no image, so
+    some microbatches have none (the ViT runs one blank image there, as in one process; DTensor's
+    tensor-parallel layers refused the empty batch)."""
+    plan = ldm.Plan(3, {"image": {"ranks": [0, 1], "tp": 2, "microbatch": 1}, "llm": {"ranks": [2]}})
+    c = compare_vlm(lambda: _image_tp2_vlm("sgd", 0.1), plan, 3, batch=6, steps=3, tmp_path=tmp_path)
+    c.assert_exact(1e-5)
+
+
+@pytest.mark.slow
 def test_vlm_image_tp2_gradients_equal_one_process(tmp_path) -> None:
     """One SGD step at lr 1 moves each weight by its gradient: every tensor's gradient under image tp2
     equals one process's to 1e-4 of the tensor's largest entry."""

@@ -119,6 +119,21 @@ def _row(rows: Sequence[int] | None, i: int) -> int:
     return i if rows is None else int(rows[i])
 
 
+def present_images(pixel_values: Tensor, present: Tensor) -> Tensor:
+    """The present images of a batch, ``[M, C, H, W]``; one blank image when none is present.
+
+    A microbatch of rows without images still runs the ViT once, on a blank image whose tokens land
+    in no row (``index_put`` with an empty mask) and reach the loss multiplied by zero: every layout
+    then takes the same path (a tensor-parallel ViT's DTensor layers refuse an empty batch, and a
+    sharded one's replicas must all run its collectives), and the gradients are exactly those of the
+    present images.
+    """
+    images = pixel_values[present]
+    if images.shape[0] == 0:
+        images = pixel_values.new_zeros(1, *pixel_values.shape[2:])
+    return images
+
+
 class VisionProjector(nn.Module):
     """A ViT's tokens of each present image through an MLP projector into the LLM's width (LLaVA's
     connector). ``freeze_vit``: the ViT keeps its weights and only the projector trains (LLaVA's
@@ -135,7 +150,7 @@ class VisionProjector(nn.Module):
     def forward(self, pixel_values: Tensor, n_images: Tensor) -> Tensor:
         b, k = pixel_values.shape[:2]
         present = torch.arange(k, device=pixel_values.device)[None, :] < n_images[:, None]  # [B, K]
-        images = pixel_values[present]  # [M, C, H, W], M present images (possibly none)
+        images = present_images(pixel_values, present)  # [M, C, H, W]
         if self.freeze_vit:
             with torch.no_grad():
                 tokens = self.vit.forward_features(images)
@@ -143,7 +158,8 @@ class VisionProjector(nn.Module):
             tokens = self.vit.forward_features(images)
         tokens = self.projector(tokens)  # [M, T, D]
         out = tokens.new_zeros(b, k, *tokens.shape[1:])
-        # the rows keep a graph even with no present image (the projector's parameters get a zero gradient)
+        # the rows keep a graph even with no present image (the projector's parameters get a zero
+        # gradient); with none present, the blank image's tokens broadcast into no row
         return out.index_put((present,), tokens) + 0.0 * tokens.sum()
 
     def pipeline_stages(self, pp: int) -> list:
@@ -174,7 +190,7 @@ class VisionProjector(nn.Module):
                 k = pixels.shape[1]
                 present = torch.arange(k, device=pixels.device)[None, :] < n_images[:, None]
                 if first:
-                    x = vit.patch_embed(pixels[present])  # type: ignore[operator]
+                    x = vit.patch_embed(present_images(pixels, present))  # type: ignore[operator]
                     x = vit.norm_pre(vit.patch_drop(vit._pos_embed(x)))  # type: ignore[operator]
                 assert x is not None
                 for block in blocks[a:b]:
