@@ -78,6 +78,8 @@ class DistMMStrategy(ModelParallelStrategy):
             its host died), before it ends itself with that rank's error (NCCL, unlike gloo, leaves it
             in the collective until the timeout; :class:`~lightning_distmm.faults.PeerFailureWatch`).
             ``None``: wait for the collective timeout.
+        balance: ``"cost"`` (default): each step's rows go to a tower's replicas by what they cost,
+            where the tower says (``Tower(cost=...)``); ``"rows"``: by count, as the plan splits them.
     """
 
     strategy_name = "distmm"
@@ -92,7 +94,14 @@ class DistMMStrategy(ModelParallelStrategy):
         reuse_host_memory: bool = True,
         stream_check_every: int = 1,
         failure_grace: timedelta | None = timedelta(seconds=30),
+        balance: Literal["cost", "rows"] = "cost",
     ) -> None:
+        if balance not in ("cost", "rows"):
+            raise ValueError(
+                f"balance={balance!r}: choose 'cost' (each step's rows to the replicas by their cost, where a"
+                f" tower gives Tower(cost=...)) or 'rows' (by count, the plan's split)"
+            )
+        self._balance = balance
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self._loaders = RankLoaders(self._batches_done, stream_check_every, note=_say)
         self._bucket_cap_mb = float(bucket_cap_mb)
@@ -222,7 +231,9 @@ class DistMMStrategy(ModelParallelStrategy):
         if not isinstance(dataloader, DataLoader) or self.runtime is None or self.plan is None:
             return dataloader
         fields = {name: tower.fields for name, tower in self.runtime.towers.items()}
-        return self._loaders.wrap(dataloader, self.plan, self.runtime.layout, fields)
+        costs = {name: t.cost for name, t in self.runtime.towers.items() if t.cost is not None}
+        costs = costs if self._balance == "cost" else {}
+        return self._loaders.wrap(dataloader, self.plan, self.runtime.layout, fields, costs)
 
     def _batches_done(self) -> int:
         return seam.batches_processed(self.lightning_module.trainer if self.lightning_module is not None else None)

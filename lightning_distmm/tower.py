@@ -31,12 +31,19 @@ class Tower:
             called with ``keyword=<that tower's output for the same rows>`` (a language model
             reading a vision tower's image tokens, docs/mllm.md). A model with such a tower has a
             per-token loss on it (``token_loss``) instead of a batch-sync.
+        cost: what one row costs this tower, read from the sample before it is loaded: a field name
+            (``"n_images"``; an integer counts as itself, a sequence or tensor by its length) or
+            ``{field: weight}`` summing several (``{"n_images": 256, "input_ids": 1}``: an LLM's
+            image and text tokens). Each step's rows then go to the tower's replicas by their cost
+            instead of their count (docs/runtime.md, "Balancing each step"); None: by count. Name
+            a cheap field: every rank reads it for every row of the global batch.
     """
 
     module: nn.Module
     input: str | Sequence[str]
     frozen: bool = False
     consumes: Mapping[str, str] = field(default_factory=dict)
+    cost: str | Mapping[str, float] | None = None
 
     @property
     def fields(self) -> tuple[str, ...]:

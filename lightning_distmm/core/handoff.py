@@ -1,8 +1,10 @@
 """Towers that consume other towers' outputs (a vision encoder feeding a language model): which rank
 sends which rows where, and each rank's instruction list of one step (docs/mllm.md).
 
-Every tower splits the global batch over its replicas by :meth:`TowerPlan.split`, as
-:class:`~lightning_distmm.core.layout.RankLayout` does; the rows a producer replica computed and a
+Every tower splits the global batch over its replicas by the step's row assignment (the plan's
+own split by default, :mod:`lightning_distmm.core.assignment`), as
+:class:`~lightning_distmm.core.layout.RankLayout` does; rows are step positions, so the rows of a
+replica are contiguous whatever the assignment. The rows a producer replica computed and a
 consumer replica owns go from the producer's feature rank to the consumer replica's first stage,
 and their gradient comes back. Computed from the plan alone: every rank agrees without talking.
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from lightning_distmm.core.assignment import RowAssignment
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.core.schedule import Backward, Forward, GradSync, microbatch_sizes, stage_neighbours
 
@@ -87,11 +90,11 @@ class RecvTokenGrads:
 HandoffInstruction = SendTokens | RecvTokens | TokenLoss | SendTokenGrads | RecvTokenGrads
 
 
-def _microbatches(plan: Plan, name: str, n: int) -> list[list[tuple[int, int]]]:
-    """Per replica of tower ``name``: the global rows ``[start, stop)`` of each of its microbatches."""
+def _microbatches(plan: Plan, name: str, assignment: RowAssignment) -> list[list[tuple[int, int]]]:
+    """Per replica of tower ``name``: the step positions ``[start, stop)`` of each of its microbatches."""
     out, start = [], 0
     t = plan.towers[name]
-    for rows in t.split(n):
+    for rows in assignment.sizes[name][0]:
         mbs = []
         for size in microbatch_sizes(rows, t.microbatch):
             mbs.append((start, start + size))
@@ -114,14 +117,18 @@ def check_handoff_plan(plan: Plan, consumes: Mapping[str, Sequence[str]]) -> Non
                 raise ValueError(f"tower {consumer!r} consumes {p!r}: both must be in the plan")
 
 
-def routes(plan: Plan, consumes: Mapping[str, Sequence[str]], n: int) -> list[Route]:
-    """Every transfer of a global batch of ``n``: the rows a producer replica's microbatch computed
-    that a consumer replica's microbatch reads, in a fixed order (by consumer replica and microbatch)."""
+def routes(
+    plan: Plan, consumes: Mapping[str, Sequence[str]], n: int, assignment: RowAssignment | None = None
+) -> list[Route]:
+    """Every transfer of a global batch of ``n`` (rows assigned by ``assignment``, default the plan's
+    split): the rows a producer replica's microbatch computed that a consumer replica's microbatch
+    reads, in a fixed order (by consumer replica and microbatch)."""
+    a = assignment if assignment is not None else RowAssignment.even(plan, n)
     out: list[Route] = []
     for consumer, producers in consumes.items():
-        ct, c_mbs = plan.towers[consumer], _microbatches(plan, consumer, n)
+        ct, c_mbs = plan.towers[consumer], _microbatches(plan, consumer, a)
         for producer in producers:
-            pt, p_mbs = plan.towers[producer], _microbatches(plan, producer, n)
+            pt, p_mbs = plan.towers[producer], _microbatches(plan, producer, a)
             for r, cm in enumerate(c_mbs):
                 for j, (ca, cb) in enumerate(cm):
                     for q, pm in enumerate(p_mbs):
@@ -164,6 +171,7 @@ def handoff_schedule(
     rank: int,
     n: int,
     links: Sequence[Route] | None = None,
+    assignment: RowAssignment | None = None,
 ) -> list:
     """``rank``'s instructions of one step: forwards in consumption ``order`` (a consumer receives its
     rows first, a producer sends them after its forward), then backwards in reverse (the consumer's
@@ -171,9 +179,11 @@ def handoff_schedule(
     backward), then the gradient sums. ``trains[tower]``: whether any of its parameters trains (a
     frozen producer gets no gradients back). Every receive's send comes earlier in its sender's
     list and sends never block, so the lists cannot deadlock. ``links``: :func:`routes` of the plan,
-    when the caller builds every rank's list (computed once, not once per rank)."""
+    when the caller builds every rank's list (computed once, not once per rank). ``assignment``: the
+    step's rows (default: the plan's split)."""
     check_handoff_plan(plan, consumes)
-    every = routes(plan, consumes, n) if links is None else links
+    a = assignment if assignment is not None else RowAssignment.even(plan, n)
+    every = routes(plan, consumes, n, a) if links is None else links
     links = [r for r in every if r.dst == rank or r.src == rank or rank in r.grad_ranks]
     consumers = set(consumes)
     local = [name for name in order if rank in plan.towers[name].ranks]
@@ -181,7 +191,7 @@ def handoff_schedule(
     for name in local:
         replica = plan.towers[name].replica_of(rank)
         assert replica is not None
-        sizes[name] = microbatch_sizes(plan.towers[name].split(n)[replica], plan.towers[name].microbatch)
+        sizes[name] = microbatch_sizes(a.sizes[name][0][replica], plan.towers[name].microbatch)
     out: list = []
     for name in local:  # forwards: microbatch m's rows go out as soon as its forward ends
         _, _, prev, nxt = stage_neighbours(plan, name, rank)

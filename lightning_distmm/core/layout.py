@@ -1,7 +1,9 @@
 """Which samples and fields a rank works on, for a global batch of ``n`` samples.
 
 Pure bookkeeping shared by the data loader (what to load) and the runtime (which rows of the
-loaded batch each local tower encodes, and where its features go in the whole batch).
+loaded batch each local tower encodes, and where its features go in the whole batch). Rows are
+counted in the step's order (:class:`~lightning_distmm.core.assignment.RowAssignment`): sample order
+under the plan's own split, the balanced order when a step's rows are assigned by their cost.
 """
 
 from __future__ import annotations
@@ -10,15 +12,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+from lightning_distmm.core.assignment import RowAssignment
 from lightning_distmm.core.plan import Plan
 
 #: the batch key under which the distmm data loader tells every rank the global batch size
 GLOBAL_BATCH_KEY = "__distmm_global_batch__"
+#: the batch key under which the loader hands every rank the step's row assignment, when the rows
+#: were assigned by their cost (absent: the plan's own split)
+ASSIGNMENT_KEY = "__distmm_assignment__"
 
 
 @dataclass(frozen=True)
 class Span:
-    """Global rows ``[start, stop)`` of the batch, found at local rows ``[local_start, ...)`` of this rank's batch."""
+    """Step positions ``[start, stop)`` of the batch, found at local rows ``[local_start, ...)`` of this rank's batch."""
 
     start: int
     stop: int
@@ -47,11 +53,13 @@ class TowerShare:
 
 @dataclass(frozen=True)
 class RankBatch:
-    """This rank's part of a global batch of ``n``: the rows to load and each local tower's share."""
+    """This rank's part of a global batch of ``n``: the sample rows to load (in step order) and each
+    local tower's share (in step positions)."""
 
     n: int
     rows: tuple[int, ...]
     towers: Mapping[str, TowerShare]
+    assignment: RowAssignment
 
 
 class RankLayout:
@@ -72,18 +80,12 @@ class RankLayout:
         self.fields = tuple(fields)
         self._batch = lru_cache(maxsize=8)(self._compute)
 
-    def offsets(self, name: str, n: int) -> list[int]:
-        """Start row of each replica of tower ``name`` in a (sync group of a) batch of ``n`` (plus the end)."""
-        sizes = self.plan.towers[name].split(n)
-        out = [0]
-        for s in sizes:
-            out.append(out[-1] + s)
-        return out
+    def batch(self, n: int, assignment: RowAssignment | None = None) -> RankBatch:
+        """This rank's part of a batch of ``n`` under ``assignment`` (default: the plan's own split)."""
+        return self._batch(assignment if assignment is not None else RowAssignment.even(self.plan, n))
 
-    def batch(self, n: int) -> RankBatch:
-        return self._batch(n)
-
-    def _compute(self, n: int) -> RankBatch:
+    def _compute(self, assignment: RowAssignment) -> RankBatch:
+        n = assignment.n
         self.plan.check_global_batch(n)
         group_start = self.plan.group_offsets(n)
         spans: dict[str, tuple[int, list[tuple[int, int]]]] = {}
@@ -91,14 +93,15 @@ class RankLayout:
             replica = self.plan.towers[name].replica_of(self.rank)
             assert replica is not None
             groups = []
-            for g, size in enumerate(self.plan.group_split(n)):
-                off = self.offsets(name, size)
+            for g in range(len(group_start) - 1):
+                off = assignment.offsets(name, g)
                 groups.append((group_start[g] + off[replica], group_start[g] + off[replica + 1]))
             spans[name] = (replica, groups)
-        rows = sorted({r for _, groups in spans.values() for a, b in groups for r in range(a, b)})
-        position = {r: i for i, r in enumerate(rows)}
+        positions = sorted({p for _, groups in spans.values() for a, b in groups for p in range(a, b)})
+        local = {p: i for i, p in enumerate(positions)}
         shares = {
-            name: TowerShare(replica, tuple(Span(a, b, position[a] if b > a else 0) for a, b in groups))
+            name: TowerShare(replica, tuple(Span(a, b, local[a] if b > a else 0) for a, b in groups))
             for name, (replica, groups) in spans.items()
         }
-        return RankBatch(n, tuple(rows), shares)
+        rows = tuple(assignment.order[p] for p in positions) if assignment.order is not None else tuple(positions)
+        return RankBatch(n, rows, shares, assignment)

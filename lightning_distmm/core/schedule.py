@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_distmm.core.assignment import RowAssignment
 from lightning_distmm.core.plan import Plan
 
 
@@ -111,8 +112,11 @@ def sync_ranks(plan: Plan) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
-def rank_schedule(plan: Plan, rank: int, n: int, overlap: bool = False) -> list[Instruction]:
-    """What ``rank`` does in one step on a global batch of ``n``.
+def rank_schedule(
+    plan: Plan, rank: int, n: int, overlap: bool = False, assignment: RowAssignment | None = None
+) -> list[Instruction]:
+    """What ``rank`` does in one step on a global batch of ``n`` whose rows are assigned by
+    ``assignment`` (default: the plan's own split).
 
     ``gpipe`` and ``cached`` have one sync group: every forward (towers in the plan's order, microbatches
     in order), the batch-sync (last stages only), the backwards of last stages, then of the other
@@ -136,6 +140,8 @@ def rank_schedule(plan: Plan, rank: int, n: int, overlap: bool = False) -> list[
     blocking: nothing of the step is left to run beside it.
     """
     groups = plan.group_split(n)
+    if assignment is None:
+        assignment = RowAssignment.even(plan, n)
     participants = sync_ranks(plan)
     forwards: list[dict[str, list[Instruction]]] = [{} for _ in groups]
     backwards: list[dict[str, list[Instruction]]] = [{} for _ in groups]
@@ -149,9 +155,9 @@ def rank_schedule(plan: Plan, rank: int, n: int, overlap: bool = False) -> list[
             ahead[name] += 1  # the in-flight gather counts as one more stage
         cached = t.schedule == "cached"
         mb = 0
-        for w, group_rows in enumerate(groups):
+        for w in range(len(groups)):
             fw, bw = forwards[w].setdefault(name, []), backwards[w].setdefault(name, [])
-            for rows in microbatch_sizes(t.split(group_rows)[replica], t.microbatch):
+            for rows in microbatch_sizes(assignment.sizes[name][w][replica], t.microbatch):
                 fw.append(Forward(name, mb, rows, prev, nxt, keep=not cached, sync_group=w))
                 bw.append(Backward(name, mb, rows, nxt, prev, recompute=cached, sync_group=w))
                 mb += 1

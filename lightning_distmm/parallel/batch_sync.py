@@ -7,6 +7,10 @@ whole-group tensors that become leaves, the interaction loss runs forward on thi
 are summed over the batch-sync ranks, and each microbatch takes its rows of that sum for its
 backward. Torch has no collective for "two towers meet at one batch-level loss"; this module is
 where the project writes its own (docs/design.md).
+
+The gathered features are in step order (:mod:`lightning_distmm.core.assignment`); when a step's
+rows were assigned by cost, the loss reads them put back in sample order (a gather by index, whose
+backward puts each row's gradient back where the row came from), so it is the one-process loss.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_distmm.core.assignment import RowAssignment
 from lightning_distmm.core.layout import RankLayout
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.core.schedule import BatchSync, SyncPost, SyncWait
@@ -55,26 +60,28 @@ class BatchSyncRunner:
         self.rank = rank
         #: the features' shapes and dtypes, exchanged once (the first step) over the batch-sync ranks
         self.specs: dict[str, FeatureSpec] | None = None
-        self._slots: dict[int, dict[str, GatherSlot]] = {}
+        self._slots: dict[Any, dict[str, GatherSlot]] = {}
 
-    def slots(self, n: int) -> dict[str, GatherSlot]:
-        """Where each tower's features of a sync group of ``n`` rows come from (rows relative to the group)."""
-        if n not in self._slots:
-            self._slots[n] = {
-                name: GatherSlot([t.feature_rank(i) for i in range(t.dp)], self.layout.offsets(name, n))
+    def slots(self, assignment: RowAssignment, group: int) -> dict[str, GatherSlot]:
+        """Where each tower's features of sync group ``group`` come from (rows relative to the group)."""
+        key = (assignment.sizes_key, group)
+        if key not in self._slots:
+            if len(self._slots) >= 256:  # balanced steps each have their own sizes: keep the recent ones
+                self._slots.pop(next(iter(self._slots)))
+            self._slots[key] = {
+                name: GatherSlot([t.feature_rank(i) for i in range(t.dp)], assignment.offsets(name, group))
                 for name, t in self.plan.towers.items()
             }
-        return self._slots[n]
+        return self._slots[key]
 
     def post(self, ins: BatchSync | SyncPost, run: ScheduleRun) -> None:
         """Post the gather of sync group ``ins.sync_group``'s features (``async_op``); :meth:`meet` waits for it."""
         start = run.now()
-        rows = self.plan.group_split(run.n)[ins.sync_group]
         local = {tower: torch.cat(outs) for (group, tower), outs in run.outputs.items() if group == ins.sync_group}
         if self.specs is None:
             self.specs = exchange_specs(local, self.towers, self.topology.batch_sync)
         run.gathers[ins.sync_group] = gather_features_async(
-            local, self.slots(rows), self.specs, self.device, self.topology.batch_sync
+            local, self.slots(run.batch.assignment, ins.sync_group), self.specs, self.device, self.topology.batch_sync
         )
         if isinstance(ins, SyncPost):
             run.traced(ins, start)
@@ -97,10 +104,16 @@ class BatchSyncRunner:
         full = run.gathers.pop(ins.sync_group).wait()
         for name, feats in full.items():
             feats.requires_grad_(training and self.trainable(name))
+        first = self.plan.group_offsets(run.n)[ins.sync_group]
+        inverse = run.batch.assignment.group_inverse(first, first + rows)
+        features = full
+        if inverse is not None:  # the loss sees the batch in sample order
+            index_t = torch.tensor(inverse, dtype=torch.long).to(self.device, non_blocking=True)
+            features = {name: feats.index_select(0, index_t) for name, feats in full.items()}
         ranks = self.topology.batch_sync_ranks
         index, parts = ranks.index(self.rank), len(ranks)
         with row_share(index, parts) as share:
-            loss = module.interaction_loss(full)
+            loss = module.interaction_loss(features)
         check_loss(loss, training and any(f.requires_grad for f in full.values()))
         if not share.asked:
             # a whole-batch loss computed identically on every batch-sync rank: each contributes 1/parts of it
@@ -119,7 +132,7 @@ class BatchSyncRunner:
         # each of this rank's microbatches of the group takes its rows of the summed feature gradient
         for (tower, mb), part in run.rows.items():
             if tower in grads and run.sync_group_of[tower, mb] == ins.sync_group and run.last[tower]:
-                offset = self.layout.offsets(tower, rows)[run.batch.towers[tower].replica]
+                offset = run.batch.assignment.offsets(tower, ins.sync_group)[run.batch.towers[tower].replica]
                 span = run.batch.towers[tower].spans[ins.sync_group]
                 a = offset + part.start - span.local_start
                 run.feature_grads[tower, mb] = grads[tower][a : a + part.stop - part.start]

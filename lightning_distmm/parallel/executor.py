@@ -36,7 +36,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from lightning_distmm.core.layout import GLOBAL_BATCH_KEY, RankLayout
+from lightning_distmm.core.assignment import RowAssignment
+from lightning_distmm.core.layout import ASSIGNMENT_KEY, GLOBAL_BATCH_KEY, RankBatch, RankLayout
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.core.schedule import (
     Backward,
@@ -100,7 +101,7 @@ class RankRuntime:
         self.batch_sync = BatchSyncRunner(
             plan, self.layout, list(self.towers), topology, self.rank, device, self.trainable
         )
-        self._schedules: dict[int, list[Instruction]] = {}
+        self._schedules: dict[Any, list[Instruction]] = {}
         #: ``distmm``: split every batch-sync but the last into a posted gather and its wait, running the
         #: next sync group's forwards between them (``rank_schedule(..., overlap=True)``). Off by default:
         #: it holds one more microbatch's activations on every stage (the planner's memory model does not
@@ -160,17 +161,31 @@ class RankRuntime:
             )
         return int(batch[GLOBAL_BATCH_KEY])
 
-    def batch_rows(self, batch: Mapping[str, Any]) -> Sequence[int]:
-        """The global row of each row of this rank's ``batch`` (the rows the distmm loader loaded, in order)."""
-        return self.layout.batch(self.global_batch_size(batch)).rows
+    def rank_batch(self, batch: Mapping[str, Any]) -> RankBatch:
+        """This rank's part of ``batch``'s global batch: its rows, each local tower's share, the
+        step's row assignment (the one the loader chose, or the plan's own split)."""
+        n = self.global_batch_size(batch)
+        assignment = batch.get(ASSIGNMENT_KEY)
+        return self.layout.batch(n, assignment if isinstance(assignment, RowAssignment) else None)
 
-    def schedule(self, n: int) -> list[Instruction]:
-        """This rank's instructions for a global batch of ``n`` (the plan's schedule, as data)."""
-        if n not in self._schedules and self.handoff is not None:
-            self._schedules[n] = self.handoff.schedule(n)
-        if n not in self._schedules:
-            self._schedules[n] = rank_schedule(self.plan, self.rank, n, overlap=self.overlap_batch_sync)
-        return self._schedules[n]
+    def batch_rows(self, batch: Mapping[str, Any]) -> Sequence[int]:
+        """The sample row (of the DataLoader's global batch) of each row of this rank's ``batch``."""
+        return self.rank_batch(batch).rows
+
+    def schedule(self, assignment: RowAssignment) -> list[Instruction]:
+        """This rank's instructions for a step whose rows are assigned by ``assignment`` (the plan's
+        schedule, as data), cached by everything it depends on."""
+        key = (assignment.sizes_key, self.overlap_batch_sync)
+        if key not in self._schedules:
+            if len(self._schedules) >= 256:  # balanced steps each have their own run lengths
+                self._schedules.pop(next(iter(self._schedules)))
+            if self.handoff is not None:
+                self._schedules[key] = self.handoff.schedule(assignment)
+            else:
+                self._schedules[key] = rank_schedule(
+                    self.plan, self.rank, assignment.n, overlap=self.overlap_batch_sync, assignment=assignment
+                )
+        return self._schedules[key]
 
     def contrastive_loss(self, step: StepState, module: TowerModule, batch: Mapping[str, Any]) -> Tensor:
         """Run this rank's whole list for ``batch``; return the whole-batch loss (grouped under ``distmm``).
@@ -179,16 +194,17 @@ class RankRuntime:
         for :meth:`backward`; the gradients from before it are restored when it ends, or dropped
         when ``step.zero_after`` says Lightning zeroes them anyway.
         """
-        n = self.global_batch_size(batch)
+        self.global_batch_size(batch)  # a batch that did not come through the distmm loader stops here
         training = torch.is_grad_enabled()
         for name in self.layout.local_towers:
             for f in self.towers[name].fields:
                 if f not in batch:
                     raise KeyError(
                         f"tower {name!r} reads batch field {f!r} but the batch has only"
-                        f" {sorted(k for k in batch if k != GLOBAL_BATCH_KEY)}"
+                        f" {sorted(k for k in batch if k not in (GLOBAL_BATCH_KEY, ASSIGNMENT_KEY))}"
                     )
-        run = ScheduleRun.of(self.schedule(n), self.layout.batch(n))
+        rank_batch = self.rank_batch(batch)
+        run = ScheduleRun.of(self.schedule(rank_batch.assignment), rank_batch)
         run.trace = step.trace
         # a handoff model's rank with nothing to train (a frozen LLM's) still runs the step's gradient
         # protocol, so that every rank makes the same decisions about the sums

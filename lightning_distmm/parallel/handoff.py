@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_distmm.core.assignment import RowAssignment
 from lightning_distmm.core.handoff import (
     RecvTokenGrads,
     RecvTokens,
@@ -77,8 +78,10 @@ class TokenHandoff:
         self.local_grads: dict[Route, Tensor] = {}
         self.counts: dict[str, Tensor] = {}  # a consumer's global target count of this step
 
-    def schedule(self, n: int) -> list:
-        return handoff_schedule(self.plan, self.consumes, self.order, self.trains, self.rank, n)
+    def schedule(self, assignment: RowAssignment) -> list:
+        return handoff_schedule(
+            self.plan, self.consumes, self.order, self.trains, self.rank, assignment.n, assignment=assignment
+        )
 
     def needs_backward(self, tower: str) -> bool:
         """A consumer runs its backward when it or any producer it reads trains (a frozen LLM still

@@ -27,8 +27,10 @@ from typing import Any
 
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from lightning_distmm.core.layout import GLOBAL_BATCH_KEY, RankLayout
+from lightning_distmm.core.assignment import RowAssignment
+from lightning_distmm.core.layout import ASSIGNMENT_KEY, GLOBAL_BATCH_KEY, RankLayout
 from lightning_distmm.core.plan import Plan
+from lightning_distmm.data.loader.balance import CostBalancer, CostSpec
 from lightning_distmm.data.loader.checks import check_dataloader, prebatched_message
 from lightning_distmm.data.loader.fields import load_fields
 from lightning_distmm.data.loader.sampling import RankBatchSampler
@@ -61,7 +63,7 @@ class _Pending:
     main process once the ranks agree on them. ``rows``: ``(index or row, sample)``; ``batch``: a
     stream's raw global batch (replacements are decoded from it)."""
 
-    def __init__(self, rows: list[tuple[int, Any]], n: int, batch: list[Any] | None = None):
+    def __init__(self, rows: list[tuple[int, Any]], n: int | RowAssignment, batch: list[Any] | None = None):
         self.rows, self.n, self.batch = rows, n, batch
 
 
@@ -73,10 +75,10 @@ class _CollateWithGlobalBatch:
     def __call__(self, items: list[tuple[Any, int]]) -> Any:
         if self.pending:
             batch = next((row[2] for row, _ in items if len(row) > 2 and row[2] is not None), None)
-            return _Pending([(row[0], row[1]) for row, _ in items], int(items[0][1]), batch)
-        return self.collate([sample for sample, _ in items], int(items[0][1]))
+            return _Pending([(row[0], row[1]) for row, _ in items], items[0][1], batch)
+        return self.collate([sample for sample, _ in items], items[0][1])
 
-    def collate(self, samples: list[Any], n: int) -> Any:
+    def collate(self, samples: list[Any], step: int | RowAssignment) -> Any:
         batch = self.collate_fn(samples)
         if not isinstance(batch, dict):
             raise TypeError(
@@ -84,7 +86,11 @@ class _CollateWithGlobalBatch:
             )
         # a Python number, not a tensor: Lightning moves tensors to the device, and reading one back
         # (the executor and the log's batch size, every step) would wait for the device each time
-        batch[GLOBAL_BATCH_KEY] = n
+        if isinstance(step, RowAssignment):
+            batch[GLOBAL_BATCH_KEY] = step.n
+            batch[ASSIGNMENT_KEY] = step
+        else:
+            batch[GLOBAL_BATCH_KEY] = int(step)
         return batch
 
 
@@ -201,13 +207,20 @@ class RankLoaders:
         self._noted: set[str] = set()
 
     def wrap(
-        self, dataloader: DataLoader, plan: Plan, layout: RankLayout, fields: Mapping[str, Sequence[str]]
+        self,
+        dataloader: DataLoader,
+        plan: Plan,
+        layout: RankLayout,
+        fields: Mapping[str, Sequence[str]],
+        costs: Mapping[str, CostSpec] | None = None,
     ) -> DistMMDataLoader:
         """The rank's loader over the user's ``dataloader`` for ``plan``.
 
         Every rank checks every tower's fields, so a bad dataset fails everywhere at once, before
         training; a batch size the plan's global batch does not match is refused, and one it splits
-        differently from the plan's replica batches is stated (once).
+        differently from the plan's replica batches is stated (once). ``costs``: what a row of each
+        tower costs (``Tower(cost=...)``); each step's rows then go to the replicas by their cost
+        (:mod:`~lightning_distmm.data.loader.balance`).
         """
         check_dataloader(dataloader, fields, {name: t.dp for name, t in plan.towers.items()}, plan.sync_groups)
         batch_size = getattr(dataloader.batch_sampler, "batch_size", None)
@@ -217,4 +230,23 @@ class RankLoaders:
             if said is not None and said not in self._noted:
                 self._noted.add(said)
                 self._note(said)
-        return DistMMDataLoader(dataloader, layout, progress=self.progress, check_every=self.check_every)
+        loader = DistMMDataLoader(dataloader, layout, progress=self.progress, check_every=self.check_every)
+        if costs:
+            if loader.stream is not None:
+                self._say_once(
+                    "the rows of a stream are split by count, not by the towers' cost (balancing reads every"
+                    " row's cost fields before loading, which a map-style dataset allows)"
+                )
+            else:
+                dataset = dataloader.dataset
+                loader.rank_sampler.balancer = CostBalancer(
+                    plan, costs, lambda index, f: load_fields(dataset, index, f), type(dataset).__name__
+                )
+                towers = ", ".join(f"{t} by {c!r}" for t, c in costs.items())
+                self._say_once(f"each step's rows go to the replicas by their cost: {towers}")
+        return loader
+
+    def _say_once(self, line: str) -> None:
+        if line not in self._noted:
+            self._noted.add(line)
+            self._note(line)

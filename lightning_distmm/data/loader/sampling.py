@@ -80,6 +80,9 @@ class RankBatchSampler(Sampler[list[tuple[int, int]]]):
         self._next_bound = False  # set_epoch named the next pass's epoch
         self._pass: _Pass | None = None
         self._iter_rng: dict[str, Any] | None = None
+        #: ``indices -> RowAssignment`` when each step's rows are assigned by their cost
+        #: (:class:`~lightning_distmm.data.loader.balance.CostBalancer`); None: the plan's split
+        self.balancer: Callable[[Sequence[int]], Any] | None = None
 
     @property
     def sampler(self) -> _SetEpoch:
@@ -220,11 +223,15 @@ class RankBatchSampler(Sampler[list[tuple[int, int]]]):
         for indices in self._global_batches(p):
             n = len(indices)
             p.ends.append((p.ends[-1] if p.ends else p.skip) + n)
-            yield self._rows(indices, self.layout.batch(n).rows, n)
+            step = self.balancer(indices) if self.balancer is not None else None
+            yield self._rows(indices, self.layout.batch(n, step).rows, step if step is not None else n)
         p.exhausted = True
 
-    def _rows(self, batch: list[Any], rows: Sequence[int], n: int) -> list[Any]:
-        """What this rank's DataLoader is handed for its ``rows`` of the global ``batch``."""
+    def _rows(self, batch: list[Any], rows: Sequence[int], n: Any) -> list[Any]:
+        """What this rank's DataLoader is handed for its ``rows`` of the global ``batch``: each row's
+        index with ``n``, the global batch size or the step's
+        :class:`~lightning_distmm.core.assignment.RowAssignment` (one object for the whole batch:
+        pickled once to a worker)."""
         return [(batch[r], n) for r in rows]
 
     def _start_pass(self) -> _Pass:

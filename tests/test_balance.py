@@ -1,0 +1,243 @@
+"""Each step's rows assigned to the replicas by their cost (``Tower(cost=...)``): the assignment
+itself, and training under it exactly like one process."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import lightning_distmm as ldm
+from lightning_distmm.core.assignment import RowAssignment, balance_rows, loads
+from lightning_distmm.core.layout import ASSIGNMENT_KEY, RankLayout
+from tests.distmm_testing import (
+    SEQ,
+    DeepCLIP,
+    GroupedDeepCLIP,
+    PairData,
+    TinyCLIP,
+    max_param_diff,
+    read_losses,
+    run_distmm,
+    run_reference,
+)
+
+INTERNVL = {1: 0.2, 3: 0.3, 5: 0.3, 7: 0.2}  # images (tiles) per sample
+
+
+def _draw(rng: random.Random, weights: dict[int, float], n: int) -> list[int]:
+    return rng.choices(list(weights), list(weights.values()), k=n)
+
+
+def _two_towers(dp: int, **image: Any) -> ldm.Plan:
+    text = {"schedule": image["schedule"]} if "schedule" in image else {}
+    return ldm.Plan(dp + 1, {"image": {"ranks": list(range(dp)), **image}, "text": {"ranks": [dp], **text}})
+
+
+# ---------------------------------------------------------------------- the assignment
+@pytest.mark.parametrize("plan", [_two_towers(3), _two_towers(2, schedule="distmm"), _two_towers(4)])
+def test_every_row_once_every_replica_some(plan):
+    rng = random.Random(0)
+    for n in (8, 9, 13):
+        cost = [float(c) for c in _draw(rng, INTERNVL, n)]
+        a = balance_rows(plan, n, {"image": cost})
+        assert sorted(a.order or range(n)) == list(range(n))
+        start = 0
+        for g, rows in enumerate(plan.group_split(n)):
+            # a sync group's positions hold its own rows (its negatives are unchanged)
+            assert sorted(a.rows(start, start + rows)) == list(range(start, start + rows))
+            for name in plan.towers:
+                sizes = a.sizes[name][g]
+                assert sum(sizes) == rows and min(sizes) >= 1
+            start += rows
+        assert a.sizes["text"] == RowAssignment.even(plan, n).sizes["text"]  # no cost: the plan's split
+
+
+def test_count_fixed_tower_keeps_its_counts():
+    """A sharded tower cut into microbatches keeps the plan's counts (its replicas' collectives pair
+    up microbatch by microbatch) and is balanced by which rows it takes."""
+    plan = _two_towers(2, shard="full", microbatch=2)
+    cost = [7.0, 7.0, 5.0, 7.0, 1.0, 1.0, 3.0, 1.0]
+    a = balance_rows(plan, 8, {"image": cost})
+    assert a.sizes["image"] == ((4, 4),)
+    got = loads(a, plan, "image", cost)
+    assert sum(got) == sum(cost)
+    even = loads(RowAssignment.even(plan, 8), plan, "image", cost)
+    assert max(got) == 16.0 < max(even) == 26.0  # 7+7+1+1 | 7+5+3+1 against 7+7+5+7 | 1+1+3+1
+
+
+def test_two_costed_towers_share_one_order():
+    """One step order for every tower; each tower cuts it into its own runs (the second tower by an
+    exact search over the run boundaries)."""
+    plan = ldm.Plan(5, {"image": {"ranks": [0, 1, 2]}, "text": {"ranks": [3, 4]}})
+    rng = random.Random(1)
+    for _ in range(50):
+        image = [float(c) for c in _draw(rng, INTERNVL, 12)]
+        text = [float(rng.randint(1, 30)) for _ in range(12)]
+        a = balance_rows(plan, 12, {"image": image, "text": text})
+        lt = loads(a, plan, "text", text)
+        # the text runs are the best contiguous cut of the order: no run boundary moved by one row lowers the max
+        order = list(a.order or range(12))
+        cut = a.sizes["text"][0][0]
+        for b in (cut - 1, cut + 1):
+            if 1 <= b <= 11:
+                other = [sum(text[r] for r in order[:b]), sum(text[r] for r in order[b:])]
+                assert max(lt) <= max(other) + 1e-9
+
+
+@pytest.mark.parametrize("per_replica, bound", [(2, 1.15), (4, 1.07), (8, 1.03)])
+def test_balanced_encoder_is_near_the_mean(per_replica, bound, capsys):
+    """InternVL-like images per sample, 16 encoder replicas: the slowest replica over the mean, an
+    even split against the balanced one (mean of 100 batches)."""
+    dp = 16
+    plan = _two_towers(dp)
+    rng = random.Random(0)
+    even, balanced = [], []
+    for _ in range(100):
+        n = dp * per_replica
+        cost = [float(c) for c in _draw(rng, INTERNVL, n)]
+        mean = sum(cost) / dp
+        even.append(max(loads(RowAssignment.even(plan, n), plan, "image", cost)) / mean)
+        balanced.append(max(loads(balance_rows(plan, n, {"image": cost}), plan, "image", cost)) / mean)
+    e, b = sum(even) / len(even), sum(balanced) / len(balanced)
+    with capsys.disabled():
+        print(f"\n{per_replica} rows per replica, dp {dp}: slowest / mean even {e:.3f}, balanced {b:.3f}")
+    assert b <= bound < e
+
+
+def test_layout_loads_the_rows_of_its_run():
+    plan = _two_towers(2)
+    a = RowAssignment(6, [5, 0, 3, 1, 2, 4], {"image": [[2, 4]], "text": [[6]]})
+    assert RankLayout(plan, 0, {"image": ["image"], "text": ["t"]}).batch(6, a).rows == (5, 0)
+    assert RankLayout(plan, 1, {"image": ["image"], "text": ["t"]}).batch(6, a).rows == (3, 1, 2, 4)
+    assert RankLayout(plan, 2, {"image": ["image"], "text": ["t"]}).batch(6, a).rows == (5, 0, 3, 1, 2, 4)
+    assert a.group_inverse(0, 6) == [1, 3, 4, 2, 5, 0]
+
+
+def test_bad_cost_fields_are_named():
+    from lightning_distmm.data.loader.balance import CostBalancer
+
+    plan = _two_towers(2)
+    samples = [{"n_images": 1}, {"n_images": -1}, {"n_images": 2.5}, {"other": 1}, {"n_images": True}]
+
+    def balancer(i: int) -> CostBalancer:
+        return CostBalancer(plan, {"image": "n_images"}, lambda index, f: samples[index], "Mine")
+
+    with pytest.raises(ValueError, match=r"sample 1 of Mine \(row 1 of the batch\) has n_images=-1"):
+        balancer(0)([0, 1])
+    with pytest.raises(ValueError, match=r"n_images=2.5.*count"):
+        balancer(0)([0, 2])
+    with pytest.raises(KeyError, match=r"sample 3 of Mine .* no field\(s\) \['n_images'\].*\['image'\]"):
+        balancer(0)([0, 3])
+    with pytest.raises(ValueError, match=r"n_images=True"):
+        balancer(0)([0, 4])
+    with pytest.raises(ValueError, match=r"tower 'image': cost=3"):
+        CostBalancer(plan, {"image": 3}, lambda index, f: samples[index], "Mine")  # type: ignore[dict-item]
+
+
+# ---------------------------------------------------------------------- training under it
+class CostedPairs(PairData):
+    """PairData with each caption's token count as a field (the text tower's cost) and a made-up
+    image count (the image tower's), so that consecutive rows cost very differently."""
+
+    fields = (*PairData.fields, "n_tokens", "n_images")
+
+    def load(self, index: int, fields: Any) -> dict[str, Any]:
+        out = super().load(index, [f for f in fields if f in PairData.fields])
+        if "n_tokens" in fields:
+            out["n_tokens"] = 2 + index % (SEQ - 2)
+        if "n_images" in fields:
+            out["n_images"] = [1, 7, 3, 5, 1, 1, 7, 2][index % 8]
+        return out
+
+
+def _costed(base: type) -> type:
+    class Costed(base):  # type: ignore[misc, valid-type]
+        def towers(self) -> dict[str, ldm.Tower]:
+            t = super().towers()
+            t["image"].cost = "n_images"
+            t["text"].cost = {"n_tokens": 1.0}
+            return t
+
+    Costed.__name__ = f"Costed{base.__name__}"
+    return Costed
+
+
+class _Assignments(L.Callback):
+    """Rank 0 writes each step's assignment (its order and run lengths)."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == 0:
+            a = batch.get(ASSIGNMENT_KEY)
+            with open(self.out, "a") as f:
+                f.write(json.dumps(None if a is None else [a.order, {k: v for k, v in a.sizes.items()}]) + "\n")
+
+
+BALANCED_PLANS = {
+    "image-dp2+text": ldm.Plan(3, {"image": {"ranks": [0, 1]}, "text": {"ranks": [2]}}),
+    "image-dp2+text-dp2": ldm.Plan(4, {"image": {"ranks": [0, 1]}, "text": {"ranks": [2, 3]}}),
+    "colocated-dp3": ldm.Plan(3, {"image": {"ranks": [0, 1, 2]}, "text": {"ranks": [0, 1, 2]}}),
+    "distmm-image-dp2-mb2+text": ldm.Plan(
+        3,
+        {
+            "image": {"ranks": [0, 1], "schedule": "distmm", "microbatch": 2},
+            "text": {"ranks": [2], "schedule": "distmm"},
+        },
+    ),
+    "image-tp2-dp2+text": ldm.Plan(5, {"image": {"ranks": [0, 1, 2, 3], "tp": 2}, "text": {"ranks": [4]}}),
+    "image-pp2+text-dp2": ldm.Plan(
+        4, {"image": {"ranks": [0, 1], "pp": 2, "microbatch": 2}, "text": {"ranks": [2, 3]}}
+    ),
+    "image-fsdp2+text-fsdp2": ldm.Plan(
+        4, {"image": {"ranks": [0, 1], "shard": "full"}, "text": {"ranks": [2, 3], "shard": "full"}}
+    ),
+}
+
+
+def _compare(make, plan: ldm.Plan, batch: int, steps: int, tmp_path: Path) -> tuple[float, list[Any]]:
+    L.seed_everything(0)
+    reference = make()
+    module = copy.deepcopy(reference)
+    initial = copy.deepcopy(reference)
+
+    def data() -> DataLoader:
+        return DataLoader(
+            CostedPairs(64), batch_size=batch, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(3)
+        )
+
+    run_reference(reference, data(), steps, str(tmp_path / "ref.json"))
+    log = tmp_path / "assignments.jsonl"
+    run_distmm(
+        module, plan, plan.world_size, data(), steps, str(tmp_path / "dist.json"), callbacks=[_Assignments(str(log))]
+    )
+    diff = max_param_diff(reference, module)
+    assert max_param_diff(reference, initial) > 1e-3
+    assert read_losses(tmp_path / "dist.json") == pytest.approx(read_losses(tmp_path / "ref.json"), abs=1e-5)
+    return diff, [json.loads(line) for line in log.read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("name", list(BALANCED_PLANS))
+def test_balanced_steps_train_like_one_process(name, optimizer, tmp_path, capsys):
+    plan = BALANCED_PLANS[name]
+    lr = 0.05 if optimizer == "sgd" else 0.01
+    base = GroupedDeepCLIP if "distmm" in name else (DeepCLIP if ("tp2" in name or "pp2" in name) else TinyCLIP)
+    diff, steps = _compare(lambda: _costed(base)(optimizer, lr=lr), plan, 8, 3, tmp_path)
+    with capsys.disabled():
+        print(f"\n{name} {optimizer}: max parameter diff {diff:.2e}; step 0 assignment {steps[0]}")
+    assert diff <= 1e-5
+    assert len(steps) == 3 and all(s is not None for s in steps)
+    # the assignments really moved rows out of sample order
+    assert any(s[0] is not None for s in steps)
+    assert any(s[0] != sorted(s[0]) for s in steps if s[0] is not None)
