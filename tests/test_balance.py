@@ -12,12 +12,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader
-
-import lightning_distmm as ldm
-from lightning_distmm.core.assignment import RowAssignment, balance_rows, loads
-from lightning_distmm.core.layout import ASSIGNMENT_KEY, RankLayout
-from tests.distmm_testing import (
+from distmm_testing import (
     SEQ,
     DeepCLIP,
     GroupedDeepCLIP,
@@ -28,6 +23,13 @@ from tests.distmm_testing import (
     run_distmm,
     run_reference,
 )
+from torch.utils.data import DataLoader
+from vlm_testing import SkewedVLMData, compare_vlm
+
+import lightning_distmm as ldm
+from lightning_distmm.core.assignment import RowAssignment, balance_rows, loads
+from lightning_distmm.core.layout import ASSIGNMENT_KEY, RankLayout
+from lightning_distmm.models.vlm import VLM
 
 INTERNVL = {1: 0.2, 3: 0.3, 5: 0.3, 7: 0.2}  # images (tiles) per sample
 
@@ -177,7 +179,7 @@ class _Assignments(L.Callback):
         self.out = out
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_rank == 0:
+        if trainer.global_rank == 0 and isinstance(trainer.strategy, ldm.DistMMStrategy):
             a = batch.get(ASSIGNMENT_KEY)
             with open(self.out, "a") as f:
                 f.write(json.dumps(None if a is None else [a.order, {k: v for k, v in a.sizes.items()}]) + "\n")
@@ -241,3 +243,44 @@ def test_balanced_steps_train_like_one_process(name, optimizer, tmp_path, capsys
     # the assignments really moved rows out of sample order
     assert any(s[0] is not None for s in steps)
     assert any(s[0] != sorted(s[0]) for s in steps if s[0] is not None)
+
+
+# ---------------------------------------------------------------------- an encoder feeding an LLM
+VLM_PLANS = {
+    # (devices, plan, global batch)
+    "image-dp2+llm1": (3, ldm.Plan(3, {"image": {"ranks": [0, 1]}, "llm": {"ranks": [2]}}), 6),
+    "image-dp3+llm-dp2-shared": (4, ldm.Plan(4, {"image": {"ranks": [0, 1, 2]}, "llm": {"ranks": [2, 3]}}), 7),
+    "image-dp2-mb2+llm-mb3": (
+        3,
+        ldm.Plan(3, {"image": {"ranks": [0, 1], "microbatch": 2}, "llm": {"ranks": [2], "microbatch": 3}}),
+        8,
+    ),
+    "image-dp2+llm-pp2": (4, ldm.Plan(4, {"image": {"ranks": [0, 1]}, "llm": {"ranks": [2, 3], "pp": 2}}), 6),
+    "image-dp2+llm-tp2": (4, ldm.Plan(4, {"image": {"ranks": [0, 1]}, "llm": {"ranks": [2, 3], "tp": 2}}), 6),
+    "image+llm-fsdp2": (3, ldm.Plan(3, {"image": {"ranks": [0]}, "llm": {"ranks": [1, 2], "shard": "full"}}), 6),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(VLM_PLANS))
+def test_balanced_vlm_trains_like_one_process(name, tmp_path, capsys):
+    """The encoder balanced by its images, the LLM by its image and text tokens: each LLM replica
+    reads its rows' image tokens from whichever encoder replicas hold them, in step order."""
+    devices, plan, batch = VLM_PLANS[name]
+    log = tmp_path / "assignments.jsonl"
+    cost = {"image": "n_images", "llm": {"n_images": 5, "n_tokens": 1}}
+    c = compare_vlm(
+        lambda: VLM(optimizer="adamw", lr=0.01, eps=1e-6, cost=cost),
+        plan,
+        devices,
+        batch=batch,
+        steps=3,
+        tmp_path=tmp_path,
+        callbacks=[_Assignments(str(log))],
+        data=SkewedVLMData,
+    )
+    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    with capsys.disabled():
+        print(f"\n{name}: losses {c.distributed_losses}; step 0 assignment {steps[0]}")
+    c.assert_exact(1e-5)
+    assert len(steps) == 3 and any(s[0] is not None and s[0] != sorted(s[0]) for s in steps)

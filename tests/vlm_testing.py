@@ -22,7 +22,7 @@ VOCAB = 32
 class VLMData(ldm.FieldDataset):
     """Samples with 0, 1 or 2 random 8x8 images (``index % 3``) and padded random text of length 2..SEQ."""
 
-    fields = ("pixel_values", "n_images", "input_ids", "attention_mask", "labels")
+    fields = ("pixel_values", "n_images", "input_ids", "attention_mask", "labels", "n_tokens")
 
     def __init__(self, size: int = 64, dtype: torch.dtype = torch.float32) -> None:
         self.size = size
@@ -31,10 +31,13 @@ class VLMData(ldm.FieldDataset):
     def __len__(self) -> int:
         return self.size
 
+    def images(self, index: int) -> int:
+        return index % 3
+
     def load(self, index: int, fields: Any) -> dict[str, Any]:
         g = torch.Generator().manual_seed(index)
         pixels = torch.randn(MAX_IMAGES, 3, 8, 8, generator=g).to(self.dtype)
-        n_images = index % 3
+        n_images = self.images(index)
         pixels[n_images:] = 0
         ids = torch.randint(1, VOCAB, (SEQ,), generator=g)
         length = 2 + (index * 7) % (SEQ - 1)
@@ -48,6 +51,7 @@ class VLMData(ldm.FieldDataset):
             "input_ids": ids,
             "attention_mask": mask,
             "labels": labels,
+            "n_tokens": length,  # the caption's tokens: a cost field (Tower(cost=...)), never collated
         }
         return {k: full[k] for k in fields}
 
@@ -66,8 +70,18 @@ class MiscountedVLMData(VLMData):
         return sample
 
 
-def vlm_loader(batch: int, size: int = 64, dtype: torch.dtype = torch.float32) -> DataLoader:
-    return DataLoader(VLMData(size, dtype), batch_size=batch, drop_last=True)
+class SkewedVLMData(VLMData):
+    """:class:`VLMData` with images in runs (0, 0, 0, 2, 2, 2, ...): a global batch's rows in sample
+    order put the images on some encoder replicas and none on others."""
+
+    def images(self, index: int) -> int:
+        return 2 * ((index // 3) % 2)
+
+
+def vlm_loader(
+    batch: int, size: int = 64, dtype: torch.dtype = torch.float32, data: type[VLMData] = VLMData
+) -> DataLoader:
+    return DataLoader(data(size, dtype), batch_size=batch, drop_last=True)
 
 
 def compare_vlm(
@@ -78,15 +92,27 @@ def compare_vlm(
     steps: int,
     tmp_path: Path,
     dtype: torch.dtype = torch.float32,
+    callbacks: list[Any] | None = None,
+    data: type[VLMData] = VLMData,
     **extra: Any,
 ) -> Comparison:
     """``make()``'s module trained in one process and under distmm on the same global batches
-    (``dtype``: the module's and the images' floating dtype; float64 separates rounding from error)."""
+    (``dtype``: the module's and the images' floating dtype; float64 separates rounding from error;
+    ``callbacks``: the distmm run's; ``data``: the dataset class)."""
     L.seed_everything(0)
     reference = make().to(dtype)
     module, initial = copy.deepcopy(reference), copy.deepcopy(reference)
-    run_reference(reference, vlm_loader(batch, dtype=dtype), steps, str(tmp_path / "ref.json"), **extra)
-    run_distmm(module, plan, devices, vlm_loader(batch, dtype=dtype), steps, str(tmp_path / "dist.json"), **extra)
+    run_reference(reference, vlm_loader(batch, dtype=dtype, data=data), steps, str(tmp_path / "ref.json"), **extra)
+    run_distmm(
+        module,
+        plan,
+        devices,
+        vlm_loader(batch, dtype=dtype, data=data),
+        steps,
+        str(tmp_path / "dist.json"),
+        callbacks=callbacks or [],
+        **extra,
+    )
     return Comparison(
         reference, module, initial, read_losses(tmp_path / "ref.json"), read_losses(tmp_path / "dist.json")
     )

@@ -254,6 +254,8 @@ class VLM(DistMMMixin, L.LightningModule):
 
     ``vit`` / ``lm``: built tiny at random when None; pass e.g. ``AutoModelForCausalLM.from_pretrained(dir,
     local_files_only=True)`` (see :func:`load_language_model`) and a timm ViT for real weights.
+    ``cost``: each tower's ``Tower(cost=...)``, e.g. ``{"image": "n_images", "llm": {"n_images": 5,
+    "n_tokens": 1}}`` (an image's tokens and the caption's): each step's rows then balanced by it.
     """
 
     def __init__(
@@ -267,6 +269,7 @@ class VLM(DistMMMixin, L.LightningModule):
         optimizer: str = "sgd",
         lr: float = 0.1,
         eps: float = 1e-8,
+        cost: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
         lm = lm if lm is not None else LlamaForCausalLM(tiny_llama_config())
@@ -279,6 +282,7 @@ class VLM(DistMMMixin, L.LightningModule):
         self.optimizer_name = optimizer
         self.lr = lr
         self.eps = eps  # AdamW's epsilon (torch's default)
+        self.cost = dict(cost or {})  # tower -> Tower(cost=...): each step's rows balanced by it
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Lightning's hook on the batch before it moves to the device: its image counts checked
@@ -291,12 +295,13 @@ class VLM(DistMMMixin, L.LightningModule):
 
     def towers(self) -> dict[str, Tower]:
         return {
-            "image": Tower(self.vision, input=["pixel_values", "n_images"]),
+            "image": Tower(self.vision, input=["pixel_values", "n_images"], cost=self.cost.get("image")),
             "llm": Tower(
                 self.language,
                 input=["input_ids", "attention_mask", "labels", "n_images"],
                 consumes={"image": "image_embeds"},
                 frozen=self.frozen_llm,
+                cost=self.cost.get("llm"),
             ),
         }
 
