@@ -284,3 +284,53 @@ def test_balanced_vlm_trains_like_one_process(name, tmp_path, capsys):
         print(f"\n{name}: losses {c.distributed_losses}; step 0 assignment {steps[0]}")
     c.assert_exact(1e-5)
     assert len(steps) == 3 and any(s[0] is not None and s[0] != sorted(s[0]) for s in steps)
+
+
+@pytest.mark.slow
+def test_balanced_resume_continues_exactly(tmp_path):
+    """A run stopped mid-epoch and resumed from its checkpoint trains the same steps, assigned the
+    same way, as the run that never stopped (the assignment is a function of the batch's rows)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    plan = BALANCED_PLANS["image-dp2+text"]
+    L.seed_everything(0)
+    straight = _costed(TinyCLIP)("adamw", lr=0.01)
+    first_half, resumed = copy.deepcopy(straight), copy.deepcopy(straight)
+
+    def data() -> DataLoader:  # 6 batches an epoch: step 2 is mid-epoch
+        return DataLoader(
+            CostedPairs(48), batch_size=8, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(3)
+        )
+
+    logs = {k: tmp_path / f"{k}.jsonl" for k in ("straight", "half", "resumed")}
+    run_distmm(
+        straight, plan, 3, data(), 4, str(tmp_path / "straight.json"), callbacks=[_Assignments(str(logs["straight"]))]
+    )
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    run_distmm(
+        first_half,
+        plan,
+        3,
+        data(),
+        2,
+        str(tmp_path / "half.json"),
+        callbacks=[saver, _Assignments(str(logs["half"]))],
+        enable_checkpointing=True,
+    )
+    folder = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
+    run_distmm(
+        resumed,
+        plan,
+        3,
+        data(),
+        4,
+        str(tmp_path / "resumed.json"),
+        ckpt_path=str(folder),
+        callbacks=[_Assignments(str(logs["resumed"]))],
+    )
+    assert max_param_diff(straight, resumed) <= 1e-6
+    losses = read_losses(tmp_path / "straight.json")
+    assert read_losses(tmp_path / "resumed.json") == pytest.approx(losses[2:], abs=1e-6)
+    steps = {k: log.read_text().splitlines() for k, log in logs.items()}
+    assert steps["half"] + steps["resumed"] == steps["straight"]
+    assert any(json.loads(s)[0] is not None for s in steps["straight"])
