@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 from vlm_testing import SkewedVLMData, compare_vlm
 
 import lightning_distmm as ldm
-from lightning_distmm.core.assignment import RowAssignment, balance_rows, loads
+from lightning_distmm.core.assignment import RowAssignment, _assign, _imbalance, balance_rows, loads
 from lightning_distmm.core.layout import ASSIGNMENT_KEY, RankLayout
 from lightning_distmm.models.vlm import VLM
 
@@ -76,22 +76,46 @@ def test_count_fixed_tower_keeps_its_counts():
 
 
 def test_two_costed_towers_share_one_order():
-    """One step order for every tower; each tower cuts it into its own runs (the second tower by an
-    exact search over the run boundaries)."""
+    """One step order for every tower; each tower cuts it into its own runs: one tower leads (takes
+    the rows largest-first), the other cuts the lead's order by an exact search over its run
+    boundaries, so that no boundary moved by one row lowers its slowest replica."""
     plan = ldm.Plan(5, {"image": {"ranks": [0, 1, 2]}, "text": {"ranks": [3, 4]}})
     rng = random.Random(1)
+    led = set()
     for _ in range(50):
-        image = [float(c) for c in _draw(rng, INTERNVL, 12)]
-        text = [float(rng.randint(1, 30)) for _ in range(12)]
-        a = balance_rows(plan, 12, {"image": image, "text": text})
-        lt = loads(a, plan, "text", text)
-        # the text runs are the best contiguous cut of the order: no run boundary moved by one row lowers the max
+        costs = {
+            "image": [float(c) for c in _draw(rng, INTERNVL, 12)],
+            "text": [float(rng.randint(1, 30)) for _ in range(12)],
+        }
+        a = balance_rows(plan, 12, costs)
         order = list(a.order or range(12))
-        cut = a.sizes["text"][0][0]
-        for b in (cut - 1, cut + 1):
-            if 1 <= b <= 11:
-                other = [sum(text[r] for r in order[:b]), sum(text[r] for r in order[b:])]
-                assert max(lt) <= max(other) + 1e-9
+
+        def best_cut(tower: str) -> bool:
+            sizes = list(a.sizes[tower][0])
+            now = max(loads(a, plan, tower, costs[tower]))
+            for i in range(len(sizes) - 1):
+                for d in (-1, 1):
+                    moved = sizes.copy()
+                    moved[i] += d
+                    moved[i + 1] -= d
+                    if min(moved) < 1:
+                        continue
+                    ends = [sum(moved[:j]) for j in range(len(moved) + 1)]
+                    other = [sum(costs[tower][r] for r in order[ends[j] : ends[j + 1]]) for j in range(len(moved))]
+                    if max(other) < now - 1e-9:
+                        return False
+            return True
+
+        assert best_cut("image") or best_cut("text"), "neither tower's runs are the best cut of the shared order"
+        # the lead kept is the one whose worst tower is best
+        worst = {
+            lead: max(_imbalance(_assign(plan, 12, costs, lead), plan, t, costs[t]) for t in costs)
+            for lead in ("image", "text")
+        }
+        got = max(_imbalance(a, plan, t, costs[t]) for t in costs)
+        assert got == pytest.approx(min(worst.values()))
+        led.add(min(worst, key=worst.get))
+    assert led == {"image", "text"}  # each tower led some batches
 
 
 @pytest.mark.parametrize("per_replica, bound", [(2, 1.15), (4, 1.07), (8, 1.03)])

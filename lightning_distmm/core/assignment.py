@@ -106,13 +106,14 @@ def balance_rows(plan: Plan, n: int, costs: Mapping[str, Sequence[float]]) -> Ro
     """Assign a batch of ``n`` rows to every tower's replicas by the rows' ``costs`` (tower -> one
     number per sample row); towers without costs keep the plan's split.
 
-    In each sync group: the tower with a cost and the most replicas (the lead) takes the rows
-    largest-first, each to the replica whose load (over its share ``replica_batch``) is then the
-    least (LPT, greedy: within 4/3 of the best); the step order is the lead's replicas' rows one
-    after another, lightest row first inside each. Every other tower with a cost cuts that order
-    into runs of the least largest load (an exact search over the run boundaries). A replica
-    always gets at least one row; a count-fixed tower (:func:`count_fixed`) keeps its counts and is
-    balanced only by which rows it gets.
+    In each sync group: one tower with a cost (the lead) takes the rows largest-first, each to the
+    replica whose load (over its share ``replica_batch``) is then the least (LPT, greedy: within
+    4/3 of the best); the step order is the lead's replicas' rows one after another, lightest row
+    first inside each. Every other tower with a cost cuts that order into runs of the least largest
+    load (an exact search over the run boundaries). Each tower with a cost is tried as the lead;
+    the assignment kept is the one whose worst tower (slowest replica over its mean) is best. A
+    replica always gets at least one row; a count-fixed tower (:func:`count_fixed`) keeps its
+    counts and is balanced only by which rows it gets.
     """
     for name, c in costs.items():
         if len(c) != n:
@@ -120,7 +121,29 @@ def balance_rows(plan: Plan, n: int, costs: Mapping[str, Sequence[float]]) -> Ro
     costed = [name for name in plan.towers if name in costs]
     if not costed:
         return RowAssignment.even(plan, n)
-    lead = max(costed, key=lambda name: (plan.towers[name].dp, -costed.index(name)))
+    # most replicas first: on a tie of the score below, the tower with the most to balance leads
+    leads = sorted(costed, key=lambda name: (-plan.towers[name].dp, costed.index(name)))
+    best, score = None, float("inf")
+    for lead in leads:
+        a = _assign(plan, n, costs, lead)
+        worst = max(_imbalance(a, plan, name, costs[name]) for name in costed)
+        if worst < score - 1e-12:
+            best, score = a, worst
+    assert best is not None
+    return best
+
+
+def _imbalance(assignment: RowAssignment, plan: Plan, tower: str, cost: Sequence[float]) -> float:
+    """The slowest replica's load over the mean replica load (per unit of share); 1 when nothing costs."""
+    t = plan.towers[tower]
+    share = list(t.replica_batch) if t.replica_batch else [1] * t.dp
+    per = [x / s for x, s in zip(loads(assignment, plan, tower, cost), share)]
+    mean = sum(cost) / sum(share)
+    return max(per) / mean if mean > 0 else 1.0
+
+
+def _assign(plan: Plan, n: int, costs: Mapping[str, Sequence[float]], lead: str) -> RowAssignment:
+    """:func:`balance_rows` with ``lead`` taking the rows largest-first."""
     order: list[int] = []
     sizes: dict[str, list[list[int]]] = {name: [] for name in plan.towers}
     start = 0
