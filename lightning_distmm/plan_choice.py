@@ -177,7 +177,8 @@ def auto_choice(job: LiveJob) -> Plan:
 
     if job.example is None or job.global_batch is None:
         raise PlanError("plan='auto' needs a training DataLoader with a batch_size to measure the towers on")
-    infos = {n: tower_info_from_batch(t, job.example) for n, t in job.towers.items()}
+    produced = producer_outputs(job.towers, job.example, job.random_state_kept, job.device)
+    infos = {n: tower_info_from_batch(t, job.example, produced=produced) for n, t in job.towers.items()}
     # measured profiles price data parallelism per tower only (tp = pp = 1); the schedule must
     # compute the module's loss: distmm's two sync groups exactly when it asks for them
     schedules = ["distmm"] if job.sync_groups == 2 else ["gpipe", "cached"]
@@ -187,6 +188,40 @@ def auto_choice(job: LiveJob) -> Plan:
     return auto_plan(
         infos, job.world_size, job.global_batch, job.device, options, job.per_node, autocast=job.forward_context
     )
+
+
+def producer_outputs(
+    towers: Mapping[str, Tower],
+    example: Mapping[str, Any],
+    random_state_kept: Callable[[torch.device], Any],
+    device: torch.device,
+) -> dict[str, Any]:
+    """Each consumed tower's output for ``example`` (no gradients), what its consumer is measured on."""
+    from lightning_distmm.parallel.flops import check_consumer_call, consumer_inputs
+    from lightning_distmm.tower import tower_order
+
+    needed = {p for t in towers.values() for p in t.consumes}
+    produced: dict[str, Any] = {}
+    with random_state_kept(device), torch.no_grad():
+        for name in tower_order(towers):
+            tower = towers[name]
+            check_consumer_call(name, tower)
+            if name not in needed:
+                continue
+            missing = [f for f in tower.fields if f not in example]
+            if missing:
+                raise PlanError(
+                    f"plan='auto' measures tower {name!r} on the training batch, which has no field(s) {missing}"
+                )
+            was_training = tower.module.training
+            tower.module.eval()
+            try:
+                produced[name] = tower.module(
+                    *(example[f] for f in tower.fields), **consumer_inputs(name, tower, produced)
+                )
+            finally:
+                tower.module.train(was_training)
+    return produced
 
 
 #: what ``DistMMStrategy(plan=...)`` takes

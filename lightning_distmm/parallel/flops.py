@@ -9,6 +9,7 @@ when its forward reads tensor values).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_distmm.tower import Tower
+from lightning_distmm.tower import Tower, tower_order
 
 
 class _OperatorCount(TorchDispatchMode):
@@ -34,18 +35,17 @@ class _OperatorCount(TorchDispatchMode):
 def tower_counts(towers: Mapping[str, Tower], example: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
     """Per tower: forward FLOPs per sample (:func:`tower_flops`), operators one forward calls, parameters
     (all and trainable), the feature width it outputs and whether it is frozen: what the default plan
-    prices (``planner.default.CountedTower``'s fields)."""
-    flops = tower_flops(towers, example)
+    prices (``planner.default.CountedTower``'s fields). A tower that consumes another's output
+    (``Tower(consumes=...)``) is counted on that tower's output for the same sample."""
+    counted = _count(towers, example)
     out: dict[str, dict[str, Any]] = {}
     for name, tower in towers.items():
         params = list(tower.module.parameters())
-        ops, width = 0, None
-        if example is not None and all(f in example for f in tower.fields):
-            ops, width = _forward_ops(tower, example)
+        flops, ops, width = counted[name]
         if width is None:  # the width of the last parameter's leading dimension: a projection's output
             width = int(params[-1].shape[0]) if params and params[-1].dim() else 512
         out[name] = {
-            "flops": flops[name],
+            "flops": flops,
             "params": sum(p.numel() for p in params),
             "trainable_params": sum(p.numel() for p in params if p.requires_grad),
             "embed_dim": int(width),
@@ -55,48 +55,79 @@ def tower_counts(towers: Mapping[str, Tower], example: Mapping[str, Any] | None)
     return out
 
 
-def _forward_ops(tower: Tower, example: Mapping[str, Any]) -> tuple[int, int | None]:
-    """Operators one forward of ``tower`` on ``example`` dispatches, and its output's feature width."""
-    was_training = tower.module.training
-    tower.module.eval()
-    inputs = [example[f] for f in tower.fields]
-    if any(p.is_meta for p in tower.module.parameters()):
-        inputs = [x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs]
-    try:
-        with torch.no_grad(), _OperatorCount() as counter:
-            out = tower.module(*inputs)
-    except RuntimeError:
-        return 0, None
-    finally:
-        tower.module.train(was_training)
-    while isinstance(out, (tuple, list)) and out:
-        out = out[0]
-    width = int(out.shape[-1]) if isinstance(out, torch.Tensor) and out.dim() else None
-    return counter.count, width
-
-
 def tower_flops(towers: Mapping[str, Tower], example: Mapping[str, Any] | None) -> dict[str, float]:
     """Forward FLOPs of each tower on ``example`` (one collated sample); 2 x parameters without one."""
-    out: dict[str, float] = {}
-    for name, tower in towers.items():
+    return {name: c[0] for name, c in _count(towers, example).items()}
+
+
+def consumer_inputs(name: str, tower: Tower, produced: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword arguments a consuming tower is called with: ``{keyword: producer's output}``."""
+    return {keyword: produced[producer] for producer, keyword in tower.consumes.items()}
+
+
+def check_consumer_call(name: str, tower: Tower) -> None:
+    """A tower that consumes another's output must take it as the keyword it names, after its
+    fields: otherwise the error names the tower, the keyword and the forward's signature."""
+    if not tower.consumes:
+        return
+    try:
+        sig = inspect.signature(tower.module.forward)
+    except (TypeError, ValueError):  # a builtin or C forward: nothing to check before calling
+        return
+    args = [object()] * len(tower.fields)
+    kwargs = {keyword: object() for keyword in tower.consumes.values()}
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as err:
+        given = ", ".join([*tower.fields, *(f"{k}=<{p}'s output>" for p, k in tower.consumes.items())])
+        raise TypeError(
+            f"tower {name!r} consumes {dict(tower.consumes)} but {type(tower.module).__name__}.forward{sig} cannot"
+            f" be called as forward({given}): {err}. Its input fields come first, in order, and each consumed"
+            f" output as the keyword that Tower(consumes={{producer: keyword}}) names"
+        ) from None
+
+
+def _count(towers: Mapping[str, Tower], example: Mapping[str, Any] | None) -> dict[str, tuple[float, int, int | None]]:
+    """``(FLOPs, operators, output width)`` of one forward of each tower on ``example``, producers
+    before their consumers (each consumer fed its producers' outputs); ``(2 x parameters, 0, None)``
+    for a tower without its fields (or whose producer could not run)."""
+    out: dict[str, tuple[float, int, int | None]] = {}
+    produced: dict[str, Any] = {}
+    for name in tower_order(towers):
+        tower = towers[name]
+        check_consumer_call(name, tower)
         params = sum(p.numel() for p in tower.module.parameters())
-        if example is None or any(f not in example for f in tower.fields):
-            out[name] = 2.0 * params
+        missing = (
+            example is None
+            or any(f not in example for f in tower.fields)
+            or any(p not in produced for p in tower.consumes)
+        )
+        if missing:
+            out[name] = (2.0 * params, 0, None)
             continue
-        was_training = tower.module.training
-        tower.module.eval()
-        inputs = [example[f] for f in tower.fields]
+        assert example is not None
         meta = any(p.is_meta for p in tower.module.parameters())
+        inputs = [example[f] for f in tower.fields]
+        kwargs = consumer_inputs(name, tower, produced)
         if meta:  # built on meta: counted on meta inputs
             inputs = [x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs]
+            kwargs = {k: x.to("meta") if isinstance(x, torch.Tensor) else x for k, x in kwargs.items()}
+        was_training = tower.module.training
+        tower.module.eval()
         try:
-            with torch.no_grad(), FlopCounterMode(display=False) as counter:
-                tower.module(*inputs)
-            out[name] = float(counter.get_total_flops()) or 2.0 * params
+            with torch.no_grad(), FlopCounterMode(display=False) as flops, _OperatorCount() as ops:
+                result = tower.module(*inputs, **kwargs)
         except RuntimeError:
             if not meta:
                 raise
-            out[name] = 2.0 * params  # its forward reads values (a mask), which meta tensors do not have
+            out[name] = (2.0 * params, 0, None)  # its forward reads values (a mask), which meta tensors lack
+            continue
         finally:
             tower.module.train(was_training)
+        produced[name] = result
+        first = result
+        while isinstance(first, (tuple, list)) and first:
+            first = first[0]
+        width = int(first.shape[-1]) if isinstance(first, torch.Tensor) and first.dim() else None
+        out[name] = (float(flops.get_total_flops()) or 2.0 * params, ops.count, width)
     return out

@@ -45,22 +45,57 @@ class TowerInfo:
     embed_dim: int | None = None
 
 
-def tower_info_from_batch(tower: Any, batch: Mapping[str, Any], config: Mapping[str, Any] | None = None) -> TowerInfo:
+def tower_info_from_batch(
+    tower: Any,
+    batch: Mapping[str, Any],
+    config: Mapping[str, Any] | None = None,
+    produced: Mapping[str, Any] | None = None,
+) -> TowerInfo:
     """A :class:`TowerInfo` for a ``lightning_distmm.Tower`` whose inputs are cut from a sample batch
-    (rows repeated when the batch is smaller than the microbatch)."""
+    (rows repeated when the batch is smaller than the microbatch). A tower that consumes another's
+    output (``Tower(consumes=...)``) is measured on ``produced[producer]``, that tower's output for
+    the same batch, cut the same way and passed as the keyword the tower names."""
     import torch
 
     fields = tower.fields
+    consumes = dict(getattr(tower, "consumes", {}) or {})
+    missing = [p for p in consumes if produced is None or p not in produced]
+    if missing:
+        raise ValueError(f"tower consumes {missing}: measure it with those towers' outputs (produced=)")
+    extra = [produced[p] for p in consumes] if produced is not None else []
 
     def make_inputs(b: int) -> list[Any]:
         out = []
-        for f in fields:
-            x = batch[f]
+        for x in [*(batch[f] for f in fields), *extra]:
             idx = torch.arange(b) % len(x)
             out.append(x[idx] if isinstance(x, torch.Tensor) else [x[i] for i in idx.tolist()])
         return out
 
-    return TowerInfo(tower.module, make_inputs, bool(getattr(tower, "frozen", False)), config)
+    module = consuming_module(tower.module, len(fields), list(consumes.values())) if consumes else tower.module
+    return TowerInfo(module, make_inputs, bool(getattr(tower, "frozen", False)), config)
+
+
+def _consuming_class() -> type:
+    import torch
+
+    class Consuming(torch.nn.Module):
+        """A consuming tower called positionally: its fields, then each consumed output, which it
+        passes on as the keyword the tower names (what the runtime does)."""
+
+        def __init__(self, module: Any, n_fields: int, keywords: Sequence[str]) -> None:
+            super().__init__()
+            self.module, self.n_fields, self.keywords = module, n_fields, list(keywords)
+
+        def forward(self, *args: Any) -> Any:
+            consumed = dict(zip(self.keywords, args[self.n_fields :]))
+            return self.module(*args[: self.n_fields], **consumed)
+
+    return Consuming
+
+
+def consuming_module(module: Any, n_fields: int, keywords: Sequence[str]) -> Any:
+    """``module`` called as ``forward(*fields, *consumed)``: how the planner's measuring calls a tower."""
+    return _consuming_class()(module, n_fields, keywords)
 
 
 def runtime_cost_defaults(options: Mapping[str, Any] | None, device: Any = "cpu") -> dict[str, Any]:
