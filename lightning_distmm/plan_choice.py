@@ -113,7 +113,7 @@ def choose_on_rank0(spec: str, job: LiveJob) -> tuple[dict | None, str | None, s
         if spec == "default":
             return default_choice(job)
         if spec == "auto":
-            return auto_choice(job).to_dict(), None, None
+            return auto_choice(job)
         raise PlanError(f"unknown plan {spec!r}")
     except PlanError as err:  # a plan that cannot be: its message says why, not where
         return None, None, f"{type(err).__name__}: {err}"
@@ -164,14 +164,31 @@ def default_choice(job: LiveJob) -> tuple[dict, str, None]:
         host = Host("cuda", job.per_node, memory=float(props.total_memory), name=props.name)
     else:
         host = describe_cpu(job.per_node, torch.get_num_threads())
+    pair = producer_consumer(job.towers)
+    if pair is not None:  # an encoder feeding a language model: the encoder->LLM search
+        from lightning_distmm.planner.vlm_default import default_vlm_plan
+
+        counted = {n: CountedTower(**c) for n, c in counts.items()}
+        vlm = default_vlm_plan(counted, *pair, job.world_size, job.global_batch, host, job.precision)
+        return vlm.plan.to_dict(), vlm.line(), None
     choice = default_plan(
         {n: CountedTower(**c) for n, c in counts.items()}, job.world_size, job.global_batch, host, job.precision
     )
     return choice.plan.to_dict(), choice.line(), None
 
 
-def auto_choice(job: LiveJob) -> Plan:
-    """The planner on tower profiles measured here, in the run's precision, one tower at a time."""
+def producer_consumer(towers: Mapping[str, Tower]) -> tuple[str, str] | None:
+    """``(producer, consumer)`` when the model is one tower feeding another (an encoder and its
+    language model), which the encoder->LLM search plans; None otherwise (the contrastive default)."""
+    consumers = [n for n, t in towers.items() if t.consumes]
+    if len(towers) != 2 or len(consumers) != 1 or len(towers[consumers[0]].consumes) != 1:
+        return None
+    return next(iter(towers[consumers[0]].consumes)), consumers[0]
+
+
+def auto_choice(job: LiveJob) -> tuple[dict, str | None, None]:
+    """The planner on tower profiles measured here, in the run's precision, one tower at a time
+    (an encoder feeding a language model: the encoder->LLM search)."""
     from lightning_distmm.planner.auto import auto_plan, tower_info_from_batch
     from lightning_distmm.planner.cost.options import PRECISION_ALIASES
 
@@ -179,15 +196,37 @@ def auto_choice(job: LiveJob) -> Plan:
         raise PlanError("plan='auto' needs a training DataLoader with a batch_size to measure the towers on")
     produced = producer_outputs(job.towers, job.example, job.random_state_kept, job.device)
     infos = {n: tower_info_from_batch(t, job.example, produced=produced) for n, t in job.towers.items()}
+    pair = producer_consumer(job.towers)
+    if pair is not None:
+        from lightning_distmm.planner.tower_timing import first_tensor
+        from lightning_distmm.planner.vlm_default import auto_vlm_plan
+
+        out = first_tensor(produced[pair[0]])
+        width = int(out.shape[-1])
+        tokens = max(out.numel() // max(int(out.shape[0]) * width, 1), 1) if out.dim() > 1 else 1
+        vlm = auto_vlm_plan(
+            infos,
+            *pair,
+            tokens,
+            width,
+            job.world_size,
+            job.global_batch,
+            job.device,
+            job.per_node,
+            job.forward_context,
+            job.precision if job.precision in PRECISION_ALIASES else None,
+        )
+        return vlm.plan.to_dict(), vlm.line("auto"), None
     # measured profiles price data parallelism per tower only (tp = pp = 1); the schedule must
     # compute the module's loss: distmm's two sync groups exactly when it asks for them
     schedules = ["distmm"] if job.sync_groups == 2 else ["gpipe", "cached"]
     options: dict[str, Any] = {"max_tp": 1, "max_pp": 1, "schedules": schedules, "recompute": False}
     if job.precision in PRECISION_ALIASES:  # priced in the precision the run computes in
         options["precision"] = job.precision
-    return auto_plan(
+    plan = auto_plan(
         infos, job.world_size, job.global_batch, job.device, options, job.per_node, autocast=job.forward_context
     )
+    return plan.to_dict(), None, None
 
 
 def producer_outputs(

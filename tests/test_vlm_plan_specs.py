@@ -147,3 +147,33 @@ def test_every_plan_spec_trains_a_consuming_model_like_one_process(spec, devices
     with capsys.disabled():
         print(f"\nplan={spec!r} on {devices} ranks: max parameter diff {diff:.1e}")
     assert diff <= 1e-5
+
+
+@pytest.mark.parametrize("spec", ["default", "auto"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_choice_comes_from_the_encoder_to_llm_search(spec, world):
+    """Rank 0's choice for a consuming model: the encoder->LLM search's pick, in the model's tower
+    names, with the line the log gets (the pick and its predicted ratio to FSDP and colocated)."""
+    from contextlib import nullcontext
+
+    from lightning_distmm.plan_choice import LiveJob, choose_on_rank0
+
+    model = Captioner()
+    job = LiveJob(
+        towers=model.towers(),
+        sync_groups=1,
+        example=next(iter(DataLoader(Captions(), batch_size=1))),
+        global_batch=6,
+        world_size=world,
+        per_node=world,
+        device=torch.device("cpu"),
+        precision="32-true",
+        forward_context=nullcontext,
+        random_state_kept=lambda device: nullcontext(),
+    )
+    chosen, line, error = choose_on_rank0(spec, job)
+    assert error is None, error
+    plan = ldm.Plan.from_dict(chosen)
+    assert set(plan.towers) == {"vision", "text"} and plan.world_size == world
+    assert line.startswith(f"distmm {spec} plan (encoder->LLM search): chose vision ")
+    assert "faster than FSDP over both" in line and "than colocated" in line

@@ -41,7 +41,7 @@ def tower_counts(towers: Mapping[str, Tower], example: Mapping[str, Any] | None)
     out: dict[str, dict[str, Any]] = {}
     for name, tower in towers.items():
         params = list(tower.module.parameters())
-        flops, ops, width = counted[name]
+        flops, ops, width, tokens = counted[name]
         if width is None:  # the width of the last parameter's leading dimension: a projection's output
             width = int(params[-1].shape[0]) if params and params[-1].dim() else 512
         out[name] = {
@@ -51,6 +51,7 @@ def tower_counts(towers: Mapping[str, Tower], example: Mapping[str, Any] | None)
             "embed_dim": int(width),
             "ops": int(ops),
             "frozen": bool(tower.frozen),
+            "tokens": int(tokens),
         }
     return out
 
@@ -87,11 +88,13 @@ def check_consumer_call(name: str, tower: Tower) -> None:
         ) from None
 
 
-def _count(towers: Mapping[str, Tower], example: Mapping[str, Any] | None) -> dict[str, tuple[float, int, int | None]]:
-    """``(FLOPs, operators, output width)`` of one forward of each tower on ``example``, producers
+def _count(
+    towers: Mapping[str, Tower], example: Mapping[str, Any] | None
+) -> dict[str, tuple[float, int, int | None, int]]:
+    """``(FLOPs, operators, output width, vectors of that width per sample)`` of one forward of each tower on ``example``, producers
     before their consumers (each consumer fed its producers' outputs); ``(2 x parameters, 0, None)``
     for a tower without its fields (or whose producer could not run)."""
-    out: dict[str, tuple[float, int, int | None]] = {}
+    out: dict[str, tuple[float, int, int | None, int]] = {}
     produced: dict[str, Any] = {}
     for name in tower_order(towers):
         tower = towers[name]
@@ -103,7 +106,7 @@ def _count(towers: Mapping[str, Tower], example: Mapping[str, Any] | None) -> di
             or any(p not in produced for p in tower.consumes)
         )
         if missing:
-            out[name] = (2.0 * params, 0, None)
+            out[name] = (2.0 * params, 0, None, 1)
             continue
         assert example is not None
         meta = any(p.is_meta for p in tower.module.parameters())
@@ -120,7 +123,7 @@ def _count(towers: Mapping[str, Tower], example: Mapping[str, Any] | None) -> di
         except RuntimeError:
             if not meta:
                 raise
-            out[name] = (2.0 * params, 0, None)  # its forward reads values (a mask), which meta tensors lack
+            out[name] = (2.0 * params, 0, None, 1)  # its forward reads values (a mask), which meta tensors lack
             continue
         finally:
             tower.module.train(was_training)
@@ -129,5 +132,7 @@ def _count(towers: Mapping[str, Tower], example: Mapping[str, Any] | None) -> di
         while isinstance(first, (tuple, list)) and first:
             first = first[0]
         width = int(first.shape[-1]) if isinstance(first, torch.Tensor) and first.dim() else None
-        out[name] = (float(flops.get_total_flops()) or 2.0 * params, ops.count, width)
+        rows = int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() > 1 else 1
+        tokens = first.numel() // max(rows * (width or 1), 1) if isinstance(first, torch.Tensor) and width else 1
+        out[name] = (float(flops.get_total_flops()) or 2.0 * params, ops.count, width, max(int(tokens), 1))
     return out

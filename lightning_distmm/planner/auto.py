@@ -151,7 +151,6 @@ def auto_plan(
     Every rank must call it with the same inputs and get the same plan: call it on rank 0 and
     broadcast the plan's ``to_dict()``, since timings differ from rank to rank.
     """
-    import torch
 
     if options is None:
         options = {"max_tp": 1, "max_pp": 1, "schedules": ["gpipe", "cached"], "recompute": False}
@@ -161,6 +160,20 @@ def auto_plan(
     cl = cluster or local_cluster(device, world_size, devices_per_node)
     if cl.world_size != world_size:
         cl = cl.with_world(world_size)
+    profiles = measure_profiles(towers, device, batch_sizes, autocast)
+    plan, _ = make_plan(None, cl, global_batch, options, profiles=profiles)
+    return plan
+
+
+def measure_profiles(
+    towers: Mapping[str, TowerInfo],
+    device: Any = "cpu",
+    batch_sizes: Sequence[int] = (1, 2, 4),
+    autocast: Callable[[], Any] | None = None,
+) -> dict[str, TowerProfile]:
+    """Each tower timed on ``device`` at ``batch_sizes``, one at a time: its measured profile."""
+    import torch
+
     profiles: dict[str, TowerProfile] = {}
     for name, info in towers.items():
         E = info.embed_dim
@@ -171,8 +184,7 @@ def auto_plan(
         fit = measure_tower(info.module, info.make_inputs, batch_sizes, device, frozen=info.frozen, autocast=autocast)
         analytic = tower_profile(name, info.config, E) if info.config is not None else None
         profiles[name] = measured_profile(name, fit, info.frozen, E, analytic)
-    plan, _ = make_plan(None, cl, global_batch, options, profiles=profiles)
-    return plan
+    return profiles
 
 
-__all__ = ["TowerInfo", "tower_info_from_batch", "runtime_cost_defaults", "auto_plan"]
+__all__ = ["TowerInfo", "tower_info_from_batch", "runtime_cost_defaults", "auto_plan", "measure_profiles"]

@@ -83,7 +83,9 @@ class CountedTower:
 
     ``flops``: forward FLOPs per sample (``torch.utils.flop_counter``); ``ops``: operators one
     forward calls, whatever its batch; ``params`` / ``trainable_params``: elements; ``embed_dim``:
-    the feature width exchanged at the batch-sync; ``frozen``: run without gradients."""
+    the feature width exchanged at the batch-sync (or handed to a consuming tower); ``tokens``:
+    the vectors of that width its output holds per sample (a vision tower's image tokens);
+    ``frozen``: run without gradients."""
 
     flops: float
     params: int
@@ -91,6 +93,7 @@ class CountedTower:
     embed_dim: int = 512
     ops: int = 0
     frozen: bool = False
+    tokens: int = 1
 
 
 @dataclass(frozen=True)

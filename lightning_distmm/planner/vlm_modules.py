@@ -23,7 +23,6 @@ from lightning_distmm.planner.cost.compute import optimizer_time, stage_compute
 from lightning_distmm.planner.cost.memory import grad_bytes_per_device, memory_per_device
 from lightning_distmm.planner.cost.options import CostOptions
 from lightning_distmm.planner.cost.pipeline import RECOMPUTE
-from lightning_distmm.planner.vlm_presets import PRESETS
 from lightning_distmm.planner.vlm_profile import VLMProfiles, straggler
 
 MODULES = ("image", "llm")
@@ -86,7 +85,7 @@ def _units(profs: VLMProfiles, module: str, rows: float, replica_rows: int, dp: 
     """What ``rows`` samples weigh in the module's profile units: images for the encoder (the mean
     images per sample times the slowest replica's excess), samples for the LLM (at the mean sequence,
     times the slowest replica's token excess)."""
-    w, tpi = profs.workload, PRESETS[profs.workload.preset].tokens_per_image
+    w, tpi = profs.workload, profs.tokens_per_image
     if module == "image":
         return rows * w.mean_images * straggler(w, replica_rows, dp)
     return rows * straggler(w, replica_rows, dp, tpi, w.text_tokens)

@@ -29,6 +29,9 @@ import numpy as np
 from lightning_distmm.planner.profile import Attn, Block, Gemm, TowerProfile, tower_profile
 from lightning_distmm.planner.vlm_presets import PRESETS, VLMPreset
 
+#: the preset name of a workload whose modules are the live job's (profiles counted or measured, no preset)
+LIVE = "live"
+
 
 @dataclass(frozen=True)
 class VLMWorkload:
@@ -42,7 +45,7 @@ class VLMWorkload:
     frozen_llm: bool = False
 
     def __post_init__(self) -> None:
-        if self.preset not in PRESETS:
+        if self.preset != LIVE and self.preset not in PRESETS:
             raise ValueError(f"preset {self.preset!r}: choose one of {', '.join(PRESETS)}")
         total = sum(self.images.values())
         if not self.images or any(k < 0 or p < 0 for k, p in self.images.items()) or abs(total - 1.0) > 1e-6:
@@ -182,15 +185,24 @@ class VLMProfiles:
     vision: TowerProfile
     projector: TowerProfile
     llm: TowerProfile
+    #: a live job's image tokens and width (None: the preset's)
+    image_tokens: int | None = None
+    hidden: int | None = None
+
+    @property
+    def tokens_per_image(self) -> int:
+        if self.image_tokens is not None:
+            return self.image_tokens
+        return PRESETS[self.workload.preset].tokens_per_image
 
     @property
     def tokens_per_row(self) -> float:
         """Image tokens one sample hands to the LLM, on average."""
-        return self.workload.mean_images * PRESETS[self.workload.preset].tokens_per_image
+        return self.workload.mean_images * self.tokens_per_image
 
     @property
     def width(self) -> int:
-        return int(PRESETS[self.workload.preset].llm["hidden_size"])
+        return self.hidden if self.hidden is not None else int(PRESETS[self.workload.preset].llm["hidden_size"])
 
 
 def vlm_profiles(workload: VLMWorkload) -> VLMProfiles:
@@ -235,6 +247,7 @@ def straggler(workload: VLMWorkload, rows: int, dp: int, tokens_per_image: int =
 
 
 __all__ = [
+    "LIVE",
     "VLMWorkload",
     "WORKLOADS",
     "VLMProfiles",
