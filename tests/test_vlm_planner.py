@@ -108,3 +108,33 @@ def test_search_on_a_small_cluster_picks_no_worse_than_fsdp() -> None:
     # a colocated plan without microbatches runs the modules one after the other: the replay is the closed form
     if fsdp.image.microbatches == fsdp.llm.microbatches == 1:
         assert fsdp.step == pytest.approx(fsdp.estimate, rel=1e-6)
+
+
+def test_balanced_straggler_is_the_runtime_assignments():
+    """``balance: cost`` prices the straggler of each step's cost-balanced rows: no worse than the
+    even split, the same at one row per replica (nothing can move), and within a few percent of what
+    the runtime's own assignment (``core.assignment.balance_rows``) gives on drawn batches."""
+    import random
+
+    from lightning_distmm.core.assignment import balance_rows, loads
+
+    w = WORKLOADS["internvl_26b"]
+    for rows, dp in ((1, 16), (2, 16), (4, 16), (8, 8)):
+        even, balanced = straggler(w, rows, dp), straggler(w, rows, dp, balanced=True)
+        assert balanced <= even + 1e-9
+        if rows == 1:
+            assert balanced == pytest.approx(even, rel=0.02)
+        else:
+            plan = Plan(dp, {"image": {"ranks": list(range(dp))}})
+            rng = random.Random(5)
+            got = []
+            for _ in range(64):
+                cost = [float(c) for c in rng.choices(list(w.images), list(w.images.values()), k=rows * dp)]
+                got.append(max(loads(balance_rows(plan, rows * dp, {"image": cost}), plan, "image", cost)))
+            runtime = sum(got) / len(got) / (rows * w.mean_images)
+            assert balanced == pytest.approx(runtime, rel=0.05)
+    cost = dataclasses.replace(w, balance="cost")
+    assert straggler(cost, 4, 16) == straggler(w, 4, 16, balanced=True) < straggler(w, 4, 16)
+    assert VLMWorkload.from_yaml(cost.to_yaml()) == cost
+    with pytest.raises(ValueError, match="balance 'tokens'"):
+        dataclasses.replace(w, balance="tokens")

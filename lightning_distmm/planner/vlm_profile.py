@@ -19,7 +19,9 @@ YAML round trip.
 
 from __future__ import annotations
 
+import heapq
 import math
+import random
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -36,13 +38,16 @@ LIVE = "live"
 @dataclass(frozen=True)
 class VLMWorkload:
     """A training job's data and what trains: images per sample as ``{count: probability}``, text
-    tokens per sample (mean), which modules are frozen."""
+    tokens per sample (mean), which modules are frozen, and how each step's rows are assigned:
+    ``balance: rows`` by count (the plan's even split), ``cost`` by their images and tokens
+    (``Tower(cost=...)``, docs/runtime.md "Balancing each step"), which changes the straggler priced."""
 
     preset: str
     images: dict[int, float] = field(default_factory=lambda: {1: 1.0})
     text_tokens: int = 512
     frozen_vision: bool = False
     frozen_llm: bool = False
+    balance: str = "rows"
 
     def __post_init__(self) -> None:
         if self.preset != LIVE and self.preset not in PRESETS:
@@ -52,6 +57,8 @@ class VLMWorkload:
             raise ValueError(f"images {self.images}: probabilities of counts >= 0 that sum to 1 (sum {total})")
         if self.text_tokens < 1:
             raise ValueError(f"text_tokens must be positive, got {self.text_tokens}")
+        if self.balance not in ("rows", "cost"):
+            raise ValueError(f"balance {self.balance!r}: choose 'rows' (even split) or 'cost' (each step by cost)")
 
     @property
     def mean_images(self) -> float:
@@ -231,15 +238,48 @@ def _expected_max(images: tuple[tuple[int, float], ...], rows: int, dp: int) -> 
     return float(np.sum(1.0 - cdf[:-1] ** dp))  # E[max] of dp draws of a count >= 0
 
 
-def straggler(workload: VLMWorkload, rows: int, dp: int, tokens_per_image: int = 0, text: int = 0) -> float:
+#: batches drawn to price the balanced assignment's straggler
+BALANCE_DRAWS = 32
+
+
+@lru_cache(maxsize=4096)
+def _balanced_max(images: tuple[tuple[int, float], ...], rows: int, dp: int, tokens_per_image: int, text: int) -> float:
+    """The mean largest replica load over :data:`BALANCE_DRAWS` drawn batches of ``rows * dp`` rows,
+    each assigned largest-first to the least-loaded replica (the runtime's greedy, LPT), in images
+    (``tokens_per_image = 0``) or tokens. A fixed seed: the same number on every call."""
+    rng = random.Random(0)
+    counts, probs = zip(*images)
+    total = 0.0
+    for _ in range(BALANCE_DRAWS):
+        draw = rng.choices(counts, probs, k=rows * dp)
+        costs = sorted((text + k * tokens_per_image if tokens_per_image else float(k) for k in draw), reverse=True)
+        heap = [(0.0, i) for i in range(dp)]
+        for c in costs:
+            load, i = heapq.heappop(heap)
+            heapq.heappush(heap, (load + c, i))
+        total += max(load for load, _ in heap)
+    return total / BALANCE_DRAWS
+
+
+def straggler(
+    workload: VLMWorkload, rows: int, dp: int, tokens_per_image: int = 0, text: int = 0, balanced: bool | None = None
+) -> float:
     """The expected largest load of ``dp`` replicas of ``rows`` samples each over their mean load: the
     load is a replica's images (``tokens_per_image = 0``), or its tokens ``rows * text + images *
-    tokens_per_image``. 1 when every sample carries the same number of images."""
+    tokens_per_image``. 1 when every sample carries the same number of images. ``balanced``
+    (default: ``workload.balance == "cost"``): each step's rows assigned by cost, each module on its
+    own (:func:`_balanced_max`; the runtime shares one order between the modules, so the module that
+    does not lead can do a little worse), instead of an even split in sample order."""
     rows, dp = max(int(rows), 1), max(int(dp), 1)
     mean = workload.mean_images
     if mean == 0 or len([p for p in workload.images.values() if p > 0]) == 1 or dp == 1:
         return 1.0
     key = tuple(sorted((int(k), float(p)) for k, p in workload.images.items()))
+    if balanced is None:
+        balanced = workload.balance == "cost"
+    if balanced and rows > 1:  # (one row per replica: nothing to move, the even split's price)
+        top = _balanced_max(key, rows, dp, int(tokens_per_image), int(text))
+        return top / (rows * (text + mean * tokens_per_image) if tokens_per_image else rows * mean)
     top = _expected_max(key, rows, dp)
     if tokens_per_image == 0:
         return top / (rows * mean)
