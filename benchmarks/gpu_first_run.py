@@ -130,13 +130,6 @@ def weights(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: _full(v) for k, v in module.state_dict().items()}
 
 
-class Overlap(L.Callback):
-    """Turns the asynchronous batch-sync on before the first step."""
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        trainer.strategy.runtime.overlap_batch_sync = True
-
-
 class Losses(L.Callback):
     def __init__(self) -> None:
         self.values: list[float] = []
@@ -150,7 +143,9 @@ def check_mesh_async_gather(ctx: Context) -> dict[str, Any]:
     plan = one_rank({"shard": "full", "microbatch": 2}, {"microbatch": 2}, schedule="distmm")
     L.seed_everything(0)
     losses = Losses()
-    trainer(ctx, 2, plan, callbacks=[Overlap(), losses]).fit(FirstRunCLIP(groups=2), data())
+    trainer(ctx, 2, ldm.DistMMStrategy(plan, overlap_batch_sync=True), callbacks=[losses]).fit(
+        FirstRunCLIP(groups=2), data()
+    )
     assert len(losses.values) == 2 and all(math.isfinite(v) for v in losses.values), losses.values
     return {"losses": losses.values}
 
@@ -251,7 +246,7 @@ def check_async_vs_blocking(ctx: Context) -> dict[str, Any]:
     L.seed_everything(0)
     overlapped = FirstRunCLIP("adamw", 0.01, groups=2)
     blocking = copy.deepcopy(overlapped)
-    trainer(ctx, 2, plan, callbacks=[Overlap()]).fit(overlapped, data())
+    trainer(ctx, 2, ldm.DistMMStrategy(plan, overlap_batch_sync=True)).fit(overlapped, data())
     trainer(ctx, 2, plan).fit(blocking, data())
     diff = max_diff(weights(overlapped), weights(blocking))
     assert diff == 0.0, f"max abs difference {diff:.3g}: not bit-identical"

@@ -78,6 +78,10 @@ class DistMMStrategy(ModelParallelStrategy):
             its host died), before it ends itself with that rank's error (NCCL, unlike gloo, leaves it
             in the collective until the timeout; :class:`~lightning_distmm.faults.PeerFailureWatch`).
             ``None``: wait for the collective timeout.
+        overlap_batch_sync: ``schedule: distmm`` only: split every batch-sync but the last into a
+            posted gather and its wait, running the next sync group's forwards between them (one
+            more microbatch's activations held per stage, one gather per step hidden;
+            docs/pipeline.md, "Asynchronous batch-sync"). The same result either way.
         balance: ``"cost"`` (default): each step's rows go to a tower's replicas by what they cost,
             where the tower says (``Tower(cost=...)``); ``"rows"``: by count, as the plan splits them.
     """
@@ -95,6 +99,7 @@ class DistMMStrategy(ModelParallelStrategy):
         stream_check_every: int = 1,
         failure_grace: timedelta | None = timedelta(seconds=30),
         balance: Literal["cost", "rows"] = "cost",
+        overlap_batch_sync: bool = False,
     ) -> None:
         if balance not in ("cost", "rows"):
             raise ValueError(
@@ -102,6 +107,7 @@ class DistMMStrategy(ModelParallelStrategy):
                 f" tower gives Tower(cost=...)) or 'rows' (by count, the plan's split)"
             )
         self._balance = balance
+        self._overlap_batch_sync = bool(overlap_batch_sync)
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self._loaders = RankLoaders(self._batches_done, stream_check_every, note=_say)
         self._bucket_cap_mb = float(bucket_cap_mb)
@@ -180,7 +186,9 @@ class DistMMStrategy(ModelParallelStrategy):
             seam.evaluate_without_inference_mode(trainer)
 
         precision = getattr(self.precision_plugin, "precision", None)
-        self.runner = start_runner(module, self.plan, nodes, self.root_device, precision, self._bucket_cap_mb)
+        self.runner = start_runner(
+            module, self.plan, nodes, self.root_device, precision, self._bucket_cap_mb, self._overlap_batch_sync
+        )
         self.runtime = self.runner.runtime
         module._distmm_runner = self.runner
 

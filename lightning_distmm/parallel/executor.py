@@ -105,8 +105,8 @@ class RankRuntime:
         #: ``distmm``: split every batch-sync but the last into a posted gather and its wait, running the
         #: next sync group's forwards between them (``rank_schedule(..., overlap=True)``). Off by default:
         #: it holds one more microbatch's activations on every stage (the planner's memory model does not
-        #: count it) to hide one gather per step (docs/pipeline.md, "Asynchronous batch-sync"); set it
-        #: before the first step
+        #: count it) to hide one gather per step (docs/pipeline.md, "Asynchronous batch-sync");
+        #: ``DistMMStrategy(overlap_batch_sync=True)`` sets it (the step lists are cached per value)
         self.overlap_batch_sync = False
         self.stages: dict[str, Stage] = {}  # this rank's stage of each local tower with pp > 1
 
