@@ -1,0 +1,194 @@
+"""transformers' LLaVA (``LlavaForConditionalGeneration``) as two distmm towers, its modules unchanged.
+
+LLaVA's vision tower and projector feed its language model at the ``<image>`` placeholder
+positions; distmm runs them as a producing tower and a consuming one (docs/mllm.md, "Your own
+LLaVA"):
+
+* :class:`LlavaVision`: ``model.vision_tower`` + ``model.multi_modal_projector``, the hidden state
+  of ``vision_feature_layer`` with ``vision_feature_select_strategy`` (``default`` drops the CLS
+  token) as ``LlavaModel.get_image_features`` computes it; one image per row, a row without one
+  gets zeros (only the rows that carry an image run the vision tower);
+* :class:`LlavaLanguage`: ``model.language_model`` + ``lm_head``, the image features put at the
+  ``image_token_index`` positions of the embedded text (``masked_scatter``, as
+  ``LlavaModel.forward`` does), then the decoder and the head.
+
+The modules are transformers' own objects (moved, not copied), so their names stay transformers'
+below a tower's prefix: :func:`llava_state_dict` maps a trained module back to the names
+``LlavaForConditionalGeneration`` loads, and :meth:`LlavaModule.to_llava` builds one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_distmm.mixin import DistMMMixin
+from lightning_distmm.tower import Tower
+
+IGNORE = -100
+
+
+class LlavaVision(nn.Module):
+    """LLaVA's image features of each row's image, ``[B, tokens, text width]`` (zeros without one)."""
+
+    def __init__(self, vision_tower: nn.Module, multi_modal_projector: nn.Module, layer: Any, strategy: str) -> None:
+        super().__init__()
+        self.vision_tower = vision_tower
+        self.multi_modal_projector = multi_modal_projector
+        self.layer = layer
+        self.strategy = strategy
+
+    def features(self, images: Tensor) -> Tensor:
+        """``LlavaModel.get_image_features`` on ``images`` ``[M, C, H, W]``: ``[M, tokens, width]``."""
+        hidden = self.vision_tower(images, output_hidden_states=True, return_dict=True).hidden_states
+        layers = [self.layer] if isinstance(self.layer, int) else list(self.layer)
+        picked = [hidden[i][:, 1:] if self.strategy == "default" else hidden[i] for i in layers]
+        return self.multi_modal_projector(torch.cat(picked, dim=-1))
+
+    def forward(self, pixel_values: Tensor, n_images: Tensor) -> Tensor:
+        present = n_images > 0
+        images = pixel_values[present]
+        if images.shape[0] == 0:  # no row here carries an image: a blank one, whose tokens land nowhere
+            images = pixel_values.new_zeros(1, *pixel_values.shape[1:])
+        tokens = self.features(images)
+        out = tokens.new_zeros(pixel_values.shape[0], *tokens.shape[1:])
+        # every row keeps a graph (zero gradients for the rows without an image)
+        return out.index_put((present,), tokens[: int(present.sum())]) + 0.0 * tokens.sum()
+
+
+class LlavaLanguage(nn.Module):
+    """LLaVA's language model on the embedded text with each row's image features at its
+    ``<image>`` placeholders; the logits ``[B, S, vocab]``."""
+
+    def __init__(self, language_model: nn.Module, lm_head: nn.Module, image_token_index: int) -> None:
+        super().__init__()
+        self.language_model = language_model
+        self.lm_head = lm_head
+        self.image_token_index = int(image_token_index)
+
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor, labels: Tensor, n_images: Tensor, image_features: Tensor
+    ) -> Tensor:
+        """``labels`` is not read here: a tower's inputs are the fields its ranks load, and the loss
+        (:meth:`LlavaModule.token_loss`) reads them on the rows this tower computed."""
+        embeds = self.language_model.get_input_embeddings()(input_ids)
+        slots = input_ids == self.image_token_index  # [B, S]
+        present = n_images > 0
+        features = image_features[present].to(embeds.dtype)  # [M, tokens, width]
+        per_row = slots.sum(dim=1)
+        wrong = ((per_row != 0) & ~present) | (present & (per_row != features.shape[1]))
+        if bool(wrong.any()):
+            row = int(wrong.nonzero()[0, 0])
+            raise ValueError(
+                f"row {row} has {int(per_row[row])} <image> placeholder tokens (id {self.image_token_index}) and"
+                f" {int(n_images[row])} image(s) of {features.shape[1]} tokens: a row with an image needs as many"
+                f" placeholders as its image has tokens, a row without one none"
+            )
+        embeds = embeds.masked_scatter(slots[..., None].expand_as(embeds), features.reshape(-1, features.shape[-1]))
+        hidden = self.language_model(inputs_embeds=embeds, attention_mask=attention_mask).last_hidden_state
+        return self.lm_head(hidden)
+
+
+def llava_towers(model: nn.Module) -> tuple[LlavaVision, LlavaLanguage]:
+    """A ``LlavaForConditionalGeneration``'s modules as the two towers (the same module objects)."""
+    inner, config = model.model, model.config  # type: ignore[union-attr]
+    vision = LlavaVision(
+        inner.vision_tower,
+        inner.multi_modal_projector,
+        config.vision_feature_layer,
+        config.vision_feature_select_strategy,
+    )
+    language = LlavaLanguage(inner.language_model, model.lm_head, config.image_token_index)  # type: ignore[arg-type]
+    return vision, language
+
+
+#: a LlavaModule's parameter prefixes -> LlavaForConditionalGeneration's
+HF_NAMES = {
+    "vision.vision_tower.": "model.vision_tower.",
+    "vision.multi_modal_projector.": "model.multi_modal_projector.",
+    "language.language_model.": "model.language_model.",
+    "language.lm_head.": "lm_head.",
+}
+
+
+def llava_state_dict(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """A :class:`LlavaModule`'s state dict in ``LlavaForConditionalGeneration``'s names."""
+    out = {}
+    for name, value in state.items():
+        for ours, theirs in HF_NAMES.items():
+            if name.startswith(ours):
+                out[theirs + name[len(ours) :]] = value
+                break
+    return out
+
+
+class LlavaModule(DistMMMixin, L.LightningModule):
+    """A ``LlavaForConditionalGeneration`` trained under distmm: the vision tower (with the projector)
+    and the language model (with the head) as two towers, the next-token loss on the targets
+    (``labels``, -100 elsewhere) as transformers computes it.
+
+    Batches: ``pixel_values`` ``[B, C, H, W]`` (any values in a row without an image), ``n_images``
+    ``[B]`` (0 or 1), ``input_ids`` with ``image_token_index`` placeholders, ``attention_mask``,
+    ``labels``. ``freeze_vision``: LLaVA's second stage (the projector trains, the vision encoder
+    does not, so it stays one tower whose encoder has no gradients); ``freeze_language``: its first.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        freeze_vision: bool = False,
+        freeze_language: bool = False,
+        optimizer: str = "adamw",
+        lr: float = 1e-3,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.config = model.config  # type: ignore[union-attr]
+        self.vision, self.language = llava_towers(model)
+        if freeze_vision:
+            self.vision.vision_tower.requires_grad_(False)
+        if freeze_language:
+            self.language.requires_grad_(False)
+        self.freeze_language = freeze_language
+        self.optimizer_name, self.lr, self.eps, self.weight_decay = optimizer, lr, eps, weight_decay
+
+    def towers(self) -> dict[str, Tower]:
+        return {
+            "vision": Tower(self.vision, input=["pixel_values", "n_images"]),
+            "language": Tower(
+                self.language,
+                input=["input_ids", "attention_mask", "labels", "n_images"],
+                consumes={"vision": "image_features"},
+                frozen=self.freeze_language,
+            ),
+        }
+
+    def token_loss(self, logits: Tensor, batch: Mapping[str, Any]) -> tuple[Tensor, Tensor]:
+        """Next-token cross-entropy summed over these rows' targets, and their count."""
+        labels = batch["labels"][:, 1:]
+        flat = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
+        return F.cross_entropy(flat, labels.reshape(-1), ignore_index=IGNORE, reduction="sum"), (labels != IGNORE).sum()
+
+    def configure_optimizers(self) -> Any:
+        params = [p for p in self.parameters() if p.requires_grad]
+        if self.optimizer_name == "adamw":
+            return torch.optim.AdamW(params, lr=self.lr, eps=self.eps, weight_decay=self.weight_decay)
+        return torch.optim.SGD(params, lr=self.lr, momentum=0.9)
+
+    def to_llava(self) -> nn.Module:
+        """A ``LlavaForConditionalGeneration`` holding this module's weights (on the CPU)."""
+        from transformers import LlavaForConditionalGeneration
+
+        model = LlavaForConditionalGeneration(self.config)
+        state = {k: v.detach().cpu() for k, v in llava_state_dict(self.state_dict()).items()}
+        model.load_state_dict(state, strict=True)
+        return model
+
+
+__all__ = ["HF_NAMES", "LlavaLanguage", "LlavaModule", "LlavaVision", "llava_state_dict", "llava_towers"]
