@@ -193,3 +193,32 @@ def test_llava_stages_with_a_frozen_part_train_like_one_process(freeze, tmp_path
     fine-tuning with the vision encoder frozen."""
     diff = _compare(PLANS["vision-dp2+language"], 3, "adamw", freeze, tmp_path)
     assert diff <= 1e-5
+
+
+@pytest.mark.slow
+def test_init_from_a_folder_train_export_and_reload_with_transformers_alone(tmp_path):
+    """A LLaVA saved in a local folder, trained 3 steps under distmm, saved back: transformers
+    loads the folder and computes the trained module's logits."""
+    tiny_llava().save_pretrained(tmp_path / "start")
+    module = LlavaModule.from_pretrained(str(tmp_path / "start"), optimizer="adamw", lr=0.01)
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    run_distmm(module, PLANS["vision-dp2+language"], 3, data(), 3, str(tmp_path / "dist.json"))
+    assert max((module.state_dict()[k] - v).abs().max().item() for k, v in before.items()) > 1e-3
+    module.save_pretrained(str(tmp_path / "trained"))
+    reloaded = LlavaForConditionalGeneration.from_pretrained(str(tmp_path / "trained"), local_files_only=True)
+    batch = next(iter(data()))
+    present = batch["n_images"] > 0
+    with torch.no_grad():
+        theirs = reloaded(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            pixel_values=batch["pixel_values"][present],
+        ).logits
+        ours = module.language(
+            batch["input_ids"],
+            batch["attention_mask"],
+            batch["labels"],
+            batch["n_images"],
+            module.vision(batch["pixel_values"], batch["n_images"]),
+        )
+    assert (theirs - ours).abs().max().item() <= 1e-5

@@ -181,6 +181,21 @@ class LlavaModule(DistMMMixin, L.LightningModule):
             return torch.optim.AdamW(params, lr=self.lr, eps=self.eps, weight_decay=self.weight_decay)
         return torch.optim.SGD(params, lr=self.lr, momentum=0.9)
 
+    @classmethod
+    def from_pretrained(cls, folder: str, **kwargs: Any) -> LlavaModule:
+        """A module from a ``LlavaForConditionalGeneration`` saved in a local folder (never downloads);
+        ``kwargs`` as :class:`LlavaModule`'s."""
+        from transformers import LlavaForConditionalGeneration
+
+        return cls(LlavaForConditionalGeneration.from_pretrained(folder, local_files_only=True), **kwargs)
+
+    def save_pretrained(self, folder: str) -> None:
+        """This module's weights as a folder ``LlavaForConditionalGeneration.from_pretrained`` loads.
+        The module must hold every tower's weights: after ``fit`` under ``distmm_spawn`` or
+        ``distmm_notebook`` it does; under torchrun or SLURM, pass the consolidated state
+        (``ldm.consolidated_state_dict(trainer)`` on every rank) to :func:`save_llava` on rank 0."""
+        save_llava(self.state_dict(), self.config, folder)
+
     def to_llava(self) -> nn.Module:
         """A ``LlavaForConditionalGeneration`` holding this module's weights (on the CPU)."""
         from transformers import LlavaForConditionalGeneration
@@ -191,4 +206,22 @@ class LlavaModule(DistMMMixin, L.LightningModule):
         return model
 
 
-__all__ = ["HF_NAMES", "LlavaLanguage", "LlavaModule", "LlavaVision", "llava_state_dict", "llava_towers"]
+def save_llava(state: Mapping[str, Tensor], config: Any, folder: str) -> None:
+    """A :class:`LlavaModule`'s state dict (its own names) saved as a ``LlavaForConditionalGeneration``
+    folder of ``config``."""
+    from transformers import LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration(config)
+    model.load_state_dict({k: v.detach().cpu() for k, v in llava_state_dict(state).items()}, strict=True)
+    model.save_pretrained(folder)
+
+
+__all__ = [
+    "HF_NAMES",
+    "LlavaLanguage",
+    "LlavaModule",
+    "LlavaVision",
+    "llava_state_dict",
+    "llava_towers",
+    "save_llava",
+]
