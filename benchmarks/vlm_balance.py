@@ -11,6 +11,12 @@ drawn from the planner's workloads (InternVL-like ``{1: .2, 3: .3, 5: .3, 7: .2}
 * ``cost``: ``DistMMStrategy(balance="cost")`` with ``VLM(cost={"image": "n_images"})``: each
   step's rows to the encoder's replicas by their images (the LLM's keep their counts).
 
+``--model clip``: a CLIP-style model (``step_time.BenchCLIP``: ViT and text transformer, colocated
+on the same ranks) whose captions have lengths of 4..32 tokens, the text tower balanced by them
+(``cost={"n_tokens": 1}``). Its text tower pads every caption to the same length, so balancing
+cannot make it faster: the run measures what balancing costs (reading the cost field, the
+assignment, the reordered batch-sync), which must be nothing within the noise.
+
 Per step: rank 0's step time (``on_train_batch_start`` to ``on_train_batch_end``; the gradient sums
 make every rank wait for the slowest), and each rank's encoder forward time (hooks around the
 vision tower's forward), whose slowest over mean is the straggler the balance removes. The first
@@ -87,10 +93,13 @@ class Samples(ldm.FieldDataset):
 class Timer(L.Callback):
     """Rank 0's step times and each rank's encoder forward seconds per step, written per rank."""
 
-    def __init__(self, out: str) -> None:
+    def __init__(self, out: str, encoder: bool = True) -> None:
         self.out, self.steps, self.encoder, self.t0, self.enc = out, [], [], 0.0, 0.0
+        self.hooked = encoder
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self.hooked:
+            return
         vision = pl_module.vision  # type: ignore[attr-defined]
         start: list[float] = [0.0]
 
@@ -112,7 +121,39 @@ class Timer(L.Callback):
         Path(f"{self.out}.{trainer.global_rank}").write_text(json.dumps({"steps": self.steps, "encoder": self.encoder}))
 
 
+def clip_module_and_data(rows: int, args: argparse.Namespace) -> tuple[L.LightningModule, DataLoader]:
+    """The CLIP-style model with its text tower costed by caption length, and its data."""
+    from step_time import IMG as CLIP_IMG
+    from step_time import SEQ as CLIP_SEQ
+    from step_time import VOCAB as CLIP_VOCAB
+    from step_time import BenchCLIP
+    from synthetic import SyntheticPairs
+
+    class Captions(SyntheticPairs):
+        fields = (*SyntheticPairs.fields, "n_tokens")
+
+        def load(self, index: int, fields: Any) -> dict[str, Any]:
+            out = super().load(index, [f for f in fields if f != "n_tokens"])
+            if "n_tokens" in fields:
+                out["n_tokens"] = 4 + (index * 7919) % (CLIP_SEQ - 3)
+            return out
+
+    class CostedCLIP(BenchCLIP):
+        def towers(self) -> dict[str, ldm.Tower]:
+            t = super().towers()
+            t["text"].cost = {"n_tokens": 1}
+            return t
+
+    torch.manual_seed(0)
+    batch = rows * args.devices
+    data = DataLoader(Captions(batch * args.steps, CLIP_IMG, CLIP_VOCAB, CLIP_SEQ), batch_size=batch, drop_last=True)
+    return CostedCLIP(), data
+
+
 def run(mode: str, rows: int, args: argparse.Namespace, folder: str) -> dict[str, list[float]]:
+    if args.model == "clip":
+        module, data = clip_module_and_data(rows, args)
+        return fit(module, data, mode, rows, args, folder, None)
     images = WORKLOADS[args.workload]
     max_images = max(images)
     torch.manual_seed(0)
@@ -122,6 +163,19 @@ def run(mode: str, rows: int, args: argparse.Namespace, folder: str) -> dict[str
     module = VLM(vit=vit, lm=lm, vit_width=WIDTH, max_images=max_images, optimizer="adamw", lr=1e-3, cost=cost)
     batch = rows * args.devices
     data = DataLoader(Samples(batch * args.steps, images), batch_size=batch, drop_last=True)
+    return fit(module, data, mode, rows, args, folder, module.vision)
+
+
+def fit(
+    module: L.LightningModule,
+    data: DataLoader,
+    mode: str,
+    rows: int,
+    args: argparse.Namespace,
+    folder: str,
+    encoder: torch.nn.Module | None,
+) -> dict[str, list[float]]:
+    """One run of ``mode``: rank 0's step times and, with ``encoder``, its forward's straggler."""
     out = str(Path(folder) / f"{mode}-{rows}")
     strategy = ldm.DistMMStrategy(plan="colocated", start_method="fork", balance=mode)
     trainer = L.Trainer(
@@ -129,7 +183,7 @@ def run(mode: str, rows: int, args: argparse.Namespace, folder: str) -> dict[str
         devices=args.devices,
         strategy=strategy,
         max_steps=args.steps,
-        callbacks=[Timer(out)],
+        callbacks=[Timer(out, encoder is not None)],
         **quiet_trainer_kwargs(),
     )
     trainer.fit(module, data)
@@ -144,6 +198,7 @@ def run(mode: str, rows: int, args: argparse.Namespace, folder: str) -> dict[str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["vlm", "clip"], default="vlm")
     parser.add_argument("--workload", choices=list(WORKLOADS), default="internvl")
     parser.add_argument("--rows", default="1,2,4", help="rows per encoder replica")
     parser.add_argument("--devices", type=int, default=2)
@@ -161,11 +216,14 @@ def main() -> None:
                     slot = results.setdefault((mode, rows), {"step": [], "straggler": []})
                     for k, v in got.items():
                         slot[k] += v
-    print(
-        f"\n{args.workload}-like images per sample {WORKLOADS[args.workload]}; VLM colocated on {args.devices} CPU"
-        f" ranks (encoder dp {args.devices}, LLM dp {args.devices}); medians over {args.rounds} runs x"
-        f" {args.steps - args.warmup} steps, modes alternating"
+    what = (
+        f"{args.workload}-like images per sample {WORKLOADS[args.workload]}; VLM colocated on {args.devices} CPU"
+        f" ranks (encoder dp {args.devices}, LLM dp {args.devices})"
+        if args.model == "vlm"
+        else f"CLIP-style, captions of 4..32 tokens padded to 32, text tower balanced by length; colocated on"
+        f" {args.devices} CPU ranks"
     )
+    print(f"\n{what}; medians over {args.rounds} runs x {args.steps - args.warmup} steps, modes alternating")
     print("| rows / replica | split | step ms | encoder fwd slowest / mean | step: by count / by cost |")
     print("|---|---|---|---|---|")
     for rows in (int(r) for r in args.rows.split(",")):
