@@ -230,10 +230,10 @@ def main() -> None:
         med = {m: statistics.median(results[(m, rows)]["step"]) for m in ("rows", "cost")}
         for mode in ("rows", "cost"):
             r = results[(mode, rows)]
-            strag = statistics.median(r["straggler"]) if r["straggler"] else float("nan")
+            strag = f"{statistics.median(r['straggler']):.2f}" if r["straggler"] else "-"
             ratio = f"{med['rows'] / med['cost']:.2f}x" if mode == "cost" else ""
             label = "by count" if mode == "rows" else "by cost"
-            print(f"| {rows} | {label} | {med[mode] * 1e3:.0f} | {strag:.2f} | {ratio} |")
+            print(f"| {rows} | {label} | {med[mode] * 1e3:.0f} | {strag} | {ratio} |")
 
 
 if __name__ == "__main__":
