@@ -132,6 +132,20 @@ def test_the_towers_compute_transformers_forward_and_loss():
     assert all(torch.equal(a, b) for a, b in zip(exported.state_dict().values(), model.state_dict().values()))
 
 
+@pytest.mark.parametrize("pp", [1, 2])
+def test_the_language_stages_compute_its_forward(pp):
+    module = LlavaModule(tiny_llava())
+    batch = next(iter(data()))
+    features = module.vision(batch["pixel_values"], batch["n_images"])
+    fields = ("input_ids", "attention_mask", "labels", "n_images")
+    whole = module.language(*(batch[f] for f in fields), features)
+    rows = {**{f: batch[f] for f in fields}, "image_features": features}
+    x = None
+    for stage in module.language.pipeline_stages(pp):
+        x = stage.run(x, rows)
+    assert torch.equal(x, whole)
+
+
 def test_a_placeholder_count_that_misses_the_image_is_named():
     module = LlavaModule(tiny_llava())
     batch = next(iter(data()))
@@ -148,6 +162,9 @@ PLANS = {
     "colocated-dp2": "colocated",
     "vision+language-fsdp2": ldm.Plan(3, {"vision": {"ranks": [0]}, "language": {"ranks": [1, 2], "shard": "full"}}),
     "vision+language-tp2": ldm.Plan(3, {"vision": {"ranks": [0]}, "language": {"ranks": [1, 2], "tp": 2}}),
+    "vision+language-pp2-mb2": ldm.Plan(
+        3, {"vision": {"ranks": [0]}, "language": {"ranks": [1, 2], "pp": 2, "microbatch": 2}}
+    ),
 }
 
 

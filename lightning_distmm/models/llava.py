@@ -76,10 +76,17 @@ class LlavaLanguage(nn.Module):
     ) -> Tensor:
         """``labels`` is not read here: a tower's inputs are the fields its ranks load, and the loss
         (:meth:`LlavaModule.token_loss`) reads them on the rows this tower computed."""
+        embeds = self._embed({"input_ids": input_ids, "n_images": n_images, "image_features": image_features})
+        hidden = self.language_model(inputs_embeds=embeds, attention_mask=attention_mask).last_hidden_state
+        return self.lm_head(hidden)
+
+    def _embed(self, rows: Mapping[str, Tensor]) -> Tensor:
+        """The embedded text with each row's image features at its placeholders."""
+        input_ids, n_images = rows["input_ids"], rows["n_images"]
         embeds = self.language_model.get_input_embeddings()(input_ids)
         slots = input_ids == self.image_token_index  # [B, S]
         present = n_images > 0
-        features = image_features[present].to(embeds.dtype)  # [M, tokens, width]
+        features = rows["image_features"][present].to(embeds.dtype)  # [M, tokens, width]
         per_row = slots.sum(dim=1)
         wrong = ((per_row != 0) & ~present) | (present & (per_row != features.shape[1]))
         if bool(wrong.any()):
@@ -89,9 +96,61 @@ class LlavaLanguage(nn.Module):
                 f" {int(n_images[row])} image(s) of {features.shape[1]} tokens: a row with an image needs as many"
                 f" placeholders as its image has tokens, a row without one none"
             )
-        embeds = embeds.masked_scatter(slots[..., None].expand_as(embeds), features.reshape(-1, features.shape[-1]))
-        hidden = self.language_model(inputs_embeds=embeds, attention_mask=attention_mask).last_hidden_state
-        return self.lm_head(hidden)
+        return embeds.masked_scatter(slots[..., None].expand_as(embeds), features.reshape(-1, features.shape[-1]))
+
+    def pipeline_stages(self, pp: int) -> list:
+        """``pp`` stages of the same computation as :meth:`forward` (``LlamaModel.forward`` without a
+        cache): the embeddings and the image features first, the decoder layers split evenly, the final
+        norm and the head last; each stage rebuilds the causal mask and the rotary table (no parameters)."""
+        from transformers.masking_utils import create_causal_mask
+
+        from lightning_distmm.parallel.pipeline import Stage, even_split
+
+        lm = self.language_model
+        layers = lm.layers
+        if len(layers) < pp:
+            raise ValueError(f"{len(layers)} decoder layers cannot be cut into {pp} pipeline stages")
+
+        def context(x: Tensor, rows: Mapping[str, Any]) -> tuple[Any, Any, Tensor]:
+            positions = torch.arange(x.shape[1], device=x.device)[None]
+            causal = create_causal_mask(
+                config=lm.config,
+                inputs_embeds=x,
+                attention_mask=rows["attention_mask"],
+                cache=None,
+                position_ids=positions,
+            )
+            return causal, lm.rotary_emb(x, position_ids=positions), positions
+
+        stages = []
+        for s, (a, b) in enumerate(even_split(len(layers), pp)):
+            first, last = s == 0, s == pp - 1
+            own: list[nn.Module] = [lm.rotary_emb, *layers[a:b]]
+            if first:
+                own.append(lm.get_input_embeddings())
+            if last:
+                own += [lm.norm, self.lm_head]
+
+            def run(
+                x: Tensor | None,
+                rows: Mapping[str, Any],
+                a: int = a,
+                b: int = b,
+                first: bool = first,
+                last: bool = last,
+            ) -> Tensor:
+                if first:
+                    x = self._embed(rows)
+                assert x is not None
+                causal, rotary, positions = context(x, rows)
+                for layer in layers[a:b]:
+                    x = layer(
+                        x, attention_mask=causal, position_embeddings=rotary, position_ids=positions, use_cache=False
+                    )
+                return self.lm_head(lm.norm(x)) if last else x
+
+            stages.append(Stage(own, run))
+        return stages
 
 
 def llava_towers(model: nn.Module) -> tuple[LlavaVision, LlavaLanguage]:
