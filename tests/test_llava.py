@@ -20,14 +20,14 @@ from lightning_distmm.models.llava import LlavaModule, llava_state_dict
 IMAGE_TOKEN, VOCAB, SEQ, IMAGE_TOKENS = 39, 40, 12, 4
 
 
-def tiny_llava() -> LlavaForConditionalGeneration:
+def tiny_llava(vocab: int = VOCAB, image_token: int = IMAGE_TOKEN) -> LlavaForConditionalGeneration:
     """A random LLaVA of a few ten thousand parameters: CLIP vision (2 layers, 8x8 images in 4
     patches) and Llama (2 layers)."""
     vision = CLIPVisionConfig(
         hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=8, patch_size=4
     )
     text = LlamaConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -38,7 +38,7 @@ def tiny_llava() -> LlavaForConditionalGeneration:
     config = LlavaConfig(
         vision_config=vision,
         text_config=text,
-        image_token_index=IMAGE_TOKEN,
+        image_token_index=image_token,
         image_seq_length=IMAGE_TOKENS,
         vision_feature_layer=-2,
         vision_feature_select_strategy="default",

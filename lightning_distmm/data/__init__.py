@@ -1,5 +1,6 @@
 """Per-rank data loading, field-selective datasets and streams, the embedded demo data and pair datasets."""
 
+from lightning_distmm.data.datasets.conversations import ConversationPairs
 from lightning_distmm.data.datasets.litdata_pairs import LitDataPairs
 from lightning_distmm.data.datasets.pairs import CsvPairs, ImageFolderPairs, PairDataset
 from lightning_distmm.data.datasets.preprocess import CaptionTokenizer, image_transform
@@ -10,6 +11,7 @@ from lightning_distmm.data.loader.streaming import FieldStream
 
 __all__ = [
     "CaptionTokenizer",
+    "ConversationPairs",
     "CsvPairs",
     "FieldDataset",
     "FieldStream",
