@@ -239,3 +239,26 @@ def test_init_from_a_folder_train_export_and_reload_with_transformers_alone(tmp_
             module.vision(batch["pixel_values"], batch["n_images"]),
         )
     assert (theirs - ours).abs().max().item() <= 1e-5
+
+
+def test_a_vision_tower_unpickled_where_its_class_was_never_built_still_records_hidden_states():
+    """A rank started with ``spawn`` unpickles the towers without building them: transformers' registry
+    of which classes record ``hidden_states`` (filled in ``PreTrainedModel.__init__``) has no entry
+    there, and the CLIP vision tower returned ``hidden_states=None`` (found by recipes/llava_shapes.py)."""
+    import pickle
+
+    from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+
+    module = LlavaModule(tiny_llava())
+    blob = pickle.dumps(module)
+    key = str(type(module.vision.vision_tower))
+    saved = {k: v for k, v in dict(_CAN_RECORD_REGISTRY).items() if "CLIPVision" in k}
+    try:
+        for k in saved:
+            del _CAN_RECORD_REGISTRY[k]  # as in a fresh process
+        assert key not in _CAN_RECORD_REGISTRY
+        restored = pickle.loads(blob)
+        batch = next(iter(data()))
+        assert restored.vision(batch["pixel_values"], batch["n_images"]).shape[1] == IMAGE_TOKENS
+    finally:
+        _CAN_RECORD_REGISTRY.update(saved)

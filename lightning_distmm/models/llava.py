@@ -33,6 +33,23 @@ from lightning_distmm.tower import Tower
 IGNORE = -100
 
 
+def register_output_recorders(module: nn.Module) -> None:
+    """Register ``module``'s transformers models for output recording in this process.
+
+    transformers (5.x) fills the registry that lets a model return ``hidden_states`` in
+    ``PreTrainedModel.__init__``, keyed by class: a model unpickled in a process that never built
+    one of its class (a rank started with ``spawn``) returns ``hidden_states=None``. Registering on
+    unpickling gives the spawned rank what a forked one inherits."""
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:  # pragma: no cover - another transformers layout: nothing to register
+        return
+    for m in module.modules():
+        can = getattr(m, "_can_record_outputs", None)
+        if can and not _CAN_RECORD_REGISTRY.get(m):
+            _CAN_RECORD_REGISTRY[m] = can
+
+
 class LlavaVision(nn.Module):
     """LLaVA's image features of each row's image, ``[B, tokens, text width]`` (zeros without one)."""
 
@@ -43,9 +60,18 @@ class LlavaVision(nn.Module):
         self.layer = layer
         self.strategy = strategy
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        register_output_recorders(self)
+
     def features(self, images: Tensor) -> Tensor:
         """``LlavaModel.get_image_features`` on ``images`` ``[M, C, H, W]``: ``[M, tokens, width]``."""
         hidden = self.vision_tower(images, output_hidden_states=True, return_dict=True).hidden_states
+        if hidden is None:
+            raise RuntimeError(
+                f"{type(self.vision_tower).__name__} returned no hidden_states for output_hidden_states=True: transformers"
+                f" records them only for model classes registered in this process (register_output_recorders)"
+            )
         layers = [self.layer] if isinstance(self.layer, int) else list(self.layer)
         picked = [hidden[i][:, 1:] if self.strategy == "default" else hidden[i] for i in layers]
         return self.multi_modal_projector(torch.cat(picked, dim=-1))

@@ -1,0 +1,214 @@
+"""Fine-tune a tiny transformers LLaVA on conversations about the embedded shapes under distmm, then
+ask it about held-out images (docs/mllm.md, "Your own LLaVA").
+
+The model is transformers' own ``LlavaForConditionalGeneration`` (a CLIP vision tower and a Llama,
+built at random, or loaded from ``--init`` folder), trained as two towers (the vision tower and its
+projector on rank 0, the language model on rank 1) on LLaVA-format conversations
+(``ldm.data.ConversationPairs``): "what colour is the shape" -> "it is red", and in one sample of
+two a second exchange, "what shape is it" -> "a circle". Afterwards rank 0 asks both questions
+about held-out images with transformers' ``generate`` and prints the answers beside the truth and
+the share right against chance; ``--export`` writes the trained model as a folder
+``LlavaForConditionalGeneration.from_pretrained`` loads.
+
+    python recipes/llava_shapes.py                          # 600 steps of 32, 2 CPU processes
+    python recipes/llava_shapes.py --export out/llava       # and save the trained model
+    python recipes/llava_shapes.py --init out/llava --steps 100
+
+Nothing is downloaded: the images are rendered, the tokenizer is built here from the words used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+import lightning_distmm as ldm
+from lightning_distmm.data.datasets.conversations import ConversationPairs
+from lightning_distmm.data.demo.captions import COLORS, SHAPES
+from lightning_distmm.data.demo.shapes import ShapesDataset, describe
+from lightning_distmm.models.llava import LlavaModule
+
+COLOUR_Q, SHAPE_Q = "what colour is the shape", "what shape is it"
+SPECIAL = ["<pad>", "<unk>", "<image>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+PATCHES = 16  # 32 px images in 8 px patches; the CLS token dropped ("default" feature selection)
+
+
+def build_tokenizer() -> Any:
+    """A word-level tokenizer over the conversations' words, the roles and ``<image>``, with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = sorted({*COLOUR_Q.split(), *SHAPE_Q.split(), "it", "is", "a", *COLORS, *SHAPES})
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(SPECIAL + words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>")
+    fast.add_special_tokens({"additional_special_tokens": SPECIAL[2:]})
+    fast.chat_template = TEMPLATE
+    return fast
+
+
+def build_llava(tokenizer: Any) -> Any:
+    """A random tiny LLaVA: CLIP vision (width 48, 3 layers, 32 px in 8 px patches) and Llama
+    (width 64, 2 layers) over ``tokenizer``'s words."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    vision = CLIPVisionConfig(
+        hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, image_size=32, patch_size=8
+    )
+    text = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        image_seq_length=PATCHES,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+    )
+    return LlavaForConditionalGeneration(config)
+
+
+def _rendered(image: Any) -> Any:
+    """The images are rendered tensors already (:meth:`ShapesConversations._pixels`)."""
+    return image
+
+
+class ShapesConversations(ConversationPairs):
+    """Conversations about the shapes, their images rendered rather than read from files."""
+
+    def __init__(self, split: str, size: int, tokenizer: Any) -> None:
+        self.shapes = ShapesDataset(split, size=size, fields=["image", "label"])
+        records = []
+        for i in range(size):
+            colour, shape, _ = describe(int(self.shapes.attributes(i)["label"]))
+            turns = [
+                {"from": "human", "value": f"<image> {COLOUR_Q}"},
+                {"from": "gpt", "value": f"it is {colour}"},
+            ]
+            if i % 2:
+                turns += [{"from": "human", "value": SHAPE_Q}, {"from": "gpt", "value": f"a {shape}"}]
+            records.append({"image": f"{split}-{i}", "conversations": turns})
+        super().__init__(records, ".", tokenizer, PATCHES, transform=_rendered, max_length=40)
+
+    def _pixels(self, index: int, image: str | None) -> torch.Tensor:
+        return self.shapes.load(index, ["image"])["image"]
+
+
+@torch.no_grad()
+def ask(model: Any, tokenizer: Any, pixels: torch.Tensor, questions: list[list[dict[str, str]]]) -> list[str]:
+    """transformers' greedy ``generate`` on each conversation so far (one image each), the answer's words."""
+    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    answers = []
+    model.eval()
+    for image, messages in zip(pixels, questions):
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
+        expanded = [t for i in ids for t in ([i] * PATCHES if i == image_id else [i])]
+        out = model.generate(
+            input_ids=torch.tensor([expanded]),
+            attention_mask=torch.ones(1, len(expanded), dtype=torch.long),
+            pixel_values=image[None],
+            max_new_tokens=4,
+            do_sample=False,
+            eos_token_id=tokenizer.convert_tokens_to_ids("<|end|>"),
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        answers.append(tokenizer.decode(out[0, len(expanded) :], skip_special_tokens=True).strip())
+    return answers
+
+
+def report(model: Any, tokenizer: Any, held_out: int, show: int = 6) -> list[str]:
+    """Both questions about ``held_out`` test images: answers beside the truth, the share right and chance."""
+    shapes = ShapesDataset("test", size=held_out, fields=["image", "label"])
+    pixels = torch.stack([shapes.load(i, ["image"])["image"] for i in range(held_out)])
+    truth = [describe(int(shapes.attributes(i)["label"]))[:2] for i in range(held_out)]
+    colour_answers = ask(model, tokenizer, pixels, [[{"role": "user", "content": f"<image> {COLOUR_Q}"}]] * held_out)
+    shape_questions = [
+        [
+            {"role": "user", "content": f"<image> {COLOUR_Q}"},
+            {"role": "assistant", "content": a},
+            {"role": "user", "content": SHAPE_Q},
+        ]
+        for a in colour_answers
+    ]
+    shape_answers = ask(model, tokenizer, pixels, shape_questions)
+    colour_right = [c in a.split() for a, (c, _) in zip(colour_answers, truth)]
+    shape_right = [s in a.split() for a, (_, s) in zip(shape_answers, truth)]
+    lines = [f"{'answers':34s} | true"]
+    for i in range(min(show, held_out)):
+        lines.append(f"{colour_answers[i] + ' / ' + shape_answers[i]:34s} | {truth[i][0]} {truth[i][1]}")
+    lines.append(
+        f"colour right: {sum(colour_right) / held_out:.1%} (chance {1 / len(COLORS):.1%}); shape right:"
+        f" {sum(shape_right) / held_out:.1%} (chance {1 / len(SHAPES):.1%}); {held_out} held-out images"
+    )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--held-out", type=int, default=64)
+    ap.add_argument("--init", default=None, help="a LlavaForConditionalGeneration folder to start from (local)")
+    ap.add_argument("--export", default=None, help="write the trained model here (from_pretrained loads it)")
+    ap.add_argument("--single", action="store_true", help="an ordinary single-process Trainer")
+    args = ap.parse_args(argv)
+
+    L.seed_everything(0)
+    tokenizer = build_tokenizer()
+    if args.init:
+        module = LlavaModule.from_pretrained(args.init, optimizer="adamw", lr=args.lr)
+    else:
+        module = LlavaModule(build_llava(tokenizer), optimizer="adamw", lr=args.lr)
+    data = DataLoader(
+        ShapesConversations("train", args.steps * args.batch, tokenizer), batch_size=args.batch, drop_last=True
+    )
+    common: dict[str, Any] = dict(
+        accelerator="cpu",
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    if args.single:
+        trainer = L.Trainer(devices=1, **common)
+    else:
+        plan = ldm.Plan(2, {"vision": {"ranks": [0]}, "language": {"ranks": [1]}})
+        trainer = L.Trainer(devices=2, strategy=ldm.DistMMStrategy(plan=plan, start_method="spawn"), **common)
+    start = time.perf_counter()
+    trainer.fit(module, data)
+    lines = [f"trained {args.steps} steps of {args.batch} in {time.perf_counter() - start:.0f} s"]
+    loss = trainer.callback_metrics.get("train/loss")
+    if loss is not None:
+        lines[0] += f", last loss {float(loss):.3f}"
+    model = module.to_llava()
+    if args.export:
+        model.save_pretrained(args.export)
+        lines.append(f"exported to {args.export}")
+    lines += report(model, tokenizer, args.held_out)
+    for line in lines:
+        print(line)
+    return lines
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""recipes/llava_shapes.py: conversations about the shapes, a tiny transformers LLaVA trained on
+them under distmm (spawned ranks), answers to held-out images, the exported folder."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "recipes"))
+
+from llava_shapes import COLOUR_Q, ShapesConversations, build_tokenizer  # noqa: E402
+
+from lightning_distmm.data.demo.shapes import describe  # noqa: E402
+
+
+def test_conversations_ask_about_the_image_and_target_the_answers():
+    tok = build_tokenizer()
+    data = ShapesConversations("train", 4, tok)
+    sample = data[1]  # two exchanges
+    colour, shape, _ = describe(int(data.shapes.attributes(1)["label"]))
+    targets = tok.decode([t for t, y in zip(sample["input_ids"], sample["labels"]) if y != -100])
+    assert targets.split() == ["it", "is", colour, "<|end|>", "a", shape, "<|end|>"]
+    assert sample["n_images"] == 1 and sample["pixel_values"].shape == (3, 32, 32)
+    assert COLOUR_Q in tok.decode(sample["input_ids"])
+
+
+@pytest.mark.slow
+def test_the_recipe_trains_answers_and_exports(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    out = tmp_path / "llava"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "llava_shapes.py"), "--steps", "30", "--batch", "8"]
+        + ["--held-out", "4", "--export", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "colour right:" in run.stdout and "(chance 12.5%)" in run.stdout, run.stdout[-2000:]
+    from transformers import LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration.from_pretrained(str(out), local_files_only=True)
+    assert model.config.image_seq_length == 16
