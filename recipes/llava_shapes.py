@@ -40,6 +40,7 @@ TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|> {% endif %}"
 )
 PATCHES = 16  # 32 px images in 8 px patches; the CLS token dropped ("default" feature selection)
+FEATURE_LAYER = -2  # LLaVA's: the penultimate layer's patch tokens
 
 
 def build_tokenizer() -> Any:
@@ -79,7 +80,7 @@ def build_llava(tokenizer: Any) -> Any:
         text_config=text,
         image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
         image_seq_length=PATCHES,
-        vision_feature_layer=-2,
+        vision_feature_layer=FEATURE_LAYER,
         vision_feature_select_strategy="default",
     )
     return LlavaForConditionalGeneration(config)
