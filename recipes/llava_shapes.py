@@ -32,6 +32,7 @@ from lightning_distmm.data.datasets.conversations import ConversationPairs
 from lightning_distmm.data.demo.captions import COLORS, SHAPES
 from lightning_distmm.data.demo.shapes import ShapesDataset, describe
 from lightning_distmm.models.llava import LlavaModule
+from lightning_distmm.models.tiny import quiet_trainer_kwargs
 
 COLOUR_Q, SHAPE_Q = "what colour is the shape", "what shape is it"
 SPECIAL = ["<pad>", "<unk>", "<image>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
@@ -182,14 +183,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     data = DataLoader(
         ShapesConversations("train", args.steps * args.batch, tokenizer), batch_size=args.batch, drop_last=True
     )
-    common: dict[str, Any] = dict(
-        accelerator="cpu",
-        max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    common = quiet_trainer_kwargs(accelerator="cpu", max_steps=args.steps)
     if args.single:
         trainer = L.Trainer(devices=1, **common)
     else:
