@@ -113,6 +113,27 @@ class ShapesConversations(ConversationPairs):
         return self.shapes.load(index, ["image"])["image"]
 
 
+class ShapesConversationsData(L.LightningDataModule):
+    """The data of ``recipes/train.py experiment=llava_shapes`` (``conf/data/llava_shapes.yaml``)."""
+
+    def __init__(self, batch_size: int, train_size: int, held_out: int = 64) -> None:
+        super().__init__()
+        self.batch_size, self.held_out = int(batch_size), int(held_out)
+        self.tokenizer = build_tokenizer()
+        self.train = ShapesConversations("train", int(train_size), self.tokenizer)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train, batch_size=self.batch_size, drop_last=True)
+
+
+def build_module(model_cfg: Any, lr: float, tokenizer: Any, init: str | None = None) -> LlavaModule:
+    """The :class:`LlavaModule` of ``conf/model/llava_tiny.yaml`` (random, or from the ``init`` folder)."""
+    flags = {k: bool(model_cfg.get(k, False)) for k in ("freeze_vision", "freeze_language")}
+    if init:
+        return LlavaModule.from_pretrained(init, optimizer="adamw", lr=lr, **flags)
+    return LlavaModule(build_llava(tokenizer), optimizer="adamw", lr=lr, **flags)
+
+
 @torch.no_grad()
 def ask(model: Any, tokenizer: Any, pixels: torch.Tensor, questions: list[list[dict[str, str]]]) -> list[str]:
     """transformers' greedy ``generate`` on each conversation so far (one image each), the answer's words."""

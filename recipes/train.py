@@ -358,6 +358,8 @@ def main(cfg: DictConfig) -> dict[str, float] | None:
     L.seed_everything(int(cfg.seed), workers=True)
     if cfg.model.get("kind") == "vlm":  # a vision encoder feeding a language model (experiment=vlm_shapes)
         return vlm_job(cfg, out_dir, launched_here)
+    if cfg.model.get("kind") == "llava":  # transformers' LLaVA as two towers (experiment=llava_shapes)
+        return llava_job(cfg, out_dir, launched_here)
 
     model = initial_model(cfg)  # before the data: with init= the model config is the weights'
     exports = export_folders(cfg)
@@ -452,6 +454,62 @@ def vlm_job(cfg: DictConfig, out_dir: Path, launched_here: bool) -> dict[str, fl
         if recorded:
             report(loss_line(recorded, seconds))
         for line in caption_report(model, datamodule.test):
+            report(line)
+    release_process_group(launched_here)
+    return {"train/loss": float(train_loss)} if train_loss is not None else None
+
+
+def llava_job(cfg: DictConfig, out_dir: Path, launched_here: bool) -> dict[str, float] | None:
+    """Train ``conf/model/llava_*.yaml`` (``init=hf_llava:<folder>``: from that saved model) on the
+    shapes conversations, then on global rank 0 with the whole trained model ask held-out images both
+    questions and, with ``export.hf=<folder>``, save it as a folder transformers loads."""
+    from llava_shapes import build_module  # recipes/llava_shapes.py
+    from llava_shapes import report as llava_report
+
+    from lightning_distmm.models.llava import save_llava
+
+    init = cfg.get("init")
+    if init and not str(init).startswith("hf_llava:"):
+        raise SystemExit(
+            f"init={init}: a LLaVA starts from init=hf_llava:<folder> (a saved LlavaForConditionalGeneration)"
+        )
+    folder = str(init).split(":", 1)[1] if init else None
+    export = (cfg.get("export") or {}).get("hf")
+    if cfg.strategy.name == "distmm" and not any(o.startswith("strategy.plan") for o in command_line_overrides()):
+        with open_dict(cfg):  # train.yaml's plan names CLIP's towers: the model's own plan, unless one is given
+            cfg.strategy.plan = cfg.model.get("plan")
+    trainer_kwargs = trainer_arguments(cfg)
+    strategy = build_strategy(cfg.strategy, trainer_kwargs)
+    datamodule = build_data(cfg, per_process_batch(cfg, trainer_kwargs))
+    model = build_module(cfg.model, float(cfg.optim.lr), datamodule.tokenizer, folder)
+    settle_max_epochs(trainer_kwargs, datamodule)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    trainer_kwargs["logger"] = instantiate_group(cfg.get("logger")) or False
+    warnings.filterwarnings("ignore", message=r".*but have no logger configured.*")
+    callbacks = [*(trainer_kwargs.pop("callbacks", None) or []), *instantiate_group(cfg.get("callbacks"))]
+    trainer = L.Trainer(**trainer_kwargs, strategy=strategy, callbacks=callbacks, default_root_dir=str(out_dir))
+    rank_zero_info(
+        f"model {cfg.model.name}: {num_parameters(model):,} parameters (vision {num_parameters(model.vision):,},"
+        f" language {num_parameters(model.language):,}){' from ' + folder if folder else ''}; strategy"
+        f" {cfg.strategy.name}, devices {trainer_kwargs.get('devices')}, global batch {cfg.data.batch_size}"
+    )
+    start = time.time()
+    trainer.fit(model, datamodule=datamodule)
+    seconds = time.time() - start
+    train_loss = trainer.callback_metrics.get("train/loss")
+    state = model.state_dict()
+    if cfg.strategy.name not in (SINGLE, DDP) and trainer.world_size > 1:
+        state = consolidated_state_dict(trainer)  # collective: every rank calls it; rank 0 gets the whole model
+    if trainer.global_rank == 0:
+        loss = f", last loss {float(train_loss):.3f}" if train_loss is not None else ""
+        report(f"trained {cfg.trainer.max_steps} steps in {seconds:.0f} s{loss}")
+        if export:
+            save_llava(state, model.config, str(export))
+            report(f"exported hf: {export}")
+        if cfg.strategy.name not in (SINGLE, DDP) and trainer.world_size > 1:  # this rank held only its towers
+            model = build_module(cfg.model, float(cfg.optim.lr), datamodule.tokenizer, folder)
+            model.load_state_dict(state)
+        for line in llava_report(model.to_llava(), datamodule.tokenizer, datamodule.held_out):
             report(line)
     release_process_group(launched_here)
     return {"train/loss": float(train_loss)} if train_loss is not None else None

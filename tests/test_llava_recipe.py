@@ -48,3 +48,27 @@ def test_the_recipe_trains_answers_and_exports(tmp_path):
 
     model = LlavaForConditionalGeneration.from_pretrained(str(out), local_files_only=True)
     assert model.config.image_seq_length == 16
+
+
+@pytest.mark.slow
+def test_train_recipe_llava_experiment_inits_trains_and_exports(tmp_path):
+    """``recipes/train.py experiment=llava_shapes`` with ``export.hf=``, then again with
+    ``init=hf_llava:`` from that folder: the second run starts from the first one's weights."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+
+    def train(*extra: str) -> str:
+        run = subprocess.run(
+            [sys.executable, str(ROOT / "recipes" / "train.py"), "experiment=llava_shapes", "data.held_out=4", *extra],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT,
+            env=env,
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        return run.stdout + run.stderr
+
+    first = train("trainer.max_steps=20", f"export.hf={tmp_path / 'first'}", f"hydra.run.dir={tmp_path / 'a'}")
+    assert "exported hf:" in first and "colour right:" in first, first[-2000:]
+    second = train("trainer.max_steps=2", f"init=hf_llava:{tmp_path / 'first'}", f"hydra.run.dir={tmp_path / 'b'}")
+    assert f"from {tmp_path / 'first'}" in second, second[-2000:]
