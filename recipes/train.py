@@ -481,6 +481,11 @@ def llava_job(cfg: DictConfig, out_dir: Path, launched_here: bool) -> dict[str, 
     trainer_kwargs = trainer_arguments(cfg)
     strategy = build_strategy(cfg.strategy, trainer_kwargs)
     datamodule = build_data(cfg, per_process_batch(cfg, trainer_kwargs))
+    if folder is None and not hasattr(datamodule, "held_out"):
+        raise SystemExit(
+            "your conversations need your model: init=hf_llava:<folder> (a saved LlavaForConditionalGeneration whose"
+            " vocabulary is the tokenizer's and whose image_seq_length is data.image_tokens)"
+        )
     model = build_module(cfg.model, float(cfg.optim.lr), datamodule.tokenizer, folder)
     settle_max_epochs(trainer_kwargs, datamodule)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -509,8 +514,9 @@ def llava_job(cfg: DictConfig, out_dir: Path, launched_here: bool) -> dict[str, 
         if cfg.strategy.name not in (SINGLE, DDP) and trainer.world_size > 1:  # this rank held only its towers
             model = build_module(cfg.model, float(cfg.optim.lr), datamodule.tokenizer, folder)
             model.load_state_dict(state)
-        for line in llava_report(model.to_llava(), datamodule.tokenizer, datamodule.held_out):
-            report(line)
+        if hasattr(datamodule, "held_out"):  # the shapes conversations: ask about held-out images
+            for line in llava_report(model.to_llava(), datamodule.tokenizer, datamodule.held_out):
+                report(line)
     release_process_group(launched_here)
     return {"train/loss": float(train_loss)} if train_loss is not None else None
 

@@ -72,3 +72,34 @@ def test_train_recipe_llava_experiment_inits_trains_and_exports(tmp_path):
     assert "exported hf:" in first and "colour right:" in first, first[-2000:]
     second = train("trainer.max_steps=2", f"init=hf_llava:{tmp_path / 'first'}", f"hydra.run.dir={tmp_path / 'b'}")
     assert f"from {tmp_path / 'first'}" in second, second[-2000:]
+
+
+@pytest.mark.slow
+def test_your_own_conversations_train_from_your_model(tmp_path):
+    """``data=llava_json``: a LLaVA JSON, its image folder and a tokenizer folder, starting from a
+    saved model (``init=hf_llava:``), exported after 3 distmm steps."""
+    import json
+
+    from test_conversations import records, tokenizer
+    from test_llava import IMAGE_TOKENS, tiny_llava
+
+    (tmp_path / "images").mkdir()
+    (tmp_path / "train.json").write_text(json.dumps(records(tmp_path / "images")))
+    tok = tokenizer()
+    tok.save_pretrained(tmp_path / "tok")
+    tiny_llava(vocab=len(tok), image_token=tok.convert_tokens_to_ids("<image>")).save_pretrained(tmp_path / "mine")
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "train.py"), "experiment=llava_shapes", "data=llava_json"]
+        + [f"data.records={tmp_path / 'train.json'}", f"data.image_folder={tmp_path / 'images'}"]
+        + [f"data.tokenizer={tmp_path / 'tok'}", f"data.image_tokens={IMAGE_TOKENS}", "data.image_size=8"]
+        + ["data.max_length=24", "data.batch_size=6", "trainer.max_steps=3", f"init=hf_llava:{tmp_path / 'mine'}"]
+        + [f"export.hf={tmp_path / 'out'}", f"hydra.run.dir={tmp_path / 'run'}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (tmp_path / "out" / "config.json").is_file(), run.stdout[-2000:]

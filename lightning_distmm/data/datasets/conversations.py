@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
 from torch import Tensor
 
@@ -187,4 +188,58 @@ class ConversationPairs(FieldDataset):
         return out_ids, out_labels
 
 
-__all__ = ["ConversationPairs", "read_records"]
+class ConversationsData(L.LightningDataModule):
+    """Your LLaVA-format JSON (or JSONL) and image folder as a DataModule (``conf/data/llava_json.yaml``).
+
+    Args:
+        records: the JSON / JSONL file.
+        image_folder: where its image paths are relative to.
+        tokenizer: a local tokenizer folder (``AutoTokenizer``, never downloads) or a tokenizer; it
+            needs a chat template and ``<image>`` as a token.
+        image_tokens: tokens one image becomes (the model's ``image_seq_length``).
+        image_size: the side the images are resized to; ``mean`` / ``std``: their normalisation
+            (CLIP's by default).
+        batch_size: the global batch; ``max_length``: tokens per sample.
+    """
+
+    def __init__(
+        self,
+        records: str,
+        image_folder: str,
+        tokenizer: Any,
+        image_tokens: int,
+        image_size: int = 336,
+        batch_size: int = 32,
+        max_length: int = 2048,
+        mean: Sequence[float] = (0.48145466, 0.4578275, 0.40821073),
+        std: Sequence[float] = (0.26862954, 0.26130258, 0.27577711),
+    ) -> None:
+        super().__init__()
+        if isinstance(tokenizer, (str, os.PathLike)):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
+        self.tokenizer = tokenizer
+        self.batch_size = int(batch_size)
+        transform = _ClipTransform(int(image_size), tuple(mean), tuple(std))
+        self.train = ConversationPairs(records, image_folder, tokenizer, image_tokens, transform, max_length)
+
+    def train_dataloader(self) -> Any:
+        from torch.utils.data import DataLoader
+
+        return DataLoader(self.train, batch_size=self.batch_size, shuffle=True, drop_last=True)
+
+
+class _ClipTransform:
+    """Resize to a square side, to a tensor, normalise (picklable, for spawned ranks and workers)."""
+
+    def __init__(self, size: int, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
+        self.size, self.mean, self.std = size, mean, std
+
+    def __call__(self, image: Any) -> Tensor:
+        from torchvision.transforms.functional import normalize, resize, to_tensor
+
+        return normalize(to_tensor(resize(image, [self.size, self.size])), list(self.mean), list(self.std))
+
+
+__all__ = ["ConversationPairs", "ConversationsData", "read_records"]
