@@ -242,10 +242,10 @@ def tower_profile(
 def model_profiles(model_cfg: Mapping[str, Any]) -> dict[str, TowerProfile]:
     """Analytic profiles of every tower of a model config (``embed_dim`` + ``towers``)."""
     cfg = to_plain(model_cfg)
-    if cfg.get("kind") == "vlm":
+    if cfg.get("kind") in ("vlm", "llava"):
         raise ValueError(
-            f"model config {cfg.get('name', '?')!r} is a vision encoder feeding a language model (kind: vlm): its"
-            f" modules are profiled by lightning_distmm.planner.vlm_profile, not as contrastive towers"
+            f"model config {cfg.get('name', '?')!r} is a vision encoder feeding a language model (kind:"
+            f" {cfg['kind']}): its modules are profiled by lightning_distmm.planner.vlm_profile, not as contrastive towers"
         )
     if "towers" not in cfg or not cfg["towers"]:
         raise ValueError(f"model config {cfg.get('name', '?')!r} has no towers")
