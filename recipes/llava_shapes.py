@@ -4,10 +4,10 @@ ask it about held-out images (docs/mllm.md, "Your own LLaVA").
 The model is transformers' own ``LlavaForConditionalGeneration`` (a CLIP vision tower and a Llama,
 built at random, or loaded from ``--init`` folder), trained as two towers (the vision tower and its
 projector on rank 0, the language model on rank 1) on LLaVA-format conversations
-(``ldm.data.ConversationPairs``): "what colour is the shape" -> "it is red", and in one sample of
-two a second exchange, "what shape is it" -> "a circle". Afterwards rank 0 asks both questions
-about held-out images with transformers' ``generate`` and prints the answers beside the truth and
-the share right against chance; ``--export`` writes the trained model as a folder
+(``ldm.data.ConversationPairs``): "what colour is the shape" -> "it is red", in one sample of two
+"what shape is it" -> "a circle", in one of three "where is it" -> "at the top left". Afterwards
+rank 0 asks the three questions about held-out images with transformers' ``generate`` and prints
+the answers beside the truth and the share right against chance; ``--export`` writes the trained model as a folder
 ``LlavaForConditionalGeneration.from_pretrained`` loads.
 
     python recipes/llava_shapes.py                          # 600 steps of 32, 2 CPU processes
@@ -29,12 +29,12 @@ from torch.utils.data import DataLoader
 
 import lightning_distmm as ldm
 from lightning_distmm.data.datasets.conversations import ConversationPairs
-from lightning_distmm.data.demo.captions import COLORS, SHAPES
+from lightning_distmm.data.demo.captions import COLORS, POSITIONS, SHAPES
 from lightning_distmm.data.demo.shapes import ShapesDataset, describe
 from lightning_distmm.models.llava import LlavaModule
 from lightning_distmm.models.tiny import quiet_trainer_kwargs
 
-COLOUR_Q, SHAPE_Q = "what colour is the shape", "what shape is it"
+COLOUR_Q, SHAPE_Q, WHERE_Q = "what colour is the shape", "what shape is it", "where is it"
 SPECIAL = ["<pad>", "<unk>", "<image>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
@@ -49,7 +49,8 @@ def build_tokenizer() -> Any:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = sorted({*COLOUR_Q.split(), *SHAPE_Q.split(), "it", "is", "a", *COLORS, *SHAPES})
+    places = {w for _, where in POSITIONS for w in where.split()}
+    words = sorted({*COLOUR_Q.split(), *SHAPE_Q.split(), *WHERE_Q.split(), "it", "is", "a", *COLORS, *SHAPES, *places})
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(SPECIAL + words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>")
@@ -99,15 +100,17 @@ class ShapesConversations(ConversationPairs):
         self.shapes = ShapesDataset(split, size=size, fields=["image", "label"])
         records = []
         for i in range(size):
-            colour, shape, _ = describe(int(self.shapes.attributes(i)["label"]))
+            colour, shape, place = describe(int(self.shapes.attributes(i)["label"]))
             turns = [
                 {"from": "human", "value": f"<image> {COLOUR_Q}"},
                 {"from": "gpt", "value": f"it is {colour}"},
             ]
             if i % 2:
                 turns += [{"from": "human", "value": SHAPE_Q}, {"from": "gpt", "value": f"a {shape}"}]
+            if i % 3 == 2:
+                turns += [{"from": "human", "value": WHERE_Q}, {"from": "gpt", "value": POSITIONS[place][1]}]
             records.append({"image": f"{split}-{i}", "conversations": turns})
-        super().__init__(records, ".", tokenizer, PATCHES, transform=_rendered, max_length=40)
+        super().__init__(records, ".", tokenizer, PATCHES, transform=_rendered, max_length=56)
 
     def _pixels(self, index: int, image: str | None) -> torch.Tensor:
         return self.shapes.load(index, ["image"])["image"]
@@ -148,7 +151,7 @@ def ask(model: Any, tokenizer: Any, pixels: torch.Tensor, questions: list[list[d
             input_ids=torch.tensor([expanded]),
             attention_mask=torch.ones(1, len(expanded), dtype=torch.long),
             pixel_values=image[None],
-            max_new_tokens=4,
+            max_new_tokens=6,
             do_sample=False,
             eos_token_id=tokenizer.convert_tokens_to_ids("<|end|>"),
             pad_token_id=tokenizer.pad_token_id,
@@ -158,28 +161,37 @@ def ask(model: Any, tokenizer: Any, pixels: torch.Tensor, questions: list[list[d
 
 
 def report(model: Any, tokenizer: Any, held_out: int, show: int = 6) -> list[str]:
-    """Both questions about ``held_out`` test images: answers beside the truth, the share right and chance."""
+    """The three questions about ``held_out`` test images (shape and place asked after the colour's
+    answer): answers beside the truth, the share right and chance."""
     shapes = ShapesDataset("test", size=held_out, fields=["image", "label"])
     pixels = torch.stack([shapes.load(i, ["image"])["image"] for i in range(held_out)])
-    truth = [describe(int(shapes.attributes(i)["label"]))[:2] for i in range(held_out)]
+    truth = [describe(int(shapes.attributes(i)["label"])) for i in range(held_out)]
     colour_answers = ask(model, tokenizer, pixels, [[{"role": "user", "content": f"<image> {COLOUR_Q}"}]] * held_out)
-    shape_questions = [
-        [
-            {"role": "user", "content": f"<image> {COLOUR_Q}"},
-            {"role": "assistant", "content": a},
-            {"role": "user", "content": SHAPE_Q},
+
+    def then(question: str) -> list[list[dict[str, str]]]:
+        return [
+            [
+                {"role": "user", "content": f"<image> {COLOUR_Q}"},
+                {"role": "assistant", "content": a},
+                {"role": "user", "content": question},
+            ]
+            for a in colour_answers
         ]
-        for a in colour_answers
-    ]
-    shape_answers = ask(model, tokenizer, pixels, shape_questions)
-    colour_right = [c in a.split() for a, (c, _) in zip(colour_answers, truth)]
-    shape_right = [s in a.split() for a, (_, s) in zip(shape_answers, truth)]
-    lines = [f"{'answers':34s} | true"]
+
+    shape_answers = ask(model, tokenizer, pixels, then(SHAPE_Q))
+    place_answers = ask(model, tokenizer, pixels, then(WHERE_Q))
+    colour_right = [c in a.split() for a, (c, _, _) in zip(colour_answers, truth)]
+    shape_right = [s in a.split() for a, (_, s, _) in zip(shape_answers, truth)]
+    place_right = [a == POSITIONS[p][1] for a, (_, _, p) in zip(place_answers, truth)]
+    lines = [f"{'answers':52s} | true"]
     for i in range(min(show, held_out)):
-        lines.append(f"{colour_answers[i] + ' / ' + shape_answers[i]:34s} | {truth[i][0]} {truth[i][1]}")
+        said = f"{colour_answers[i]} / {shape_answers[i]} / {place_answers[i]}"
+        lines.append(f"{said:52s} | {truth[i][0]} {truth[i][1]} {POSITIONS[truth[i][2]][1]}")
+    share = lambda right: f"{sum(right) / held_out:.1%}"  # noqa: E731
     lines.append(
-        f"colour right: {sum(colour_right) / held_out:.1%} (chance {1 / len(COLORS):.1%}); shape right:"
-        f" {sum(shape_right) / held_out:.1%} (chance {1 / len(SHAPES):.1%}); {held_out} held-out images"
+        f"colour right: {share(colour_right)} (chance {1 / len(COLORS):.1%}); shape right: {share(shape_right)}"
+        f" (chance {1 / len(SHAPES):.1%}); place right: {share(place_right)} (chance {1 / len(POSITIONS):.1%});"
+        f" {held_out} held-out images"
     )
     return lines
 
