@@ -198,12 +198,12 @@ def auto_choice(job: LiveJob) -> tuple[dict, str | None, None]:
     infos = {n: tower_info_from_batch(t, job.example, produced=produced) for n, t in job.towers.items()}
     pair = producer_consumer(job.towers)
     if pair is not None:
-        from lightning_distmm.planner.tower_timing import first_tensor
+        from lightning_distmm.parallel.flops import output_vectors
         from lightning_distmm.planner.vlm_default import auto_vlm_plan
 
-        out = first_tensor(produced[pair[0]])
-        width = int(out.shape[-1])
-        tokens = max(out.numel() // max(int(out.shape[0]) * width, 1), 1) if out.dim() > 1 else 1
+        tokens, width = output_vectors(produced[pair[0]])
+        if width is None:
+            raise PlanError(f"tower {pair[0]!r} feeds {pair[1]!r} but its output holds no tensor")
         vlm = auto_vlm_plan(
             infos,
             *pair,

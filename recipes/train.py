@@ -422,9 +422,7 @@ def vlm_job(cfg: DictConfig, out_dir: Path, launched_here: bool) -> dict[str, fl
     from vlm_shapes import Losses, build_from_config, caption_report, loss_line  # recipes/vlm_shapes.py
 
     model = build_from_config(to_plain(cfg.model), float(cfg.optim.lr))
-    if cfg.strategy.name == "distmm" and not any(o.startswith("strategy.plan") for o in command_line_overrides()):
-        with open_dict(cfg):  # train.yaml's plan names CLIP's towers: the model's own plan, unless one is given
-            cfg.strategy.plan = cfg.model.get("plan")
+    use_model_plan(cfg)
     trainer_kwargs = trainer_arguments(cfg)
     strategy = build_strategy(cfg.strategy, trainer_kwargs)
     datamodule = build_data(cfg, per_process_batch(cfg, trainer_kwargs))
@@ -459,6 +457,14 @@ def vlm_job(cfg: DictConfig, out_dir: Path, launched_here: bool) -> dict[str, fl
     return {"train/loss": float(train_loss)} if train_loss is not None else None
 
 
+def use_model_plan(cfg: DictConfig) -> None:
+    """train.yaml's plan names CLIP's towers: under distmm a model with its own towers trains with the
+    model config's plan, unless the command line gives one."""
+    if cfg.strategy.name == "distmm" and not any(o.startswith("strategy.plan") for o in command_line_overrides()):
+        with open_dict(cfg):
+            cfg.strategy.plan = cfg.model.get("plan")
+
+
 def llava_job(cfg: DictConfig, out_dir: Path, launched_here: bool) -> dict[str, float] | None:
     """Train ``conf/model/llava_*.yaml`` (``init=hf_llava:<folder>``: from that saved model) on the
     shapes conversations, then on global rank 0 with the whole trained model ask held-out images both
@@ -475,9 +481,7 @@ def llava_job(cfg: DictConfig, out_dir: Path, launched_here: bool) -> dict[str, 
         )
     folder = str(init).split(":", 1)[1] if init else None
     export = (cfg.get("export") or {}).get("hf")
-    if cfg.strategy.name == "distmm" and not any(o.startswith("strategy.plan") for o in command_line_overrides()):
-        with open_dict(cfg):  # train.yaml's plan names CLIP's towers: the model's own plan, unless one is given
-            cfg.strategy.plan = cfg.model.get("plan")
+    use_model_plan(cfg)
     trainer_kwargs = trainer_arguments(cfg)
     strategy = build_strategy(cfg.strategy, trainer_kwargs)
     datamodule = build_data(cfg, per_process_batch(cfg, trainer_kwargs))
@@ -502,16 +506,16 @@ def llava_job(cfg: DictConfig, out_dir: Path, launched_here: bool) -> dict[str, 
     trainer.fit(model, datamodule=datamodule)
     seconds = time.time() - start
     train_loss = trainer.callback_metrics.get("train/loss")
-    state = model.state_dict()
-    if cfg.strategy.name not in (SINGLE, DDP) and trainer.world_size > 1:
-        state = consolidated_state_dict(trainer)  # collective: every rank calls it; rank 0 gets the whole model
+    distributed = cfg.strategy.name not in (SINGLE, DDP) and trainer.world_size > 1
+    # collective: every rank calls it; rank 0 gets the whole model
+    state = consolidated_state_dict(trainer) if distributed else model.state_dict()
     if trainer.global_rank == 0:
         loss = f", last loss {float(train_loss):.3f}" if train_loss is not None else ""
         report(f"trained {cfg.trainer.max_steps} steps in {seconds:.0f} s{loss}")
         if export:
             save_llava(state, model.config, str(export))
             report(f"exported hf: {export}")
-        if cfg.strategy.name not in (SINGLE, DDP) and trainer.world_size > 1:  # this rank held only its towers
+        if distributed:  # this rank held only its towers
             model = build_module(cfg.model, float(cfg.optim.lr), datamodule.tokenizer, folder)
             model.load_state_dict(state)
         if hasattr(datamodule, "held_out"):  # the shapes conversations: ask about held-out images

@@ -103,6 +103,12 @@ class OneProcess(L.LightningModule):
         return torch.optim.SGD(params, lr=self.lr, momentum=0.9)
 
 
+def towers_logits(module: LlavaModule, batch: dict[str, Any]) -> torch.Tensor:
+    """The two towers' logits on ``batch``, the language tower fed the vision tower's features."""
+    features = module.vision(batch["pixel_values"], batch["n_images"])
+    return module.language(batch["input_ids"], batch["attention_mask"], batch["labels"], batch["n_images"], features)
+
+
 def data() -> DataLoader:
     return DataLoader(Conversations(), batch_size=6, shuffle=True, generator=torch.Generator().manual_seed(1))
 
@@ -118,13 +124,7 @@ def test_the_towers_compute_transformers_forward_and_loss():
         pixel_values=batch["pixel_values"][present],
         labels=batch["labels"],
     )
-    logits = module.language(
-        batch["input_ids"],
-        batch["attention_mask"],
-        batch["labels"],
-        batch["n_images"],
-        module.vision(batch["pixel_values"], batch["n_images"]),
-    )
+    logits = towers_logits(module, batch)
     assert torch.equal(logits, out.logits)
     total, count = module.token_loss(logits, batch)
     assert (total / count).item() == pytest.approx(out.loss.item(), rel=1e-6)
@@ -231,13 +231,7 @@ def test_init_from_a_folder_train_export_and_reload_with_transformers_alone(tmp_
             attention_mask=batch["attention_mask"],
             pixel_values=batch["pixel_values"][present],
         ).logits
-        ours = module.language(
-            batch["input_ids"],
-            batch["attention_mask"],
-            batch["labels"],
-            batch["n_images"],
-            module.vision(batch["pixel_values"], batch["n_images"]),
-        )
+        ours = towers_logits(module, batch)
     assert (theirs - ours).abs().max().item() <= 1e-5
 
 

@@ -18,6 +18,22 @@ from llava_shapes import COLOUR_Q, ShapesConversations, build_tokenizer  # noqa:
 from lightning_distmm.data.demo.shapes import describe  # noqa: E402
 
 
+def run_recipe(script: str, *args: str) -> subprocess.CompletedProcess:
+    """``recipes/<script>`` with ``args`` in a fresh interpreter (no rendezvous address inherited), which
+    must succeed."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
 def test_conversations_ask_about_the_image_and_target_the_answers():
     tok = build_tokenizer()
     data = ShapesConversations("train", 4, tok)
@@ -31,19 +47,11 @@ def test_conversations_ask_about_the_image_and_target_the_answers():
 
 @pytest.mark.slow
 def test_the_recipe_trains_answers_and_exports(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     out = tmp_path / "llava"
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "recipes" / "llava_shapes.py"), "--steps", "30", "--batch", "8"]
-        + ["--held-out", "4", "--export", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        env=env,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "colour right:" in run.stdout and "(chance 12.5%)" in run.stdout, run.stdout[-2000:]
+    said = run_recipe(
+        "llava_shapes.py", "--steps", "30", "--batch", "8", "--held-out", "4", "--export", str(out)
+    ).stdout
+    assert "colour right:" in said and "(chance 12.5%)" in said, said[-2000:]
     from transformers import LlavaForConditionalGeneration
 
     model = LlavaForConditionalGeneration.from_pretrained(str(out), local_files_only=True)
@@ -54,18 +62,9 @@ def test_the_recipe_trains_answers_and_exports(tmp_path):
 def test_train_recipe_llava_experiment_inits_trains_and_exports(tmp_path):
     """``recipes/train.py experiment=llava_shapes`` with ``export.hf=``, then again with
     ``init=hf_llava:`` from that folder: the second run starts from the first one's weights."""
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
 
     def train(*extra: str) -> str:
-        run = subprocess.run(
-            [sys.executable, str(ROOT / "recipes" / "train.py"), "experiment=llava_shapes", "data.held_out=4", *extra],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            cwd=ROOT,
-            env=env,
-        )
-        assert run.returncode == 0, run.stderr[-3000:]
+        run = run_recipe("train.py", "experiment=llava_shapes", "data.held_out=4", *extra)
         return run.stdout + run.stderr
 
     first = train("trainer.max_steps=20", f"export.hf={tmp_path / 'first'}", f"hydra.run.dir={tmp_path / 'a'}")
@@ -88,18 +87,20 @@ def test_your_own_conversations_train_from_your_model(tmp_path):
     tok = tokenizer()
     tok.save_pretrained(tmp_path / "tok")
     tiny_llava(vocab=len(tok), image_token=tok.convert_tokens_to_ids("<image>")).save_pretrained(tmp_path / "mine")
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "recipes" / "train.py"), "experiment=llava_shapes", "data=llava_json"]
-        + [f"data.records={tmp_path / 'train.json'}", f"data.image_folder={tmp_path / 'images'}"]
-        + [f"data.tokenizer={tmp_path / 'tok'}", f"data.image_tokens={IMAGE_TOKENS}", "data.image_size=8"]
-        + ["data.max_length=24", "data.batch_size=6", "trainer.max_steps=3", f"init=hf_llava:{tmp_path / 'mine'}"]
-        + [f"export.hf={tmp_path / 'out'}", f"hydra.run.dir={tmp_path / 'run'}"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        env=env,
+    run = run_recipe(
+        "train.py",
+        "experiment=llava_shapes",
+        "data=llava_json",
+        f"data.records={tmp_path / 'train.json'}",
+        f"data.image_folder={tmp_path / 'images'}",
+        f"data.tokenizer={tmp_path / 'tok'}",
+        f"data.image_tokens={IMAGE_TOKENS}",
+        "data.image_size=8",
+        "data.max_length=24",
+        "data.batch_size=6",
+        "trainer.max_steps=3",
+        f"init=hf_llava:{tmp_path / 'mine'}",
+        f"export.hf={tmp_path / 'out'}",
+        f"hydra.run.dir={tmp_path / 'run'}",
     )
-    assert run.returncode == 0, run.stderr[-3000:]
     assert (tmp_path / "out" / "config.json").is_file(), run.stdout[-2000:]

@@ -283,22 +283,23 @@ class LlavaModule(DistMMMixin, L.LightningModule):
 
     def to_llava(self) -> nn.Module:
         """A ``LlavaForConditionalGeneration`` holding this module's weights (on the CPU)."""
-        from transformers import LlavaForConditionalGeneration
+        return llava_from_state(self.state_dict(), self.config)
 
-        model = LlavaForConditionalGeneration(self.config)
-        state = {k: v.detach().cpu() for k, v in llava_state_dict(self.state_dict()).items()}
-        model.load_state_dict(state, strict=True)
-        return model
+
+def llava_from_state(state: Mapping[str, Tensor], config: Any) -> nn.Module:
+    """A ``LlavaForConditionalGeneration`` of ``config`` holding a :class:`LlavaModule`'s state dict
+    (its own names), on the CPU."""
+    from transformers import LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration(config)
+    model.load_state_dict({k: v.detach().cpu() for k, v in llava_state_dict(state).items()}, strict=True)
+    return model
 
 
 def save_llava(state: Mapping[str, Tensor], config: Any, folder: str) -> None:
     """A :class:`LlavaModule`'s state dict (its own names) saved as a ``LlavaForConditionalGeneration``
     folder of ``config``."""
-    from transformers import LlavaForConditionalGeneration
-
-    model = LlavaForConditionalGeneration(config)
-    model.load_state_dict({k: v.detach().cpu() for k, v in llava_state_dict(state).items()}, strict=True)
-    model.save_pretrained(folder)
+    llava_from_state(state, config).save_pretrained(folder)
 
 
 __all__ = [
@@ -306,6 +307,7 @@ __all__ = [
     "LlavaLanguage",
     "LlavaModule",
     "LlavaVision",
+    "llava_from_state",
     "llava_state_dict",
     "llava_towers",
     "save_llava",

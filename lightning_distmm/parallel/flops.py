@@ -61,6 +61,18 @@ def tower_flops(towers: Mapping[str, Tower], example: Mapping[str, Any] | None) 
     return {name: c[0] for name, c in _count(towers, example).items()}
 
 
+def output_vectors(output: Any) -> tuple[int, int | None]:
+    """``(vectors per row, width)`` of a tower's output (its first tensor, ``[rows, ..., width]``):
+    what a consumer of it receives per row (an image's tokens); ``(1, None)`` without a tensor."""
+    while isinstance(output, (tuple, list)) and output:
+        output = output[0]
+    if not isinstance(output, torch.Tensor) or not output.dim():
+        return 1, None
+    width = int(output.shape[-1])
+    rows = int(output.shape[0]) if output.dim() > 1 else 1
+    return max(output.numel() // max(rows * width, 1), 1), width
+
+
 def consumer_inputs(name: str, tower: Tower, produced: Mapping[str, Any]) -> dict[str, Any]:
     """The keyword arguments a consuming tower is called with: ``{keyword: producer's output}``."""
     return {keyword: produced[producer] for producer, keyword in tower.consumes.items()}
@@ -128,11 +140,6 @@ def _count(
         finally:
             tower.module.train(was_training)
         produced[name] = result
-        first = result
-        while isinstance(first, (tuple, list)) and first:
-            first = first[0]
-        width = int(first.shape[-1]) if isinstance(first, torch.Tensor) and first.dim() else None
-        rows = int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() > 1 else 1
-        tokens = first.numel() // max(rows * (width or 1), 1) if isinstance(first, torch.Tensor) and width else 1
-        out[name] = (float(flops.get_total_flops()) or 2.0 * params, ops.count, width, max(int(tokens), 1))
+        tokens, width = output_vectors(result)
+        out[name] = (float(flops.get_total_flops()) or 2.0 * params, ops.count, width, tokens)
     return out
