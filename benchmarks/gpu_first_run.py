@@ -64,7 +64,12 @@ VOCAB, SEQ, EMBED, BATCH = 64, 8, 16, 8
 
 # ---------------------------------------------------------------------- the model and the data
 class FirstRunCLIP(TwoTowerCLIP):
-    """A timm ViT (2 blocks) and the text tower above: ~70k parameters."""
+    """A timm ViT (2 blocks) and the text tower above: ~70k parameters.
+
+    ``foreach``: the optimizers' multi-tensor kernels. None (torch's default) picks them on CUDA
+    only; ``--cpu-smoke`` sets True so that the CPU run takes the path CUDA takes by default."""
+
+    foreach: bool | None = None
 
     def __init__(self, optimizer: str = "sgd", lr: float = 0.05, groups: int = 1) -> None:
         super().__init__()
@@ -76,8 +81,8 @@ class FirstRunCLIP(TwoTowerCLIP):
     def configure_optimizers(self) -> Any:
         params = [p for p in self.parameters() if p.requires_grad]
         if self.optimizer_name == "adamw":
-            return torch.optim.AdamW(params, lr=self.lr)
-        return torch.optim.SGD(params, lr=self.lr, momentum=0.9)
+            return torch.optim.AdamW(params, lr=self.lr, foreach=self.foreach)
+        return torch.optim.SGD(params, lr=self.lr, momentum=0.9, foreach=self.foreach)
 
 
 def data(size: int = 64) -> DataLoader:
@@ -342,6 +347,60 @@ def check_checkpoint(ctx: Context) -> dict[str, Any]:
     return {"resumed_max_abs_diff": diff, "consolidated_max_abs_diff": whole}
 
 
+def check_zero2_mixed_kernels(ctx: Context) -> dict[str, Any]:
+    """A ``zero2`` tower beside an unsharded one, AdamW with torch's default kernels (multi-tensor on
+    CUDA): one param group holds DTensors and plain tensors; equal to a plain Trainer."""
+    _deterministic(ctx)
+    L.seed_everything(0)
+    reference = FirstRunCLIP("adamw", 0.01)
+    module = copy.deepcopy(reference)
+    trainer(ctx, 3).fit(reference, data())
+    trainer(ctx, 3, one_rank({"shard": "zero2"})).fit(module, data())
+    diff = max_diff(weights(reference), weights(module))
+    assert diff <= 1e-5, f"max abs difference {diff:.3g} after 3 steps"
+    return {"max_abs_diff": diff}
+
+
+class TransformersLlava(L.LightningModule):
+    """The reference for ``llava``: transformers' own forward and loss, AdamW as ``LlavaModule``'s."""
+
+    def __init__(self, model: nn.Module, lr: float) -> None:
+        super().__init__()
+        self.model, self.lr = model, lr
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        fields = ("pixel_values", "input_ids", "attention_mask", "labels")
+        return self.model(**{k: batch[k] for k in fields}).loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.0)
+
+
+def check_llava(ctx: Context) -> dict[str, Any]:
+    """transformers' ``LlavaForConditionalGeneration`` as two towers under ``DistMMStrategy()`` with
+    no plan (the encoder->LLM search on the live towers, timed on the device), the tower handoff
+    and torch's default AdamW kernels: equal to the model's own forward and loss in a plain Trainer."""
+    sys.path.insert(0, str(ROOT / "recipes"))
+    from llava_shapes import ShapesConversations, build_llava, build_tokenizer
+
+    from lightning_distmm.models.llava import LlavaModule, llava_state_dict
+
+    _deterministic(ctx)
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    model = build_llava(tokenizer)
+    rows = DataLoader(ShapesConversations("train", 4 * BATCH, tokenizer), batch_size=BATCH, drop_last=True)
+    reference = TransformersLlava(copy.deepcopy(model), 1e-3)
+    module = LlavaModule(copy.deepcopy(model), lr=1e-3)
+    trainer(ctx, 3).fit(reference, rows)
+    trainer(ctx, 3, ldm.DistMMStrategy()).fit(module, rows)
+    ours = {k: _full(v) for k, v in llava_state_dict(module.state_dict()).items()}
+    diff = max_diff(weights(reference.model), ours)
+    moved = max_diff(weights(reference.model), weights(model))
+    assert moved > 1e-4 and diff <= 1e-5, f"max abs difference {diff:.3g} after 3 steps (trained by {moved:.3g})"
+    return {"max_abs_diff": diff, "max_trained_change": moved}
+
+
 CHECKS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "mesh_async_gather": check_mesh_async_gather,
     "bf16_clip": check_bf16_clip,
@@ -350,6 +409,8 @@ CHECKS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "sharded_eval": check_sharded_eval,
     "deferred_init": check_deferred_init,
     "checkpoint": check_checkpoint,
+    "zero2_mixed_kernels": check_zero2_mixed_kernels,
+    "llava": check_llava,
 }
 
 
@@ -418,9 +479,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=400.0, help="the whole run's time (checks, then calibration)")
     p.add_argument("--check-timeout-s", type=float, default=120.0, help="one check's limit")
     p.add_argument("--only", nargs="*", default=None, help="run only these checks")
+    p.add_argument("--skip-calibration", action="store_true", help="no gpu_calibrate.py after the checks")
     args = p.parse_args(argv)
     start = time.monotonic()
     cuda = not args.cpu_smoke
+    FirstRunCLIP.foreach = None if cuda else True
     if cuda and os.environ.get("CUDA_VISIBLE_DEVICES") == "":
         print("no GPU visible (CUDA_VISIBLE_DEVICES is empty): use --cpu-smoke", file=sys.stderr)
         return 2
@@ -445,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
         "checks": results,
     }
     left = args.budget_s - (time.monotonic() - start)
-    if cuda and left > 60:
+    if cuda and left > 60 and not args.skip_calibration:
         report["calibration"] = calibrate(out, left)
     seconds = time.monotonic() - start
     report["summary"] = f"gpu_first_run: {passed}/{len(results)} checks PASS on {report['device']} in {seconds:.0f} s"

@@ -12,6 +12,8 @@ private Lightning accesses go through :mod:`~lightning_distmm.lightning_seam`.
 from __future__ import annotations
 
 import contextlib
+import logging
+import warnings
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -38,6 +40,7 @@ from lightning_distmm.parallel.executor import RankRuntime
 from lightning_distmm.parallel.exit_settle import settle_collectives_at_exit
 from lightning_distmm.parallel.groups import nodes_of_ranks
 from lightning_distmm.parallel.host_allocator import keep_freed_host_memory
+from lightning_distmm.parallel.optimizer_kernels import step_mixed_groups_per_parameter
 from lightning_distmm.parallel.runner import StepRunner, start_runner
 from lightning_distmm.plan_choice import PlanSpec, check_precision, parse_plan_spec, plan_of_run
 from lightning_distmm.rank_failures import RankFailures, after_ranks_ended
@@ -45,6 +48,7 @@ from lightning_distmm.rank_failures import RankFailures, after_ranks_ended
 #: how long a collective waits before it fails: a slow checkpoint write, not Lightning's half hour
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 StartMethod = Literal["popen", "spawn", "fork"]
+_log = logging.getLogger(__name__)
 
 
 def _say(line: str) -> None:  # a function, not a lambda: spawn pickles the strategy with it
@@ -201,6 +205,8 @@ class DistMMStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             ckpt.drop_remote_parameters(self.optimizers)
+            for group in step_mixed_groups_per_parameter(self.optimizers):
+                (warnings.warn if group.asked else _log.info)(f"distmm (rank {self.global_rank}): {group.describe()}")
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             seam.optimizers_to_device(self.optimizers, self.root_device)
