@@ -163,6 +163,7 @@ class StepProbe(L.Callback):
         self.dtypes: set[str] = set()
         self.memory: list[int] = []
         self.syncs: list[int] = []
+        self.sync_sites: list[list[str]] = []  # per step: the Python line each host sync came from
         self._caught: Any = None
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
@@ -178,7 +179,9 @@ class StepProbe(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         if self.cuda:
             torch.cuda.set_sync_debug_mode(0)
-            self.syncs.append(sum("synchroniz" in str(w.message) for w in self._log))
+            caught = [w for w in self._log if "synchroniz" in str(w.message)]
+            self.syncs.append(len(caught))
+            self.sync_sites.append([f"{Path(w.filename).name}:{w.lineno}" for w in caught])
             self._caught.__exit__(None, None, None)
             torch.cuda.synchronize()
             self.memory.append(torch.cuda.memory_allocated())
@@ -213,6 +216,7 @@ def check_bf16_clip(ctx: Context) -> dict[str, Any]:
         "grad_dtypes": sorted(probe.dtypes),
         "memory_bytes": probe.memory,
         "host_syncs_per_step": probe.syncs,
+        "host_sync_sites_last_step": probe.sync_sites[-1] if probe.sync_sites else [],
         "tower_seconds_last_step": times,
     }
 
