@@ -40,7 +40,7 @@ from lightning_distmm.parallel.executor import RankRuntime
 from lightning_distmm.parallel.exit_settle import settle_collectives_at_exit
 from lightning_distmm.parallel.groups import nodes_of_ranks
 from lightning_distmm.parallel.host_allocator import keep_freed_host_memory
-from lightning_distmm.parallel.optimizer_kernels import step_mixed_groups_per_parameter
+from lightning_distmm.parallel.optimizer_kernels import prepare_mixed_groups
 from lightning_distmm.parallel.runner import StepRunner, start_runner
 from lightning_distmm.plan_choice import PlanSpec, check_precision, parse_plan_spec, plan_of_run
 from lightning_distmm.rank_failures import RankFailures, after_ranks_ended
@@ -205,7 +205,7 @@ class DistMMStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             ckpt.drop_remote_parameters(self.optimizers)
-            for group in step_mixed_groups_per_parameter(self.optimizers):
+            for group in prepare_mixed_groups(self.optimizers):
                 (warnings.warn if group.asked else _log.info)(f"distmm (rank {self.global_rank}): {group.describe()}")
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:

@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from lightning_distmm.parallel.optimizer_kernels import step_mixed_groups_per_parameter
+from lightning_distmm.parallel.optimizer_kernels import prepare_mixed_groups
 
 
 @pytest.fixture
@@ -24,57 +24,85 @@ def one_rank(tmp_path):
         dist.destroy_process_group()
 
 
-def towers() -> nn.Module:
+def towers(mesh=None) -> nn.Module:
     torch.manual_seed(0)
-    return nn.ModuleDict({"image": nn.Linear(6, 4), "text": nn.Linear(5, 4)})
+    model = nn.ModuleDict({"image": nn.Linear(6, 4), "text": nn.Linear(5, 4)})
+    model.scale = nn.Parameter(torch.tensor(2.0))
+    if mesh is not None:
+        fully_shard(model["image"], mesh=mesh)
+    return model
 
 
-def step(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int = 3) -> None:
+def step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler=None, steps: int = 3) -> None:
     torch.manual_seed(1)
     for _ in range(steps):
         optimizer.zero_grad()
         out = model["image"](torch.randn(3, 6)).sum() + model["text"](torch.randn(3, 5)).pow(2).sum()
-        out.backward()
+        (out * model.scale).backward()
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
 
 
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda ps, foreach: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=foreach),
-        lambda ps, foreach: torch.optim.AdamW(ps, lr=0.01, foreach=foreach),
-    ],
-    ids=["sgd", "adamw"],
-)
-def test_a_sharded_and_a_plain_tower_in_one_group_step_as_unsharded(one_rank, make):
+def full(p: torch.Tensor) -> torch.Tensor:
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
+OPTIMIZERS = {
+    "sgd": lambda ps, **kw: torch.optim.SGD(ps, lr=0.1, momentum=0.9, **kw),
+    "adamw": lambda ps, **kw: torch.optim.AdamW(ps, lr=0.01, **kw),
+    "adamw-fused": lambda ps, **kw: torch.optim.AdamW(ps, lr=0.01, **{"fused": True, **kw, "foreach": None}),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_mixed_group_steps_with_its_kernels_split_by_kind(one_rank, name):
+    make = OPTIMIZERS[name]
     reference = towers()
-    step(reference, make(reference.parameters(), False))
+    optimizer = make(reference.parameters(), foreach=False)
+    step(reference, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5))
 
-    broken = towers()
-    fully_shard(broken["image"], mesh=one_rank)
+    broken = towers(one_rank)
     with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
-        step(broken, make(broken.parameters(), True))  # what a CUDA run met before
+        step(broken, make(broken.parameters(), foreach=True))  # what a CUDA run met before
 
-    mixed = towers()
-    fully_shard(mixed["image"], mesh=one_rank)
+    mixed = towers(one_rank)
+    optimizer = make(mixed.parameters(), foreach=True)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+    (done,) = prepare_mixed_groups([optimizer])
+    assert (done.optimizer, done.group, done.remedy) == (0, 0, "split")
+    assert done.kinds == ("DTensor on mesh [0] (1,)", "plain tensors")
+    assert "runs the multi-tensor kernels once per kind" in done.describe()
+    groups = optimizer.param_groups
+    step(mixed, optimizer, scheduler)
+    assert optimizer.param_groups is groups and len(groups) == 1  # the user's group, back after each step
+    assert groups[0]["lr"] == pytest.approx(0.01 * 0.5**3 if "adamw" in name else 0.1 * 0.5**3)
+    for (key, want), got in zip(reference.named_parameters(), mixed.parameters(), strict=True):
+        torch.testing.assert_close(full(got), want, msg=key)
 
-    optimizer = make(mixed.parameters(), True)
-    (switched,) = step_mixed_groups_per_parameter([optimizer])
-    assert (switched.optimizer, switched.group, switched.asked) == (0, 0, "foreach=True")
-    assert switched.kinds == ("DTensor on mesh [0] (1,)", "plain tensors")
-    assert "steps one parameter at a time; foreach=True overridden" in switched.describe()
+
+def test_other_optimizers_step_one_parameter_at_a_time(one_rank):
+    """An optimizer this package does not know may read the whole group: it is not split."""
+
+    class MySGD(torch.optim.SGD):
+        pass
+
+    model = towers(one_rank)
+    optimizer = MySGD(model.parameters(), lr=0.1, foreach=True)
+    (done,) = prepare_mixed_groups([optimizer])
+    assert (done.remedy, done.asked) == ("per-parameter", "foreach=True")
+    assert "steps one parameter at a time; foreach=True overridden" in done.describe()
     assert optimizer.param_groups[0]["foreach"] is False
-    step(mixed, optimizer)
-    for (name, want), got in zip(reference.named_parameters(), mixed.parameters(), strict=True):
-        torch.testing.assert_close(got.full_tensor() if hasattr(got, "full_tensor") else got, want, msg=name)
+    step(model, optimizer)
 
 
 def test_groups_of_one_kind_keep_their_kernels(one_rank):
-    model = towers()
-    fully_shard(model["image"], mesh=one_rank)
+    model = towers(one_rank)
     optimizer = torch.optim.SGD(
-        [{"params": model["image"].parameters()}, {"params": model["text"].parameters()}], lr=0.1, foreach=True
+        [{"params": model["image"].parameters()}, {"params": [*model["text"].parameters(), model.scale]}],
+        lr=0.1,
+        foreach=True,
     )
-    assert step_mixed_groups_per_parameter([optimizer]) == []
+    assert prepare_mixed_groups([optimizer]) == []
     assert [g["foreach"] for g in optimizer.param_groups] == [True, True]
     step(model, optimizer)  # the multi-tensor kernels take each group
