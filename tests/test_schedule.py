@@ -256,3 +256,81 @@ def test_async_wait_comes_before_any_message_another_wait_holds_back():
             between = ins[post + 1 : wait]
             assert all(isinstance(x, Forward) and x.sync_group == 1 for x in between)
             assert len({x.tower for x in between}) == len(between)  # one forward per tower at most
+
+
+def _random_handoff_plan(rng: random.Random) -> Plan:
+    """An encoder feeding an LLM: either tower pipelined, tensor-parallel or replicated, on ranks that
+    may be shared, in any order."""
+    world = rng.randint(2, 6)
+    towers = {}
+    for name in ("image", "llm"):
+        pp = rng.choice([d for d in (1, 2, 3) if d <= world])
+        tp = rng.choice([d for d in (1, 2) if d * pp <= world])
+        dp = rng.randint(1, world // (pp * tp))
+        towers[name] = {"ranks": rng.sample(range(world), dp * pp * tp), "pp": pp, "tp": tp}
+        towers[name]["microbatch"] = rng.choice([None, 1, 2])
+    if set(range(world)) - {r for t in towers.values() for r in t["ranks"]}:
+        return _random_handoff_plan(rng)  # every rank must hold a tower
+    return Plan(world, towers)
+
+
+def _opening_lists(links) -> dict[int, list[Forward]]:
+    """``connect_in_order``'s walk over ``links`` as every rank's list: a send or a receive per link it ends."""
+    lists: dict[int, list[Forward]] = {}
+    for i, (*_, src, dst) in enumerate(links):
+        lists.setdefault(src, []).append(Forward("link", i, 1, None, dst, False))
+        lists.setdefault(dst, []).append(Forward("link", i, 1, src, None, False))
+    return lists
+
+
+def _deadlocks(run) -> int:
+    try:
+        run()
+    except RuntimeError as err:
+        assert "deadlocks" in str(err)
+        return 1
+    return 0
+
+
+def test_no_plan_deadlocks_when_a_send_holds_its_rank(capsys):
+    """The strictest send model: a send holds its whole rank until the receiver reaches the receive,
+    what NCCL does at a link's first message (it creates the link's communicator then, blocking the
+    caller until the peer joins). A step's lists deadlock under it for many plans whose towers share
+    ranks in different stage orders (counted below); so the runtime opens every link at setup, one
+    message each in one order on every rank (``parallel.pipeline.connect_in_order``), which completes
+    under this model for every plan, and afterwards the step only posts its sends on opened links
+    (``test_no_plan_deadlocks``' models)."""
+    from lightning_distmm.core.handoff import handoff_links, handoff_schedules
+    from lightning_distmm.parallel.pipeline import stage_pairs
+    from lightning_distmm.planner.simulate import simulate_handoff
+
+    counts = {}
+    for schedule, overlap in (("gpipe", False), ("cached", False), ("distmm", False), ("distmm", True)):
+        rng = random.Random(schedule)
+        step = opening = 0
+        for _ in range(400):
+            plan = _random_plan(rng, schedule)
+            lists = schedules(plan, rng.randint(2 * 6, 20), overlap)
+            step += _deadlocks(lambda: simulate(lists, lambda r, i: rng.random(), blocking_sends=True))
+            links = [(t, kind, s, d) for t, a, b in stage_pairs(plan) for kind, s, d in (("act", a, b), ("grad", b, a))]
+            opening += _deadlocks(lambda: simulate(_opening_lists(links), lambda r, i: 1.0, blocking_sends=True))
+        counts[schedule + ("+overlap" if overlap else "")] = (step, opening)
+    rng = random.Random("handoff")
+    step = opening = 0
+    consumes = {"llm": ["image"]}
+    for _ in range(400):
+        plan = _random_handoff_plan(rng)
+        lists = handoff_schedules(plan, consumes, ["image", "llm"], {"image": True, "llm": True}, rng.randint(12, 20))
+        llm = plan.towers["llm"]  # the target count's all-reduce: every replica's last stage
+        dp = {"llm": [r for q in range(llm.dp) for r in llm.replica_ranks(q)[(llm.pp - 1) * llm.tp :]]}
+        step += _deadlocks(lambda: simulate_handoff(lists, lambda r, i: rng.random(), 0.0, dp, blocking_sends=True))
+        links = handoff_links(plan, consumes)
+        links += [(t, kind, s, d) for t, a, b in stage_pairs(plan) for kind, s, d in (("act", a, b), ("grad", b, a))]
+        opening += _deadlocks(lambda: simulate(_opening_lists(links), lambda r, i: 1.0, blocking_sends=True))
+    counts["handoff"] = (step, opening)
+    with capsys.disabled():
+        print("\nof 400 random plans, deadlocked when a send holds its rank: the step's lists / the links' opening")
+        for name, (step, opening) in counts.items():
+            print(f"  {name:15} {step:4d} / {opening}")
+    assert all(opening == 0 for _, opening in counts.values())
+    assert counts["gpipe"][0] > 0  # the model sees what lazily created communicators would do

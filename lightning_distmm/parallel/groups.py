@@ -86,13 +86,15 @@ class Topology:
     links: PipelineLinks
 
 
-def build_topology(plan: Plan, device_type: str, nodes: Sequence[int] | None = None, mp_policy: Any = None) -> Topology:
+def build_topology(
+    plan: Plan, device: torch.device, nodes: Sequence[int] | None = None, mp_policy: Any = None
+) -> Topology:
     """Every group of ``plan``, in one fixed order. Collective: every rank calls it with the same arguments."""
-    towers = build_tower_groups(plan, device_type, nodes, mp_policy)
+    towers = build_tower_groups(plan, device.type, nodes, mp_policy)
     host = host_group()
     ranks = tuple(sync_ranks(plan))
     batch_sync = dist.new_group(list(ranks)) if len(ranks) < dist.get_world_size() else None
-    return Topology(towers, host, ranks, batch_sync, PipelineLinks(plan, host))
+    return Topology(towers, host, ranks, batch_sync, PipelineLinks(plan, host, device))
 
 
 def build_tower_groups(

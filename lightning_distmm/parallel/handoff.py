@@ -30,7 +30,7 @@ from lightning_distmm.core.handoff import (
     handoff_schedule,
 )
 from lightning_distmm.core.plan import Plan
-from lightning_distmm.parallel.pipeline import PendingSend
+from lightning_distmm.parallel.pipeline import PendingSend, connect_in_order
 from lightning_distmm.parallel.step import ScheduleRun
 from lightning_distmm.tower import Tower, TowerModule, tower_order
 
@@ -64,8 +64,10 @@ class TokenHandoff:
         self.host_group = host_group
         self.rank = dist.get_rank()
         # a process group per (kind, sender, receiver), as the pipeline links have: built collectively,
-        # in the same order on every rank (NCCL runs one communicator's operations in order)
+        # in the same order on every rank (NCCL runs one communicator's operations in order), and
+        # opened in that order (a communicator created at a first send would hold its rank)
         self.links = {key: dist.new_group([key[1], key[2]]) for key in handoff_links(plan, self.consumes)}
+        connect_in_order(self.links, device)
         self.reset()
 
     @staticmethod

@@ -204,6 +204,25 @@ class PendingSend:
             w.wait()
 
 
+def connect_in_order(links: Mapping[tuple[Any, int, int], Any], device: torch.device) -> None:
+    """Open every link ``(..., sender, receiver) -> group`` with one message, in ``links``' order.
+
+    NCCL creates a point-to-point communicator at its first ``send``/``recv``, and creating one
+    blocks the calling rank until the peer joins: a first step whose sends meet their receivers in
+    a cycle of ranks (towers sharing ranks in different stage orders) would hang there, though every
+    later step only posts its sends (``planner.simulate.simulate(..., blocking_sends=True)`` counts
+    such plans). Here every rank walks the same list and takes part in its own links, so the
+    earliest link not yet open always has both ends waiting on it, and every link opens. Collective:
+    every rank calls it with links built in the same order."""
+    rank = dist.get_rank()
+    probe = torch.zeros(1, device=device)
+    for (*_, src, dst), group in links.items():
+        if rank == src:
+            dist.send(probe, dst, group=group)
+        elif rank == dst:
+            dist.recv(probe, src, group=group)
+
+
 def stage_pairs(plan: Plan) -> list[tuple[str, int, int]]:
     """Every (tower, rank of stage s, rank of stage s + 1) of the plan's pipelined towers, in the plan's
     order: the same list on every rank (group creation must be)."""
@@ -228,10 +247,10 @@ class PipelineLinks:
     pair and direction has its own. A tensor's header (ndim, dims, dtype) travels on ``host_group``,
     a group of CPU collectives (None: the default group, gloo's), tagged by tower and direction, so
     the receiver learns the shape from host memory without waiting for its device. Collective to
-    build: every rank calls it with the same plan.
+    build: every rank calls it with the same plan; the links open at once (:func:`connect_in_order`).
     """
 
-    def __init__(self, plan: Plan, host_group: dist.ProcessGroup | None) -> None:
+    def __init__(self, plan: Plan, host_group: dist.ProcessGroup | None, device: torch.device) -> None:
         self.host_group = host_group
         self.groups: dict[tuple[str, str, int, int], dist.ProcessGroup | None] = {}
         names = list(plan.towers)
@@ -239,6 +258,7 @@ class PipelineLinks:
         for name, a, b in stage_pairs(plan):
             for kind, (src, dst) in (("act", (a, b)), ("grad", (b, a))):
                 self.groups[name, kind, src, dst] = dist.new_group([a, b])
+        connect_in_order(self.groups, device)
 
     def send(self, t: Tensor, tower: str, kind: str, dst: int) -> PendingSend:
         """Post the send of an activation (``kind="act"``) or gradient (``"grad"``) of any shape to ``dst``."""

@@ -39,7 +39,7 @@ def start_runner(
     """This rank's runtime for ``plan``: every group built (:func:`~lightning_distmm.parallel.groups.build_topology`),
     the local towers prepared (remote ones released, pipeline stages cut, TP and FSDP applied), and
     the runner the module calls. Collective: every rank calls it with the same plan."""
-    topology = build_topology(plan, device.type, nodes, mixed_precision_policy(precision))
+    topology = build_topology(plan, device, nodes, mixed_precision_policy(precision))
     runtime = RankRuntime(module, plan, topology, device, bucket_cap_mb=bucket_cap_mb)
     runtime.overlap_batch_sync = bool(overlap_batch_sync)
     runtime.prepare_local_towers()

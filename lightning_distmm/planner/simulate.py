@@ -37,6 +37,7 @@ def simulate(
     duration: Callable[[int, Instruction], float],
     link: float | Callable[[Instruction], float] = 0.0,
     rendezvous: bool = False,
+    blocking_sends: bool = False,
 ) -> list[Interval]:
     """Play every rank's list as NCCL runs it; return each instruction's interval.
 
@@ -63,9 +64,15 @@ def simulate(
 
     ``link``: seconds from a send to its receive, a number or a function of the receiving
     instruction (a ``Forward`` receives the microbatch's activations, a ``Backward`` its gradient).
+    ``blocking_sends``: the strictest model, a send holds its whole rank until the receiver has
+    reached the receive (what one stream for all of a rank's transfers, or a blocking ``send``,
+    would do); the runtime's sends are posted on a group per stage pair and direction, so this is
+    more than it needs, and the lists complete under it too.
+
     Raises ``RuntimeError`` naming what every blocked rank waits for when the lists deadlock.
     """
     clock = {r: 0.0 for r in plan_schedules}
+    held: dict[int, tuple] = {}  # blocking_sends: the send a rank is held at until its receiver reaches it
     pc = {r: 0 for r in plan_schedules}
     sent: dict[tuple, float] = {}
     reached: dict[tuple, float] = {}  # a receive -> when its rank reached it (a rendezvous send completes then)
@@ -74,10 +81,16 @@ def simulate(
     barrier_arrivals: dict[tuple[str, int], dict[int, float]] = {}
     posted: dict[tuple[int, int], SyncPost] = {}  # (rank, sync group) -> its post, priced at the wait
     collectives = (SyncPost, SyncWait, BatchSync, GradSync)
-    while any(pc[r] < len(plan_schedules[r]) for r in plan_schedules):
+    while any(pc[r] < len(plan_schedules[r]) or r in held for r in plan_schedules):
         progressed = False
         for r, instrs in plan_schedules.items():
-            while pc[r] < len(instrs):
+            while pc[r] < len(instrs) or r in held:
+                if r in held:
+                    if held[r] not in reached:
+                        break
+                    clock[r] = max(clock[r], reached[held.pop(r)])
+                    progressed = True
+                    continue
                 ins = instrs[pc[r]]
                 if rendezvous and isinstance(ins, collectives) and unmatched[r]:
                     if any(k not in reached for k in unmatched[r]):
@@ -126,12 +139,18 @@ def simulate(
                         key = (direction, ins.tower, ins.mb, r, ins.send_to)
                         sent[key] = end
                         unmatched[r].append(key)
+                        if blocking_sends:
+                            held[r] = key
                 out.append(Interval(r, ins, start, end))
                 clock[r] = end
                 pc[r] += 1
                 progressed = True
         if not progressed:
-            blocked = {r: plan_schedules[r][pc[r]] for r in plan_schedules if pc[r] < len(plan_schedules[r])}
+            blocked = {
+                r: f"its send {held[r]}" if r in held else plan_schedules[r][pc[r]]
+                for r in plan_schedules
+                if pc[r] < len(plan_schedules[r]) or r in held
+            }
             raise RuntimeError(f"the schedule deadlocks: each blocked rank and the instruction it waits at: {blocked}")
     return out
 
@@ -152,6 +171,7 @@ def simulate_handoff(
     duration: Callable[[int, object], float],
     link: float | Callable[[object], float] = 0.0,
     dp_groups: Mapping[str, Sequence[int]] | None = None,
+    blocking_sends: bool = False,
 ) -> list[Interval]:
     """Replay every rank's handoff list (:func:`handoff_schedule`); return each instruction's interval.
 
@@ -159,22 +179,33 @@ def simulate_handoff(
     function of the receiving instruction); sends complete without their receiver (gloo, as
     :func:`simulate` prices by default). A consumer's first
     ``TokenLoss`` (microbatch 0) waits for every rank of its data-parallel group's last stage
-    (``dp_groups[tower]``; the step's target count is all-reduced there), ``GradSync`` for every rank. Raises ``RuntimeError`` naming what every blocked
-    rank waits for when the lists deadlock.
+    (``dp_groups[tower]``; the step's target count is all-reduced there), ``GradSync`` for every
+    rank. ``blocking_sends``: a send to another rank holds its rank until the receiver has reached
+    the receive (as :func:`simulate`). Raises ``RuntimeError`` naming what every blocked rank waits
+    for when the lists deadlock.
     """
     clock = {r: 0.0 for r in lists}
     pc = {r: 0 for r in lists}
     sent: dict[tuple, float] = {}
+    reached: dict[tuple, float] = {}
+    held: dict[int, tuple] = {}
     arrivals: dict[tuple, dict[int, float]] = {}
     out: list[Interval] = []
-    while any(pc[r] < len(lists[r]) for r in lists):
+    while any(pc[r] < len(lists[r]) or r in held for r in lists):
         progressed = False
         for r, instrs in lists.items():
-            while pc[r] < len(instrs):
+            while pc[r] < len(instrs) or r in held:
+                if r in held:
+                    if held[r] not in reached:
+                        break
+                    clock[r] = max(clock[r], reached[held.pop(r)])
+                    progressed = True
+                    continue
                 ins = instrs[pc[r]]
                 start = clock[r]
                 if isinstance(ins, (RecvTokens, RecvTokenGrads)):
                     key = ("tokens", ins.route, r) if isinstance(ins, RecvTokens) else ("grads", ins.route, r)
+                    reached.setdefault(key, clock[r])
                     if key not in sent:
                         break
                     start = max(start, sent[key] + (link(ins) if callable(link) else link))
@@ -190,22 +221,32 @@ def simulate_handoff(
                     start = max(clock[r], *arrivals[key].values())
                 elif isinstance(ins, (Forward, Backward)) and ins.recv_from is not None:
                     key = (type(ins).__name__, ins.tower, ins.mb, ins.recv_from, r)
+                    reached.setdefault(key, clock[r])
                     if key not in sent:
                         break
                     start = max(start, sent[key] + (link(ins) if callable(link) else link))
                 end = start + duration(r, ins)
+                out_key: tuple | None = None
                 if isinstance(ins, (Forward, Backward)) and ins.send_to is not None:
-                    sent[type(ins).__name__, ins.tower, ins.mb, r, ins.send_to] = end
-                if isinstance(ins, SendTokens):
-                    sent["tokens", ins.route, ins.route.dst] = end
+                    out_key = (type(ins).__name__, ins.tower, ins.mb, r, ins.send_to)
+                elif isinstance(ins, SendTokens):
+                    out_key = ("tokens", ins.route, ins.route.dst)
                 elif isinstance(ins, SendTokenGrads):
-                    sent["grads", ins.route, ins.peer] = end
+                    out_key = ("grads", ins.route, ins.peer)
+                if out_key is not None:
+                    sent[out_key] = end
+                    if blocking_sends and out_key[-1] != r:
+                        held[r] = out_key
                 out.append(Interval(r, ins, start, end))
                 clock[r] = end
                 pc[r] += 1
                 progressed = True
         if not progressed:
-            blocked = {r: lists[r][pc[r]] for r in lists if pc[r] < len(lists[r])}
+            blocked = {
+                r: f"its send {held[r]}" if r in held else lists[r][pc[r]]
+                for r in lists
+                if pc[r] < len(lists[r]) or r in held
+            }
             raise RuntimeError(
                 f"the handoff schedule deadlocks: each blocked rank and the instruction it waits at: {blocked}"
             )
