@@ -55,20 +55,29 @@ class CountHostSyncs(L.Callback):
 
 
 @pytest.mark.slow
-def test_host_syncs_per_step_in_the_default_path(tmp_path):
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_host_syncs_per_step_in_the_default_path(tmp_path, precision):
     """Colocated on 2 ranks, 4 steps: before, 4 per step on every rank (the global batch size read from
     a tensor twice, ``executor.py``, the second time for the log's batch size; the flag of gradient
     terms outside ``contrastive_loss``, ``gradients.py`` ``.item()``; whether the upstream gradient
     is exactly 1, ``bool``). Now none: the batch size travels as a Python number, the upstream
     gradient multiplies the gradients whatever its value (exact when it is 1), and the flag is
-    exchanged over a group of CPU collectives and read from host memory (``exchange.host_any``)."""
+    exchanged over a group of CPU collectives and read from host memory (``exchange.host_any``).
+    The same under ``bf16-mixed``."""
     run_distmm(
-        TinyCLIP(), "colocated", 2, loader(8), 4, str(tmp_path / "loss.json"), callbacks=[CountHostSyncs(tmp_path)]
+        TinyCLIP(),
+        "colocated",
+        2,
+        loader(8),
+        4,
+        str(tmp_path / "loss.json"),
+        callbacks=[CountHostSyncs(tmp_path)],
+        precision=precision,
     )
     for rank in range(2):
         steps = json.loads((tmp_path / f"rank{rank}.json").read_text())
         counts = [sum(s.values()) for s in steps]
-        print(f"rank {rank}: host syncs per step {counts}; steady state: {steps[-1]}")
+        print(f"{precision} rank {rank}: host syncs per step {counts}; steady state: {steps[-1]}")
         assert len(steps) == 4 and max(counts[1:]) == 0, steps
         assert not any("executor.py" in where for where in steps[-1]), steps[-1]
 
@@ -86,4 +95,31 @@ def test_host_syncs_per_step_on_pipeline_stages(tmp_path):
         steps = json.loads((tmp_path / f"rank{rank}.json").read_text())
         counts = [sum(s.values()) for s in steps]
         print(f"rank {rank} (stage {rank}): host syncs per step {counts}; steady state: {steps[-1]}")
+        assert len(steps) == 3 and max(counts[1:]) == 0, steps
+
+
+@pytest.mark.slow
+def test_host_syncs_per_step_in_an_encoder_llm_handoff_balanced_by_cost(tmp_path):
+    """An encoder (2 replicas) feeding a language model on a third rank, each step's rows assigned by
+    their cost: the assignment is computed from the batch's cost fields, which the loader keeps on
+    the host, and the handoff's routes from it; no rank reads its device back."""
+    import lightning_distmm as ldm
+    from lightning_distmm.models.vlm import VLM
+    from vlm_testing import SkewedVLMData, vlm_loader
+
+    plan = ldm.Plan(3, {"image": {"ranks": [0, 1]}, "llm": {"ranks": [2]}})
+    cost = {"image": "n_images", "llm": {"n_images": 5, "n_tokens": 1}}
+    run_distmm(
+        VLM(cost=cost),
+        plan,
+        3,
+        vlm_loader(6, data=SkewedVLMData),
+        3,
+        str(tmp_path / "loss.json"),
+        callbacks=[CountHostSyncs(tmp_path)],
+    )
+    for rank in range(3):
+        steps = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        counts = [sum(s.values()) for s in steps]
+        print(f"rank {rank}: host syncs per step {counts}; steady state: {steps[-1]}")
         assert len(steps) == 3 and max(counts[1:]) == 0, steps

@@ -30,12 +30,10 @@ from lightning_distmm.core.handoff import (
     handoff_schedule,
 )
 from lightning_distmm.core.plan import Plan
-from lightning_distmm.parallel.pipeline import PendingSend, connect_in_order
+from lightning_distmm.parallel.pipeline import PendingSend, connect_in_order, post_tensor, receive_tensor
 from lightning_distmm.parallel.step import ScheduleRun
 from lightning_distmm.tower import Tower, TowerModule, tower_order
 
-_HEADER = 8  # ndim, up to 6 dims, dtype
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 _TAG = 7000  # tags of the handoff's headers on the host group (the data go over each pair's own group)
 _KINDS = ("tokens", "grads")
 
@@ -168,24 +166,11 @@ class TokenHandoff:
 
     # ------------------------------------------------------------------ point to point
     def _send(self, t: Tensor, dst: int, kind: int) -> PendingSend:
-        header = torch.zeros(_HEADER, dtype=torch.int64)
-        header[0] = t.dim()
-        header[1 : 1 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-        header[_HEADER - 1] = _DTYPES.index(t.dtype)
-        data = t.detach().contiguous()
-        works = [
-            dist.isend(header, dst, group=self.host_group, tag=_TAG + 2 * kind),
-            dist.isend(data, dst, group=self.links[_KINDS[kind], self.rank, dst]),
-        ]
-        return PendingSend(works, (header, data))
+        return post_tensor(t, dst, self.links[_KINDS[kind], self.rank, dst], self.host_group, _TAG + 2 * kind)
 
     def _recv(self, src: int, kind: int) -> Tensor:
-        header = torch.empty(_HEADER, dtype=torch.int64)
-        dist.recv(header, src, group=self.host_group, tag=_TAG + 2 * kind)
-        ndim, *dims = header.tolist()[: _HEADER - 1]
-        out = torch.empty(tuple(dims[:ndim]), dtype=_DTYPES[int(header[-1])], device=self.device)
-        dist.recv(out, src, group=self.links[_KINDS[kind], src, self.rank])
-        return out
+        group = self.links[_KINDS[kind], src, self.rank]
+        return receive_tensor(src, group, self.host_group, _TAG + 2 * kind, self.device)
 
 
 HANDOFF_INSTRUCTIONS = (SendTokens, RecvTokens, TokenLoss, SendTokenGrads, RecvTokenGrads)

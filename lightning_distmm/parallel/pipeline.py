@@ -262,24 +262,35 @@ class PipelineLinks:
 
     def send(self, t: Tensor, tower: str, kind: str, dst: int) -> PendingSend:
         """Post the send of an activation (``kind="act"``) or gradient (``"grad"``) of any shape to ``dst``."""
-        header = torch.zeros(_HEADER, dtype=torch.int64)
-        header[0] = t.dim()
-        header[1 : 1 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-        header[_HEADER - 1] = _DTYPES.index(t.dtype)
-        data = t.detach().contiguous()
         group = self.groups[tower, kind, dist.get_rank(), dst]
-        works = [
-            dist.isend(header, dst, group=self.host_group, tag=self.tags[tower, kind]),
-            dist.isend(data, dst, group=group),
-        ]
-        return PendingSend(works, (header, data))
+        return post_tensor(t, dst, group, self.host_group, self.tags[tower, kind])
 
     def recv(self, tower: str, kind: str, src: int, device: torch.device) -> Tensor:
         """Receive the tensor ``src`` sent with :meth:`send` (blocking until its header arrives)."""
-        header = torch.empty(_HEADER, dtype=torch.int64)
-        dist.recv(header, src, group=self.host_group, tag=self.tags[tower, kind])
-        ndim, *dims = header.numpy()[: 1 + _HEADER - 2].tolist()
-        shape = tuple(dims[:ndim])
-        out = torch.empty(shape, dtype=_DTYPES[int(header.numpy()[-1])], device=device)
-        dist.recv(out, src, group=self.groups[tower, kind, src, dist.get_rank()])
-        return out
+        group = self.groups[tower, kind, src, dist.get_rank()]
+        return receive_tensor(src, group, self.host_group, self.tags[tower, kind], device)
+
+
+def post_tensor(t: Tensor, dst: int, group: Any, host_group: Any, tag: int) -> PendingSend:
+    """Post ``t`` (any shape) to ``dst``: its header (ndim, dims, dtype) on ``host_group`` with ``tag``,
+    the data on ``group``, the link's own. Nothing waits here."""
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    header[0] = t.dim()
+    header[1 : 1 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    header[_HEADER - 1] = _DTYPES.index(t.dtype)
+    data = t.detach().contiguous()
+    works = [dist.isend(header, dst, group=host_group, tag=tag), dist.isend(data, dst, group=group)]
+    return PendingSend(works, (header, data))
+
+
+def receive_tensor(src: int, group: Any, host_group: Any, tag: int, device: torch.device) -> Tensor:
+    """Receive what ``src`` posted with :func:`post_tensor`: the header is read from host memory
+    (``numpy()`` refuses a device tensor, so the receiver never waits for its device here)."""
+    header = torch.empty(_HEADER, dtype=torch.int64)
+    dist.recv(header, src, group=host_group, tag=tag)
+    fields = header.numpy()
+    ndim = int(fields[0])
+    shape = tuple(int(d) for d in fields[1 : 1 + ndim])
+    out = torch.empty(shape, dtype=_DTYPES[int(fields[-1])], device=device)
+    dist.recv(out, src, group=group)
+    return out
