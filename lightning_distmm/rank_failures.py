@@ -15,6 +15,7 @@ the other ranks never join).
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import tempfile
@@ -48,6 +49,7 @@ class RankFailures:
         self.relay: faults.ErrorRelay | None = None
         self.watchdog: faults.ParentWatchdog | None = None
         self.peer_watch: faults.PeerFailureWatch | None = None
+        self._trainer_calls = 0
         #: this rank's last line once it is failing (what a later clean-up SIGTERM repeats)
         self.last_words: str | None = None
 
@@ -80,6 +82,18 @@ class RankFailures:
         """After joining: each host's folder holds its own ranks' records, so share them in the store."""
         if num_nodes > 1 and self.relay is not None:
             self.relay.share_across_hosts(seam.default_store(), world_size)
+
+    def watch_nodes(self, nodes: list[int]) -> None:
+        """Over several nodes (``nodes``: the node of every rank), a heartbeat per node in the job's
+        store, watched by every node (:class:`~lightning_distmm.faults.NodeHeartbeat`)."""
+        if self.peer_watch is None or len(set(nodes)) < 2 or self.grace is None:
+            return
+        address = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        self._trainer_calls += 1  # every rank makes the same calls: keys of one call never meet another's
+        run = f"{faults.current_run_id() or 'run'}/{self._trainer_calls}"
+        self.peer_watch.heartbeat = faults.NodeHeartbeat(
+            seam.default_store(), run, self.rank, nodes, self.grace.total_seconds(), address
+        )
 
     def recorded_cause(self) -> str | None:
         """The root cause other ranks recorded, if any, or that this rank stalled (what a rank says when
@@ -151,6 +165,8 @@ class RankFailures:
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog = None
+        if self.peer_watch is not None and self.peer_watch.heartbeat is not None:
+            self.peer_watch.heartbeat.close()
         if self.peer_watch is not None:
             self.peer_watch.stop()
             self.peer_watch = None

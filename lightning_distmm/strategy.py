@@ -182,6 +182,7 @@ class DistMMStrategy(ModelParallelStrategy):
         if self.root_device.type == "cpu" and self._reuse_host_memory:
             keep_freed_host_memory()
         nodes = nodes_of_ranks(int(self.node_rank), self.world_size)
+        self.failures.watch_nodes(nodes)
         self.plan = plan_of_run(self, trainer, module, nodes)
         rank_zero_info(f"distmm {self.plan.table()}")
         if any(t.sharded for t in self.plan.towers.values()):

@@ -103,9 +103,10 @@ def test_host_syncs_per_step_in_an_encoder_llm_handoff_balanced_by_cost(tmp_path
     """An encoder (2 replicas) feeding a language model on a third rank, each step's rows assigned by
     their cost: the assignment is computed from the batch's cost fields, which the loader keeps on
     the host, and the handoff's routes from it; no rank reads its device back."""
+    from vlm_testing import SkewedVLMData, vlm_loader
+
     import lightning_distmm as ldm
     from lightning_distmm.models.vlm import VLM
-    from vlm_testing import SkewedVLMData, vlm_loader
 
     plan = ldm.Plan(3, {"image": {"ranks": [0, 1]}, "llm": {"ranks": [2]}})
     cost = {"image": "n_images", "llm": {"n_images": 5, "n_tokens": 1}}

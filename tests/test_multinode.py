@@ -112,3 +112,61 @@ def test_slurm_environment_two_nodes_equals_one_process(tmp_path):
     placed = _check_against_one_process(tmp_path, tmp_path)
     assert placed["nodes"] == [0, 1]
     assert placed["image_mesh"] == [[0], [1]]  # HSDP: a node's shard group is its one rank
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lost", [0, 1])
+def test_a_lost_node_ends_the_other_nodes_ranks_naming_it(tmp_path, lost):
+    """Two "nodes" of one task each (SLURM-style), each with its own temporary folder (as two machines
+    have), both stuck in step 2 as NCCL leaves a rank whose peer vanished. Every process of one node
+    is SIGKILLed: the node holding rank 0 (and the job's store), or the other. The survivor ends by
+    itself within the grace and a few seconds, naming the lost node."""
+    import signal
+    import time
+
+    grace = 4.0
+    port = str(_port())
+    script = Path(__file__).parent / "scripts" / "node_loss.py"
+    procs, logs = [], []
+    for rank in range(2):
+        folder = tmp_path / f"node{rank}-tmp"
+        folder.mkdir()
+        env = _env(
+            SLURM_NTASKS="2",
+            SLURM_NTASKS_PER_NODE="1",
+            SLURM_PROCID=str(rank),
+            SLURM_LOCALID="0",
+            SLURM_NODEID=str(rank),
+            SLURM_NNODES="2",
+            SLURM_JOB_ID="4343",
+            SLURM_JOB_NAME="distmm-node-loss",
+            SLURM_NODELIST="127.0.0.1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            TMPDIR=str(folder),
+        )
+        logs.append(tmp_path / f"node{rank}.log")
+        procs.append(_start([sys.executable, str(script), str(tmp_path), str(grace)], env, logs[-1]))
+    try:
+        deadline = time.monotonic() + 300
+        while not all((tmp_path / f"ready{r}").exists() for r in range(2)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [
+                log.read_text(errors="replace")[-2000:] for log in logs
+            ]
+            time.sleep(0.2)
+        procs[lost].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        survivor = procs[1 - lost]
+        survivor.wait(timeout=grace + 60)
+        seconds = time.monotonic() - killed
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    said = logs[1 - lost].read_text(errors="replace")
+    print(f"\nnode {lost} killed: node {1 - lost}'s rank exited with {survivor.returncode} after {seconds:.1f} s")
+    print("\n".join(line for line in said.splitlines() if "distmm" in line)[-1500:])
+    assert survivor.returncode != 0
+    assert f"node {lost} (rank {lost}) is lost" in said, said[-3000:]
+    assert seconds <= grace + 10

@@ -13,12 +13,16 @@ Three parts, none of which needs Lightning:
 - :class:`ParentWatchdog`: a daemon thread that ends its process when the process that started
   it (Lightning's launcher, which is rank 0 under the subprocess launcher, torchrun's agent, the
   spawn/fork parent) is gone, so no rank outlives its job waiting on a collective.
+- :class:`NodeHeartbeat`: over several nodes, each node's first rank beats for its node in the
+  job's store and watches the others' beats, so that a lost machine (which records nothing) ends
+  every other node's ranks, naming it; a store that stops answering names rank 0's node.
 - :func:`preemption_handler`: SIGTERM (a scheduler's preemption) ends the rank that receives it
   at once with :class:`Preempted`, a root cause the relay hands to every other rank. Lightning's
   own handler broadcasts from inside the signal handler, a collective the other ranks never
   join, which leaves every rank waiting until the collective timeout.
 """
 
+from lightning_distmm.faults.heartbeat import NODE_LOST, NodeHeartbeat
 from lightning_distmm.faults.records import (
     STALLED,
     ErrorRelay,
@@ -49,6 +53,8 @@ from lightning_distmm.faults.watch import (
 
 __all__ = [
     "LAUNCHER_PID_ENV",
+    "NODE_LOST",
+    "NodeHeartbeat",
     "RUN_ID_ENV",
     "STALLED",
     "ErrorRelay",

@@ -240,12 +240,19 @@ class ErrorRelay:
             return None
 
     def records(self) -> list[FailureRecord]:
-        """Every rank's record in this host's folder, and the ranks another rank named stalled."""
+        """Every rank's record in this host's folder, the ranks another rank named stalled and the
+        nodes found lost."""
         if not self.folder.is_dir():
             return []
         paths = sorted(self.folder.glob("rank*.json")) + sorted(self.folder.glob("rank*.stalled"))
+        paths += sorted(self.folder.glob("rank*.lost"))
         found = (self._read(p) for p in paths)
         return [r for r in found if r is not None]
+
+    def note_lost(self, record: FailureRecord) -> None:
+        """Write the record of a lost node (``NodeHeartbeat``) where this host's ranks read records."""
+        with contextlib.suppress(OSError):
+            _write_atomically(self.folder, f"rank{record.rank}.lost", json.dumps(asdict(record)))
 
     def _declare_stalled(self, record: FailureRecord) -> None:
         """Tell the rank ``record`` names stalled (it is alive and may read its folder later)."""

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 
+from lightning_distmm.faults.heartbeat import NODE_LOST, NodeHeartbeat
 from lightning_distmm.faults.records import ErrorRelay, FailureRecord, earliest_cause
 from lightning_distmm.faults.runs import expected_parent
 
@@ -110,7 +111,14 @@ class PeerFailureWatch(threading.Thread):
     that died without a word, has been there for ``grace`` seconds while this rank recorded nothing
     (on gloo it would have failed and recorded a consequence by then), it prints that cause as
     ``[rank<N>]: distmm: ...`` and ends the process with ``code``.
+
+    With a :class:`~lightning_distmm.faults.heartbeat.NodeHeartbeat` (``heartbeat``, jobs over
+    several nodes) it also beats for its node each round; a node found lost is written to this
+    host's folder, which every rank of the host reads, and ends them at once (its grace was the
+    heartbeat's).
     """
+
+    heartbeat: NodeHeartbeat | None = None
 
     def __init__(
         self, relay: ErrorRelay, world_size: int, grace: float = 30.0, interval: float = 1.0, code: int = 1
@@ -131,7 +139,7 @@ class PeerFailureWatch(threading.Thread):
             return None
         records = self.relay.records()
         local = {r.rank for r in records}
-        records += [r for r in self.relay.shared_records() if r.rank not in local]
+        records += [r for r in self.relay.shared_records_within() if r.rank not in local]
         causes = [r for r in records if not r.consequence and r.rank != self.relay.rank]
         try:
             causes += self.relay._silent_ranks({r.rank for r in records}, stalled_too=False)
@@ -144,21 +152,37 @@ class PeerFailureWatch(threading.Thread):
         found = self.cause()
         if found is None:
             return None
+        if found.kind == NODE_LOST:
+            return found  # the heartbeat waited its grace already
         first = self._seen.setdefault((found.rank, found.kind), time.monotonic())
         return found if time.monotonic() - first >= self.grace else None
+
+    def beat(self) -> None:
+        """One heartbeat round; a lost node goes to this host's folder."""
+        if self.heartbeat is not None:
+            lost = self.heartbeat.tick()
+            if lost is not None and not self.relay.recorded():
+                self.relay.note_lost(lost)
 
     def run(self) -> None:
         while not self._stop_event.wait(self.interval):
             try:
+                self.beat()
                 found = self.due()
             except Exception:  # noqa: BLE001 - a watch that cannot read the records does nothing
                 continue
             if found is None:
                 continue
+            if found.kind == NODE_LOST:
+                why = "its ranks will not join this rank's collectives"
+            else:
+                why = (
+                    f"this rank waited {self.grace:.0f} s in a collective or host sync that rank will not join (NCCL"
+                    " does not fail it, gloo would)"
+                )
             sys.stderr.write(
-                f"[rank{self.relay.rank}]: distmm: {found.describe()}; this rank waited {self.grace:.0f} s in a"
-                f" collective or host sync that rank will not join (NCCL does not fail it, gloo would): ending"
-                f" rank process {os.getpid()} instead of waiting for the collective timeout\n"
+                f"[rank{self.relay.rank}]: distmm: {found.describe()}; {why}: ending rank process {os.getpid()}"
+                " instead of waiting for the collective timeout\n"
             )
             sys.stderr.flush()
             self.relay.finish(self.world_size)
