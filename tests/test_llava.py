@@ -168,7 +168,9 @@ PLANS = {
 }
 
 
-def _compare(plan: Any, devices: int, optimizer: str, freeze: str | None, tmp_path: Path) -> float:
+def _compare(
+    plan: Any, devices: int, optimizer: str, freeze: str | None, tmp_path: Path, pack_tokens: int | None = None
+) -> float:
     L.seed_everything(0)
     lr = 0.05 if optimizer == "sgd" else 0.01
     model = tiny_llava()
@@ -180,6 +182,7 @@ def _compare(plan: Any, devices: int, optimizer: str, freeze: str | None, tmp_pa
         optimizer=optimizer,
         lr=lr,
         eps=1e-6,
+        pack_tokens=pack_tokens,
     )
     run_reference(reference, data(), 3, str(tmp_path / "ref.json"))
     run_distmm(module, plan, devices, data(), 3, str(tmp_path / "dist.json"))
@@ -201,6 +204,14 @@ def test_llava_trains_like_transformers_in_one_process(name, optimizer, tmp_path
     with capsys.disabled():
         print(f"\nLLaVA {name} {optimizer}: max parameter diff {diff:.1e}")
     assert diff <= 1e-5
+
+
+@pytest.mark.slow
+def test_a_packed_language_tower_trains_like_transformers_padded(tmp_path):
+    """The language model on 2 data-parallel ranks, each microbatch's rows packed into sequences of
+    24 tokens (two or three samples each), against transformers' padded forward in one process."""
+    plan = ldm.Plan(3, {"vision": {"ranks": [0]}, "language": {"ranks": [1, 2]}})
+    assert _compare(plan, 3, "adamw", None, tmp_path, pack_tokens=24) <= 1e-5
 
 
 @pytest.mark.slow

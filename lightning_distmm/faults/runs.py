@@ -127,10 +127,10 @@ def remove_stale_runs(root: str | os.PathLike, include_current: bool = False) ->
     for run in runs:
         if run.name == keep or not run.is_dir():
             continue
-        procs = list(run.glob("rank*.proc"))
         try:
+            procs = list(run.glob("rank*.proc"))
             infos = [json.loads(p.read_text()) for p in procs]
-        except (OSError, ValueError):
+        except (OSError, ValueError):  # removed meanwhile by another run's cleanup, or half written
             continue
         if infos and all(i.get("host") == host and not pid_alive(int(i["pid"])) for i in infos):
             _remove_tree(run)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_distmm.mixin import DistMMMixin
+from lightning_distmm.models.packing import pack, unpack
 from lightning_distmm.tower import Tower
 
 IGNORE = -100
@@ -91,11 +92,15 @@ class LlavaLanguage(nn.Module):
     """LLaVA's language model on the embedded text with each row's image features at its
     ``<image>`` placeholders; the logits ``[B, S, vocab]``."""
 
-    def __init__(self, language_model: nn.Module, lm_head: nn.Module, image_token_index: int) -> None:
+    def __init__(
+        self, language_model: nn.Module, lm_head: nn.Module, image_token_index: int, pack_tokens: int | None = None
+    ) -> None:
         super().__init__()
         self.language_model = language_model
         self.lm_head = lm_head
         self.image_token_index = int(image_token_index)
+        #: pack each call's rows into sequences of this many tokens (``models.packing``); None: padded rows
+        self.pack_tokens = pack_tokens
 
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor, labels: Tensor, n_images: Tensor, image_features: Tensor
@@ -103,8 +108,14 @@ class LlavaLanguage(nn.Module):
         """``labels`` is not read here: a tower's inputs are the fields its ranks load, and the loss
         (:meth:`LlavaModule.token_loss`) reads them on the rows this tower computed."""
         embeds = self._embed({"input_ids": input_ids, "n_images": n_images, "image_features": image_features})
-        hidden = self.language_model(inputs_embeds=embeds, attention_mask=attention_mask).last_hidden_state
-        return self.lm_head(hidden)
+        if self.pack_tokens is None:
+            hidden = self.language_model(inputs_embeds=embeds, attention_mask=attention_mask).last_hidden_state
+            return self.lm_head(hidden)
+        # right-padded rows laid end to end; transformers keeps attention inside each sample from the
+        # restarting positions (no attention_mask), and the head runs on the packed tokens only
+        packed, positions, where = pack(embeds, attention_mask, self.pack_tokens)
+        hidden = self.language_model(inputs_embeds=packed, position_ids=positions, use_cache=False).last_hidden_state
+        return unpack(self.lm_head(hidden), where)
 
     def _embed(self, rows: Mapping[str, Tensor]) -> Tensor:
         """The embedded text with each row's image features at its placeholders."""
@@ -132,6 +143,8 @@ class LlavaLanguage(nn.Module):
 
         from lightning_distmm.parallel.pipeline import Stage, even_split
 
+        if self.pack_tokens is not None:
+            raise ValueError("a packed language tower (pack_tokens) cannot be cut into pipeline stages yet: use pp 1")
         lm = self.language_model
         layers = lm.layers
         if len(layers) < pp:
@@ -221,6 +234,8 @@ class LlavaModule(DistMMMixin, L.LightningModule):
     ``[B]`` (0 or 1), ``input_ids`` with ``image_token_index`` placeholders, ``attention_mask``,
     ``labels``. ``freeze_vision``: LLaVA's second stage (the projector trains, the vision encoder
     does not, so it stays one tower whose encoder has no gradients); ``freeze_language``: its first.
+    ``pack_tokens``: the language model runs each microbatch's rows packed into sequences of this
+    many tokens, without their padding (``models.packing``; right-padded rows, the same loss).
     """
 
     def __init__(
@@ -232,10 +247,12 @@ class LlavaModule(DistMMMixin, L.LightningModule):
         lr: float = 1e-3,
         eps: float = 1e-8,
         weight_decay: float = 0.0,
+        pack_tokens: int | None = None,
     ) -> None:
         super().__init__()
         self.config = model.config  # type: ignore[union-attr]
         self.vision, self.language = llava_towers(model)
+        self.language.pack_tokens = pack_tokens
         if freeze_vision:
             self.vision.vision_tower.requires_grad_(False)
         if freeze_language:

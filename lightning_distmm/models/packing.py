@@ -1,0 +1,109 @@
+"""Sequence packing for a language tower: a microbatch's tokens without their padding.
+
+A batch of right-padded rows (or rows with masked slots, such as absent images' tokens) spends the
+decoder's work and memory on padding. :func:`pack` lays the kept tokens of each row end to end in
+sequences of at most ``budget`` tokens (whole samples, in row order, a new sequence when the next
+sample does not fit), with ``position_ids`` restarting at 0 for every sample; :func:`unpack` puts a
+result computed on the packed sequences back at the rows' places (zeros where the rows had masked
+tokens). Attention must stay inside each sample: transformers builds that block-diagonal causal mask
+itself when it is given ``position_ids`` and no ``attention_mask`` (``masking_utils``'s packed
+sequences; a varlen kernel where one exists), so a tower passes ``attention_mask=None``.
+
+Each kept token then sees the tokens it saw unpacked, at the same positions: the result equals the
+unpacked one wherever the rows had a token (``tests/test_packing.py``). Reading the rows' lengths
+is one read of the mask from the device per call: packing decides shapes on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Where every kept token went: row ``rows[i]``, column ``cols[i]`` -> sequence ``seqs[i]``,
+    place ``places[i]``; ``shape`` is (sequences, longest sequence)."""
+
+    rows: Tensor
+    cols: Tensor
+    seqs: Tensor
+    places: Tensor
+    shape: tuple[int, int]
+    source: tuple[int, int]  # (rows, columns) of the unpacked layout
+
+    @property
+    def tokens(self) -> int:
+        return int(self.rows.numel())
+
+
+def plan_packing(lengths: list[int], budget: int) -> list[list[int]]:
+    """The rows of each packed sequence: whole samples in row order, a new sequence when the next
+    does not fit in ``budget`` tokens. A sample longer than the budget is refused, naming it."""
+    if budget < 1:
+        raise ValueError(f"packing budget {budget}: it must be a positive number of tokens")
+    sequences: list[list[int]] = []
+    used = budget
+    for row, n in enumerate(lengths):
+        if n > budget:
+            raise ValueError(
+                f"row {row} of the microbatch has {n} tokens, more than the packing budget of {budget}: raise the budget to at"
+                " least the longest sample"
+            )
+        if used + n > budget:
+            sequences.append([])
+            used = 0
+        sequences[-1].append(row)
+        used += n
+    return sequences
+
+
+def pack(x: Tensor, keep: Tensor, budget: int) -> tuple[Tensor, Tensor, Packing]:
+    """``x`` ``[B, T, ...]``'s tokens where ``keep`` ``[B, T]`` is set, packed: ``(packed [S, L, ...],
+    position_ids [S, L], packing)``. Positions count each sample's kept tokens from 0; a sequence's
+    tail after its last sample continues the last sample's positions (it is never attended: the
+    mask is causal) and holds zeros."""
+    b, t = keep.shape
+    mask = keep.bool().cpu()  # the host decides the shapes: one read of the mask
+    lengths = mask.sum(dim=1).tolist()
+    sequences = plan_packing(lengths, budget)
+    longest = max((sum(lengths[r] for r in rows) for rows in sequences), default=0)
+    rows_of: list[Tensor] = []
+    cols_of: list[Tensor] = []
+    seqs_of: list[Tensor] = []
+    places_of: list[Tensor] = []
+    positions = torch.zeros(len(sequences), max(longest, 1), dtype=torch.long)
+    for s, rows in enumerate(sequences):
+        place = 0
+        for r in rows:
+            cols = mask[r].nonzero().flatten()
+            n = cols.numel()
+            rows_of.append(torch.full((n,), r))
+            cols_of.append(cols)
+            seqs_of.append(torch.full((n,), s))
+            places_of.append(torch.arange(place, place + n))
+            positions[s, place : place + n] = torch.arange(n)
+            place += n
+        if place < positions.shape[1]:
+            last = int(positions[s, place - 1]) if place else -1
+            positions[s, place:] = torch.arange(last + 1, last + 1 + positions.shape[1] - place)
+    where = Packing(_cat(rows_of), _cat(cols_of), _cat(seqs_of), _cat(places_of), tuple(positions.shape), (b, t))
+    packed = x.new_zeros((*where.shape, *x.shape[2:]))
+    device_index = [i.to(x.device) for i in (where.seqs, where.places, where.rows, where.cols)]
+    packed[device_index[0], device_index[1]] = x[device_index[2], device_index[3]]
+    return packed, positions.to(x.device), where
+
+
+def _cat(parts: list[Tensor]) -> Tensor:
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+def unpack(y: Tensor, where: Packing) -> Tensor:
+    """``y`` ``[S, L, ...]`` computed on :func:`pack`'s sequences, back at the rows' places ``[B, T, ...]``
+    (zeros where the rows had no kept token)."""
+    out = y.new_zeros((*where.source, *y.shape[2:]))
+    seqs, places, rows, cols = (i.to(y.device) for i in (where.seqs, where.places, where.rows, where.cols))
+    out[rows, cols] = y[seqs, places]
+    return out

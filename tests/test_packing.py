@@ -1,0 +1,54 @@
+"""Sequence packing for a language tower (``models/packing.py``): the packed forward equals the padded
+one at every token the rows hold, gradients included, and bad budgets are named."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_llava import data, tiny_llava, towers_logits
+
+from lightning_distmm.models.llava import LlavaModule
+from lightning_distmm.models.packing import pack, plan_packing, unpack
+
+
+def test_samples_go_whole_in_row_order():
+    assert plan_packing([3, 4, 2, 5, 1], 7) == [[0, 1], [2, 3], [4]]
+    assert plan_packing([7, 7], 7) == [[0], [1]]
+    with pytest.raises(ValueError, match="row 1 of the microbatch has 9 tokens, more than the packing budget of 8"):
+        plan_packing([2, 9], 8)
+    with pytest.raises(ValueError, match="packing budget 0"):
+        plan_packing([1], 0)
+
+
+def test_pack_then_unpack_gives_back_the_kept_tokens():
+    x = torch.randn(3, 5, 2)
+    keep = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 1, 1, 0], [1, 1, 1, 1, 1]])  # masked slots inside a row too
+    packed, positions, where = pack(x, keep, 8)
+    assert packed.shape == (2, 6, 2) and where.tokens == 11
+    assert positions.tolist() == [[0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 4, 5]]  # a sequence's tail continues
+    back = unpack(packed, where)
+    torch.testing.assert_close(back, x * keep[..., None])
+
+
+@pytest.mark.parametrize("budget", [12, 30])
+def test_a_packed_llava_language_tower_computes_the_padded_one(budget):
+    """The same weights, padded rows against rows packed into sequences of ``budget`` tokens: the
+    logits at every real token, the loss, and every parameter's gradient."""
+    padded = LlavaModule(tiny_llava())
+    packed = copy.deepcopy(padded)
+    packed.language.pack_tokens = budget
+    batch = next(iter(data()))
+    losses = []
+    for module in (padded, packed):
+        logits = towers_logits(module, batch)
+        total, count = module.token_loss(logits, batch)
+        (total / count).backward()
+        losses.append((logits, total / count))
+    real = batch["attention_mask"].bool()
+    torch.testing.assert_close(losses[1][0][real], losses[0][0][real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(losses[1][1], losses[0][1], atol=1e-6, rtol=1e-6)
+    for (name, a), b in zip(padded.named_parameters(), packed.parameters(), strict=True):
+        if a.grad is not None:
+            torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5, msg=name)
