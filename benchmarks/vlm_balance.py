@@ -9,7 +9,10 @@ drawn from the planner's workloads (InternVL-like ``{1: .2, 3: .3, 5: .3, 7: .2}
 
 * ``rows``: ``DistMMStrategy(balance="rows")``, the plan's even split in sample order;
 * ``cost``: ``DistMMStrategy(balance="cost")`` with ``VLM(cost={"image": "n_images"})``: each
-  step's rows to the encoder's replicas by their images (the LLM's keep their counts).
+  step's rows to the encoder's replicas by their images (the LLM's keep their counts);
+* ``packed`` (``--model vlm``): balanced by cost, and the LLM computes only each row's present
+  tokens packed into sequences (``VLM(pack_tokens=...)``: no absent image slot, no padding), its
+  rows balanced by those tokens (``cost={"llm": {"n_images": tokens per image, "n_tokens": 1}}``).
 
 ``--model clip``: a CLIP-style model (``step_time.BenchCLIP``: ViT and text transformer, colocated
 on the same ranks) whose captions have lengths of 4..32 tokens, the text tower balanced by them
@@ -159,8 +162,22 @@ def run(mode: str, rows: int, args: argparse.Namespace, folder: str) -> dict[str
     torch.manual_seed(0)
     vit = tiny_vit(img_size=IMG, patch_size=PATCH, width=WIDTH, depth=args.vit_depth, heads=4)
     lm = LlamaForCausalLM(tiny_llama_config(vocab=VOCAB, width=32, layers=1, heads=4))
-    cost = {"image": "n_images"}  # (this LLM reads every image slot: its rows cost alike)
-    module = VLM(vit=vit, lm=lm, vit_width=WIDTH, max_images=max_images, optimizer="adamw", lr=1e-3, cost=cost)
+    cost: dict[str, Any] = {"image": "n_images"}  # (this LLM reads every image slot: its rows cost alike)
+    pack_tokens = None
+    if mode == "packed":  # the LLM computes present tokens only: its rows cost their images and caption
+        per_image = (IMG // PATCH) ** 2 + 1
+        cost["llm"] = {"n_images": per_image, "n_tokens": 1}
+        pack_tokens = max_images * per_image + SEQ  # the longest sample fits
+    module = VLM(
+        vit=vit,
+        lm=lm,
+        vit_width=WIDTH,
+        max_images=max_images,
+        optimizer="adamw",
+        lr=1e-3,
+        cost=cost,
+        pack_tokens=pack_tokens,
+    )
     batch = rows * args.devices
     data = DataLoader(Samples(batch * args.steps, images), batch_size=batch, drop_last=True)
     return fit(module, data, mode, rows, args, folder, module.vision)
@@ -177,7 +194,7 @@ def fit(
 ) -> dict[str, list[float]]:
     """One run of ``mode``: rank 0's step times and, with ``encoder``, its forward's straggler."""
     out = str(Path(folder) / f"{mode}-{rows}")
-    strategy = ldm.DistMMStrategy(plan="colocated", start_method="fork", balance=mode)
+    strategy = ldm.DistMMStrategy(plan="colocated", start_method="fork", balance="rows" if mode == "rows" else "cost")
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
@@ -208,10 +225,11 @@ def main() -> None:
     parser.add_argument("--vit-depth", type=int, default=8)
     args = parser.parse_args()
     results: dict[tuple[str, int], dict[str, list[float]]] = {}
+    modes = ("rows", "cost", "packed") if args.model == "vlm" else ("rows", "cost")
     with tempfile.TemporaryDirectory() as folder:
         for rows in (int(r) for r in args.rows.split(",")):
             for _ in range(args.rounds):
-                for mode in ("rows", "cost"):
+                for mode in modes:
                     got = run(mode, rows, args, folder)
                     slot = results.setdefault((mode, rows), {"step": [], "straggler": []})
                     for k, v in got.items():
@@ -224,16 +242,16 @@ def main() -> None:
         f" {args.devices} CPU ranks"
     )
     print(f"\n{what}; medians over {args.rounds} runs x {args.steps - args.warmup} steps, modes alternating")
-    print("| rows / replica | split | step ms | encoder fwd slowest / mean | step: by count / by cost |")
+    print("| rows / replica | split | step ms | encoder fwd slowest / mean | step: by count / this |")
     print("|---|---|---|---|---|")
+    labels = {"rows": "by count", "cost": "by cost", "packed": "by cost + packed LLM"}
     for rows in (int(r) for r in args.rows.split(",")):
-        med = {m: statistics.median(results[(m, rows)]["step"]) for m in ("rows", "cost")}
-        for mode in ("rows", "cost"):
+        med = {m: statistics.median(results[(m, rows)]["step"]) for m in modes}
+        for mode in modes:
             r = results[(mode, rows)]
             strag = f"{statistics.median(r['straggler']):.2f}" if r["straggler"] else "-"
-            ratio = f"{med['rows'] / med['cost']:.2f}x" if mode == "cost" else ""
-            label = "by count" if mode == "rows" else "by cost"
-            print(f"| {rows} | {label} | {med[mode] * 1e3:.0f} | {strag} | {ratio} |")
+            ratio = f"{med['rows'] / med[mode]:.2f}x" if mode != "rows" else ""
+            print(f"| {rows} | {labels[mode]} | {med[mode] * 1e3:.0f} | {strag} | {ratio} |")
 
 
 if __name__ == "__main__":

@@ -52,3 +52,30 @@ def test_a_packed_llava_language_tower_computes_the_padded_one(budget):
     for (name, a), b in zip(padded.named_parameters(), packed.parameters(), strict=True):
         if a.grad is not None:
             torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_a_packed_demo_vlm_language_model_computes_the_masked_one():
+    """The demo VLM's LM (absent image slots and padding masked) against the same LM computing only the
+    present tokens, packed: logits at every text token that has a mask, loss and gradients."""
+    from vlm_testing import VLMData, vlm_loader
+
+    from lightning_distmm.models.vlm import VLM
+
+    torch.manual_seed(0)
+    masked = VLM()
+    packed = copy.deepcopy(masked)
+    packed.language.pack_tokens = 40
+    batch = next(iter(vlm_loader(6, data=VLMData)))
+    outs = []
+    for module in (masked, packed):
+        embeds = module.vision(batch["pixel_values"], batch["n_images"])
+        logits = module.language(batch["input_ids"], batch["attention_mask"], batch["labels"], batch["n_images"], embeds)
+        total, count = module.token_loss(logits, batch)
+        (total / count).backward()
+        outs.append((logits, total / count))
+    real = batch["attention_mask"].bool()
+    torch.testing.assert_close(outs[1][0][real], outs[0][0][real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs[1][1], outs[0][1], atol=1e-6, rtol=1e-6)
+    for (name, a), b in zip(masked.named_parameters(), packed.parameters(), strict=True):
+        if a.grad is not None:
+            torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5, msg=name)

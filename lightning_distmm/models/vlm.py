@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Pr
 from transformers.masking_utils import create_causal_mask
 
 from lightning_distmm.mixin import DistMMMixin
+from lightning_distmm.models.packing import pack, unpack
 from lightning_distmm.models.vlm_batch import check_images
 from lightning_distmm.tower import Tower
 
@@ -134,11 +135,16 @@ class LanguageModel(nn.Module):
     decoder layers and epilogue so that :meth:`pipeline_stages` cuts the same computation into stages.
     """
 
-    def __init__(self, lm: PreTrainedModel, max_images: int, tokens_per_image: int) -> None:
+    def __init__(
+        self, lm: PreTrainedModel, max_images: int, tokens_per_image: int, pack_tokens: int | None = None
+    ) -> None:
         super().__init__()
         self.lm = lm
         self.max_images = max_images
         self.tokens_per_image = tokens_per_image
+        #: run the rows' present tokens packed into sequences of this many (``models.packing``): no
+        #: absent image slot and no padding computed; None: every slot and pad computed, masked
+        self.pack_tokens = pack_tokens
 
     @property
     def prefix(self) -> int:
@@ -149,8 +155,34 @@ class LanguageModel(nn.Module):
     ) -> Tensor:
         rows = {"input_ids": input_ids, "attention_mask": attention_mask, "n_images": n_images}
         x = self._prologue(rows, image_embeds)
+        if self.pack_tokens is not None:
+            return self._packed(x, rows)
         x = self._layers(x, rows, 0, len(self.lm.model.layers))
         return self._epilogue(x)
+
+    def _packed(self, x: Tensor, rows: Any) -> Tensor:
+        """The layers on the present tokens packed (positions restart per sample, attention inside
+        each: transformers' packed-sequence mask), the head on them, the logits back at the rows' places."""
+        packed, positions, where = pack(x, self._present(x, rows), self.pack_tokens)  # type: ignore[arg-type]
+        causal = create_causal_mask(
+            config=self.lm.config, inputs_embeds=packed, attention_mask=None, cache=None, position_ids=positions
+        )
+        if torch.is_tensor(causal) and causal.is_floating_point():
+            causal = causal.clamp(min=torch.finfo(torch.float32).min)  # as in _context
+        rotary = self.lm.model.rotary_emb(packed, position_ids=positions)
+        for layer in self.lm.model.layers:
+            packed = layer(
+                packed, attention_mask=causal, position_embeddings=rotary, position_ids=positions, use_cache=False
+            )
+        logits = self.lm.lm_head(self.lm.model.norm(packed))
+        return unpack(logits, where)[:, self.prefix :]
+
+    def _present(self, x: Tensor, rows: Any) -> Tensor:
+        """``[B, prefix + S]``: 1 where a token is computed (a present image's slots, the text's mask)."""
+        present = torch.arange(self.max_images, device=x.device)[None, :] < rows["n_images"][:, None]
+        attention_mask = rows["attention_mask"]
+        image_mask = present.repeat_interleave(self.tokens_per_image, dim=1).to(attention_mask.dtype)
+        return torch.cat([image_mask, attention_mask], dim=1)
 
     def _prologue(self, rows: Any, image_embeds: Tensor) -> Tensor:
         b, k, t, d = image_embeds.shape
@@ -164,10 +196,7 @@ class LanguageModel(nn.Module):
 
     def _context(self, x: Tensor, rows: Any) -> tuple[Any, tuple[Tensor, Tensor], Tensor]:
         """The causal mask, rotary embeddings and positions of the image + text sequence ``x``."""
-        present = torch.arange(self.max_images, device=x.device)[None, :] < rows["n_images"][:, None]
-        attention_mask = rows["attention_mask"]
-        image_mask = present.repeat_interleave(self.tokens_per_image, dim=1).to(attention_mask.dtype)
-        mask = torch.cat([image_mask, attention_mask], dim=1)
+        mask = self._present(x, rows)
         positions = (mask.long().cumsum(1) - 1).clamp(min=0)  # present tokens numbered 0, 1, ... per sample
         causal = create_causal_mask(
             config=self.lm.config, inputs_embeds=x, attention_mask=mask, cache=None, position_ids=positions
@@ -191,6 +220,8 @@ class LanguageModel(nn.Module):
     def pipeline_stages(self, pp: int) -> list:
         """``pp`` stages: the embeddings and the image prefix first, the decoder layers split evenly, the
         final norm and the LM head last (each stage keeps the rotary table, which has no parameters)."""
+        if self.pack_tokens is not None:
+            raise ValueError("a packed language model (pack_tokens) cannot be cut into pipeline stages yet: use pp 1")
         from lightning_distmm.parallel.pipeline import Stage, even_split
 
         layers = self.lm.model.layers
@@ -256,6 +287,8 @@ class VLM(DistMMMixin, L.LightningModule):
     local_files_only=True)`` (see :func:`load_language_model`) and a timm ViT for real weights.
     ``cost``: each tower's ``Tower(cost=...)``, e.g. ``{"image": "n_images", "llm": {"n_images": 5,
     "n_tokens": 1}}`` (an image's tokens and the caption's): each step's rows then balanced by it.
+    ``pack_tokens``: the LM computes only each row's present tokens, packed into sequences of this
+    many (absent image slots and padding skipped; :mod:`lightning_distmm.models.packing`).
     """
 
     def __init__(
@@ -270,6 +303,7 @@ class VLM(DistMMMixin, L.LightningModule):
         lr: float = 0.1,
         eps: float = 1e-8,
         cost: Mapping[str, Any] | None = None,
+        pack_tokens: int | None = None,
     ) -> None:
         super().__init__()
         lm = lm if lm is not None else LlamaForCausalLM(tiny_llama_config())
@@ -277,7 +311,7 @@ class VLM(DistMMMixin, L.LightningModule):
             vit if vit is not None else tiny_vit(width=vit_width), vit_width, lm.config.hidden_size, freeze_vit
         )
         tokens = self.vision.vit.patch_embed.num_patches + self.vision.vit.num_prefix_tokens  # type: ignore[operator]
-        self.language = LanguageModel(lm, max_images, int(tokens))
+        self.language = LanguageModel(lm, max_images, int(tokens), pack_tokens)
         self.frozen_llm = frozen_llm
         self.optimizer_name = optimizer
         self.lr = lr
