@@ -131,7 +131,9 @@ class ShapesConversationsData(L.LightningDataModule):
 
 def build_module(model_cfg: Any, lr: float, tokenizer: Any, init: str | None = None) -> LlavaModule:
     """The :class:`LlavaModule` of ``conf/model/llava_tiny.yaml`` (random, or from the ``init`` folder)."""
-    flags = {k: bool(model_cfg.get(k, False)) for k in ("freeze_vision", "freeze_language")}
+    flags: dict[str, Any] = {k: bool(model_cfg.get(k, False)) for k in ("freeze_vision", "freeze_language")}
+    pack = model_cfg.get("pack_tokens")
+    flags["pack_tokens"] = int(pack) if pack is not None else None
     if init:
         return LlavaModule.from_pretrained(init, optimizer="adamw", lr=lr, **flags)
     return LlavaModule(build_llava(tokenizer), optimizer="adamw", lr=lr, **flags)
