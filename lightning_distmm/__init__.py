@@ -10,6 +10,7 @@ from lightning_distmm import losses
 from lightning_distmm.checkpoint import consolidated_state_dict, export_checkpoint
 from lightning_distmm.core.plan import Plan, PlanError, TowerPlan
 from lightning_distmm.data.loader.fields import FieldDataset
+from lightning_distmm.elastic import last_checkpoint
 from lightning_distmm.interaction import local_rows
 from lightning_distmm.mixin import DistMMMixin
 from lightning_distmm.strategy import DistMMStrategy
@@ -36,6 +37,7 @@ __all__ = [
     "TowerPlan",
     "consolidated_state_dict",
     "export_checkpoint",
+    "last_checkpoint",
     "local_rows",
     "losses",
 ]

@@ -59,6 +59,14 @@ def plan_of_run(strategy: Any, trainer: pl.Trainer, module: Any, nodes: list[int
     (``"default"``, ``"auto"``, ``"colocated"``) and broadcast (every rank fails with rank 0's reason
     when it could not be chosen); checked against the world size, the towers and the module's loss."""
     spec = strategy._plan_spec
+    if isinstance(spec, PlansByWorldSize):
+        spec = spec.for_world(strategy.world_size)
+        if strategy.plan is None and isinstance(spec, Plan):
+            strategy.plan = spec
+        rank_zero_info(
+            f"distmm: world of {strategy.world_size} ranks: the plan for it from {strategy._plan_spec.source}"
+            f" ({spec if isinstance(spec, str) else 'a plan of ' + str(len(spec.towers)) + ' towers'})"
+        )
     if strategy.plan is not None:  # given, or chosen at an earlier setup of this strategy (fit, then test)
         plan = strategy.plan
     else:
@@ -264,25 +272,78 @@ def producer_outputs(
 
 
 #: what ``DistMMStrategy(plan=...)`` takes
-PlanSpec = Plan | str | os.PathLike | None
+PlanSpec = Plan | str | os.PathLike | Mapping[Any, Any] | None
 
 
-def parse_plan_spec(plan: PlanSpec) -> Plan | str:
-    """``DistMMStrategy(plan=...)``: a Plan, or the name of a plan chosen at setup."""
+@dataclass(frozen=True)
+class PlansByWorldSize:
+    """A plan spec per world size (``plan={8: "big.yaml", 4: "small.yaml"}``, or a folder of
+    ``<world size>.yaml`` files): the run trains with the entry for the world it finds at setup,
+    so that a job restarted on fewer nodes (torchrun's elastic restart) takes the plan written for
+    them. An entry is anything ``plan=`` takes ("auto", a YAML path, a Plan, a plan dictionary)."""
+
+    plans: Mapping[int, Plan | str]
+    source: str
+
+    def for_world(self, world_size: int) -> Plan | str:
+        if world_size not in self.plans:
+            sizes = ", ".join(str(w) for w in sorted(self.plans))
+            raise PlanError(
+                f"the plans by world size ({self.source}) have none for a world of {world_size} ranks (entries:"
+                f" {sizes}): add one for {world_size} (a plan file, or 'auto' to let the planner choose)",
+                "plan",
+            )
+        return self.plans[world_size]
+
+
+def _world_key(key: Any) -> int | None:
+    if isinstance(key, bool):
+        return None
+    if isinstance(key, int):
+        return key
+    return int(key) if isinstance(key, str) and key.isdigit() else None
+
+
+def parse_plan_spec(plan: PlanSpec) -> Plan | str | PlansByWorldSize:
+    """``DistMMStrategy(plan=...)``: a Plan, the name of a plan chosen at setup, or plans by world size."""
     if plan is None:
         return "default"
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, Mapping):
+        keys = [_world_key(k) for k in plan]
+        if plan and all(k is not None for k in keys):  # {4: ..., 8: ...}: a plan per world size
+            entries = {k: parse_plan_spec(v) for k, v in zip(keys, plan.values(), strict=True)}
+            return PlansByWorldSize(_single(entries), "plan=" + str(sorted(entries)))
         return Plan.from_dict(plan)
     text = os.fspath(plan)
     if text in ("default", "colocated", "auto"):
         return text
+    if Path(text).is_dir():
+        files = {int(f.stem): f for f in Path(text).glob("*.yaml") if f.stem.isdigit()}
+        if not files:
+            raise FileNotFoundError(
+                f"plan folder {text!r} holds no '<world size>.yaml' file (a folder of plans by world size: 4.yaml,"
+                " 8.yaml, ...)"
+            )
+        return PlansByWorldSize({w: Plan.from_yaml(f) for w, f in files.items()}, f"folder {text}")
     if not Path(text).is_file():
         raise FileNotFoundError(
-            f"plan file {text!r} does not exist (plan= takes a Plan, a YAML path, 'default' or 'colocated')"
+            f"plan file {text!r} does not exist (plan= takes a Plan, a YAML path, a folder of <world size>.yaml"
+            " plans, a mapping of world size to plan, 'default', 'auto' or 'colocated')"
         )
     return Plan.from_yaml(Path(text))
+
+
+def _single(entries: Mapping[int, Plan | str | PlansByWorldSize]) -> dict[int, Plan | str]:
+    out: dict[int, Plan | str] = {}
+    for world, entry in entries.items():
+        if isinstance(entry, PlansByWorldSize):
+            raise PlanError(f"plan for world size {world}: a plan by world size cannot hold another", "plan")
+        if isinstance(entry, Plan) and entry.world_size != world:
+            raise PlanError(f"the plan given for world size {world} is a plan for {entry.world_size} ranks", "plan")
+        out[world] = entry
+    return out
 
 
 def check_precision(plugin: object) -> None:

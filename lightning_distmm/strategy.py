@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_distmm import checkpoint as ckpt
-from lightning_distmm import faults
+from lightning_distmm import elastic, faults
 from lightning_distmm import lightning_seam as seam
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.data.loader.loading import RankLoaders
@@ -112,6 +112,9 @@ class DistMMStrategy(ModelParallelStrategy):
             )
         self._balance = balance
         self._overlap_batch_sync = bool(overlap_batch_sync)
+        #: rank 0 notes each step it starts beside the checkpoints (elastic.ProgressNote): a resumed run
+        #: says how many steps the run before it lost
+        self._progress: elastic.ProgressNote | None = None
         super().__init__(process_group_backend=process_group_backend, timeout=timeout)
         self._loaders = RankLoaders(self._batches_done, stream_check_every, note=_say)
         self._bucket_cap_mb = float(bucket_cap_mb)
@@ -211,6 +214,8 @@ class DistMMStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             seam.optimizers_to_device(self.optimizers, self.root_device)
+            dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
+            self._progress = elastic.ProgressNote(dirpath) if dirpath is not None else None
 
     @contextmanager
     @override
@@ -269,6 +274,8 @@ class DistMMStrategy(ModelParallelStrategy):
         if self.runner is not None:
             trainer = self.lightning_module.trainer
             self.runner.start_step(zero_after=seam.zeroes_gradients_after_training_step(trainer, batch_idx))
+            if self._progress is not None and self.global_rank == 0:
+                self._progress.note(trainer.global_step + 1, self.world_size)  # the step now running, from 1
 
     @contextmanager
     @override
@@ -318,7 +325,26 @@ class DistMMStrategy(ModelParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Resume from a checkpoint folder under this run's plan (any plan for the same towers); a
+        folder a lost node was still writing (``ckpt_path="last"`` after a failure) gives way to the
+        newest complete one beside it, and the resume is logged in one line (``elastic.resume_line``)."""
         assert self.lightning_module is not None and self.plan is not None
         path = Path(self.broadcast(checkpoint_path))
+        if not elastic.is_complete(path):
+            newest = elastic.last_checkpoint(path.parent)
+            if newest is None:
+                raise FileNotFoundError(
+                    f"checkpoint {path} is incomplete (a save that did not finish) and {path.parent} holds no complete"
+                    " one: start without ckpt_path, or point it at a complete checkpoint folder"
+                )
+            rank_zero_info(
+                f"distmm: checkpoint {path} is incomplete (a save that did not finish): resuming from {newest}"
+            )
+            path = Path(newest)
         ckpt.check_plan_change(path, self.plan)  # on every rank: all fail together
-        return ckpt.load_sharded(path, self.lightning_module, self.optimizers, weights_only=weights_only)
+        loaded = ckpt.load_sharded(path, self.lightning_module, self.optimizers, weights_only=weights_only)
+        record = loaded.get(ckpt.PLAN_KEY) or {}
+        before = Plan.from_dict(record["plan"]) if record.get("plan") else None
+        step = int(loaded.get("global_step", 0))
+        rank_zero_info(elastic.resume_line(path, step, before, self.plan, elastic.ProgressNote.read(path.parent)))
+        return loaded

@@ -67,11 +67,20 @@ def build_strategy(scfg: DictConfig, trainer_kwargs: dict[str, Any]) -> Any:
         plan = scfg.get("plan")
         if isinstance(plan, DictConfig):
             plan = to_plain(plan)
-        elif isinstance(plan, str) and plan not in ("default", "colocated", "auto"):
-            plan = hydra.utils.to_absolute_path(plan)  # relative to where the command was run
+            if all(str(k).isdigit() for k in plan):  # plans by world size: {2: small.yaml, 4: big.yaml}
+                plan = {int(k): _plan_path(v) for k, v in plan.items()}
+        else:
+            plan = _plan_path(plan)
         extra = {k: to_plain(v) for k, v in scfg.items() if k not in ("name", "plan")}
         return DistMMStrategy(plan=plan, **extra)
     return name  # any other strategy Lightning knows by name
+
+
+def _plan_path(plan: Any) -> Any:
+    """A plan file or folder relative to where the command was run; anything else as it is."""
+    if isinstance(plan, str) and plan not in ("default", "colocated", "auto"):
+        return hydra.utils.to_absolute_path(plan)
+    return plan
 
 
 def per_process_batch(cfg: DictConfig, trainer_kwargs: dict[str, Any]) -> int:

@@ -69,7 +69,9 @@ def test_a_packed_demo_vlm_language_model_computes_the_masked_one():
     outs = []
     for module in (masked, packed):
         embeds = module.vision(batch["pixel_values"], batch["n_images"])
-        logits = module.language(batch["input_ids"], batch["attention_mask"], batch["labels"], batch["n_images"], embeds)
+        logits = module.language(
+            batch["input_ids"], batch["attention_mask"], batch["labels"], batch["n_images"], embeds
+        )
         total, count = module.token_loss(logits, batch)
         (total / count).backward()
         outs.append((logits, total / count))

@@ -1,0 +1,72 @@
+"""A job restarted on fewer ranks (torchrun's elastic restart after a lost node) resumes by itself:
+the plan for its world size, the newest complete checkpoint (never one a lost node was writing),
+one line saying what changed; training equals one process on the same global batches."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+
+import lightning as L
+import pytest
+from distmm_testing import TinyCLIP, loader, max_param_diff, read_losses, run_distmm, run_reference
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+import lightning_distmm as ldm
+from lightning_distmm.plan_choice import PlansByWorldSize, parse_plan_spec
+
+THREE = ldm.Plan(3, {"image": {"ranks": [0, 1]}, "text": {"ranks": [2]}})
+TWO = ldm.Plan(2, {"image": {"ranks": [0]}, "text": {"ranks": [1]}})
+
+
+def test_plans_by_world_size(tmp_path):
+    spec = parse_plan_spec({3: THREE, "2": "auto"})
+    assert isinstance(spec, PlansByWorldSize)
+    assert spec.for_world(3) is THREE and spec.for_world(2) == "auto"
+    with pytest.raises(ldm.PlanError, match="none for a world of 4 ranks \\(entries: 2, 3\\): add one for 4"):
+        spec.for_world(4)
+    with pytest.raises(ldm.PlanError, match="the plan given for world size 2 is a plan for 3 ranks"):
+        parse_plan_spec({2: THREE})
+    THREE.to_yaml(tmp_path / "3.yaml")
+    TWO.to_yaml(tmp_path / "2.yaml")
+    folder = parse_plan_spec(tmp_path)
+    assert isinstance(folder, PlansByWorldSize) and folder.for_world(2).to_dict() == TWO.to_dict()
+    with pytest.raises(FileNotFoundError, match="holds no '<world size>.yaml'"):
+        parse_plan_spec(tmp_path / "ckpt" if (tmp_path / "ckpt").mkdir() is None else None)
+
+
+@pytest.mark.slow
+def test_a_run_restarted_on_fewer_ranks_resumes_with_their_plan(tmp_path, capfd):
+    """3 ranks train 3 steps (a checkpoint at step 2) and stop; a save of step 4 that a lost node
+    left half-written sits beside it. The restart on 2 ranks takes the plan for 2, is pointed at the
+    half-written folder (``ckpt_path="last"`` would be) and resumes from step 2 instead, to step 6."""
+    plans = {3: THREE, 2: TWO}
+    L.seed_everything(0)
+    reference = TinyCLIP("adamw", lr=0.01)
+    first = copy.deepcopy(reference)
+    data = lambda: loader(8, size=48)  # noqa: E731 - step 2 is mid-epoch
+    run_reference(reference, data(), 6, str(tmp_path / "ref.json"))
+
+    saves = tmp_path / "ckpt"
+    saver = ModelCheckpoint(dirpath=saves, every_n_train_steps=2, save_top_k=-1)
+    run_distmm(first, plans, 3, data(), 3, str(tmp_path / "a.json"), callbacks=[saver], enable_checkpointing=True)
+    complete = saves / "epoch=0-step=2.ckpt"
+    torn = saves / "epoch=0-step=4.ckpt"
+    shutil.copytree(complete, torn)
+    (torn / ".metadata").unlink()  # DCP's coordinator never got to write it
+    assert ldm.last_checkpoint(saves) == str(complete)
+
+    resumed = copy.deepcopy(first)
+    capfd.readouterr()
+    run_distmm(resumed, plans, 2, data(), 6, str(tmp_path / "b.json"), ckpt_path=str(torn))
+    said = capfd.readouterr()
+    lines = [line for line in (said.out + said.err).splitlines() if "distmm: " in line and "resum" in line]
+    print("\n" + "\n".join(lines))
+    assert any(f"checkpoint {torn} is incomplete" in line and str(complete) in line for line in lines)
+    (line,) = [line for line in lines if "resumed from" in line]
+    assert "at step 2, saved under 3 ranks: image on ranks [0, 1] (dp2 tp1 pp1)" in line
+    assert "now under 2 ranks: image on ranks [0] (dp1 tp1 pp1)" in line
+    assert "the run before had started step 3: 1 step(s) lost" in line
+    losses = read_losses(tmp_path / "ref.json")
+    assert read_losses(tmp_path / "b.json") == pytest.approx(losses[2:], abs=1e-5)
+    assert max_param_diff(reference, resumed) <= 1e-5
