@@ -99,9 +99,7 @@ class ProgressNote:
 def resume_line(path: Path, step: int, before: Plan | None, now: Plan, progress: dict[str, Any] | None) -> str:
     """What a resumed run says: the checkpoint, the plan it was saved under and the one now, the steps lost."""
     reached = progress.get("step") if progress else None
-    lost = (
-        f"; the run before had started step {reached}: {reached - step} step(s) lost" if reached is not None else ""
-    )
+    lost = f"; the run before had started step {reached}: {reached - step} step(s) lost" if reached is not None else ""
     restarted = f"elastic restart {restart_count()}: " if restart_count() else ""
     if before is None:
         was = "a plan it did not record"

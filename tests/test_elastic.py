@@ -5,6 +5,7 @@ one line saying what changed; training equals one process on the same global bat
 from __future__ import annotations
 
 import copy
+import logging
 import shutil
 
 import lightning as L
@@ -36,7 +37,7 @@ def test_plans_by_world_size(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_run_restarted_on_fewer_ranks_resumes_with_their_plan(tmp_path, capfd):
+def test_a_run_restarted_on_fewer_ranks_resumes_with_their_plan(tmp_path):
     """3 ranks train 3 steps (a checkpoint at step 2) and stop; a save of step 4 that a lost node
     left half-written sits beside it. The restart on 2 ranks takes the plan for 2, is pointed at the
     half-written folder (``ckpt_path="last"`` would be) and resumes from step 2 instead, to step 6."""
@@ -57,10 +58,22 @@ def test_a_run_restarted_on_fewer_ranks_resumes_with_their_plan(tmp_path, capfd)
     assert ldm.last_checkpoint(saves) == str(complete)
 
     resumed = copy.deepcopy(first)
-    capfd.readouterr()
-    run_distmm(resumed, plans, 2, data(), 6, str(tmp_path / "b.json"), ckpt_path=str(torn))
-    said = capfd.readouterr()
-    lines = [line for line in (said.out + said.err).splitlines() if "distmm: " in line and "resum" in line]
+    # rank 0's lines, to a file (the forked ranks inherit the handler; other tests may quiet the console)
+    log, handler = logging.getLogger("lightning.pytorch"), logging.FileHandler(tmp_path / "rank0.log")
+    loggers = [log, logging.getLogger("lightning.pytorch.utilities.rank_zero")]
+    levels = [x.level for x in loggers]
+    log.addHandler(handler)
+    for x in loggers:
+        x.setLevel(logging.INFO)
+    try:
+        run_distmm(resumed, plans, 2, data(), 6, str(tmp_path / "b.json"), ckpt_path=str(torn))
+    finally:
+        log.removeHandler(handler)
+        for x, level in zip(loggers, levels, strict=True):
+            x.setLevel(level)
+        handler.close()
+    said = (tmp_path / "rank0.log").read_text()
+    lines = [line for line in said.splitlines() if "distmm: " in line and "resum" in line]
     print("\n" + "\n".join(lines))
     assert any(f"checkpoint {torn} is incomplete" in line and str(complete) in line for line in lines)
     (line,) = [line for line in lines if "resumed from" in line]

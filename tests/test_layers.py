@@ -36,6 +36,7 @@ ALLOWED: dict[str, set[str]] = {
     "lightning_seam": {"core", "tower", "parallel", "checkpoint"},
     "rank_failures": {"faults", "lightning_seam"},
     "plan_choice": {"core", "planner", "parallel", "tower", "lightning_seam"},
+    "elastic": {"core", "checkpoint"},
     "strategy": {
         "core",
         "planner",
@@ -49,8 +50,20 @@ ALLOWED: dict[str, set[str]] = {
         "faults",
         "rank_failures",
         "plan_choice",
+        "elastic",
     },
-    "__init__": {"core", "tower", "interaction", "losses", "data", "checkpoint", "mixin", "strategy", "lightning_seam"},
+    "__init__": {
+        "core",
+        "tower",
+        "interaction",
+        "losses",
+        "data",
+        "checkpoint",
+        "mixin",
+        "strategy",
+        "lightning_seam",
+        "elastic",
+    },  # fmt: skip
 }
 
 
@@ -243,7 +256,7 @@ def _design_table() -> dict[str, set[str]]:
 #: the order of the areas in docs/design.md's table (the layers, bottom up)
 AREA_ORDER = [
     "core", "planner", "tower", "interaction", "faults", "losses", "parallel", "data", "checkpoint", "mixin",
-    "models", "lightning_seam", "rank_failures", "plan_choice", "strategy", "__init__",
+    "models", "lightning_seam", "rank_failures", "plan_choice", "elastic", "strategy", "__init__",
 ]  # fmt: skip
 
 

@@ -176,4 +176,6 @@ def test_the_choice_comes_from_the_encoder_to_llm_search(spec, world):
     plan = ldm.Plan.from_dict(chosen)
     assert set(plan.towers) == {"vision", "text"} and plan.world_size == world
     assert line.startswith(f"distmm {spec} plan (encoder->LLM search): chose vision ")
-    assert "faster than FSDP over both" in line and "than colocated" in line
+    # the line compares the pick with the other kinds (FSDP over both, colocated, separate), never with
+    # its own kind: an "auto" pick timed on a busy host may be the FSDP one
+    assert line.count("x faster than ") >= 1 and ("than FSDP over both" in line or "than colocated" in line)
