@@ -30,6 +30,24 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _slurm_env(rank: int, port: str, job: str, **extra: str) -> dict[str, str]:
+    """The variables srun sets for task ``rank`` of two, one task per "node"."""
+    return _env(
+        SLURM_NTASKS="2",
+        SLURM_NTASKS_PER_NODE="1",
+        SLURM_PROCID=str(rank),
+        SLURM_LOCALID="0",
+        SLURM_NODEID=str(rank),
+        SLURM_NNODES="2",
+        SLURM_JOB_ID=job,
+        SLURM_JOB_NAME="distmm-test",
+        SLURM_NODELIST="127.0.0.1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=port,
+        **extra,
+    )
+
+
 def _start(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     """One "node" (or task), its output to a file: a pipe nobody reads fills and stalls the writer."""
     with open(log, "wb") as out:
@@ -92,19 +110,7 @@ def test_slurm_environment_two_nodes_equals_one_process(tmp_path):
     port = str(_port())
     procs, logs = [], []
     for rank in range(2):
-        env = _env(
-            SLURM_NTASKS="2",
-            SLURM_NTASKS_PER_NODE="1",
-            SLURM_PROCID=str(rank),
-            SLURM_LOCALID="0",
-            SLURM_NODEID=str(rank),
-            SLURM_NNODES="2",
-            SLURM_JOB_ID="4242",
-            SLURM_JOB_NAME="distmm-test",
-            SLURM_NODELIST="127.0.0.1",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-        )
+        env = _slurm_env(rank, port, "4242")
         command = [sys.executable, str(SCRIPT), str(tmp_path), "1"]
         logs.append(tmp_path / f"task{rank}.log")
         procs.append(_start(command, env, logs[-1]))
@@ -131,20 +137,7 @@ def test_a_lost_node_ends_the_other_nodes_ranks_naming_it(tmp_path, lost):
     for rank in range(2):
         folder = tmp_path / f"node{rank}-tmp"
         folder.mkdir()
-        env = _env(
-            SLURM_NTASKS="2",
-            SLURM_NTASKS_PER_NODE="1",
-            SLURM_PROCID=str(rank),
-            SLURM_LOCALID="0",
-            SLURM_NODEID=str(rank),
-            SLURM_NNODES="2",
-            SLURM_JOB_ID="4343",
-            SLURM_JOB_NAME="distmm-node-loss",
-            SLURM_NODELIST="127.0.0.1",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-            TMPDIR=str(folder),
-        )
+        env = _slurm_env(rank, port, "4343", TMPDIR=str(folder))
         logs.append(tmp_path / f"node{rank}.log")
         procs.append(_start([sys.executable, str(script), str(tmp_path), str(grace)], env, logs[-1]))
     try:

@@ -32,6 +32,22 @@ def test_pack_then_unpack_gives_back_the_kept_tokens():
     torch.testing.assert_close(back, x * keep[..., None])
 
 
+def assert_same_computation(padded, packed, batch, logits_of) -> None:
+    """The two modules' logits at every real token, their loss and every parameter's gradient agree."""
+    outs = []
+    for module in (padded, packed):
+        logits = logits_of(module)
+        total, count = module.token_loss(logits, batch)
+        (total / count).backward()
+        outs.append((logits, total / count))
+    real = batch["attention_mask"].bool()
+    torch.testing.assert_close(outs[1][0][real], outs[0][0][real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs[1][1], outs[0][1], atol=1e-6, rtol=1e-6)
+    for (name, a), b in zip(padded.named_parameters(), packed.parameters(), strict=True):
+        if a.grad is not None:
+            torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("budget", [12, 30])
 def test_a_packed_llava_language_tower_computes_the_padded_one(budget):
     """The same weights, padded rows against rows packed into sequences of ``budget`` tokens: the
@@ -40,18 +56,7 @@ def test_a_packed_llava_language_tower_computes_the_padded_one(budget):
     packed = copy.deepcopy(padded)
     packed.language.pack_tokens = budget
     batch = next(iter(data()))
-    losses = []
-    for module in (padded, packed):
-        logits = towers_logits(module, batch)
-        total, count = module.token_loss(logits, batch)
-        (total / count).backward()
-        losses.append((logits, total / count))
-    real = batch["attention_mask"].bool()
-    torch.testing.assert_close(losses[1][0][real], losses[0][0][real], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(losses[1][1], losses[0][1], atol=1e-6, rtol=1e-6)
-    for (name, a), b in zip(padded.named_parameters(), packed.parameters(), strict=True):
-        if a.grad is not None:
-            torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5, msg=name)
+    assert_same_computation(padded, packed, batch, lambda module: towers_logits(module, batch))
 
 
 def test_a_packed_demo_vlm_language_model_computes_the_masked_one():
@@ -66,18 +71,10 @@ def test_a_packed_demo_vlm_language_model_computes_the_masked_one():
     packed = copy.deepcopy(masked)
     packed.language.pack_tokens = 40
     batch = next(iter(vlm_loader(6, data=VLMData)))
-    outs = []
-    for module in (masked, packed):
+
+    def logits_of(module):
         embeds = module.vision(batch["pixel_values"], batch["n_images"])
-        logits = module.language(
-            batch["input_ids"], batch["attention_mask"], batch["labels"], batch["n_images"], embeds
-        )
-        total, count = module.token_loss(logits, batch)
-        (total / count).backward()
-        outs.append((logits, total / count))
-    real = batch["attention_mask"].bool()
-    torch.testing.assert_close(outs[1][0][real], outs[0][0][real], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(outs[1][1], outs[0][1], atol=1e-6, rtol=1e-6)
-    for (name, a), b in zip(masked.named_parameters(), packed.parameters(), strict=True):
-        if a.grad is not None:
-            torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5, msg=name)
+        fields = [batch[k] for k in ("input_ids", "attention_mask", "labels", "n_images")]
+        return module.language(*fields, embeds)
+
+    assert_same_computation(masked, packed, batch, logits_of)

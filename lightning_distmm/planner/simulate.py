@@ -86,9 +86,8 @@ def simulate(
         for r, instrs in plan_schedules.items():
             while pc[r] < len(instrs) or r in held:
                 if r in held:
-                    if held[r] not in reached:
+                    if not _released(r, held, reached, clock):
                         break
-                    clock[r] = max(clock[r], reached[held.pop(r)])
                     progressed = True
                     continue
                 ins = instrs[pc[r]]
@@ -155,6 +154,15 @@ def simulate(
     return out
 
 
+def _released(rank: int, held: dict[int, tuple], reached: Mapping[tuple, float], clock: dict[int, float]) -> bool:
+    """``blocking_sends``: whether ``rank``'s held send has met its receiver; if so the rank goes on
+    from when the receiver got there."""
+    if held[rank] not in reached:
+        return False
+    clock[rank] = max(clock[rank], reached[held.pop(rank)])
+    return True
+
+
 def bubble_fraction(intervals: Sequence[Interval]) -> float:
     """Idle share of the ranks' time over the step (compute and sync intervals count as busy; an
     asynchronous gather in flight does not: the rank computes beside it)."""
@@ -196,9 +204,8 @@ def simulate_handoff(
         for r, instrs in lists.items():
             while pc[r] < len(instrs) or r in held:
                 if r in held:
-                    if held[r] not in reached:
+                    if not _released(r, held, reached, clock):
                         break
-                    clock[r] = max(clock[r], reached[held.pop(r)])
                     progressed = True
                     continue
                 ins = instrs[pc[r]]
