@@ -385,10 +385,12 @@ class TransformersLlava(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, eps=EPS, weight_decay=0.0)
 
 
-def check_llava(ctx: Context) -> dict[str, Any]:
+def check_llava(ctx: Context, pack_tokens: int | None = None) -> dict[str, Any]:
     """transformers' ``LlavaForConditionalGeneration`` as two towers under ``DistMMStrategy()`` with
     no plan (the encoder->LLM search on the live towers, timed on the device), the tower handoff
-    and torch's default AdamW kernels: equal to the model's own forward and loss in a plain Trainer."""
+    and torch's default AdamW kernels: equal to the model's own forward and loss in a plain Trainer.
+    ``pack_tokens``: the language model on packed rows (transformers' packed-sequence attention on
+    the device) against the padded reference."""
     sys.path.insert(0, str(ROOT / "recipes"))
     from llava_shapes import ShapesConversations, build_llava, build_tokenizer
 
@@ -400,7 +402,7 @@ def check_llava(ctx: Context) -> dict[str, Any]:
     model = build_llava(tokenizer)
     rows = DataLoader(ShapesConversations("train", 4 * BATCH, tokenizer), batch_size=BATCH, drop_last=True)
     reference = TransformersLlava(copy.deepcopy(model), 1e-3)
-    module = LlavaModule(copy.deepcopy(model), lr=1e-3, eps=EPS)
+    module = LlavaModule(copy.deepcopy(model), lr=1e-3, eps=EPS, pack_tokens=pack_tokens)
     trainer(ctx, 3).fit(reference, rows)
     trainer(ctx, 3, ldm.DistMMStrategy()).fit(module, rows)
     ours = {k: _full(v) for k, v in llava_state_dict(module.state_dict()).items()}
@@ -408,6 +410,11 @@ def check_llava(ctx: Context) -> dict[str, Any]:
     moved = max_diff(weights(reference.model), weights(model))
     assert moved > 1e-4 and diff <= 1e-5, f"max abs difference {diff:.3g} after 3 steps (trained by {moved:.3g})"
     return {"max_abs_diff": diff, "max_trained_change": moved}
+
+
+def check_llava_packed(ctx: Context) -> dict[str, Any]:
+    """``llava`` with the language model's rows packed into sequences of 120 tokens (two samples each)."""
+    return check_llava(ctx, pack_tokens=120)
 
 
 CHECKS: dict[str, Callable[[Context], dict[str, Any]]] = {
@@ -420,6 +427,7 @@ CHECKS: dict[str, Callable[[Context], dict[str, Any]]] = {
     "checkpoint": check_checkpoint,
     "zero2_mixed_kernels": check_zero2_mixed_kernels,
     "llava": check_llava,
+    "llava_packed": check_llava_packed,
 }
 
 

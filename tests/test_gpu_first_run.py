@@ -34,13 +34,13 @@ def test_gpu_first_run_cpu_smoke(tmp_path):
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     report = json.loads(out.read_text())
     names = ["mesh_async_gather", "bf16_clip", "fp32_equivalence", "async_vs_blocking", "sharded_eval"]
-    names += ["deferred_init", "checkpoint", "zero2_mixed_kernels", "llava"]
+    names += ["deferred_init", "checkpoint", "zero2_mixed_kernels", "llava", "llava_packed"]
     assert list(report["checks"]) == names
     for name in names:
         assert f"PASS {name} (" in done.stdout
         assert report["checks"][name]["status"] == "PASS"
     assert report["checks"]["async_vs_blocking"]["details"]["max_abs_diff"] == 0.0
     assert report["checks"]["bf16_clip"]["details"]["grad_dtypes"] == ["torch.float32"]
-    assert report["summary"].startswith("gpu_first_run: 9/9 checks PASS on cpu") and report["summary"] in done.stdout
+    assert report["summary"].startswith("gpu_first_run: 10/10 checks PASS on cpu") and report["summary"] in done.stdout
     assert "calibration" not in report  # the GPU's remaining time only
     print(f"gpu_first_run --cpu-smoke: {seconds:.1f} s; {report['summary']}")
