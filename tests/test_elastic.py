@@ -5,17 +5,27 @@ one line saying what changed; training equals one process on the same global bat
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import lightning as L
 import pytest
+import torch
 from distmm_testing import TinyCLIP, loader, max_param_diff, read_losses, run_distmm, run_reference
 from lightning.pytorch.callbacks import ModelCheckpoint
+from test_multinode import _env, _port
 
 import lightning_distmm as ldm
 from lightning_distmm.plan_choice import PlansByWorldSize, parse_plan_spec
 
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = Path(__file__).parent / "scripts" / "elastic_train.py"
 THREE = ldm.Plan(3, {"image": {"ranks": [0, 1]}, "text": {"ranks": [2]}})
 TWO = ldm.Plan(2, {"image": {"ranks": [0]}, "text": {"ranks": [1]}})
 
@@ -83,3 +93,64 @@ def test_a_run_restarted_on_fewer_ranks_resumes_with_their_plan(tmp_path):
     losses = read_losses(tmp_path / "ref.json")
     assert read_losses(tmp_path / "b.json") == pytest.approx(losses[2:], abs=1e-5)
     assert max_param_diff(reference, resumed) <= 1e-5
+
+
+def _wait_for_listener(endpoint: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    host, port = endpoint.rsplit(":", 1)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError(f"the first node's rendezvous never listened on {endpoint}")
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_the_survivors_with_their_plan(tmp_path):
+    """`torchrun --nnodes 1:2 --nproc-per-node 2 --max-restarts 1 --rdzv-backend c10d` started twice
+    (two "nodes", the first hosting the rendezvous); the second kills its agent and ranks when step 4
+    starts. The first node's agent restarts its ranks alone: they take the plan for 2 ranks, resume
+    from step 2's checkpoint and train to step 6, equal to one process. The workers keep their own
+    store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: on the agent's shared store the restarted ranks
+    read their peers' addresses from before the restart; docs/multinode.md)."""
+    endpoint = f"127.0.0.1:{_port()}"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2"]
+    command += ["--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
+    command += ["--rdzv-id", "distmm-elastic", "--rdzv-conf", "join_timeout=120,last_call_timeout=5"]
+    command += ["--monitor-interval", "0.5", str(SCRIPT), str(tmp_path)]
+    env = _env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    logs = [tmp_path / f"node{n}.log" for n in range(2)]
+    procs = []
+    for n, log in enumerate(logs):
+        with open(log, "wb") as out:
+            procs.append(subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT))
+        if n == 0:  # the first node hosts the rendezvous (it outlives the second): start the second once it listens
+            _wait_for_listener(endpoint, procs[0])
+    try:
+        procs[0].wait(timeout=240)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    said = logs[0].read_text(errors="replace")
+    assert procs[0].returncode == 0, said[-4000:]
+    final = json.loads((tmp_path / "final.json").read_text())
+    killed = json.loads((tmp_path / "killed.json").read_text())["time"]
+    restarted = json.loads((tmp_path / "first-step-restart1.json").read_text())
+    lines = [line for line in said.splitlines() if "distmm: " in line and ("resumed" in line or "world of" in line)]
+    print(f"\nnode 1 killed when step 4 started; the survivors' first step {restarted['time'] - killed:.1f} s later")
+    print("\n".join(lines))
+    assert final["world_size"] == 2 and restarted["step"] == 2
+    assert any(
+        "elastic restart 1: resumed from" in line and "step=2" in line and "2 step(s) lost" in line for line in lines
+    )
+
+    L.seed_everything(0)
+    reference = TinyCLIP("sgd", lr=0.05)
+    run_reference(reference, loader(8), 6, str(tmp_path / "ref.json"))
+    trained, expected = torch.load(tmp_path / "weights.pt"), reference.state_dict()
+    assert trained.keys() == expected.keys()
+    assert max((trained[k] - expected[k]).abs().max().item() for k in expected) <= 1e-5
