@@ -88,6 +88,7 @@ class DistMMStrategy(ModelParallelStrategy):
             docs/pipeline.md, "Asynchronous batch-sync"). The same result either way.
         balance: ``"cost"`` (default): each step's rows go to a tower's replicas by what they cost,
             where the tower says (``Tower(cost=...)``); ``"rows"``: by count, as the plan splits them.
+            A plan's own ``balance`` key, when set, decides instead.
     """
 
     strategy_name = "distmm"
@@ -252,7 +253,8 @@ class DistMMStrategy(ModelParallelStrategy):
             return dataloader
         fields = {name: tower.fields for name, tower in self.runtime.towers.items()}
         costs = {name: t.cost for name, t in self.runtime.towers.items() if t.cost is not None}
-        costs = costs if self._balance == "cost" else {}
+        balance = self.plan.balance or self._balance  # the plan's key, else the strategy's argument
+        costs = costs if balance == "cost" else {}
         return self._loaders.wrap(dataloader, self.plan, self.runtime.layout, fields, costs)
 
     def _batches_done(self) -> int:

@@ -269,6 +269,24 @@ def test_balanced_steps_train_like_one_process(name, optimizer, tmp_path, capsys
     assert any(s[0] != sorted(s[0]) for s in steps if s[0] is not None)
 
 
+def test_balance_is_a_plan_key():
+    plan = ldm.Plan(3, {"image": {"ranks": [0, 1]}, "text": {"ranks": [2]}}, balance="rows")
+    again = ldm.Plan.from_yaml(plan.to_yaml())
+    assert again.balance == "rows" and again.to_dict() == plan.to_dict()
+    assert "balance" not in ldm.Plan(3, {"image": {"ranks": [0, 1]}, "text": {"ranks": [2]}}).to_dict()
+    with pytest.raises(ldm.PlanError, match="balance: expected 'cost', 'rows' or null, got 'even'"):
+        ldm.Plan.from_yaml(plan.to_yaml().replace("rows", "even"))
+
+
+@pytest.mark.slow
+def test_a_plan_with_balance_rows_splits_by_count(tmp_path):
+    """``balance: rows`` in the plan turns balancing off for a module whose towers name a cost (the
+    strategy's default is ``cost``): no step carries an assignment, and training is the one-process one."""
+    plan = ldm.Plan(3, {"image": {"ranks": [0, 1]}, "text": {"ranks": [2]}}, balance="rows")
+    diff, steps = _compare(lambda: _costed(TinyCLIP)("sgd", lr=0.05), plan, 8, 3, tmp_path)
+    assert diff <= 1e-5 and steps == [None, None, None]
+
+
 # ---------------------------------------------------------------------- an encoder feeding an LLM
 VLM_PLANS = {
     # (devices, plan, global batch)

@@ -8,23 +8,20 @@ problem, on every rank, before any process group exists.
 from __future__ import annotations
 
 import dataclasses
-import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from lightning_distmm.core.plan_schema import (
     SCHEDULES,
     SHARDS,
     PlanError,
-    UniqueKeyLoader,
     check_sequence_split,
     check_types,
     is_int,
 )
+from lightning_distmm.core.plan_yaml import dump_plan, load_plan_data
 from lightning_distmm.core.tower_plan import TowerPlan, split_batch
 
 
@@ -45,6 +42,9 @@ class Plan:
     world_size: int
     towers: dict[str, TowerPlan]
     global_batch: int | None = None
+    #: how each step's rows go to a tower's replicas: "cost" (by the cost fields its Tower names),
+    #: "rows" (by count, as the plan splits them); None: the strategy's ``balance``
+    balance: str | None = None
 
     def __post_init__(self) -> None:
         self.towers = {name: _as_tower_plan(name, tp) for name, tp in self.towers.items()}
@@ -56,6 +56,8 @@ class Plan:
         ``global_batch``, the batch's rules too (:meth:`check_global_batch`)."""
         if not is_int(self.world_size) or self.world_size < 1:
             raise PlanError(f"world_size must be a positive integer, got {self.world_size!r}", "world_size")
+        if self.balance not in (None, "cost", "rows"):
+            raise PlanError(f"balance must be 'cost' or 'rows', got {self.balance!r}", "balance")
         if self.global_batch is not None and (not is_int(self.global_batch) or self.global_batch < 1):
             raise PlanError(
                 f"global_batch must be a positive integer or None, got {self.global_batch!r}", "global_batch"
@@ -261,51 +263,39 @@ class Plan:
 
     # ------------------------------------------------------------------ YAML
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "world_size": self.world_size,
-            "global_batch": self.global_batch,
-            "towers": {name: dataclasses.asdict(t) for name, t in self.towers.items()},
-        }
+        data: dict[str, Any] = {"world_size": self.world_size, "global_batch": self.global_batch}
+        if self.balance is not None:
+            data["balance"] = self.balance
+        data["towers"] = {name: dataclasses.asdict(t) for name, t in self.towers.items()}
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
         """A plan from plain data (parsed YAML); a value of the wrong type fails naming its key path."""
         if not isinstance(data, Mapping):
             raise PlanError(f"a plan must be a mapping, got {type(data).__name__}")
-        allowed = {"world_size", "global_batch", "towers"}
+        allowed = {"world_size", "global_batch", "balance", "towers"}
         unknown = sorted(set(data) - allowed, key=str)
         if unknown:
             raise PlanError(f"unknown plan key(s) {unknown}; allowed keys are {sorted(allowed)}")
         if "world_size" not in data or "towers" not in data:
             raise PlanError("a plan needs 'world_size' and 'towers'")
         check_types(data)
-        return cls(world_size=data["world_size"], towers=dict(data["towers"]), global_batch=data.get("global_batch"))
+        return cls(
+            world_size=data["world_size"],
+            towers=dict(data["towers"]),
+            global_batch=data.get("global_batch"),
+            balance=data.get("balance"),
+        )
 
     def to_yaml(self, path: str | Path | None = None) -> str:
-        text = yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
-        if path is not None:
-            Path(path).write_text(text)
-        return text
+        return dump_plan(self.to_dict(), path)
 
     @classmethod
     def from_yaml(cls, source: str | Path) -> Plan:
-        """Load from a YAML file path or a YAML string.
-
-        Errors name the file (when there is one) and the key: malformed YAML, a key given twice
-        (YAML's usual last-one-wins would drop a tower's settings without a word), a value of the
-        wrong type, or a plan that does not validate.
-        """
-        is_path = _looks_like_path(source)
-        text = Path(source).read_text() if is_path else str(source)
-        where = f"{source}: " if is_path else ""
-        stream = io.StringIO(text)
-        stream.name = str(source) if is_path else "<string>"  # PyYAML's error marks name the stream
-        try:
-            data = yaml.load(stream, Loader=UniqueKeyLoader)  # a SafeLoader subclass: no arbitrary objects
-        except PlanError as e:
-            raise PlanError(f"{where}{e}") from None
-        except yaml.YAMLError as e:
-            raise PlanError(f"{where}not valid YAML: {e}") from None
+        """Load from a YAML file path or a YAML string. Errors name the file (when there is one) and the
+        key: malformed YAML, a key given twice, a value of the wrong type, or a plan that does not validate."""
+        data, where = load_plan_data(source)
         try:
             return cls.from_dict(data)
         except PlanError as e:
@@ -368,12 +358,6 @@ def _ranks_str(ranks: list[int]) -> str:
     if ranks == list(range(ranks[0], ranks[0] + len(ranks))) and len(ranks) > 2:
         return f"{ranks[0]}-{ranks[-1]}"
     return ",".join(map(str, ranks))
-
-
-def _looks_like_path(source: str | Path) -> bool:
-    if isinstance(source, Path):
-        return True
-    return "\n" not in source and (source.endswith((".yaml", ".yml")) or Path(source).is_file())
 
 
 def colocated_plan(towers: Sequence[str], world_size: int, global_batch: int | None = None) -> Plan:

@@ -54,6 +54,8 @@ def check_types(data: Mapping[str, Any]) -> None:
     _expect(is_int(data["world_size"]) and data["world_size"] >= 1, "world_size", "a positive int", data["world_size"])
     batch = data.get("global_batch")
     _expect(batch is None or (is_int(batch) and batch >= 1), "global_batch", "a positive int or null", batch)
+    balance = data.get("balance")
+    _expect(balance in (None, "cost", "rows"), "balance", "'cost', 'rows' or null", balance)
     towers = data["towers"]
     _expect(isinstance(towers, Mapping), "towers", "a mapping of tower name to settings", towers)
     ints = "a list of ints"
