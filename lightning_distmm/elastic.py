@@ -61,8 +61,8 @@ def last_checkpoint(dirpath: str | os.PathLike) -> str | None:
     folder = Path(dirpath)
     if not folder.is_dir():
         return None
-    candidates = sorted((p for p in folder.iterdir() if p.is_dir() and is_complete(p)), key=_order)
-    return str(candidates[-1]) if candidates else None
+    newest_first = sorted((p for p in folder.iterdir() if p.is_dir()), key=_order, reverse=True)
+    return next((str(p) for p in newest_first if is_complete(p)), None)  # checks only down to the first whole one
 
 
 def plan_line(plan: Plan) -> str:

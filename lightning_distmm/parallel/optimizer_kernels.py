@@ -24,8 +24,7 @@ Two remedies, both exact (the same update of every parameter):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,34 +77,28 @@ def parameter_kind(p: Tensor) -> str:
     return "plain tensors"
 
 
-def split_by_kind(group: dict[str, Any]) -> list[dict[str, Any]]:
-    """``group`` as one copy per kind of parameter held here, in the order the kinds first appear."""
+def params_by_kind(params: Iterable[Tensor]) -> list[list[Tensor]]:
+    """``params`` held here, one list per kind (:func:`parameter_kind`), in the order the kinds first appear."""
     by_kind: dict[str, list[Tensor]] = {}
-    for p in group["params"]:
-        by_kind.setdefault(parameter_kind(p), []).append(p)
-    return [{**group, "params": params} for params in by_kind.values()]
+    for p in params:
+        if not p.is_meta:
+            by_kind.setdefault(parameter_kind(p), []).append(p)
+    return list(by_kind.values())
 
 
 class KindSplitStep:
-    """Runs an optimizer's ``step`` over its mixed groups split by kind (:func:`split_by_kind`).
-
-    Installed as the optimizer's step pre- and post-hooks; the swap also serves a caller that holds
-    the optimizer directly (:meth:`split`)."""
+    """Runs an optimizer's ``step`` with each mixed group replaced by one copy per kind of parameter
+    (the kinds found once, here: a group's parameters do not change after setup; the copies are made
+    each step, so they carry the hyperparameters a scheduler set). Installed as the optimizer's step
+    pre- and post-hooks."""
 
     def __init__(self, optimizer: Optimizer, mixed: Sequence[int]) -> None:
-        self.optimizer, self.mixed = optimizer, frozenset(mixed)
+        self.optimizer = optimizer
+        self.parts = {i: params_by_kind(optimizer.param_groups[i]["params"]) for i in mixed}
         self._kept: list[dict[str, Any]] | None = None
         self._split: list[tuple[int, list[dict[str, Any]]]] = []
         optimizer.register_step_pre_hook(self._before)
         optimizer.register_step_post_hook(self._after)
-
-    @contextmanager
-    def split(self) -> Iterator[None]:
-        self._before()
-        try:
-            yield
-        finally:
-            self._after()
 
     def _before(self, *_: Any) -> None:
         if self._kept is not None:
@@ -114,10 +107,12 @@ class KindSplitStep:
         groups: list[dict[str, Any]] = []
         self._split = []
         for i, group in enumerate(self._kept):
-            parts = split_by_kind(group) if i in self.mixed else [group]
-            if i in self.mixed:
-                self._split.append((i, parts))
-            groups.extend(parts)
+            if i not in self.parts:
+                groups.append(group)
+                continue
+            copies = [{**group, "params": params} for params in self.parts[i]]
+            self._split.append((i, copies))
+            groups.extend(copies)
         self.optimizer.param_groups = groups
 
     def _after(self, *_: Any) -> None:
