@@ -13,6 +13,8 @@ import math
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -257,3 +259,20 @@ def in_subprocess(fn: Callable[[], None], timeout: float = 300) -> None:
         pytest.fail(f"the run did not finish in {timeout}s: a hang")
     error = errors.get(timeout=5)
     assert error is None, error
+
+
+def run_recipe(script: str, *args: str) -> subprocess.CompletedProcess:
+    """``recipes/<script>`` with ``args`` in a fresh interpreter (no rendezvous address inherited from
+    an earlier run in this process), which must succeed."""
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    run = subprocess.run(
+        [sys.executable, str(root / "recipes" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run

@@ -3,8 +3,6 @@ them under distmm (spawned ranks), answers to held-out images, the exported fold
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,25 +11,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))
 
+from distmm_testing import run_recipe  # noqa: E402
 from llava_shapes import COLOUR_Q, ShapesConversations, build_tokenizer  # noqa: E402
 
 from lightning_distmm.data.demo.shapes import describe  # noqa: E402
-
-
-def run_recipe(script: str, *args: str) -> subprocess.CompletedProcess:
-    """``recipes/<script>`` with ``args`` in a fresh interpreter (no rendezvous address inherited), which
-    must succeed."""
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "recipes" / script), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        env=env,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run
 
 
 def test_conversations_ask_about_the_image_and_target_the_answers():

@@ -3,9 +3,7 @@ sample), the model built from conf/model/vlm_tiny.yaml, the accuracy rule, a sho
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))
 
 import yaml  # noqa: E402
+from distmm_testing import run_recipe  # noqa: E402
 from vlm_shapes import ShapesCaptions, build, build_from_config, generate, names_right  # noqa: E402
 
 from lightning_distmm.data.demo.shapes import describe  # noqa: E402
@@ -73,24 +72,9 @@ def test_model_builds_from_its_config() -> None:
 def test_train_recipe_vlm_experiment_runs_under_distmm_and_reports(tmp_path) -> None:
     """``recipes/train.py experiment=vlm_shapes`` for a few steps on 2 ranks (encoder, LLM): the loss
     falls, rank 0 captions held-out images with the whole trained model and reports the accuracy."""
-    # a rendezvous address left in this process's environment by an earlier run must not reach it
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "recipes" / "train.py"),
-            "experiment=vlm_shapes",
-            "trainer.max_steps=8",
-            "data.held_out=8",
-            f"hydra.run.dir={tmp_path}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        env=env,
+    run = run_recipe(
+        "train.py", "experiment=vlm_shapes", "trainer.max_steps=8", "data.held_out=8", f"hydra.run.dir={tmp_path}"
     )
-    assert run.returncode == 0, run.stderr[-3000:]
     out = run.stdout
     assert "(chance 3.1%)" in out and "generated" in out and out.count(" | ") >= 9, out[-2000:]
     line = next(x for x in out.splitlines() if x.startswith("train loss: first"))
