@@ -438,19 +438,10 @@ def vlm_job(cfg: DictConfig, out_dir: Path, launched_here: bool) -> dict[str, fl
     settle_max_epochs(trainer_kwargs, datamodule)
     out_dir.mkdir(parents=True, exist_ok=True)
     losses = Losses(str(out_dir / "losses.json"))
-    callbacks = [*(trainer_kwargs.pop("callbacks", None) or []), *instantiate_group(cfg.get("callbacks")), losses]
-    trainer_kwargs["logger"] = instantiate_group(cfg.get("logger")) or False
-    warnings.filterwarnings("ignore", message=r".*but have no logger configured.*")
-    trainer = L.Trainer(**trainer_kwargs, strategy=strategy, callbacks=callbacks, default_root_dir=str(out_dir))
     parts = f"vision {num_parameters(model.vision):,}, llm {num_parameters(model.language):,}"
-    rank_zero_info(
-        f"model {cfg.model.name}: {num_parameters(model):,} parameters ({parts}); strategy {cfg.strategy.name},"
-        f" devices {trainer_kwargs.get('devices')}, global batch {cfg.data.batch_size}; output {out_dir}"
+    trainer, seconds, train_loss = fit_towers(
+        cfg, model, datamodule, strategy, trainer_kwargs, out_dir, [losses], f"({parts})", f"; output {out_dir}"
     )
-    start = time.time()
-    trainer.fit(model, datamodule=datamodule)
-    seconds = time.time() - start
-    train_loss = trainer.callback_metrics.get("train/loss")
     if cfg.strategy.name not in (SINGLE, DDP) and trainer.world_size > 1:
         state = consolidated_state_dict(trainer)  # collective: every rank calls it; rank 0 gets the whole model
         if trainer.global_rank == 0:
@@ -464,6 +455,33 @@ def vlm_job(cfg: DictConfig, out_dir: Path, launched_here: bool) -> dict[str, fl
             report(line)
     release_process_group(launched_here)
     return {"train/loss": float(train_loss)} if train_loss is not None else None
+
+
+def fit_towers(
+    cfg: DictConfig,
+    model: Any,
+    datamodule: Any,
+    strategy: Any,
+    trainer_kwargs: dict[str, Any],
+    out_dir: Path,
+    callbacks: list[Any],
+    parts: str,
+    tail: str = "",
+) -> tuple[L.Trainer, float, Any]:
+    """The encoder->LLM jobs' training: the Trainer with the configured callbacks and logger, one line
+    naming the model (``parts``: its towers' parameters) and the run, ``fit``; returns the trainer,
+    the seconds ``fit`` took and the last ``train/loss``."""
+    callbacks = [*(trainer_kwargs.pop("callbacks", None) or []), *instantiate_group(cfg.get("callbacks")), *callbacks]
+    trainer_kwargs["logger"] = instantiate_group(cfg.get("logger")) or False
+    warnings.filterwarnings("ignore", message=r".*but have no logger configured.*")
+    trainer = L.Trainer(**trainer_kwargs, strategy=strategy, callbacks=callbacks, default_root_dir=str(out_dir))
+    rank_zero_info(
+        f"model {cfg.model.name}: {num_parameters(model):,} parameters {parts}; strategy {cfg.strategy.name},"
+        f" devices {trainer_kwargs.get('devices')}, global batch {cfg.data.batch_size}{tail}"
+    )
+    start = time.time()
+    trainer.fit(model, datamodule=datamodule)
+    return trainer, time.time() - start, trainer.callback_metrics.get("train/loss")
 
 
 def use_model_plan(cfg: DictConfig) -> None:
@@ -502,19 +520,10 @@ def llava_job(cfg: DictConfig, out_dir: Path, launched_here: bool) -> dict[str, 
     model = build_module(cfg.model, float(cfg.optim.lr), datamodule.tokenizer, folder)
     settle_max_epochs(trainer_kwargs, datamodule)
     out_dir.mkdir(parents=True, exist_ok=True)
-    trainer_kwargs["logger"] = instantiate_group(cfg.get("logger")) or False
-    warnings.filterwarnings("ignore", message=r".*but have no logger configured.*")
-    callbacks = [*(trainer_kwargs.pop("callbacks", None) or []), *instantiate_group(cfg.get("callbacks"))]
-    trainer = L.Trainer(**trainer_kwargs, strategy=strategy, callbacks=callbacks, default_root_dir=str(out_dir))
-    rank_zero_info(
-        f"model {cfg.model.name}: {num_parameters(model):,} parameters (vision {num_parameters(model.vision):,},"
-        f" language {num_parameters(model.language):,}){' from ' + folder if folder else ''}; strategy"
-        f" {cfg.strategy.name}, devices {trainer_kwargs.get('devices')}, global batch {cfg.data.batch_size}"
+    parts = f"(vision {num_parameters(model.vision):,}, language {num_parameters(model.language):,})"
+    trainer, seconds, train_loss = fit_towers(
+        cfg, model, datamodule, strategy, trainer_kwargs, out_dir, [], parts + (f" from {folder}" if folder else "")
     )
-    start = time.time()
-    trainer.fit(model, datamodule=datamodule)
-    seconds = time.time() - start
-    train_loss = trainer.callback_metrics.get("train/loss")
     distributed = cfg.strategy.name not in (SINGLE, DDP) and trainer.world_size > 1
     # collective: every rank calls it; rank 0 gets the whole model
     state = consolidated_state_dict(trainer) if distributed else model.state_dict()
