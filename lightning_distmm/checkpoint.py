@@ -36,7 +36,8 @@ from lightning_distmm.parallel.executor import RankRuntime
 from lightning_distmm.parallel.prepare import tower_prefixes
 from lightning_distmm.parallel.tensor_parallel import is_strided
 
-_METADATA = "meta.pt"
+#: the file of a checkpoint folder that holds everything but the tensors (Lightning's name)
+META_FILE = "meta.pt"
 #: the key of ``meta.pt`` that records the plan a checkpoint was trained under and its global batch
 PLAN_KEY = "distmm_plan"
 
@@ -122,7 +123,7 @@ def check_plan_change(path: Path, plan: Plan) -> None:
     unseen sample of the epoch's order. A plan without ``global_batch`` resumes at whatever batch
     the DataLoader gives (the loader's position is a count of samples).
     """
-    meta = path / _METADATA
+    meta = path / META_FILE
     if not meta.is_file():
         return
     record = read_metadata(path).get(PLAN_KEY)
@@ -139,15 +140,24 @@ def check_plan_change(path: Path, plan: Plan) -> None:
         )
 
 
+def split_for_dcp(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Lightning's checkpoint dict split as ``ModelParallelStrategy`` saves it: the tensors DCP writes
+    (``state_dict``, ``optimizer_<i>``: the keys :func:`load_sharded` reads) and the rest (``meta.pt``)."""
+    rest = dict(checkpoint)
+    tensors = {"state_dict": rest.pop("state_dict")}
+    tensors.update({f"optimizer_{i}": state for i, state in enumerate(rest.pop("optimizer_states", []))})
+    return tensors, rest
+
+
 def load_sharded(
     path: Path, module: nn.Module, optimizers: list[Optimizer], weights_only: bool | None = None
 ) -> dict[str, Any]:
     """Load this rank's tensors (and optimizer state) from a DCP folder; return the remaining metadata."""
     import torch.distributed.checkpoint as dcp
 
-    if not path.is_dir() or not (path / _METADATA).is_file():
+    if not path.is_dir() or not (path / META_FILE).is_file():
         raise FileNotFoundError(
-            f"{path} is not a distmm checkpoint folder (expected a directory with {_METADATA} and DCP shards)"
+            f"{path} is not a distmm checkpoint folder (expected a directory with {META_FILE} and DCP shards)"
         )
     metadata = check_shards(path)  # every rank, before the collective load: a damaged file fails everywhere, by name
     model_state = local_state_dict(module)
@@ -171,7 +181,7 @@ def load_sharded(
 def read_metadata(path: Path, weights_only: bool = False) -> dict[str, Any]:
     """``meta.pt`` of the checkpoint folder ``path`` (loops, callbacks, the plan), naming the file when
     it cannot be read."""
-    meta = Path(path) / _METADATA
+    meta = Path(path) / META_FILE
     try:
         return torch.load(meta, weights_only=weights_only)
     except Exception as err:  # noqa: BLE001 - torch.load raises many kinds for a damaged file

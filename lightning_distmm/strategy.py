@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
@@ -32,6 +32,7 @@ from typing_extensions import override
 from lightning_distmm import checkpoint as ckpt
 from lightning_distmm import elastic, faults
 from lightning_distmm import lightning_seam as seam
+from lightning_distmm.async_checkpoint import AsyncSaver
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.data.loader.loading import RankLoaders
 from lightning_distmm.mixin import DistMMMixin
@@ -89,6 +90,10 @@ class DistMMStrategy(ModelParallelStrategy):
         balance: ``"cost"`` (default): each step's rows go to a tower's replicas by what they cost,
             where the tower says (``Tower(cost=...)``); ``"rows"``: by count, as the plan splits them.
             A plan's own ``balance`` key, when set, decides instead.
+        async_save: checkpoints saved during fit hold the step only for a copy of this rank's shards
+            to CPU memory; a background thread writes them (:mod:`lightning_distmm.async_checkpoint`:
+            one save in flight, ``meta.pt`` written last so that an unfinished save is never
+            resumed from). ``strategy.wait_for_saves()`` waits for it; so do the end of fit and a load.
     """
 
     strategy_name = "distmm"
@@ -105,6 +110,7 @@ class DistMMStrategy(ModelParallelStrategy):
         failure_grace: timedelta | None = timedelta(seconds=30),
         balance: Literal["cost", "rows"] = "cost",
         overlap_batch_sync: bool = False,
+        async_save: bool = False,
     ) -> None:
         if balance not in ("cost", "rows"):
             raise ValueError(
@@ -128,6 +134,8 @@ class DistMMStrategy(ModelParallelStrategy):
         self.runner: StepRunner | None = None
         #: each rank's first error, readable by every rank after any rank's death (docs/runtime.md)
         self.failures = RankFailures(failure_grace)
+        self._saver = AsyncSaver() if async_save else None
+        self._failed = False  # an exception ended this fit: its save in flight is not waited for
 
     # ------------------------------------------------------------------ launch
     @override
@@ -205,6 +213,8 @@ class DistMMStrategy(ModelParallelStrategy):
         self.model_to_device()
         # the distmm loader picks each rank's rows itself
         seam.disable_distributed_sampler(trainer)
+        if self._saver is not None:
+            self._saver.setup()  # its own process group, made by every rank here
         self.barrier()
 
         if trainer.state.fn == TrainerFn.FITTING:
@@ -237,6 +247,8 @@ class DistMMStrategy(ModelParallelStrategy):
         module = self.lightning_module
         if isinstance(module, DistMMMixin) and module._distmm_runner is self.runner:
             module._distmm_runner = None
+        if self._saver is not None and not self._failed:
+            self._saver.wait()  # a failed run leaves its save unfinished: never resumed from
         self.failures.stop()
         super().teardown()
 
@@ -304,6 +316,7 @@ class DistMMStrategy(ModelParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         """End every rank with the error that caused the failure (the earliest root cause any rank
         recorded), not with the broken pipe it left (:class:`~lightning_distmm.rank_failures.RankFailures`)."""
+        self._failed = True
         super().on_exception(exception)
         self.failures.on_exception(exception, self.world_size)
 
@@ -323,7 +336,31 @@ class DistMMStrategy(ModelParallelStrategy):
         if self.plan is not None and self.lightning_module is not None:
             batch = seam.train_batch_size(self.lightning_module.trainer)
             checkpoint[ckpt.PLAN_KEY] = ckpt.plan_record(self.plan, batch)
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self._saver is None or trainer is None or trainer.state.status != TrainerStatus.RUNNING:
+            self.wait_for_saves()  # outside fit nothing waits for a save in flight: this one is written now
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        path = Path(self.broadcast(filepath))
+        if path.is_file():
+            path.unlink()
+        path.mkdir(parents=True, exist_ok=True)
+        tensors, meta = ckpt.split_for_dcp(checkpoint)
+        self._saver.save(tensors, path, meta if self.global_rank == 0 else None)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Lightning drops an old checkpoint once it started the new one: with a save in flight, the
+        old folder goes only when the new one is complete."""
+        if self._saver is None:
+            super().remove_checkpoint(filepath)
+        elif self.is_global_zero:
+            self._saver.remove(Path(filepath))
+
+    def wait_for_saves(self) -> None:
+        """Block until the asynchronous save in flight (``async_save=True``) is written; raise its error."""
+        if self._saver is not None:
+            self._saver.wait()
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -331,6 +368,7 @@ class DistMMStrategy(ModelParallelStrategy):
         folder a lost node was still writing (``ckpt_path="last"`` after a failure) gives way to the
         newest complete one beside it, and the resume is logged in one line (``elastic.resume_line``)."""
         assert self.lightning_module is not None and self.plan is not None
+        self.wait_for_saves()
         path = Path(self.broadcast(checkpoint_path))
         if not elastic.is_complete(path):
             newest = elastic.last_checkpoint(path.parent)

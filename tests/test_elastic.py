@@ -48,7 +48,7 @@ def test_plans_by_world_size(tmp_path):
 
 @pytest.mark.slow
 def test_a_run_restarted_on_fewer_ranks_resumes_with_their_plan(tmp_path):
-    """3 ranks train 3 steps (a checkpoint at step 2) and stop; a save of step 4 that a lost node
+    """3 ranks train 3 steps (a checkpoint at step 2, saved asynchronously) and stop; a save of step 4 that a lost node
     left half-written sits beside it. The restart on 2 ranks takes the plan for 2, is pointed at the
     half-written folder (``ckpt_path="last"`` would be) and resumes from step 2 instead, to step 6."""
     plans = {3: THREE, 2: TWO}
@@ -60,7 +60,8 @@ def test_a_run_restarted_on_fewer_ranks_resumes_with_their_plan(tmp_path):
 
     saves = tmp_path / "ckpt"
     saver = ModelCheckpoint(dirpath=saves, every_n_train_steps=2, save_top_k=-1)
-    run_distmm(first, plans, 3, data(), 3, str(tmp_path / "a.json"), callbacks=[saver], enable_checkpointing=True)
+    strategy = ldm.DistMMStrategy(plan=plans, start_method="fork", async_save=True)  # written in the background
+    run_distmm(first, strategy, 3, data(), 3, str(tmp_path / "a.json"), callbacks=[saver], enable_checkpointing=True)
     complete = saves / "epoch=0-step=2.ckpt"
     torn = saves / "epoch=0-step=4.ckpt"
     shutil.copytree(complete, torn)

@@ -37,6 +37,7 @@ ALLOWED: dict[str, set[str]] = {
     "rank_failures": {"faults", "lightning_seam"},
     "plan_choice": {"core", "planner", "parallel", "tower", "lightning_seam"},
     "elastic": {"core", "checkpoint"},
+    "async_checkpoint": {"checkpoint"},
     "strategy": {
         "core",
         "planner",
@@ -51,6 +52,7 @@ ALLOWED: dict[str, set[str]] = {
         "rank_failures",
         "plan_choice",
         "elastic",
+        "async_checkpoint",
     },
     "__init__": {
         "core",
@@ -256,7 +258,7 @@ def _design_table() -> dict[str, set[str]]:
 #: the order of the areas in docs/design.md's table (the layers, bottom up)
 AREA_ORDER = [
     "core", "planner", "tower", "interaction", "faults", "losses", "parallel", "data", "checkpoint", "mixin",
-    "models", "lightning_seam", "rank_failures", "plan_choice", "elastic", "strategy", "__init__",
+    "models", "lightning_seam", "rank_failures", "plan_choice", "elastic", "async_checkpoint", "strategy", "__init__",
 ]  # fmt: skip
 
 
