@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_distmm.checkpoint import META_FILE
+from lightning_distmm.checkpoint import META_FILE, split_for_dcp
 
 
 def write_atomically(path: Path, data: bytes) -> None:
@@ -94,6 +94,15 @@ class AsyncSaver:
             future.add_done_callback(lambda done: self._finish(done, path, meta_bytes))
         self._pending, self._pending_path = future, path
         self.blocking_seconds.append(time.perf_counter() - started)
+
+    def save_folder(self, checkpoint: dict[str, Any], path: Path, writes_meta: bool) -> None:
+        """:meth:`save` Lightning's ``checkpoint`` into the folder ``path`` (a file there replaced), as
+        ``ModelParallelStrategy`` lays it out; ``writes_meta``: this rank writes ``meta.pt`` (rank 0)."""
+        if path.is_file():
+            path.unlink()
+        path.mkdir(parents=True, exist_ok=True)
+        tensors, meta = split_for_dcp(checkpoint)
+        self.save(tensors, path, meta if writes_meta else None)
 
     def _finish(self, done: Future, path: Path, meta_bytes: bytes) -> None:
         # in the writer thread, as soon as the shards and .metadata are written (a node lost later

@@ -65,6 +65,21 @@ def last_checkpoint(dirpath: str | os.PathLike) -> str | None:
     return next((str(p) for p in newest_first if is_complete(p)), None)  # checks only down to the first whole one
 
 
+def complete_or_newest(path: Path) -> tuple[Path, str | None]:
+    """``path`` when it is a complete checkpoint; else the newest complete one beside it, with the
+    line that says so (a folder a lost node was still writing: ``ckpt_path="last"`` after a failure);
+    an error that says what to do when there is none."""
+    if is_complete(path):
+        return path, None
+    newest = last_checkpoint(path.parent)
+    if newest is None:
+        raise FileNotFoundError(
+            f"checkpoint {path} is incomplete (a save that did not finish) and {path.parent} holds no complete"
+            " one: start without ckpt_path, or point it at a complete checkpoint folder"
+        )
+    return Path(newest), f"distmm: checkpoint {path} is incomplete (a save that did not finish): resuming from {newest}"
+
+
 def plan_line(plan: Plan) -> str:
     """A plan in one line: each tower's ranks and parallelism."""
     parts = []

@@ -32,6 +32,8 @@ from lightning_distmm.tower import Tower
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
 
+    from lightning_distmm.planner.default import Host
+
 
 @dataclass
 class LiveJob:
@@ -163,15 +165,11 @@ def _in_library(filename: str) -> bool:
 def default_choice(job: LiveJob) -> tuple[dict, str, None]:
     """The planner's choice between the FLOP-proportional split, colocated and the other splits,
     priced from the towers' counts and this host's description (nothing timed)."""
-    from lightning_distmm.planner.default import CountedTower, Host, default_plan, describe_cpu
+    from lightning_distmm.planner.default import CountedTower, default_plan
 
     with job.random_state_kept(job.device):  # rank 0 alone runs these forwards
         counts = tower_counts(job.towers, job.example)
-    if job.device.type == "cuda":
-        props = torch.cuda.get_device_properties(job.device)
-        host = Host("cuda", job.per_node, memory=float(props.total_memory), name=props.name)
-    else:
-        host = describe_cpu(job.per_node, torch.get_num_threads())
+    host = describe_host(job.device, job.per_node)
     pair = producer_consumer(job.towers)
     if pair is not None:  # an encoder feeding a language model: the encoder->LLM search
         from lightning_distmm.planner.vlm_default import default_vlm_plan
@@ -183,6 +181,17 @@ def default_choice(job: LiveJob) -> tuple[dict, str, None]:
         {n: CountedTower(**c) for n, c in counts.items()}, job.world_size, job.global_batch, host, job.precision
     )
     return choice.plan.to_dict(), choice.line(), None
+
+
+def describe_host(device: torch.device, per_node: int) -> Host:
+    """This rank's machine as the default plan prices it: a GPU by its name and memory, a CPU by
+    :func:`~lightning_distmm.planner.default.describe_cpu` with this process's torch threads."""
+    from lightning_distmm.planner.default import Host, describe_cpu
+
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return Host("cuda", per_node, memory=float(props.total_memory), name=props.name)
+    return describe_cpu(per_node, torch.get_num_threads())
 
 
 def producer_consumer(towers: Mapping[str, Tower]) -> tuple[str, str] | None:

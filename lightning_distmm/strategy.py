@@ -35,6 +35,7 @@ from lightning_distmm import lightning_seam as seam
 from lightning_distmm.async_checkpoint import AsyncSaver
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.data.loader.loading import RankLoaders
+from lightning_distmm.drift_replan import DriftReplanner
 from lightning_distmm.mixin import DistMMMixin
 from lightning_distmm.parallel.deferred import deferred_init
 from lightning_distmm.parallel.executor import RankRuntime
@@ -94,6 +95,10 @@ class DistMMStrategy(ModelParallelStrategy):
             to CPU memory; a background thread writes them (:mod:`lightning_distmm.async_checkpoint`:
             one save in flight, ``meta.pt`` written last so that an unfinished save is never
             resumed from). ``strategy.wait_for_saves()`` waits for it; so do the end of fit and a load.
+        replan: ``"drift"``: every ``replan_every`` steps compare the towers' measured times with the
+            first window under the plan; past ``replan_margin`` (a fraction), price the plans on the
+            measurements and switch, through a checkpoint, to one predicted faster by more than that
+            (:mod:`lightning_distmm.drift_replan`; docs/planner.md, "Re-planning"). ``None``: the plan stays.
     """
 
     strategy_name = "distmm"
@@ -111,7 +116,12 @@ class DistMMStrategy(ModelParallelStrategy):
         balance: Literal["cost", "rows"] = "cost",
         overlap_batch_sync: bool = False,
         async_save: bool = False,
+        replan: Literal["drift"] | None = None,
+        replan_every: int = 50,
+        replan_margin: float = 0.10,
     ) -> None:
+        if replan not in (None, "drift"):
+            raise ValueError(f"replan={replan!r}: choose 'drift' (re-plan when measured times drift) or None")
         if balance not in ("cost", "rows"):
             raise ValueError(
                 f"balance={balance!r}: choose 'cost' (each step's rows to the replicas by their cost, where a"
@@ -136,6 +146,8 @@ class DistMMStrategy(ModelParallelStrategy):
         self.failures = RankFailures(failure_grace)
         self._saver = AsyncSaver() if async_save else None
         self._failed = False  # an exception ended this fit: its save in flight is not waited for
+        self._replan = DriftReplanner(replan_every, replan_margin) if replan else None
+        self._refitting = False  # the module was rebuilt for a re-plan: its values come from a checkpoint
 
     # ------------------------------------------------------------------ launch
     @override
@@ -202,10 +214,14 @@ class DistMMStrategy(ModelParallelStrategy):
             # all-gather buffers inference tensors, which break the forward or the training after it
             seam.evaluate_without_inference_mode(trainer)
 
+        if self._replan is not None and trainer.state.fn == TrainerFn.FITTING:
+            self._replan.prepare(self, trainer, module)
         precision = getattr(self.precision_plugin, "precision", None)
         self.runner = start_runner(
-            module, self.plan, nodes, self.root_device, precision, self._bucket_cap_mb, self._overlap_batch_sync
-        )
+            module, self.plan, nodes, self.root_device, precision, self._bucket_cap_mb, self._overlap_batch_sync,
+            values_from_checkpoint=self._refitting,
+        )  # fmt: skip
+        self._refitting = False
         self.runtime = self.runner.runtime
         module._distmm_runner = self.runner
 
@@ -340,13 +356,8 @@ class DistMMStrategy(ModelParallelStrategy):
         if self._saver is None or trainer is None or trainer.state.status != TrainerStatus.RUNNING:
             self.wait_for_saves()  # outside fit nothing waits for a save in flight: this one is written now
             super().save_checkpoint(checkpoint, filepath, storage_options)
-            return
-        path = Path(self.broadcast(filepath))
-        if path.is_file():
-            path.unlink()
-        path.mkdir(parents=True, exist_ok=True)
-        tensors, meta = ckpt.split_for_dcp(checkpoint)
-        self._saver.save(tensors, path, meta if self.global_rank == 0 else None)
+        else:
+            self._saver.save_folder(checkpoint, Path(self.broadcast(filepath)), self.global_rank == 0)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -356,6 +367,13 @@ class DistMMStrategy(ModelParallelStrategy):
             super().remove_checkpoint(filepath)
         elif self.is_global_zero:
             self._saver.remove(Path(filepath))
+
+    def refit(self) -> str | None:
+        """After a fit: the checkpoint to fit again from, under the plan a re-plan chose (the module
+        rebuilt for it), or None. The launcher asks (:class:`~lightning_distmm.lightning_seam.launchers.Refitting`)."""
+        path = self._replan.refit(self, self.lightning_module) if self._replan is not None else None
+        self._refitting = path is not None
+        return path
 
     def wait_for_saves(self) -> None:
         """Block until the asynchronous save in flight (``async_save=True``) is written; raise its error."""
@@ -369,18 +387,9 @@ class DistMMStrategy(ModelParallelStrategy):
         newest complete one beside it, and the resume is logged in one line (``elastic.resume_line``)."""
         assert self.lightning_module is not None and self.plan is not None
         self.wait_for_saves()
-        path = Path(self.broadcast(checkpoint_path))
-        if not elastic.is_complete(path):
-            newest = elastic.last_checkpoint(path.parent)
-            if newest is None:
-                raise FileNotFoundError(
-                    f"checkpoint {path} is incomplete (a save that did not finish) and {path.parent} holds no complete"
-                    " one: start without ckpt_path, or point it at a complete checkpoint folder"
-                )
-            rank_zero_info(
-                f"distmm: checkpoint {path} is incomplete (a save that did not finish): resuming from {newest}"
-            )
-            path = Path(newest)
+        path, line = elastic.complete_or_newest(Path(self.broadcast(checkpoint_path)))
+        if line is not None:
+            rank_zero_info(line)
         ckpt.check_plan_change(path, self.plan)  # on every rank: all fail together
         loaded = ckpt.load_sharded(path, self.lightning_module, self.optimizers, weights_only=weights_only)
         record = loaded.get(ckpt.PLAN_KEY) or {}

@@ -38,6 +38,7 @@ ALLOWED: dict[str, set[str]] = {
     "plan_choice": {"core", "planner", "parallel", "tower", "lightning_seam"},
     "elastic": {"core", "checkpoint"},
     "async_checkpoint": {"checkpoint"},
+    "drift_replan": {"core", "planner", "parallel", "lightning_seam", "plan_choice"},
     "strategy": {
         "core",
         "planner",
@@ -53,6 +54,7 @@ ALLOWED: dict[str, set[str]] = {
         "plan_choice",
         "elastic",
         "async_checkpoint",
+        "drift_replan",
     },
     "__init__": {
         "core",
@@ -258,7 +260,7 @@ def _design_table() -> dict[str, set[str]]:
 #: the order of the areas in docs/design.md's table (the layers, bottom up)
 AREA_ORDER = [
     "core", "planner", "tower", "interaction", "faults", "losses", "parallel", "data", "checkpoint", "mixin",
-    "models", "lightning_seam", "rank_failures", "plan_choice", "elastic", "async_checkpoint", "strategy", "__init__",
+    "models", "lightning_seam", "rank_failures", "plan_choice", "elastic", "async_checkpoint", "drift_replan", "strategy", "__init__",
 ]  # fmt: skip
 
 

@@ -48,7 +48,7 @@ def configure_launcher(
     environment = strategy.cluster_environment
     assert environment is not None
     if start_method == "popen":
-        launcher = _SubprocessScriptLauncher(environment, strategy.num_processes, strategy.num_nodes)
+        launcher = RefittingScriptLauncher(environment, strategy.num_processes, strategy.num_nodes)
         strategy._launcher = launcher  # type: ignore[attr-defined]
     else:
         method: Literal["spawn", "fork", "forkserver"] = start_method  # type: ignore[assignment]
@@ -56,6 +56,43 @@ def configure_launcher(
             strategy, consolidate, start_method=method, after_ranks_ended=after_ranks_ended, release=release
         )
         strategy._launcher = launcher  # type: ignore[attr-defined]
+
+
+class Refitting:
+    """A rank's ``trainer.fit`` body, run again while the strategy asks for it.
+
+    A re-planned job (``DistMMStrategy(replan="drift")``) ends its fit after the step that saved
+    the switch's checkpoint; the strategy's ``refit()`` then sets the new plan, rebuilds the module
+    and names the checkpoint, and the fit runs again from it, in the same processes and process
+    group. Lightning's ``Trainer.fit`` sets the trainer's state before its (private) ``_fit_impl``;
+    so does this, before each new run of it. Picklable (the spawn launcher sends it to the ranks).
+    """
+
+    def __init__(self, function: Callable, trainer: pl.Trainer | None) -> None:
+        self.function, self.trainer = function, trainer
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        result = self.function(*args, **kwargs)
+        trainer = self.trainer
+        refit = getattr(trainer.strategy, "refit", None) if trainer is not None else None
+        while trainer is not None and refit is not None and trainer.state.fn == TrainerFn.FITTING:
+            path = refit()
+            if path is None:
+                break
+            from lightning.pytorch.trainer.states import TrainerStatus
+
+            trainer.state.status, trainer.training, trainer.should_stop = TrainerStatus.RUNNING, True, False
+            args = (*args[:4], path, *args[5:])  # _fit_impl(model, train, val, datamodule, ckpt_path, weights_only)
+            result = self.function(*args, **kwargs)
+        return result
+
+
+class RefittingScriptLauncher(_SubprocessScriptLauncher):
+    """Lightning's subprocess launcher (scripts, torchrun, SLURM) whose ranks fit again after a re-plan
+    (:class:`Refitting`)."""
+
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        return super().launch(Refitting(function, trainer), *args, trainer=trainer, **kwargs)
 
 
 class ConsolidatingLauncher(_MultiProcessingLauncher):
@@ -108,7 +145,7 @@ class ConsolidatingLauncher(_MultiProcessingLauncher):
         previous, tempfile.tempdir = tempfile.tempdir, scratch
         rendezvous = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
         try:
-            return super().launch(function, *args, trainer=trainer, **kwargs)
+            return super().launch(Refitting(function, trainer), *args, trainer=trainer, **kwargs)
         finally:
             for key, value in rendezvous.items():
                 if value is None:

@@ -337,6 +337,19 @@ def materialize(
     return count
 
 
+def allocate(module: nn.Module, device: torch.device, held: Callable[[str], bool] = lambda name: True) -> int:
+    """Allocate, uninitialised, the meta tensors of ``module`` that ``held`` keeps (a DTensor's local
+    shard only) on ``device``; return how many. For a module whose every value a checkpoint load
+    sets next (a re-planned job's module, rebuilt on the meta device)."""
+    count = 0
+    for name, t in list(_named_tensors(module)):
+        if t.is_meta and held(name):
+            owner, attr = _owner(module, name)
+            _allocate(owner, attr, t, device)
+            count += 1
+    return count
+
+
 def release(refs: Mapping[str, tuple[Recording, _Ref]]) -> None:
     """Drop the recordings ``refs`` came from (their constants and meta tensors): materialised once."""
     used = {id(recording) for recording, _ in refs.values()}
@@ -380,4 +393,4 @@ def _sink(dest: Tensor, ref: _Ref, device: torch.device) -> Callable[[torch.Unty
     return write
 
 
-__all__ = ["Recording", "deferred_init", "materialize", "release", "tensor_refs"]
+__all__ = ["Recording", "allocate", "deferred_init", "materialize", "release", "tensor_refs"]

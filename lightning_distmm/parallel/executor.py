@@ -124,19 +124,22 @@ class RankRuntime:
             self.topology.host,
         )
 
-    def prepare_local_towers(self) -> None:
+    def prepare_local_towers(self, values_from_checkpoint: bool = False) -> None:
         """Keep only what this rank runs (:func:`~lightning_distmm.parallel.prepare.prepare_rank`), rebuild
         the parameter table (dropping references to replaced parameters) and hand the freed memory back.
 
         A module built on the meta device under :func:`~lightning_distmm.parallel.deferred.deferred_init`
         is prepared on meta, then each rank materialises what it holds (a sharded tower's shards only)
-        with the values the construction would have given them."""
+        with the values the construction would have given them. ``values_from_checkpoint``: the
+        module's meta tensors are allocated uninitialised instead (a checkpoint load sets them next)."""
         refs = deferred.tensor_refs(self.module)  # type: ignore[arg-type]  # by name: sharding replaces tensors
         self.stages = prepare_rank(self.plan, self.towers, self.layout, self.groups, self.rank)
         held = held_names(self.module, self.towers, self.layout, self.stages)  # type: ignore[arg-type]
         if refs:
             deferred.materialize(self.module, refs, self.device, held)  # type: ignore[arg-type]
             deferred.release(refs)
+        if values_from_checkpoint:
+            deferred.allocate(self.module, self.device, held)  # type: ignore[arg-type]
         check_held_tensors(self.module, held)  # type: ignore[arg-type]
         self.gradients = self._gradients()
         return_freed_memory()

@@ -35,14 +35,17 @@ def start_runner(
     precision: str | None,
     bucket_cap_mb: float,
     overlap_batch_sync: bool = False,
+    values_from_checkpoint: bool = False,
 ) -> StepRunner:
     """This rank's runtime for ``plan``: every group built (:func:`~lightning_distmm.parallel.groups.build_topology`),
     the local towers prepared (remote ones released, pipeline stages cut, TP and FSDP applied), and
-    the runner the module calls. Collective: every rank calls it with the same plan."""
+    the runner the module calls. Collective: every rank calls it with the same plan.
+    ``values_from_checkpoint``: the module's meta tensors are allocated, not initialised (a checkpoint
+    load sets them next: :meth:`RankRuntime.prepare_local_towers`)."""
     topology = build_topology(plan, device, nodes, mixed_precision_policy(precision))
     runtime = RankRuntime(module, plan, topology, device, bucket_cap_mb=bucket_cap_mb)
     runtime.overlap_batch_sync = bool(overlap_batch_sync)
-    runtime.prepare_local_towers()
+    runtime.prepare_local_towers(values_from_checkpoint)
     return StepRunner(runtime)
 
 

@@ -277,7 +277,7 @@ class DefaultChoice:
             if other != self.name and t is not None:
                 label = "the FLOP-proportional split" if other == "proportional" else "colocated"
                 others.append(
-                    f"{t / mine:.2f}x faster than {label} ({_layout(self._plan_of(other))}: {t * 1e3:.0f} ms)"
+                    f"{t / mine:.2f}x faster than {label} ({plan_layout(self._plan_of(other))}: {t * 1e3:.0f} ms)"
                 )
         where = (
             f"{self.host.cores} CPU cores, {self.host.threads} thread(s) per rank"
@@ -285,7 +285,7 @@ class DefaultChoice:
             else self.host.name or self.host.kind
         )
         return (
-            f"distmm default plan: {self.name} ({_layout(self.plan)}, {mine * 1e3:.0f} ms per step), predicted"
+            f"distmm default plan: {self.name} ({plan_layout(self.plan)}, {mine * 1e3:.0f} ms per step), predicted"
             f" {' and '.join(others) or 'the only candidate'}; priced from counted FLOPs on {where}, global batch"
             f" {self.global_batch} (plan='auto' measures instead)"
         )
@@ -294,7 +294,8 @@ class DefaultChoice:
         return min((x for x in self.predicted if x[0] == name), key=lambda x: x[2])[1]
 
 
-def _layout(plan: Plan) -> str:
+def plan_layout(plan: Plan) -> str:
+    """A plan in a few words: `image@0-1, text@2`, or every tower on which ranks."""
     if plan.colocated:
         return f"every tower on ranks 0-{plan.world_size - 1}" if plan.world_size > 1 else "every tower on rank 0"
     parts = []
@@ -373,4 +374,5 @@ __all__ = [
     "candidate_plans",
     "default_plan",
     "proportional_plan",
+    "plan_layout",
 ]
