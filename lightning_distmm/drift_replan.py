@@ -74,8 +74,7 @@ class DriftReplanner(pl.Callback):
         #: ``(plan, checkpoint path)`` once a switch was decided, until the launcher fits again
         self.pending: tuple[Plan, str] | None = None
         self.switches: list[tuple[int, Plan, Plan]] = []
-        self._window: dict[str, list[float]] = {}
-        self._steps = 0
+        self._traces: list[Any] = []  # the measured steps' traces since the last check
         self._times: list[float] = []
         self._started = 0.0
         self._warm = False
@@ -119,7 +118,7 @@ class DriftReplanner(pl.Callback):
     # ------------------------------------------------------------------ Lightning's hooks
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         trainer.strategy.runner.record_trace(True)
-        self._window, self._steps, self._times, self._warm = {}, 0, [], False
+        self._traces, self._times, self._warm = [], [], False
         self._last_step = trainer.global_step
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # type: ignore[no-untyped-def]
@@ -133,22 +132,24 @@ class DriftReplanner(pl.Callback):
         self._last_step = trainer.global_step
         if whole and self._warm:
             self._times.append(elapsed)
-            self._steps += 1
-            for ins, start, end in step.trace:
-                if isinstance(ins, (Forward, Backward)):
-                    sums = self._window.setdefault(ins.tower, [0.0, 0.0, 0.0])
-                    sums[0 if isinstance(ins, Forward) else 1] += end - start
-                    sums[2] += isinstance(ins, Forward)
+            self._traces.append(step.trace)  # read at the check: on a GPU, reading waits for the device
         self._warm = self._warm or whole
-        if whole and trainer.global_step % self.every == 0 and self._steps:
+        if whole and trainer.global_step % self.every == 0 and self._traces:
             self._check(trainer, trainer.strategy)
 
     # ------------------------------------------------------------------ the check
     def _check(self, trainer: pl.Trainer, strategy: Any) -> None:
         from lightning_distmm.planner.replan import MeasuredTower
 
+        window: dict[str, list[float]] = {}  # tower: forward seconds, backward seconds, forward calls
+        for trace in self._traces:
+            for ins, start, end in trace:
+                if isinstance(ins, (Forward, Backward)):
+                    sums = window.setdefault(ins.tower, [0.0, 0.0, 0.0])
+                    sums[0 if isinstance(ins, Forward) else 1] += end - start
+                    sums[2] += isinstance(ins, Forward)
         gathered: list[Any] = [None] * strategy.world_size
-        dist.all_gather_object(gathered, (self._window, self._steps, statistics.median(self._times)))
+        dist.all_gather_object(gathered, (window, len(self._traces), statistics.median(self._times)))
         answer = None
         if strategy.global_rank == 0:
             steps = gathered[0][1]
@@ -166,7 +167,7 @@ class DriftReplanner(pl.Callback):
             rank_zero_info(found.line())
             answer = found.switch_to.to_dict() if found.switch_to is not None else None
         answer = strategy.broadcast(answer, src=0)
-        self._window, self._steps, self._times = {}, 0, []
+        self._traces, self._times = [], []
         if answer is not None:
             self._switch(trainer, strategy, Plan.from_dict(answer))
 
