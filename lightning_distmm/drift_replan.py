@@ -77,6 +77,7 @@ class DriftReplanner(pl.Callback):
         self._traces: list[Any] = []  # the measured steps' traces since the last check
         self._times: list[float] = []
         self._started = 0.0
+        self._switched_at: float | None = None
         self._warm = False
         self._last_step = 0
 
@@ -118,6 +119,9 @@ class DriftReplanner(pl.Callback):
     # ------------------------------------------------------------------ Lightning's hooks
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         trainer.strategy.runner.record_trace(True)
+        if self._switched_at is not None:
+            seconds, self._switched_at = time.perf_counter() - self._switched_at, None
+            rank_zero_info(f"distmm: the switch took {seconds:.1f} s (checkpoint, the fit ended, setup, restore)")
         self._traces, self._times, self._warm = [], [], False
         self._last_step = trainer.global_step
 
@@ -175,6 +179,7 @@ class DriftReplanner(pl.Callback):
         callback = trainer.checkpoint_callback
         folder = getattr(callback, "dirpath", None) or Path(trainer.default_root_dir) / "checkpoints"
         path = str(Path(folder) / f"replan-step={trainer.global_step}")
+        self._switched_at = time.perf_counter()
         trainer.save_checkpoint(path)
         self.switches.append((trainer.global_step, strategy.plan, plan))
         self.pending = (plan, path)

@@ -131,10 +131,13 @@ def test_a_resolution_step_up_replans_once_and_trains_exactly(tmp_path, caplog):
             x.setLevel(level)
         handler.close()
     said = (tmp_path / "rank0.log").read_text()
-    lines = [line for line in said.splitlines() if "drift check" in line or "re-planning" in line]
+    lines = [
+        line for line in said.splitlines() if any(k in line for k in ("drift check", "re-planning", "switch took"))
+    ]
     print("\n" + "\n".join(lines))
     switching = [line for line in lines if "switching" in line]
     assert len(switching) == 1 and "drift check at step 6:" in switching[0], lines
+    assert any("the switch took" in line for line in lines)
     assert "drift check at step 9:" in lines[-1] and "the reference for this plan" in lines[-1]
     assert (tmp_path / "checkpoints" / "replan-step=6" / "meta.pt").is_file()
     assert read_losses(tmp_path / "d.json") == pytest.approx(read_losses(tmp_path / "ref.json"), abs=1e-5)
