@@ -157,10 +157,11 @@ def auto_plan(
     if not isinstance(options, PlannerOptions):
         options = runtime_cost_defaults(options, device)
     options = PlannerOptions.from_any(options)
+    # the towers first: one whose forward fails does so before the host's probes start processes
+    profiles = measure_profiles(towers, device, batch_sizes, autocast)
     cl = cluster or local_cluster(device, world_size, devices_per_node)
     if cl.world_size != world_size:
         cl = cl.with_world(world_size)
-    profiles = measure_profiles(towers, device, batch_sizes, autocast)
     plan, _ = make_plan(None, cl, global_batch, options, profiles=profiles)
     return plan
 

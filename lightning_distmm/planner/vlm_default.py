@@ -158,10 +158,10 @@ def auto_vlm_plan(
 
     opts = runtime_cost_defaults({"precision": precision} if precision else {}, device)
     options = PlannerOptions.from_any(opts).cost
+    measured = measure_profiles(infos, device, autocast=autocast)  # before the host's probes start processes
     cluster = local_cluster(device, world_size, devices_per_node)
     if cluster.world_size != world_size:
         cluster = cluster.with_world(world_size)
-    measured = measure_profiles(infos, device, autocast=autocast)
     p, c = infos[producer], infos[consumer]
     profiles = live_profiles(measured[producer], measured[consumer], tokens, width, p.frozen, c.frozen)
     said = f"priced from the towers timed on {cluster.device.name}, global batch {global_batch}"
