@@ -134,7 +134,11 @@ class RankFailures:
         others named stalled (the launcher ends the job they failed for it)."""
         if threading.current_thread() is threading.main_thread():
             ended = lambda: self.last_words or self.stalled_words()  # noqa: E731
-            signal.signal(signal.SIGTERM, faults.preemption_handler(self.rank, forward, ended))
+            signal.signal(signal.SIGTERM, faults.preemption_handler(self.rank, forward, ended, self._store_silent))
+
+    def _store_silent(self) -> str | None:
+        heartbeat = self.peer_watch.heartbeat if self.peer_watch is not None else None
+        return heartbeat.store_silent() if heartbeat is not None else None
 
     def on_exception(self, exception: BaseException, world_size: int) -> None:
         """Record this rank's error and raise the job's first one if it is another rank's, or that this

@@ -8,10 +8,8 @@ import copy
 import json
 import logging
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import lightning as L
@@ -19,7 +17,7 @@ import pytest
 import torch
 from distmm_testing import TinyCLIP, loader, max_param_diff, read_losses, run_distmm, run_reference
 from lightning.pytorch.callbacks import ModelCheckpoint
-from test_multinode import _env, _port
+from test_multinode import _env, _port, wait_for_listener
 
 import lightning_distmm as ldm
 from lightning_distmm.plan_choice import PlansByWorldSize, parse_plan_spec
@@ -96,18 +94,6 @@ def test_a_run_restarted_on_fewer_ranks_resumes_with_their_plan(tmp_path):
     assert max_param_diff(reference, resumed) <= 1e-5
 
 
-def _wait_for_listener(endpoint: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    host, port = endpoint.rsplit(":", 1)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            socket.create_connection((host, int(port)), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise AssertionError(f"the first node's rendezvous never listened on {endpoint}")
-
-
 @pytest.mark.slow
 def test_torchrun_restarts_the_survivors_with_their_plan(tmp_path):
     """`torchrun --nnodes 1:2 --nproc-per-node 2 --max-restarts 1 --rdzv-backend c10d` started twice
@@ -128,7 +114,7 @@ def test_torchrun_restarts_the_survivors_with_their_plan(tmp_path):
         with open(log, "wb") as out:
             procs.append(subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT))
         if n == 0:  # the first node hosts the rendezvous (it outlives the second): start the second once it listens
-            _wait_for_listener(endpoint, procs[0])
+            wait_for_listener(endpoint, procs[0])
     try:
         procs[0].wait(timeout=240)
     finally:

@@ -163,3 +163,86 @@ def test_a_lost_node_ends_the_other_nodes_ranks_naming_it(tmp_path, lost):
     assert survivor.returncode != 0
     assert f"node {lost} (rank {lost}) is lost" in said, said[-3000:]
     assert seconds <= grace + 10
+
+
+def wait_for_listener(endpoint: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """Until something listens on ``endpoint`` (a first torchrun agent's rendezvous), while ``proc`` runs."""
+    import time
+
+    host, port = endpoint.rsplit(":", 1)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError(f"the first node's rendezvous never listened on {endpoint}")
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (read from /proc): an agent's workers and theirs."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_lost_rendezvous_node_is_named_by_the_survivors(tmp_path):
+    """Two torchrun agents (``--nnodes 2 --rdzv-backend c10d``), one rank each, both held in step 2.
+    The first node (the rendezvous and the job's store, rank 0) is SIGKILLed, agent and rank. The
+    surviving agent stops its rank at once (the rendezvous is gone), before the heartbeat's grace:
+    the rank's last line still names the node whose store stopped answering."""
+    import signal
+    import time
+
+    grace = 4.0
+    endpoint = f"127.0.0.1:{_port()}"
+    script = Path(__file__).parent / "scripts" / "node_loss.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
+    command += ["--max-restarts", "0", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "loss"]
+    command += ["--monitor-interval", "0.5", str(script), str(tmp_path), str(grace)]
+    procs, logs = [], []
+    for node in range(2):
+        folder = tmp_path / f"node{node}-tmp"
+        folder.mkdir()
+        logs.append(tmp_path / f"node{node}.log")
+        procs.append(_start(command, _env(TMPDIR=str(folder)), logs[-1]))
+        if node == 0:  # the first agent hosts the rendezvous (and the ranks' store): the second joins it
+            wait_for_listener(endpoint, procs[0])
+    try:
+        deadline = time.monotonic() + 300
+        while not all((tmp_path / f"ready{r}").exists() for r in range(2)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [
+                log.read_text(errors="replace")[-2000:] for log in logs
+            ]
+            time.sleep(0.2)
+        for pid in [procs[0].pid, *_descendants(procs[0].pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        killed = time.monotonic()
+        procs[1].wait(timeout=grace + 60)
+        seconds = time.monotonic() - killed
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    said = logs[1].read_text(errors="replace")
+    print(f"\nthe first node killed: the second exited with {procs[1].returncode} after {seconds:.1f} s")
+    print("\n".join(line for line in said.splitlines() if "distmm" in line or "SIGTERM (" in line)[-1500:])
+    assert procs[1].returncode != 0 and seconds <= grace + 10
+    assert "node 0 (rank 0), which hosts the job's store" in said or "node 0 (rank 0) is lost" in said, said[-3000:]

@@ -124,6 +124,30 @@ class NodeHeartbeat:
                 )
         return None
 
+    def store_silent(self, wait: float = 1.0) -> str | None:
+        """On any rank, at once: when the job's store does not answer within ``wait`` seconds, a line
+        naming the node that hosts it as likely lost; None when it answers or the job is one node.
+        For a rank that is being stopped (torchrun's agent stops the survivors' ranks as soon as the
+        rendezvous host is gone, before the heartbeat's grace has passed)."""
+        if len(self.ranks_of) < 2:
+            return None
+        answered = threading.Event()
+
+        def ask() -> None:
+            try:
+                self.store.add("probe", 0)
+                answered.set()
+            except Exception:  # noqa: BLE001 - no answer is the finding
+                pass
+
+        threading.Thread(target=ask, name="distmm-store-probe", daemon=True).start()
+        if answered.wait(wait):
+            return None
+        return (
+            f"node {self.store_node} ({_span(self.ranks_of[self.store_node])}), which hosts the job's store"
+            f" ({self.store_address}), does not answer within {wait:.0f} s: node {self.store_node} is likely lost"
+        )
+
     def _left(self, node: int) -> bool:
         """Whether ``node`` ended its trainer call (:meth:`close`): its beat stops, it is not lost."""
         try:

@@ -56,13 +56,17 @@ _PR_SET_PDEATHSIG = 1
 
 
 def preemption_handler(
-    rank: int, forward: Callable[[int], None] | None = None, ended: Callable[[], str | None] | None = None
+    rank: int,
+    forward: Callable[[int], None] | None = None,
+    ended: Callable[[], str | None] | None = None,
+    why: Callable[[], str | None] | None = None,
 ) -> Callable[..., None]:
     """A SIGTERM handler: pass the signal on (a launcher to the ranks it started), then end this rank.
 
     ``ended`` gives the root cause this rank already reported, if it is failing: the SIGTERM is
     then the launcher's clean-up (torchrun's, a spawn parent's), not a cause, and must not become
-    the rank's last line: the rank repeats its cause and exits at once.
+    the rank's last line: the rank repeats its cause and exits at once. ``why``: what else the
+    rank can tell about the stop (a node whose store no longer answers), added to its error.
     """
 
     def handler(signum: int, frame: object) -> None:
@@ -73,7 +77,9 @@ def preemption_handler(
             sys.stderr.write(f"{cause}\n")
             sys.stderr.flush()
             os._exit(1)
-        raise Preempted(f"rank {rank} received {signal.Signals(signum).name} (preemption or a stop request)")
+        said = f"rank {rank} received {signal.Signals(signum).name} (preemption or a stop request)"
+        found = why() if why is not None else None
+        raise Preempted(f"{said}; {found}, and its launcher is stopping this node's ranks" if found else said)
 
     return handler
 
