@@ -79,6 +79,7 @@ class RankRuntime:
         topology: Topology,
         device: torch.device,
         bucket_cap_mb: float = 25.0,
+        overlap_batch_sync: bool = False,
     ):
         self.plan = plan
         self.rank = dist.get_rank()
@@ -106,8 +107,8 @@ class RankRuntime:
         #: next sync group's forwards between them (``rank_schedule(..., overlap=True)``). Off by default:
         #: it holds one more microbatch's activations on every stage (the planner's memory model does not
         #: count it) to hide one gather per step (docs/pipeline.md, "Asynchronous batch-sync");
-        #: ``DistMMStrategy(overlap_batch_sync=True)`` sets it (the step lists are cached per value)
-        self.overlap_batch_sync = False
+        #: ``DistMMStrategy(overlap_batch_sync=True)`` passes it (the step lists are cached per value)
+        self.overlap_batch_sync = bool(overlap_batch_sync)
         self.stages: dict[str, Stage] = {}  # this rank's stage of each local tower with pp > 1
 
     def _gradients(self) -> RankGradients:

@@ -43,8 +43,7 @@ def start_runner(
     ``values_from_checkpoint``: the module's meta tensors are allocated, not initialised (a checkpoint
     load sets them next: :meth:`RankRuntime.prepare_local_towers`)."""
     topology = build_topology(plan, device, nodes, mixed_precision_policy(precision))
-    runtime = RankRuntime(module, plan, topology, device, bucket_cap_mb=bucket_cap_mb)
-    runtime.overlap_batch_sync = bool(overlap_batch_sync)
+    runtime = RankRuntime(module, plan, topology, device, bucket_cap_mb, overlap_batch_sync)
     runtime.prepare_local_towers(values_from_checkpoint)
     return StepRunner(runtime)
 
