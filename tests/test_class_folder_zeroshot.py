@@ -103,7 +103,7 @@ def test_the_recipe_classifies_a_users_own_class_folder_above_chance(tmp_path):
             shutil.copy(tmp_path / "csv" / row["filepath"], classes / colour)
     cmd = [sys.executable, str(ROOT / "recipes" / "train.py"), "experiment=clip_shapes_csv",
            f"data.path={tmp_path / 'csv' / 'train.csv'}", f"data.val_path={tmp_path / 'csv' / 'val.csv'}",
-           "trainer.max_steps=200", "trainer.enable_progress_bar=false", "trainer.num_sanity_val_steps=0",
+           "trainer.max_steps=100", "trainer.enable_progress_bar=false", "trainer.num_sanity_val_steps=0",
            "eval.enabled=false", "callbacks=none", f"zeroshot.folder={classes}",
            'zeroshot.templates=["a {} circle","a {} square","a {} triangle","a {} cross"]',
            f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
