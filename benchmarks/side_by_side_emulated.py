@@ -196,13 +196,26 @@ def speedups(times: Mapping[str, float]) -> dict[str, dict[str, float]]:
     return {a: {b: times[b] / times[a] for b in times if b != a} for a in times}
 
 
+#: how far a predicted speedup may be from the measured one and still count as the model agreeing
+RATIO_TOLERANCE = 0.10
+
+
 def verdicts(measured: Mapping[str, float], predicted: Mapping[str, float], who: str = "distmm") -> list[str]:
-    """Plain sentences: where ``who`` wins or loses, measured, with the prediction beside."""
+    """Plain sentences: where ``who`` wins or loses, measured, with the prediction beside and how far
+    it is: the model agrees when it names the same winner *and* its speedup is within
+    :data:`RATIO_TOLERANCE` of the measured one; the right winner with a speedup further off says by
+    how much."""
     out = []
     m, p = speedups(measured)[who], speedups(predicted)[who]
     for other in m:
         verb = "wins against" if m[other] > 1.02 else "loses to" if m[other] < 0.98 else "ties with"
-        agree = "the model agrees" if (m[other] > 1) == (p[other] > 1) else "the model predicted the opposite"
+        off = p[other] / m[other] - 1
+        if (m[other] > 1) != (p[other] > 1):
+            agree = "the model predicted the opposite"
+        elif abs(off) <= RATIO_TOLERANCE:
+            agree = f"the model agrees: {off:+.0%}"
+        else:
+            agree = f"the right winner, but the predicted speedup is {off:+.0%} off"
         out.append(f"{who} {verb} {other}: {m[other]:.2f}x measured, {p[other]:.2f}x predicted ({agree})")
     return out
 

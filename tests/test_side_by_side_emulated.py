@@ -79,8 +79,14 @@ def test_statistics_and_table():
     sp = sb.speedups({"distmm": 0.5, "ddp": 1.0, "fsdp": 0.4})
     assert sp["distmm"]["ddp"] == 2.0 and sp["ddp"]["distmm"] == 0.5 and sp["distmm"]["fsdp"] == pytest.approx(0.8)
     v = sb.verdicts({"distmm": 0.5, "ddp": 1.0, "fsdp": 0.4}, {"distmm": 0.5, "ddp": 0.9, "fsdp": 0.6})
-    assert v[0].startswith("distmm wins against ddp: 2.00x measured, 1.80x predicted (the model agrees)")
+    assert v[0] == "distmm wins against ddp: 2.00x measured, 1.80x predicted (the model agrees: -10%)"
     assert v[1].startswith("distmm loses to fsdp: 0.80x measured, 1.20x predicted (the model predicted the opposite)")
+    # the fast-link run: the right winner, the speedup 29% short
+    v = sb.verdicts({"distmm": 0.486, "fsdp": 0.707}, {"distmm": 0.416, "fsdp": 0.432})
+    assert (
+        v[0]
+        == "distmm wins against fsdp: 1.45x measured, 1.04x predicted (the right winner, but the predicted speedup is -29% off)"
+    )
     times = {"distmm": 0.5, "ddp": 1.0, "fsdp": 0.4, "megatron": 0.8}
     plans = {
         k: {"towers": k, "predicted_s": t, "measured": sb.spread([t, t * 1.1, t * 0.9], [t])} for k, t in times.items()
