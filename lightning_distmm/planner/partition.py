@@ -235,7 +235,11 @@ def _grid(
     fx, bx = fc + tpc + cpc, bc + tpc * (1.5 if sp else 1.0) + cpc  # sp: its gathered linears gather again
     if shard in LAYER_SHARDS:
         ag, agrs = (np.asarray(x)[:, None] for x in shard_comm(profile, cluster, costs, dp * cp, tp, pp, shard))
-        fx, bx = sharded_stage(fx, ag, profile.layers // pp), sharded_stage(bx, agrs, profile.layers // pp)
+        overlap = costs.overlap_grad_sync
+        fx, bx = (
+            sharded_stage(fx, ag, profile.layers // pp, overlap),
+            sharded_stage(bx, agrs, profile.layers // pp, overlap),
+        )
     f = np.maximum(fx, ppc)
     bb = np.zeros_like(f) if profile.frozen else np.maximum(bx, ppc)
     gb = grad_bytes_per_device(profile, costs, tp, pp, shard)

@@ -114,8 +114,12 @@ def price_module(
             pb += pf
         if c.shard == "full" and c.dp > 1:  # per-layer gathers and gradient scatters (FSDP2)
             ag, agrs = shard_comm(prof, cluster, opts, c.dp, tp, pp, "full")
-            pf = float(sharded_stage(pf, ag, max(prof.layers // pp, 1)))
-            pb = float(sharded_stage(pb, agrs, max(prof.layers // pp, 1))) if not prof.frozen else 0.0
+            pf = float(sharded_stage(pf, ag, max(prof.layers // pp, 1), opts.overlap_grad_sync))
+            pb = (
+                float(sharded_stage(pb, agrs, max(prof.layers // pp, 1), opts.overlap_grad_sync))
+                if not prof.frozen
+                else 0.0
+            )
         elif not prof.frozen and c.dp > 1:
             gb = grad_bytes_per_device(prof, opts, tp, pp, "none")
             ar = float(compact_dp_allreduce(cluster, gb, c.dp, tp, pp))

@@ -244,11 +244,17 @@ def _hybrid_comm(
     return ag, ag + rs + np.where(r > 1, across, 0.0)
 
 
-def sharded_stage(compute: Any, comm: Any, layers: int) -> Any:
+def sharded_stage(compute: Any, comm: Any, layers: int, overlap: bool = True) -> Any:
     """Seconds of a fully sharded stage's forward or backward: each layer's collective overlaps the
     previous layer's compute (FSDP2 prefetches one layer ahead), so the stage takes the longer of
-    its compute and its collectives, plus the first layer's collective, which nothing hides."""
+    its compute and its collectives, plus the first layer's collective, which nothing hides.
+    Without ``overlap`` (``CostOptions.overlap_grad_sync`` off: CPU ranks, whose gloo collectives
+    run on the cores the compute needs) the collectives add to the compute: measured on the emulated
+    two-node cluster, FSDP took 576 ms a step against 373 for DDP, where the overlapping rule
+    predicted 362 (benchmarks/results/emulated_side_by_side_fast.md)."""
     comm = np.asarray(comm, dtype=float)
+    if not overlap:
+        return np.asarray(compute, dtype=float) + comm
     return np.maximum(compute, comm) + comm / max(layers, 1)
 
 

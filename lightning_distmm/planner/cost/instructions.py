@@ -51,7 +51,9 @@ def instruction_seconds(
         fx, bx = f + t, b + t
         if c.shard in LAYER_SHARDS:
             ag, agrs = shard_comm(p, cluster, opts, c.dp, c.tp, c.pp, c.shard)
-            fx, bx = float(sharded_stage(fx, ag, p.layers // c.pp)), float(sharded_stage(bx, agrs, p.layers // c.pp))
+            overlap = opts.overlap_grad_sync
+            fx = float(sharded_stage(fx, ag, p.layers // c.pp, overlap))
+            bx = float(sharded_stage(bx, agrs, p.layers // c.pp, overlap))
         return fx, 0.0 if p.frozen else bx + (fx if recomputes(c.schedule) else 0.0), link
 
     def seconds(rank: int, ins: ir.Instruction) -> float:

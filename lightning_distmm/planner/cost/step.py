@@ -145,7 +145,7 @@ def price_tower(
     if c.shard in LAYER_SHARDS:  # per-layer weight gathers and gradient scatters (compact packing estimate)
         ag, agrs = shard_comm(p, cluster, opts, c.dp * c.cp, c.tp, c.pp, c.shard)
         layers = p.layers // P
-        fx_r, bx_r = sharded_stage(fx_r, ag, layers), sharded_stage(bx_r, agrs, layers)
+        fx_r, bx_r = (sharded_stage(x, y, layers, opts.overlap_grad_sync) for x, y in ((fx_r, ag), (bx_r, agrs)))
     f_r = np.maximum(fx_r, ppc_r)
     b_r = np.zeros_like(f_r) if p.frozen else np.maximum(bx_r, ppc_r)
     row = {r: i for i, r in enumerate(sizes)}
