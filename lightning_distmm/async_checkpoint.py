@@ -25,6 +25,7 @@ from __future__ import annotations
 import io
 import os
 import shutil
+import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -66,6 +67,8 @@ class AsyncSaver:
         self._pending_path: Path | None = None
         self._removals: list[Path] = []
         self._meta_error: OSError | None = None
+        #: set once rank 0's ``meta.pt`` write (in the writer thread, after the future's result) ended
+        self._meta_done: threading.Event | None = None
         #: seconds each save held the step (the copy to CPU and the plan): the benchmark reads it
         self.blocking_seconds: list[float] = []
 
@@ -91,7 +94,8 @@ class AsyncSaver:
 
         future = async_save(state, checkpoint_id=path, process_group=self._group)
         if meta_bytes is not None:
-            future.add_done_callback(lambda done: self._finish(done, path, meta_bytes))
+            written = self._meta_done = threading.Event()
+            future.add_done_callback(lambda done: self._finish(done, path, meta_bytes, written))
         self._pending, self._pending_path = future, path
         self.blocking_seconds.append(time.perf_counter() - started)
 
@@ -104,14 +108,16 @@ class AsyncSaver:
         tensors, meta = split_for_dcp(checkpoint)
         self.save(tensors, path, meta if writes_meta else None)
 
-    def _finish(self, done: Future, path: Path, meta_bytes: bytes) -> None:
+    def _finish(self, done: Future, path: Path, meta_bytes: bytes, written: threading.Event) -> None:
         # in the writer thread, as soon as the shards and .metadata are written (a node lost later
         # still leaves a complete folder); an error here is raised by the next ``wait``
-        if done.exception() is None:
-            try:
+        try:
+            if done.exception() is None:
                 write_atomically(path / META_FILE, meta_bytes)
-            except OSError as err:
-                self._meta_error = err
+        except OSError as err:
+            self._meta_error = err
+        finally:
+            written.set()
 
     def remove(self, path: Path) -> None:
         """Remove a checkpoint, once the last save is known to have succeeded (at the next ``wait``)."""
@@ -122,13 +128,16 @@ class AsyncSaver:
 
     def wait(self) -> None:
         """Block until the save in flight has completed; raise its error if it failed."""
-        pending, path = self._pending, self._pending_path
+        pending, path, written = self._pending, self._pending_path, self._meta_done
+        self._meta_done = None
         removals, self._removals = self._removals, []
         self._pending = self._pending_path = None
         if pending is None:
             return
         try:
             pending.result()
+            if written is not None:  # the future's waiters wake before its callbacks run
+                written.wait()
             if self._meta_error is not None:
                 raise self._meta_error
         except (Exception, CheckpointException) as err:  # DCP's CheckpointException is a BaseException

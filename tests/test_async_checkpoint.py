@@ -41,3 +41,24 @@ def test_a_failed_save_keeps_the_folders_it_would_have_replaced(tmp_path):
         saver.wait()
     assert old.exists() and "kept, since it failed" in str(err.value)
     saver.wait()  # nothing in flight any more
+
+
+def test_wait_returns_only_once_meta_is_written(tmp_path, monkeypatch):
+    """The future's waiters wake before its done-callbacks run: ``wait`` must also wait for the
+    ``meta.pt`` the callback writes (a slow filesystem made slower here), or the end of fit could
+    end the process with the newest save incomplete."""
+    import time
+
+    import lightning_distmm.async_checkpoint as saving
+
+    write = saving.write_atomically
+
+    def slow(path, data):  # type: ignore[no-untyped-def]
+        time.sleep(0.3)
+        write(path, data)
+
+    monkeypatch.setattr(saving, "write_atomically", slow)
+    saver = AsyncSaver()
+    saver.save({"state_dict": {"w": torch.ones(2)}}, tmp_path / "step=3", {"global_step": 3})
+    saver.wait()
+    assert (tmp_path / "step=3" / META_FILE).is_file() and ldm.last_checkpoint(tmp_path) == str(tmp_path / "step=3")
