@@ -6,9 +6,11 @@ finish in seconds.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import json
+import logging
 import math
 import multiprocessing as mp
 import os
@@ -144,6 +146,25 @@ def run_reference(module: L.LightningModule, data: DataLoader, steps: int, loss_
     trainer = L.Trainer(devices=1, max_steps=steps, callbacks=[LossRecorder(loss_file)], **trainer_kwargs(**extra))
     trainer.fit(module, data)
     return trainer
+
+
+@contextlib.contextmanager
+def rank0_log(path: Path) -> Any:
+    """Lightning's INFO lines (rank 0's ``rank_zero_info``) written to ``path`` while the block runs:
+    forked ranks inherit the handler; other tests may have quieted the console."""
+    log, handler = logging.getLogger("lightning.pytorch"), logging.FileHandler(path)
+    loggers = [log, logging.getLogger("lightning.pytorch.utilities.rank_zero")]
+    levels = [x.level for x in loggers]
+    log.addHandler(handler)
+    for x in loggers:
+        x.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        for x, level in zip(loggers, levels, strict=True):
+            x.setLevel(level)
+        handler.close()
 
 
 def max_param_diff(a: nn.Module, b: nn.Module) -> float:

@@ -4,14 +4,23 @@ once, through a checkpoint, and trains exactly as one process does; the decision
 from __future__ import annotations
 
 import copy
-import logging
 import math
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
-from distmm_testing import EMBED, SEQ, VOCAB, TinyText, max_param_diff, read_losses, run_distmm, run_reference
+from distmm_testing import (
+    EMBED,
+    SEQ,
+    VOCAB,
+    TinyText,
+    max_param_diff,
+    rank0_log,
+    read_losses,
+    run_distmm,
+    run_reference,
+)
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -106,7 +115,7 @@ def test_the_drift_rule_acts_once_per_drift():
 
 
 @pytest.mark.slow
-def test_a_resolution_step_up_replans_once_and_trains_exactly(tmp_path, caplog):
+def test_a_resolution_step_up_replans_once_and_trains_exactly(tmp_path):
     """3 ranks start with the image tower on rank 0 and the text tower on ranks 1-2. The images grow
     64x in area at step 4; the check at step 6 sees the image tower's per-sample time drift, prices
     the plans on the measurements, saves ``replan-step=6`` and continues under the plan it found
@@ -117,19 +126,8 @@ def test_a_resolution_step_up_replans_once_and_trains_exactly(tmp_path, caplog):
     distmm = copy.deepcopy(reference)
     run_reference(reference, data(), STEPS, str(tmp_path / "ref.json"))
     strategy = ldm.DistMMStrategy(plan=START, start_method="fork", replan="drift", replan_every=3, replan_margin=0.15)
-    log, handler = logging.getLogger("lightning.pytorch"), logging.FileHandler(tmp_path / "rank0.log")
-    loggers = [log, logging.getLogger("lightning.pytorch.utilities.rank_zero")]
-    levels = [x.level for x in loggers]
-    log.addHandler(handler)
-    for x in loggers:
-        x.setLevel(logging.INFO)
-    try:
+    with rank0_log(tmp_path / "rank0.log"):  # rank 0's lines, to a file
         run_distmm(distmm, strategy, 3, data(), STEPS, str(tmp_path / "d.json"), default_root_dir=str(tmp_path))
-    finally:
-        log.removeHandler(handler)
-        for x, level in zip(loggers, levels, strict=True):
-            x.setLevel(level)
-        handler.close()
     said = (tmp_path / "rank0.log").read_text()
     lines = [
         line for line in said.splitlines() if any(k in line for k in ("drift check", "re-planning", "switch took"))

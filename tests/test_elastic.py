@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 import shutil
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from distmm_testing import TinyCLIP, loader, max_param_diff, read_losses, run_distmm, run_reference
+from distmm_testing import TinyCLIP, loader, max_param_diff, rank0_log, read_losses, run_distmm, run_reference
 from lightning.pytorch.callbacks import ModelCheckpoint
 from test_multinode import _env, _port, wait_for_listener
 
@@ -67,20 +66,8 @@ def test_a_run_restarted_on_fewer_ranks_resumes_with_their_plan(tmp_path):
     assert ldm.last_checkpoint(saves) == str(complete)
 
     resumed = copy.deepcopy(first)
-    # rank 0's lines, to a file (the forked ranks inherit the handler; other tests may quiet the console)
-    log, handler = logging.getLogger("lightning.pytorch"), logging.FileHandler(tmp_path / "rank0.log")
-    loggers = [log, logging.getLogger("lightning.pytorch.utilities.rank_zero")]
-    levels = [x.level for x in loggers]
-    log.addHandler(handler)
-    for x in loggers:
-        x.setLevel(logging.INFO)
-    try:
+    with rank0_log(tmp_path / "rank0.log"):  # rank 0's lines, to a file
         run_distmm(resumed, plans, 2, data(), 6, str(tmp_path / "b.json"), ckpt_path=str(torn))
-    finally:
-        log.removeHandler(handler)
-        for x, level in zip(loggers, levels, strict=True):
-            x.setLevel(level)
-        handler.close()
     said = (tmp_path / "rank0.log").read_text()
     lines = [line for line in said.splitlines() if "distmm: " in line and "resum" in line]
     print("\n" + "\n".join(lines))

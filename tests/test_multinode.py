@@ -141,12 +141,7 @@ def test_a_lost_node_ends_the_other_nodes_ranks_naming_it(tmp_path, lost):
         logs.append(tmp_path / f"node{rank}.log")
         procs.append(_start([sys.executable, str(script), str(tmp_path), str(grace)], env, logs[-1]))
     try:
-        deadline = time.monotonic() + 300
-        while not all((tmp_path / f"ready{r}").exists() for r in range(2)):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [
-                log.read_text(errors="replace")[-2000:] for log in logs
-            ]
-            time.sleep(0.2)
+        _wait_until_ready(tmp_path, procs, logs)
         procs[lost].send_signal(signal.SIGKILL)
         killed = time.monotonic()
         survivor = procs[1 - lost]
@@ -163,6 +158,19 @@ def test_a_lost_node_ends_the_other_nodes_ranks_naming_it(tmp_path, lost):
     assert survivor.returncode != 0
     assert f"node {lost} (rank {lost}) is lost" in said, said[-3000:]
     assert seconds <= grace + 10
+
+
+def _wait_until_ready(out: Path, procs: list[subprocess.Popen], logs: list[Path], timeout: float = 300) -> None:
+    """Until every node's rank wrote ``out/ready<rank>`` (``scripts/node_loss.py``: held in step 2);
+    a node that ended or a timeout fails with every node's log tail."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not all((out / f"ready{r}").exists() for r in range(len(procs))):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [
+            log.read_text(errors="replace")[-2000:] for log in logs
+        ]
+        time.sleep(0.2)
 
 
 def wait_for_listener(endpoint: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
@@ -222,12 +230,7 @@ def test_under_torchrun_a_lost_rendezvous_node_is_named_by_the_survivors(tmp_pat
         if node == 0:  # the first agent hosts the rendezvous (and the ranks' store): the second joins it
             wait_for_listener(endpoint, procs[0])
     try:
-        deadline = time.monotonic() + 300
-        while not all((tmp_path / f"ready{r}").exists() for r in range(2)):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [
-                log.read_text(errors="replace")[-2000:] for log in logs
-            ]
-            time.sleep(0.2)
+        _wait_until_ready(tmp_path, procs, logs)
         for pid in [procs[0].pid, *_descendants(procs[0].pid)]:
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -208,21 +208,15 @@ def counted_profile(name: str, tower: CountedTower, cluster: Cluster) -> TowerPr
         params=int(tower.params),
         trainable_params=0 if tower.frozen else int(trainable),
     )
+    return fitted_profile(name, "counted", fit, tower.frozen, tower.embed_dim)
+
+
+def fitted_profile(name: str, kind: str, fit: MeasuredFit, frozen: bool, embed_dim: int) -> TowerProfile:
+    """A profile priced only by its ``fit`` (no blocks: tp = pp = 1), as the default plan and the
+    re-planner build them; ``kind`` names where the fit came from (``counted``, ``measured``)."""
     blank = Block()
     return TowerProfile(
-        name,
-        "counted",
-        tower.frozen,
-        1,
-        1,
-        0,
-        1,
-        int(tower.embed_dim),
-        blank,
-        blank,
-        blank,
-        measured=fit,
-        analytic=False,
+        name, kind, frozen, 1, 1, 0, 1, int(embed_dim), blank, blank, blank, measured=fit, analytic=False
     )
 
 
@@ -371,6 +365,7 @@ __all__ = [
     "describe_cpu",
     "host_cluster",
     "counted_profile",
+    "fitted_profile",
     "candidate_plans",
     "default_plan",
     "proportional_plan",

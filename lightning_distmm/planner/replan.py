@@ -33,9 +33,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from lightning_distmm.core.plan import Plan
-from lightning_distmm.planner.default import CountedTower, Host, candidate_plans, host_cluster, plan_layout
+from lightning_distmm.planner.cluster import Cluster
+from lightning_distmm.planner.default import (
+    CountedTower,
+    Host,
+    candidate_plans,
+    fitted_profile,
+    host_cluster,
+    plan_layout,
+)
 from lightning_distmm.planner.options import PlannerOptions
-from lightning_distmm.planner.profile import Block, MeasuredFit, TowerProfile
+from lightning_distmm.planner.profile import MeasuredFit, TowerProfile
 from lightning_distmm.planner.search import price_plan
 
 
@@ -56,13 +64,10 @@ class MeasuredTower:
         return (self.forward + self.backward) / max(self.samples, 1)
 
 
-def measured_profile(
-    name: str, tower: MeasuredTower, counted: CountedTower, host: Host, world_size: int
-) -> TowerProfile:
-    """``tower``'s measurements as the cost model's profile on ``world_size`` ranks of ``host``:
-    ``fixed + rows x per-sample`` forward and backward, the fixed part the counted operators'
-    dispatch (never more than half of a call), both divided by the host's core sharing."""
-    cluster = host_cluster(host, world_size)
+def measured_profile(name: str, tower: MeasuredTower, counted: CountedTower, cluster: Cluster) -> TowerProfile:
+    """``tower``'s measurements as the cost model's profile on ``cluster``: ``fixed + rows x
+    per-sample`` forward and backward, the fixed part the counted operators' dispatch (never more
+    than half of a call), both divided by the host's core sharing."""
     dev = cluster.device
     share = max(dev.concurrency, 1.0)
     calls = max(tower.calls, 1)
@@ -81,11 +86,7 @@ def measured_profile(
         params=int(counted.params),
         trainable_params=0 if counted.frozen else int(trainable),
     )
-    blank = Block()
-    return TowerProfile(
-        name, "measured", counted.frozen, 1, 1, 0, 1, int(counted.embed_dim), blank, blank, blank,
-        measured=fit, analytic=False,
-    )  # fmt: skip
+    return fitted_profile(name, "measured", fit, counted.frozen, counted.embed_dim)
 
 
 @dataclass
@@ -112,7 +113,7 @@ def price_on_measurements(
     fit the device's memory or give a replica no sample are left out."""
     world = plan.world_size
     cluster = host_cluster(host, world)
-    profiles = {n: measured_profile(n, measured[n], counted[n], host, world) for n in plan.towers}
+    profiles = {n: measured_profile(n, measured[n], counted[n], cluster) for n in plan.towers}
     cpu = host.kind == "cpu"
     options = PlannerOptions.from_any(
         {"precision": "32" if cpu or not precision else precision, "overlap_grad_sync": not cpu}
