@@ -156,7 +156,7 @@ CASES = {
         2,
         ldm.Plan(2, {"image": {"ranks": [1]}, "llm": {"ranks": [0]}}),
         lambda: DataLoader(MiscountedVLMData(4, 2, size=12), batch_size=6, drop_last=True),
-        r"the sample at row 4 of the batch has n_images=2, but its pixel_values slot 1 is all zeros",
+        r"sample 4 of the dataset \(row 4 of the batch\) has n_images=2, but its pixel_values slot 1 is all zeros",
         VLM,
     ),
     "batch-below-replicas": (

@@ -13,7 +13,7 @@ from distmm_testing import loader
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler
 
 from lightning_distmm.core import Plan
-from lightning_distmm.core.layout import GLOBAL_BATCH_KEY, RankLayout
+from lightning_distmm.core.layout import GLOBAL_BATCH_KEY, SAMPLES_KEY, RankLayout
 from lightning_distmm.data.loader.fields import FieldDataset
 from lightning_distmm.data.loader.loading import DistMMDataLoader
 from lightning_distmm.data.loader.sampling import DataPositionError
@@ -34,8 +34,9 @@ def test_image_replica_loads_its_rows_and_only_images(tmp_path):
     batches, records = _loads(1, tmp_path)
     assert [r[0] for r in records] == [4, 5, 6, 14, 15, 16]
     assert all(r[1] == ["image"] for r in records)
-    assert set(batches[0]) == {"image", GLOBAL_BATCH_KEY}
+    assert set(batches[0]) == {"image", GLOBAL_BATCH_KEY, SAMPLES_KEY}
     assert int(batches[0][GLOBAL_BATCH_KEY]) == 10 and batches[0]["image"].shape[0] == 3
+    assert [b[SAMPLES_KEY] for b in batches] == [(4, 5, 6), (14, 15, 16)]  # messages name these
 
 
 def test_text_rank_loads_all_rows_and_only_tokens(tmp_path):

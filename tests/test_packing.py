@@ -4,6 +4,7 @@ one at every token the rows hold, gradients included, and bad budgets are named.
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -78,3 +79,51 @@ def test_a_packed_demo_vlm_language_model_computes_the_masked_one():
         return module.language(*fields, embeds)
 
     assert_same_computation(masked, packed, batch, logits_of)
+
+
+def test_a_sample_over_the_budget_is_named_before_any_row_trains():
+    """The batch-level check (before the batch moves): the sample, its token count and the budget,
+    in one process where no loader says the dataset index."""
+    from vlm_testing import vlm_loader
+
+    from lightning_distmm.models.vlm import VLM
+
+    model = VLM(pack_tokens=8)
+    batch = next(iter(vlm_loader(6)))
+    lengths = batch["attention_mask"].sum(1) + batch["n_images"] * model.language.tokens_per_image
+    first = int((lengths > 8).nonzero()[0, 0])
+    with pytest.raises(ValueError, match=rf"the sample at row {first} of the batch has {int(lengths[first])} tokens"):
+        model.on_before_batch_transfer(batch, 0)
+    with pytest.raises(ValueError, match="pack_tokens=0"):
+        VLM(pack_tokens=0).on_before_batch_transfer(batch, 0)
+
+
+@pytest.mark.slow
+def test_under_distmm_the_message_names_the_dataset_sample(tmp_path):
+    """Shuffled rows, the LLM on its own rank: the rank that loads the text stops before the first
+    step naming the sample by its dataset index and its row of the global batch."""
+    import lightning as L
+    from distmm_testing import trainer_kwargs
+    from torch.utils.data import DataLoader
+    from vlm_testing import VLMData
+
+    import lightning_distmm as ldm
+    from lightning_distmm.models.vlm import VLM
+
+    data = VLMData(24)
+    tokens = VLM().language.tokens_per_image
+    lengths = [int(data.load(i, data.fields)["attention_mask"].sum()) + tokens * data.images(i) for i in range(24)]
+    budget = sorted(lengths)[len(lengths) // 4]  # three samples in four are longer
+    loader = DataLoader(data, batch_size=6, shuffle=True, drop_last=True, generator=torch.Generator().manual_seed(3))
+    plan = ldm.Plan(2, {"image": {"ranks": [1]}, "llm": {"ranks": [0]}})
+    trainer = L.Trainer(
+        devices=2, max_steps=1, strategy=ldm.DistMMStrategy(plan, start_method="fork"), **trainer_kwargs()
+    )
+    with pytest.raises(Exception) as raised:
+        trainer.fit(VLM(pack_tokens=budget), loader)
+    found = re.search(r"sample (\d+) of the dataset \(row (\d+) of the batch\) has (\d+) tokens", str(raised.value))
+    assert found, str(raised.value)[-1500:]
+    index, row, n = (int(g) for g in found.groups())
+    assert n == lengths[index] > budget  # the named sample is the one that is too long
+    assert index != row  # shuffled: the dataset index, not the row, names it
+    assert f"more than the packing budget pack_tokens={budget}" in str(raised.value)

@@ -20,6 +20,21 @@ GLOBAL_BATCH_KEY = "__distmm_global_batch__"
 #: the batch key under which the loader hands every rank the step's row assignment, when the rows
 #: were assigned by their cost (absent: the plan's own split)
 ASSIGNMENT_KEY = "__distmm_assignment__"
+#: the batch key under which the loader hands every rank the dataset index of each of its rows (a
+#: map-style dataset's), so that a message about a row names the sample a user can look up
+SAMPLES_KEY = "__distmm_samples__"
+#: the keys the distmm loader adds to a batch (not the user's fields)
+LOADER_KEYS = (GLOBAL_BATCH_KEY, ASSIGNMENT_KEY, SAMPLES_KEY)
+
+
+def row_name(row: int, rows: Sequence[int] | None = None, samples: Sequence[int] | None = None) -> str:
+    """How a message names row ``row`` of a rank's batch: the dataset sample it holds where the loader
+    said (``samples``, the batch's ``SAMPLES_KEY``), and its row of the DataLoader's global batch
+    (``rows``: the global row of each local row; None: the batch is the global batch)."""
+    global_row = row if rows is None else int(rows[row])
+    if samples is not None and row < len(samples):
+        return f"sample {int(samples[row])} of the dataset (row {global_row} of the batch)"
+    return f"the sample at row {global_row} of the batch"
 
 
 @dataclass(frozen=True)

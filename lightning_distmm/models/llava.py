@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_distmm.core.layout import SAMPLES_KEY
 from lightning_distmm.mixin import DistMMMixin
-from lightning_distmm.models.packing import pack, unpack
+from lightning_distmm.models.packing import check_budget, pack, unpack
 from lightning_distmm.tower import Tower
 
 IGNORE = -100
@@ -259,6 +260,16 @@ class LlavaModule(DistMMMixin, L.LightningModule):
             self.language.requires_grad_(False)
         self.freeze_language = freeze_language
         self.optimizer_name, self.lr, self.eps, self.weight_decay = optimizer, lr, eps, weight_decay
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Lightning's hook on the batch before it moves to the device: with ``pack_tokens``, a sample
+        longer than the budget stops the run naming it (on the ranks that load the text). A module
+        overriding this hook calls ``super()``."""
+        mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+        if self.language.pack_tokens is not None and isinstance(mask, Tensor):
+            rows = self.batch_rows(batch) if self._distmm_runner is not None else None
+            check_budget(mask.sum(1), self.language.pack_tokens, "its attention_mask", rows, batch.get(SAMPLES_KEY))
+        return super().on_before_batch_transfer(batch, dataloader_idx)
 
     def towers(self) -> dict[str, Tower]:
         return {

@@ -16,10 +16,13 @@ is one read of the mask from the device per call: packing decides shapes on the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from lightning_distmm.core.layout import row_name
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,33 @@ def plan_packing(lengths: list[int], budget: int) -> list[list[int]]:
         sequences[-1].append(row)
         used += n
     return sequences
+
+
+def check_budget(
+    lengths: Tensor,
+    budget: int,
+    what: str,
+    rows: Sequence[int] | None = None,
+    samples: Sequence[int] | None = None,
+) -> None:
+    """Refuse a batch with a sample longer than the packing ``budget``, naming the sample before
+    any rank trains on the batch (the packing itself sees only a microbatch's rows). ``lengths``:
+    each row's tokens on the CPU (a tensor elsewhere is left to :func:`plan_packing`, so the check
+    never waits for a device); ``what``: how the tokens were counted, for the message; ``rows`` and
+    ``samples`` as :func:`~lightning_distmm.core.layout.row_name` takes them."""
+    if budget < 1:
+        raise ValueError(f"pack_tokens={budget}: the packing budget must be a positive number of tokens")
+    if lengths.device.type != "cpu" or not lengths.numel():
+        return
+    over = (lengths > budget).nonzero()
+    if over.numel():
+        i = int(over[0, 0])
+        n = int(lengths[i])
+        raise ValueError(
+            f"{row_name(i, rows, samples)} has {n} tokens ({what}), more than the packing budget"
+            f" pack_tokens={budget}: a sample is never cut across sequences; raise pack_tokens to at least"
+            f" {int(lengths.max())} (this batch's longest sample) or shorten the sample"
+        )
 
 
 def pack(x: Tensor, keep: Tensor, budget: int) -> tuple[Tensor, Tensor, Packing]:

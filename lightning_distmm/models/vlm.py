@@ -28,8 +28,9 @@ from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 from transformers.masking_utils import create_causal_mask
 
+from lightning_distmm.core.layout import SAMPLES_KEY
 from lightning_distmm.mixin import DistMMMixin
-from lightning_distmm.models.packing import pack, unpack
+from lightning_distmm.models.packing import check_budget, pack, unpack
 from lightning_distmm.models.vlm_batch import check_images
 from lightning_distmm.tower import Tower
 
@@ -324,7 +325,14 @@ class VLM(DistMMMixin, L.LightningModule):
         rank for the rows and fields it loaded. A module overriding this hook calls ``super()``."""
         if isinstance(batch, Mapping) and ("n_images" in batch or "pixel_values" in batch):
             rows = self.batch_rows(batch) if self._distmm_runner is not None else None
-            check_images(batch.get("n_images"), batch.get("pixel_values"), self.language.max_images, rows)
+            samples = batch.get(SAMPLES_KEY)
+            language = self.language
+            check_images(batch.get("n_images"), batch.get("pixel_values"), language.max_images, rows, samples)
+            mask, counts = batch.get("attention_mask"), batch.get("n_images")
+            if language.pack_tokens is not None and isinstance(mask, Tensor) and isinstance(counts, Tensor):
+                lengths = mask.sum(1) + counts.clamp(min=0) * language.tokens_per_image
+                what = f"the attention_mask's tokens and {language.tokens_per_image} per image of n_images"
+                check_budget(lengths, language.pack_tokens, what, rows, samples)
         return super().on_before_batch_transfer(batch, dataloader_idx)
 
     def towers(self) -> dict[str, Tower]:

@@ -15,17 +15,26 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_distmm.core.layout import row_name
+
 #: values of each image slot read first; only a slot whose probe is all zeros is read whole
 _PROBE = 64
 
 
-def check_images(n_images: Any, pixel_values: Any, max_images: int, rows: Sequence[int] | None = None) -> None:
+def check_images(
+    n_images: Any,
+    pixel_values: Any,
+    max_images: int,
+    rows: Sequence[int] | None = None,
+    samples: Sequence[int] | None = None,
+) -> None:
     """Refuse a batch whose image counts do not match the images its samples carry, naming the sample.
 
     Each sample's ``n_images`` images fill its ``pixel_values`` slots ``0 .. n_images - 1``; the other
     slots, up to ``max_images``, are absent and all zeros. Either field may be missing (a distmm rank
     loads only the fields of its towers). ``rows``: the row of the DataLoader's batch of each row here
-    (a distmm rank holds some of them; default: every row, in order).
+    (a distmm rank holds some of them; default: every row, in order); ``samples``: the dataset index
+    of each row, where the distmm loader gives it (the message then names the sample).
 
     The values are read only from tensors on the CPU (the DataLoader's batch before it moves), so the
     check never waits for a device: one pass over ``_PROBE`` values of each present slot, and a whole
@@ -46,7 +55,7 @@ def check_images(n_images: Any, pixel_values: Any, max_images: int, rows: Sequen
         if bad.numel():
             i = int(bad[0, 0])
             v = int(counts[i])
-            where = f"the sample at row {_row(rows, i)} of the batch has n_images={v}"
+            where = f"{row_name(i, rows, samples)} has n_images={v}"
             if v < 0:
                 raise ValueError(
                     f"{where}: n_images is how many images the sample carries in its pixel_values slots 0 to"
@@ -91,12 +100,8 @@ def check_images(n_images: Any, pixel_values: Any, max_images: int, rows: Sequen
         carried = v - len(empty)
         which = f"slot {empty[0]} is" if len(empty) == 1 else f"slots {empty} are"
         raise ValueError(
-            f"the sample at row {_row(rows, i)} of the batch has n_images={v}, but its pixel_values {which} all"
+            f"{row_name(i, rows, samples)} has n_images={v}, but its pixel_values {which} all"
             f" zeros (the padding of an absent image): the sample carries {carried}"
             f" image{'' if carried == 1 else 's'}, not {v}. A sample's n_images images fill its pixel_values"
             f" slots 0 to n_images-1; set n_images to the images the sample carries, in its first slots"
         )
-
-
-def _row(rows: Sequence[int] | None, i: int) -> int:
-    return i if rows is None else int(rows[i])

@@ -37,7 +37,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from lightning_distmm.core.assignment import RowAssignment
-from lightning_distmm.core.layout import ASSIGNMENT_KEY, GLOBAL_BATCH_KEY, RankBatch, RankLayout
+from lightning_distmm.core.layout import ASSIGNMENT_KEY, GLOBAL_BATCH_KEY, LOADER_KEYS, RankBatch, RankLayout
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.core.schedule import (
     Backward,
@@ -205,7 +205,7 @@ class RankRuntime:
                 if f not in batch:
                     raise KeyError(
                         f"tower {name!r} reads batch field {f!r} but the batch has only"
-                        f" {sorted(k for k in batch if k not in (GLOBAL_BATCH_KEY, ASSIGNMENT_KEY))}"
+                        f" {sorted(k for k in batch if k not in LOADER_KEYS)}"
                     )
         rank_batch = self.rank_batch(batch)
         run = ScheduleRun.of(self.schedule(rank_batch.assignment), rank_batch)

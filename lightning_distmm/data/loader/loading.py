@@ -28,7 +28,7 @@ from typing import Any
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lightning_distmm.core.assignment import RowAssignment
-from lightning_distmm.core.layout import ASSIGNMENT_KEY, GLOBAL_BATCH_KEY, RankLayout
+from lightning_distmm.core.layout import ASSIGNMENT_KEY, GLOBAL_BATCH_KEY, SAMPLES_KEY, RankLayout
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.data.loader.balance import CostBalancer, CostSpec
 from lightning_distmm.data.loader.checks import check_dataloader, prebatched_message
@@ -40,19 +40,20 @@ from lightning_distmm.data.loader.streaming import StreamBatchSampler, StreamFie
 
 
 class FieldSubsetDataset(Dataset):
-    """Loads only ``fields`` of each requested sample; carries the global batch size along. Over a
-    :class:`SkipBadSamples` it hands on ``(index, sample or BadSample)``: the ranks agree on the bad
-    rows in the main process (:func:`~lightning_distmm.data.loader.skipping.resolve_rows`)."""
+    """Loads only ``fields`` of each requested sample; carries the global batch size and the sample's
+    index along. Over a :class:`SkipBadSamples` it hands on ``(index, sample or BadSample)``: the
+    ranks agree on the bad rows in the main process
+    (:func:`~lightning_distmm.data.loader.skipping.resolve_rows`)."""
 
     def __init__(self, dataset: Any, fields: Sequence[str]):
         self.dataset = dataset
         self.fields = tuple(fields)
 
-    def __getitem__(self, item: tuple[int, int]) -> tuple[Any, int]:
+    def __getitem__(self, item: tuple[int, int]) -> tuple[Any, ...]:
         index, n = item
         if isinstance(self.dataset, SkipBadSamples):
             return (index, self.dataset.try_load(index, self.fields)), n
-        return load_fields(self.dataset, index, self.fields), n
+        return load_fields(self.dataset, index, self.fields), n, index
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -76,9 +77,12 @@ class _CollateWithGlobalBatch:
         if self.pending:
             batch = next((row[2] for row, _ in items if len(row) > 2 and row[2] is not None), None)
             return _Pending([(row[0], row[1]) for row, _ in items], items[0][1], batch)
-        return self.collate([sample for sample, _ in items], items[0][1])
+        indices = [item[2] for item in items] if len(items[0]) > 2 else None
+        return self.collate([item[0] for item in items], items[0][1], indices)
 
-    def collate(self, samples: list[Any], step: int | RowAssignment) -> Any:
+    def collate(self, samples: list[Any], step: int | RowAssignment, indices: Sequence[int] | None = None) -> Any:
+        """The user's collate over ``samples``, with the global batch size, the step's assignment
+        and (``indices``: the dataset index of each sample) the samples' indices added."""
         batch = self.collate_fn(samples)
         if not isinstance(batch, dict):
             raise TypeError(
@@ -91,6 +95,8 @@ class _CollateWithGlobalBatch:
             batch[ASSIGNMENT_KEY] = step
         else:
             batch[GLOBAL_BATCH_KEY] = int(step)
+        if indices is not None:
+            batch[SAMPLES_KEY] = tuple(int(i) for i in indices)
         return batch
 
 
