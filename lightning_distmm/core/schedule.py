@@ -4,7 +4,7 @@ One generator per schedule emits, for every rank, what it does in order: forward
 through its stage of a tower (receiving the input from the previous stage, sending the output to
 the next), the batch-sync, backward a microbatch (receiving the output gradient, sending the
 input gradient), the gradient sums. The runtime's executor runs this list
-(:mod:`lightning_distmm.parallel.executor`), the planner's simulator turns the same lists into a
+(:mod:`lightning_distmm.parallel.step.engine`), the planner's simulator turns the same lists into a
 timeline (:mod:`lightning_distmm.planner.simulate`) and draws it
 (:mod:`lightning_distmm.planner.timeline`): one source of truth.
 

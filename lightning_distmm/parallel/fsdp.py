@@ -29,7 +29,7 @@ What distmm changes of FSDP's defaults:
   stage (embeddings on the first, norm and head on the last), with the other stages' tensors
   ignored. The mesh is the stage's data-parallel group (the same stage of every replica).
 * **Gradient sync per backward.** Whether a backward reduce-scatters is set right before it, by
-  the executor (:func:`set_gradient_reduction`): a tower's microbatches reduce once per step, in the
+  the step engine (:func:`set_gradient_reduction`): a tower's microbatches reduce once per step, in the
   last backward, and not at all while Lightning accumulates.
 """
 

@@ -21,6 +21,7 @@ from torch import nn
 from lightning_distmm.core.layout import RankLayout
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.core.schedule import stage_neighbours
+from lightning_distmm.parallel import deferred
 from lightning_distmm.parallel.context_parallel import apply_cp
 from lightning_distmm.parallel.fsdp import apply_fsdp
 from lightning_distmm.parallel.groups import TowerGroups
@@ -195,3 +196,32 @@ def return_freed_memory() -> None:
         pass
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def prepare_local_towers(
+    module: nn.Module,
+    plan: Plan,
+    towers: Mapping[str, Tower],
+    layout: RankLayout,
+    groups: Mapping[str, TowerGroups],
+    device: torch.device,
+    values_from_checkpoint: bool = False,
+) -> dict[str, Stage]:
+    """Keep only what this rank runs (:func:`prepare_rank`) and hand the freed memory back; return
+    this rank's pipeline stages.
+
+    A module built on the meta device under :func:`~lightning_distmm.parallel.deferred.deferred_init`
+    is prepared on meta, then each rank materialises what it holds (a sharded tower's shards only)
+    with the values the construction would have given them. ``values_from_checkpoint``: the
+    module's meta tensors are allocated uninitialised instead (a checkpoint load sets them next)."""
+    refs = deferred.tensor_refs(module)  # by name: sharding replaces tensors
+    stages = prepare_rank(plan, towers, layout, groups, layout.rank)
+    held = held_names(module, towers, layout, stages)
+    if refs:
+        deferred.materialize(module, refs, device, held)
+        deferred.release(refs)
+    if values_from_checkpoint:
+        deferred.allocate(module, device, held)
+    check_held_tensors(module, held)
+    return_freed_memory()
+    return stages
