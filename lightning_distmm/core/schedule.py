@@ -120,7 +120,7 @@ def rank_schedule(
 
     ``gpipe`` and ``cached`` have one sync group: every forward (towers in the plan's order, microbatches
     in order), the batch-sync (last stages only), the backwards of last stages, then of the other
-    stages. ``distmm`` has two sync groups, each its own sync group: sync group 0's forwards, its batch-sync,
+    stages. ``distmm`` splits the batch into two sync groups, each with its own batch-sync: sync group 0's forwards, its batch-sync,
     then sync group 1's forwards interleaved one for one with sync group 0's backwards as in 1F1B (stage
     ``s`` of ``p`` first runs ``p - 1 - s`` of sync group 1's forwards, the last stage none, then one
     backward and one forward per slot, so that no gradient waits for a forward round trip through

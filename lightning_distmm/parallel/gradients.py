@@ -10,7 +10,7 @@ its replicas (the interaction parameters' over all ranks) gives exactly the sing
 gradient, whatever the replicas' batch sizes. When a step's gradients are the whole optimizer
 step's, the sums are posted during the backward in DDP-style buckets (:class:`GradientBuckets`).
 
-A sharded tower (``shard: full | hybrid``) is summed by FSDP itself: its reduce-scatter runs in the
+A sharded tower (``shard: full | hybrid | zero2``) is summed by FSDP itself: its reduce-scatter runs in the
 tower's last backward of the step (``set_gradient_divide_factor(1.0)``: a sum; the step engine turns
 FSDP's gradient sync on for that backward only), so its ``.grad`` holds this rank's shard of the
 summed gradient; the earlier microbatches' gradients, and while Lightning accumulates every

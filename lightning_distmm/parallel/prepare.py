@@ -3,7 +3,7 @@
 Applied to the user's plain module from outside (torchtitan's ``parallelize`` style), once, before
 the optimizer sees the parameters: towers this rank does not run go to the meta device, a
 pipelined tower keeps only this rank's stage, a tower with ``tp > 1`` is sharded over its
-tensor-parallel mesh, and a tower with ``shard: full | hybrid`` is wrapped with FSDP2 over its
+tensor-parallel mesh, and a tower with ``shard: full | hybrid | zero2`` is wrapped with FSDP2 over its
 data-parallel mesh (a pipelined one stage by stage, over the stage's replicas). Whether the plan can
 be applied to the module at all was checked on every rank before any group was built
 (:func:`lightning_distmm.parallel.plan_checks.check_plan_runs`).
@@ -100,7 +100,7 @@ def shard_local_towers(
     groups: Mapping[str, TowerGroups],
     stages: Mapping[str, Stage] | None = None,
 ) -> dict[str, Stage]:
-    """Shard the local towers whose plan says ``shard: full | hybrid`` over their data-parallel mesh
+    """Shard the local towers whose plan says ``shard: full | hybrid | zero2`` over their data-parallel mesh
     (FSDP2, after tensor parallelism so that the two compose as 2-D); return ``stages`` with each
     sharded pipeline stage run through its FSDP stage module."""
     out = dict(stages or {})
