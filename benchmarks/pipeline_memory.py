@@ -69,7 +69,7 @@ class Probe(L.Callback):
         self.times: list[float] = []
 
     def on_train_start(self, trainer, pl_module):
-        trainer.strategy.runner.record_trace(True)
+        trainer.strategy.engine.record_trace(True)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.meter.reset()
@@ -80,7 +80,7 @@ class Probe(L.Callback):
         self.times.append(time.perf_counter() - self.t0)
         self.stack.close()
         # cached keeps each microbatch's stage input outside autograd until its recompute: count it
-        step = trainer.strategy.runner.step
+        step = trainer.strategy.engine.step
         self.peaks.append(self.meter.peak + step.stash_bytes)
         trace = [
             (type(i).__name__, getattr(i, "tower", ""), getattr(i, "mb", getattr(i, "sync_group", 0)), a, b)

@@ -500,7 +500,7 @@ def worker(args: argparse.Namespace) -> None:
             self.rows, self.t0, self.c0 = rows, 0.0, 0.0
 
         def on_train_start(self, trainer, pl_module):
-            trainer.strategy.runner.record_trace(True)
+            trainer.strategy.engine.record_trace(True)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             self.t0, self.c0 = time.perf_counter(), time.process_time()
@@ -508,7 +508,7 @@ def worker(args: argparse.Namespace) -> None:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             wall, cpu = time.perf_counter() - self.t0, time.process_time() - self.c0
             parts = dict.fromkeys(("Forward", "Backward", "BatchSync"), 0.0)
-            for ins, start, end in trainer.strategy.runner.step.trace:
+            for ins, start, end in trainer.strategy.engine.step.trace:
                 if type(ins).__name__ in parts:
                     parts[type(ins).__name__] += end - start
             self.rows.append([wall, cpu, *parts.values()])

@@ -32,8 +32,8 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.optim import Optimizer
 
 from lightning_distmm.core.plan import Plan, PlanError
-from lightning_distmm.parallel.executor import RankRuntime
 from lightning_distmm.parallel.prepare import tower_prefixes
+from lightning_distmm.parallel.step.engine import StepEngine
 from lightning_distmm.parallel.tensor_parallel import is_strided
 
 #: the file of a checkpoint folder that holds everything but the tensors (Lightning's name)
@@ -51,7 +51,7 @@ class RuntimeHolder(Protocol):
     @property
     def root_device(self) -> torch.device: ...
 
-    runtime: RankRuntime | None
+    engine: StepEngine | None
 
 
 def _flat_options():
@@ -274,19 +274,19 @@ def consolidated_state_dict(trainer_or_strategy: Any) -> dict[str, torch.Tensor]
     """
     strategy: RuntimeHolder = getattr(trainer_or_strategy, "strategy", trainer_or_strategy)
     module = strategy.lightning_module
-    runtime = strategy.runtime
-    assert module is not None and runtime is not None
+    engine = strategy.engine
+    assert module is not None and engine is not None
     rank = dist.get_rank()
     full = module.state_dict()
     out: dict[str, torch.Tensor] = {
         k: v.detach().cpu().clone() for k, v in full.items() if not v.is_meta and not isinstance(v, DTensor)
     }
-    prefixes = {name: fqn + "." for name, fqn in tower_prefixes(module, runtime.towers).items()}
+    prefixes = {name: fqn + "." for name, fqn in tower_prefixes(module, engine.towers).items()}
     held = {k for k, v in full.items() if not v.is_meta}
     everyone: list[set[str]] = [set()] * dist.get_world_size()
     dist.all_gather_object(everyone, held)
-    for name in runtime.towers:
-        tower = runtime.plan.towers[name]
+    for name in engine.towers:
+        tower = engine.plan.towers[name]
         keys_of_tower = [k for k in full if k.startswith(prefixes[name])]
         replica = tower.replica_ranks(0)
         by_source: dict[int, list[str]] = {}

@@ -111,14 +111,14 @@ class DriftReplanner(pl.Callback):
         plan, path = self.pending
         self.pending = None
         strategy.plan = strategy._plan_spec = plan
-        strategy.runner = strategy.runtime = None
+        strategy.engine = None
         assert self.blueprint is not None
         rebuild_in_place(module, self.blueprint)
         return path
 
     # ------------------------------------------------------------------ Lightning's hooks
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        trainer.strategy.runner.record_trace(True)
+        trainer.strategy.engine.record_trace(True)
         if self._switched_at is not None:
             seconds, self._switched_at = time.perf_counter() - self._switched_at, None
             rank_zero_info(f"distmm: the switch took {seconds:.1f} s (checkpoint, the fit ended, setup, restore)")
@@ -130,7 +130,7 @@ class DriftReplanner(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
         elapsed = time.perf_counter() - self._started
-        step = trainer.strategy.runner.step
+        step = trainer.strategy.engine.step
         # a whole step: the optimizer stepped (Lightning accumulates the others into the next one)
         whole = step is not None and step.trace is not None and trainer.global_step > self._last_step
         self._last_step = trainer.global_step

@@ -113,7 +113,7 @@ class DistMMMixin:
         """
         runner = self._distmm_runner
         if runner is not None:
-            return runner.contrastive_loss(self, batch)
+            return runner.step_loss(self, batch)
         consumer = consumer_of(self.tower_specs())
         if consumer is not None:
             return self._token_mean(consumer, batch)

@@ -2,7 +2,7 @@
 
 Hooks over reusable parts: :mod:`~lightning_distmm.plan_choice` says which plan runs,
 :mod:`~lightning_distmm.parallel` builds its groups and owns the step (the module calls the
-:class:`~lightning_distmm.parallel.runner.StepRunner` installed here), :mod:`~lightning_distmm.data`
+:class:`~lightning_distmm.parallel.step.engine.StepEngine` installed here), :mod:`~lightning_distmm.data`
 loads each rank's share, :mod:`~lightning_distmm.checkpoint` saves and restores shards,
 :mod:`~lightning_distmm.rank_failures` ends every rank with the first cause. Lightning's
 ``ModelParallelStrategy`` gives process groups, launchers, DCP saving and restore-after-setup;
@@ -38,12 +38,11 @@ from lightning_distmm.data.loader.loading import RankLoaders
 from lightning_distmm.drift_replan import DriftReplanner
 from lightning_distmm.mixin import DistMMMixin
 from lightning_distmm.parallel.deferred import deferred_init
-from lightning_distmm.parallel.executor import RankRuntime
 from lightning_distmm.parallel.exit_settle import settle_collectives_at_exit
 from lightning_distmm.parallel.groups import nodes_of_ranks
 from lightning_distmm.parallel.host_allocator import keep_freed_host_memory
 from lightning_distmm.parallel.optimizer_kernels import prepare_mixed_groups
-from lightning_distmm.parallel.runner import StepRunner, start_runner
+from lightning_distmm.parallel.step.engine import StepEngine, start_engine
 from lightning_distmm.plan_choice import PlanSpec, check_precision, parse_plan_spec, plan_of_run
 from lightning_distmm.rank_failures import RankFailures, after_ranks_ended
 
@@ -139,9 +138,9 @@ class DistMMStrategy(ModelParallelStrategy):
         self._plan_spec = parse_plan_spec(plan)
         self._start_method = start_method
         self.plan: Plan | None = self._plan_spec if isinstance(self._plan_spec, Plan) else None
-        self.runtime: RankRuntime | None = None
-        #: what the module calls under distmm, holding the step in progress (made in ``setup``)
-        self.runner: StepRunner | None = None
+        #: this rank's step engine: what the module calls under distmm, holding the step in progress
+        #: (made in ``setup``)
+        self.engine: StepEngine | None = None
         #: each rank's first error, readable by every rank after any rank's death (docs/runtime.md)
         self.failures = RankFailures(failure_grace)
         self._saver = AsyncSaver() if async_save else None
@@ -162,18 +161,17 @@ class DistMMStrategy(ModelParallelStrategy):
             faults.note_launcher()
         faults.ensure_run_id()
         seam.configure_launcher(
-            self, self._start_method, self._consolidated_state_dict, after_ranks_ended, self._release_runtime
+            self, self._start_method, self._consolidated_state_dict, after_ranks_ended, self._release_engine
         )
 
-    def _release_runtime(self) -> None:
+    def _release_engine(self) -> None:
         """On a spawn/fork rank whose work is done (the whole model handed to the parent): drop the
-        runtime, whose per-tower meshes hold the towers' process groups, so that they end when the
+        engine, whose per-tower meshes hold the towers' process groups, so that they end when the
         launcher destroys the default group rather than at the interpreter's exit."""
-        self.runner = None
-        self.runtime = None
+        self.engine = None
 
     def _consolidated_state_dict(self) -> dict[str, Tensor] | None:
-        return ckpt.consolidated_state_dict(self) if self.runtime is not None else None
+        return ckpt.consolidated_state_dict(self) if self.engine is not None else None
 
     @override
     def setup_environment(self) -> None:
@@ -217,13 +215,12 @@ class DistMMStrategy(ModelParallelStrategy):
         if self._replan is not None and trainer.state.fn == TrainerFn.FITTING:
             self._replan.prepare(self, trainer, module)
         precision = getattr(self.precision_plugin, "precision", None)
-        self.runner = start_runner(
+        self.engine = start_engine(
             module, self.plan, nodes, self.root_device, precision, self._bucket_cap_mb, self._overlap_batch_sync,
             values_from_checkpoint=self._refitting,
         )  # fmt: skip
         self._refitting = False
-        self.runtime = self.runner.runtime
-        module._distmm_runner = self.runner
+        module._distmm_runner = self.engine
 
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -261,7 +258,7 @@ class DistMMStrategy(ModelParallelStrategy):
     @override
     def teardown(self) -> None:
         module = self.lightning_module
-        if isinstance(module, DistMMMixin) and module._distmm_runner is self.runner:
+        if isinstance(module, DistMMMixin) and module._distmm_runner is self.engine:
             module._distmm_runner = None
         if self._saver is not None and not self._failed:
             self._saver.wait()  # a failed run leaves its save unfinished: never resumed from
@@ -277,13 +274,13 @@ class DistMMStrategy(ModelParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        if not isinstance(dataloader, DataLoader) or self.runtime is None or self.plan is None:
+        if not isinstance(dataloader, DataLoader) or self.engine is None or self.plan is None:
             return dataloader
-        fields = {name: tower.fields for name, tower in self.runtime.towers.items()}
-        costs = {name: t.cost for name, t in self.runtime.towers.items() if t.cost is not None}
+        fields = {name: tower.fields for name, tower in self.engine.towers.items()}
+        costs = {name: t.cost for name, t in self.engine.towers.items() if t.cost is not None}
         balance = self.plan.balance or self._balance  # the plan's key, else the strategy's argument
         costs = costs if balance == "cost" else {}
-        return self._loaders.wrap(dataloader, self.plan, self.runtime.layout, fields, costs)
+        return self._loaders.wrap(dataloader, self.plan, self.engine.layout, fields, costs)
 
     def _batches_done(self) -> int:
         return seam.batches_processed(self.lightning_module.trainer if self.lightning_module is not None else None)
@@ -300,10 +297,10 @@ class DistMMStrategy(ModelParallelStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         """The step starts: Lightning zeroes the gradients after its ``training_step`` when it starts
-        an accumulation window (the runtime then drops the old ones before its backward)."""
-        if self.runner is not None:
+        an accumulation window (the engine then drops the old ones before its backward)."""
+        if self.engine is not None:
             trainer = self.lightning_module.trainer
-            self.runner.start_step(zero_after=seam.zeroes_gradients_after_training_step(trainer, batch_idx))
+            self.engine.start_step(zero_after=seam.zeroes_gradients_after_training_step(trainer, batch_idx))
             if self._progress is not None and self.global_rank == 0:
                 self._progress.note(trainer.global_step + 1, self.world_size)  # the step now running, from 1
 
@@ -312,7 +309,7 @@ class DistMMStrategy(ModelParallelStrategy):
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Lightning accumulates this step: its gradients stay local and the sums run once, in the
         optimizer step's backward (sums are linear, so that is exact)."""
-        with self.runner.accumulating() if self.runner is not None else contextlib.nullcontext():
+        with self.engine.accumulating() if self.engine is not None else contextlib.nullcontext():
             yield None
 
     @override
@@ -321,8 +318,8 @@ class DistMMStrategy(ModelParallelStrategy):
 
         def closure_then_check() -> Any:
             out = closure()
-            if self.runner is not None:
-                self.runner.check_handed_back()
+            if self.engine is not None:
+                self.engine.check_handed_back()
             return out
 
         return super().optimizer_step(optimizer, closure_then_check, model, **kwargs)

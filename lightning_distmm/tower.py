@@ -88,7 +88,7 @@ class TowerRunner(Protocol):
     """What a strategy installs on a :class:`lightning_distmm.DistMMMixin` module to run its towers
     across ranks: the mixin calls these instead of running every tower itself."""
 
-    def contrastive_loss(self, module: TowerModule, batch: Mapping[str, Any]) -> Tensor:
+    def step_loss(self, module: TowerModule, batch: Mapping[str, Any]) -> Tensor:
         """This rank's share of the step; returns the whole-batch loss (the same value on every rank)."""
         ...
 

@@ -18,14 +18,14 @@ def overlap(plan: ldm.Plan) -> ldm.DistMMStrategy:
 
 
 class ScheduleKinds(L.Callback):
-    """Each rank writes the instruction kinds its runtime ran (every list it built) at the end of fit."""
+    """Each rank writes the instruction kinds its step engine ran (every list it built) at the end of fit."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        runtime = trainer.strategy.runtime
-        kinds = sorted({type(i).__name__ for ins in runtime._schedules.values() for i in ins})
+        engine = trainer.strategy.engine
+        kinds = sorted({type(i).__name__ for ins in engine._schedules.values() for i in ins})
         (self.folder / f"kinds{trainer.global_rank}.json").write_text(json.dumps(kinds))
 
 

@@ -110,7 +110,7 @@ def test_cached_recompute_replays_dropout():
     """The recomputed microbatch sees the dropout masks of its first forward."""
     import torch
 
-    from lightning_distmm.parallel.executor import _restored_rng, _rng_state
+    from lightning_distmm.parallel.step.passes import _restored_rng, _rng_state
 
     drop = torch.nn.Dropout(0.5)
     x = torch.ones(1000)

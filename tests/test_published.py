@@ -60,8 +60,9 @@ def test_an_entry_without_its_source_or_reason_is_refused(data: PublishedSet) ->
 def test_every_published_measurement_is_predicted_within_25_percent_or_marked_with_its_reason(
     data: PublishedSet, predictions: list
 ) -> None:
-    """The issue's target: every entry within +-25%. Today no entry is reached (the printed table says
-    by how much and why); an entry marked reached must be within, one marked unreached must be out."""
+    """The target: every entry within +-25%. The printed table says which entries are reached and, for
+    the others, by how much they are off and why; an entry marked reached must be within, one marked
+    unreached must be out."""
     print()
     print(table(predictions, data.reasons))
     reached = [p for p in predictions if p.entry.reached]

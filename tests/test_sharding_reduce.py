@@ -64,8 +64,8 @@ class ReduceScatterCounter(L.Callback):
         from lightning_distmm.parallel.fsdp import fsdp_modules
 
         dist.reduce_scatter_single = self._original
-        runtime = trainer.strategy.runtime
-        units = sum(len(list(fsdp_modules(runtime.towers[n].module))) for n in runtime.layout.local_towers)
+        engine = trainer.strategy.engine
+        units = sum(len(list(fsdp_modules(engine.towers[n].module))) for n in engine.layout.local_towers)
         path = Path(self.folder) / f"rank{trainer.global_rank}.json"
         path.write_text(json.dumps({"per_batch": self.per_batch, "units": units}))
 

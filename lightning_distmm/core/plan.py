@@ -239,7 +239,9 @@ class Plan:
     @property
     def sync_groups(self) -> int:
         """How many batch-syncs a step has: 2 under ``distmm`` (two sync groups, each with its own negatives), else 1."""
-        return sync_group_count({n: t.schedule for n, t in self.towers.items()}) or 2
+        count = sync_group_count({n: t.schedule for n, t in self.towers.items()})
+        assert count is not None, "a plan mixing distmm with other schedules is refused when it is made"
+        return count
 
     def group_split(self, n: int) -> list[int]:
         """Rows of each sync group of a global batch of ``n`` (contiguous, the first groups one larger)."""

@@ -4,7 +4,7 @@ One generator per schedule emits, for every rank, what it does in order: forward
 through its stage of a tower (receiving the input from the previous stage, sending the output to
 the next), the batch-sync, backward a microbatch (receiving the output gradient, sending the
 input gradient), the gradient sums. The runtime's executor runs this list
-(:mod:`lightning_distmm.parallel.executor`), the planner's simulator turns the same lists into a
+(:mod:`lightning_distmm.parallel.step.engine`), the planner's simulator turns the same lists into a
 timeline (:mod:`lightning_distmm.planner.simulate`) and draws it
 (:mod:`lightning_distmm.planner.timeline`): one source of truth.
 
@@ -120,7 +120,7 @@ def rank_schedule(
 
     ``gpipe`` and ``cached`` have one sync group: every forward (towers in the plan's order, microbatches
     in order), the batch-sync (last stages only), the backwards of last stages, then of the other
-    stages. ``distmm`` has two sync groups, each its own sync group: sync group 0's forwards, its batch-sync,
+    stages. ``distmm`` splits the batch into two sync groups, each with its own batch-sync: sync group 0's forwards, its batch-sync,
     then sync group 1's forwards interleaved one for one with sync group 0's backwards as in 1F1B (stage
     ``s`` of ``p`` first runs ``p - 1 - s`` of sync group 1's forwards, the last stage none, then one
     backward and one forward per slot, so that no gradient waits for a forward round trip through

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from lightning_distmm.core.layout import GLOBAL_BATCH_KEY
 from lightning_distmm.core.schedule import Backward, BatchSync, Forward
-from lightning_distmm.parallel.runner import StepRunner
+from lightning_distmm.parallel.step.engine import StepEngine
 
 
 def _world_size() -> int:
@@ -88,7 +88,7 @@ class Throughput(L.Callback):
     Args:
         window: steps averaged over (samples and seconds summed over the window).
         prog_bar: show ``train/samples_per_sec`` in the progress bar.
-        tower_times: record and log per-tower times under distmm (``StepRunner.record_trace``: CUDA
+        tower_times: record and log per-tower times under distmm (``StepEngine.record_trace``: CUDA
             events on a GPU, read after the step).
     """
 
@@ -113,22 +113,22 @@ class Throughput(L.Callback):
             )
 
     # ------------------------------------------------------------------ timing
-    def _runner(self, trainer: L.Trainer) -> StepRunner | None:
-        """The distmm step runner when per-tower times are asked for (None under other strategies)."""
-        runner = getattr(trainer.strategy, "runner", None) if self.tower_times else None
-        return runner if isinstance(runner, StepRunner) else None
+    def _engine(self, trainer: L.Trainer) -> StepEngine | None:
+        """The distmm step engine when per-tower times are asked for (None under other strategies)."""
+        engine = getattr(trainer.strategy, "engine", None) if self.tower_times else None
+        return engine if isinstance(engine, StepEngine) else None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._steps.clear()
         self._t0 = None
-        runner = self._runner(trainer)
-        if runner is not None:
-            runner.record_trace(True)
+        engine = self._engine(trainer)
+        if engine is not None:
+            engine.record_trace(True)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        runner = self._runner(trainer)
-        if runner is not None:
-            runner.record_trace(False)
+        engine = self._engine(trainer)
+        if engine is not None:
+            engine.record_trace(False)
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._t0 = None  # validation is not training time: the next step is timed from its start
@@ -163,11 +163,11 @@ class Throughput(L.Callback):
 
     def _tower_times(self, trainer: L.Trainer) -> dict[str, float]:
         """This step's seconds per tower and direction, the max over ranks (collective under distmm)."""
-        runner = self._runner(trainer)
-        trace = runner.step.trace if runner is not None and runner.step is not None else None
-        if runner is None or trace is None:
+        engine = self._engine(trainer)
+        trace = engine.step.trace if engine is not None and engine.step is not None else None
+        if engine is None or trace is None:
             return {}
-        names = [f"{tower}/{kind}" for tower in runner.runtime.plan.towers for kind in ("forward", "backward")]
+        names = [f"{tower}/{kind}" for tower in engine.plan.towers for kind in ("forward", "backward")]
         names.append("batch_sync")
         seconds = dict.fromkeys(names, 0.0)
         for ins, start, end in trace:

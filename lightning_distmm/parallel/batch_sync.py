@@ -34,7 +34,7 @@ from lightning_distmm.parallel.exchange import (
     gather_features_async,
 )
 from lightning_distmm.parallel.groups import Topology
-from lightning_distmm.parallel.step import ScheduleRun
+from lightning_distmm.parallel.step.state import ScheduleRun
 from lightning_distmm.tower import TowerModule
 
 

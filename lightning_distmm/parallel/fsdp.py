@@ -29,7 +29,7 @@ What distmm changes of FSDP's defaults:
   stage (embeddings on the first, norm and head on the last), with the other stages' tensors
   ignored. The mesh is the stage's data-parallel group (the same stage of every replica).
 * **Gradient sync per backward.** Whether a backward reduce-scatters is set right before it, by
-  the executor (:func:`set_gradient_reduction`): a tower's microbatches reduce once per step, in the
+  the step engine (:func:`set_gradient_reduction`): a tower's microbatches reduce once per step, in the
   last backward, and not at all while Lightning accumulates.
 """
 
@@ -109,8 +109,8 @@ def apply_fsdp(
     forward without a backward (an evaluation) leaves the root unit's *unsharded* parameters
     registered on the module (FSDP does not reshard the root after its forward, expecting the
     backward), and the parameter table and the optimizer built next must hold the sharded ones
-    (before: a ``fit`` after ``validate`` in the same processes left the root's parameters out of
-    the table, so they never learned).
+    (otherwise a ``fit`` after ``validate`` in the same processes leaves the root's parameters out
+    of the table, and they never learn).
     """
     done = fsdp_root(module)
     if done is not None:
@@ -179,16 +179,11 @@ def set_gradient_reduction(module: nn.Module, reduce: bool) -> None:
         root.set_requires_gradient_sync(reduce, recurse=True)
 
 
-def is_fsdp(module: nn.Module) -> bool:
-    return fsdp_root(module) is not None
-
-
 __all__ = [
     "StageModule",
     "apply_fsdp",
     "fsdp_modules",
     "fsdp_root",
-    "is_fsdp",
     "mixed_precision_policy",
     "set_gradient_reduction",
     "transformer_blocks",

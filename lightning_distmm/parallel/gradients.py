@@ -10,8 +10,8 @@ its replicas (the interaction parameters' over all ranks) gives exactly the sing
 gradient, whatever the replicas' batch sizes. When a step's gradients are the whole optimizer
 step's, the sums are posted during the backward in DDP-style buckets (:class:`GradientBuckets`).
 
-A sharded tower (``shard: full | hybrid``) is summed by FSDP itself: its reduce-scatter runs in the
-tower's last backward of the step (``set_gradient_divide_factor(1.0)``: a sum; the executor turns
+A sharded tower (``shard: full | hybrid | zero2``) is summed by FSDP itself: its reduce-scatter runs in the
+tower's last backward of the step (``set_gradient_divide_factor(1.0)``: a sum; the step engine turns
 FSDP's gradient sync on for that backward only), so its ``.grad`` holds this rank's shard of the
 summed gradient; the earlier microbatches' gradients, and while Lightning accumulates every
 backward's, accumulate unsharded inside FSDP until that backward reduces their total.
@@ -33,7 +33,7 @@ from lightning_distmm.core.plan import Plan
 from lightning_distmm.parallel.buckets import FIRST_BUCKET_BYTES, GradientBuckets, local
 from lightning_distmm.parallel.exchange import PendingSum, allreduce_sum, allreduce_sum_async, host_any
 from lightning_distmm.parallel.groups import TowerGroups
-from lightning_distmm.parallel.step import Gradients, ScheduleRun, StepState
+from lightning_distmm.parallel.step.state import Gradients, ScheduleRun, StepState
 from lightning_distmm.tower import Tower
 
 

@@ -18,7 +18,7 @@ and direction (:class:`lightning_distmm.parallel.pipeline.PipelineLinks`). Every
 mesh in the same order, as torch.distributed requires of group creation; a rank outside a tower
 simply has no coordinate in its mesh.
 
-A sharded tower (``shard: full | hybrid``) also gets the mesh FSDP shards over
+A sharded tower (``shard: full | hybrid | zero2``) also gets the mesh FSDP shards over
 (:attr:`TowerGroups.shard_mesh`): the ``dp`` dimension of its mesh for ``full`` (for a pipelined
 tower, the rank's stage in every replica); for ``hybrid`` across several nodes a 2-D
 ``("replicate", "shard")`` mesh of its replicas (of the rank's stage), one row per node (shard

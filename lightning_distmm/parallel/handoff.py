@@ -1,7 +1,7 @@
 """The transfers of a consuming tower's step (docs/mllm.md): a producer's rows to the consumer
 replica that owns them, the per-token loss on the consumer, the rows' gradients back.
 
-The executor (:mod:`lightning_distmm.parallel.executor`) runs the lists of
+The step engine (:mod:`lightning_distmm.parallel.step.engine`) runs the lists of
 :func:`lightning_distmm.core.handoff.handoff_schedule` and hands the five handoff instructions to
 :meth:`TokenHandoff.run`. Received rows become leaves of the consumer's forward (the consumer's
 backward fills their gradients, which go back); a rank that holds both towers hands its own rows
@@ -31,7 +31,7 @@ from lightning_distmm.core.handoff import (
 )
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.parallel.pipeline import PendingSend, connect_in_order, post_tensor, receive_tensor
-from lightning_distmm.parallel.step import ScheduleRun
+from lightning_distmm.parallel.step.state import ScheduleRun
 from lightning_distmm.tower import Tower, TowerModule, tower_order
 
 _TAG = 7000  # tags of the handoff's headers on the host group (the data go over each pair's own group)

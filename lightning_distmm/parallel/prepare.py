@@ -3,7 +3,7 @@
 Applied to the user's plain module from outside (torchtitan's ``parallelize`` style), once, before
 the optimizer sees the parameters: towers this rank does not run go to the meta device, a
 pipelined tower keeps only this rank's stage, a tower with ``tp > 1`` is sharded over its
-tensor-parallel mesh, and a tower with ``shard: full | hybrid`` is wrapped with FSDP2 over its
+tensor-parallel mesh, and a tower with ``shard: full | hybrid | zero2`` is wrapped with FSDP2 over its
 data-parallel mesh (a pipelined one stage by stage, over the stage's replicas). Whether the plan can
 be applied to the module at all was checked on every rank before any group was built
 (:func:`lightning_distmm.parallel.plan_checks.check_plan_runs`).
@@ -21,6 +21,7 @@ from torch import nn
 from lightning_distmm.core.layout import RankLayout
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.core.schedule import stage_neighbours
+from lightning_distmm.parallel import deferred
 from lightning_distmm.parallel.context_parallel import apply_cp
 from lightning_distmm.parallel.fsdp import apply_fsdp
 from lightning_distmm.parallel.groups import TowerGroups
@@ -99,7 +100,7 @@ def shard_local_towers(
     groups: Mapping[str, TowerGroups],
     stages: Mapping[str, Stage] | None = None,
 ) -> dict[str, Stage]:
-    """Shard the local towers whose plan says ``shard: full | hybrid`` over their data-parallel mesh
+    """Shard the local towers whose plan says ``shard: full | hybrid | zero2`` over their data-parallel mesh
     (FSDP2, after tensor parallelism so that the two compose as 2-D); return ``stages`` with each
     sharded pipeline stage run through its FSDP stage module."""
     out = dict(stages or {})
@@ -195,3 +196,32 @@ def return_freed_memory() -> None:
         pass
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def prepare_local_towers(
+    module: nn.Module,
+    plan: Plan,
+    towers: Mapping[str, Tower],
+    layout: RankLayout,
+    groups: Mapping[str, TowerGroups],
+    device: torch.device,
+    values_from_checkpoint: bool = False,
+) -> dict[str, Stage]:
+    """Keep only what this rank runs (:func:`prepare_rank`) and hand the freed memory back; return
+    this rank's pipeline stages.
+
+    A module built on the meta device under :func:`~lightning_distmm.parallel.deferred.deferred_init`
+    is prepared on meta, then each rank materialises what it holds (a sharded tower's shards only)
+    with the values the construction would have given them. ``values_from_checkpoint``: the
+    module's meta tensors are allocated uninitialised instead (a checkpoint load sets them next)."""
+    refs = deferred.tensor_refs(module)  # by name: sharding replaces tensors
+    stages = prepare_rank(plan, towers, layout, groups, layout.rank)
+    held = held_names(module, towers, layout, stages)
+    if refs:
+        deferred.materialize(module, refs, device, held)
+        deferred.release(refs)
+    if values_from_checkpoint:
+        deferred.allocate(module, device, held)
+    check_held_tensors(module, held)
+    return_freed_memory()
+    return stages

@@ -2,8 +2,8 @@
 
 Why: giving each tower ranks in proportion to its forward FLOPs
 (:func:`proportional_plan`) puts one tower per rank on 2 ranks however
-unequal their work, and the rank of the lighter tower idles (issue 25: 1.44x of DDP where the same
-ranks colocated ran at 1.03x). Colocating every tower on every rank loses where towers balance and
+unequal their work, and the rank of the lighter tower idles (measured: 1.44x of DDP's step where the
+same ranks colocated ran at 1.03x; docs/planner.md). Colocating every tower on every rank loses where towers balance and
 the all-reduce of every parameter over every rank costs more than the split saves. So the default
 prices both, and where cheap every other contiguous split of the ranks, with the cost model that
 prices every plan (:func:`lightning_distmm.planner.search.price_plan`), and runs the cheapest.
@@ -41,34 +41,34 @@ from lightning_distmm.planner.search import price_plan
 CPU_FLOPS_PER_CYCLE = {"avx512f": 64.0, "avx2": 32.0, "sse": 8.0}
 """fp32 FLOPs one core issues per cycle at peak: two FMA pipes x lanes x 2 (AVX-512: 16 lanes,
 AVX2 with FMA: 8, SSE: 4 and one pipe). Intel's optimization manual (port 0/1 FMA on Skylake-SP and
-later; parts with one AVX-512 FMA unit reach half). The development VM (AVX-512, 2.6 GHz: 166 GFLOP/s) measured 181-185 GFLOP/s for a 512^3
+later; parts with one AVX-512 FMA unit reach half). A 2.6 GHz AVX-512 core (166 GFLOP/s by this table) measured 181-185 GFLOP/s for a 512^3
 fp32 ``torch.mm`` on one thread (``measure_local_cpu``)."""
 CPU_NOMINAL_GHZ = 2.5
 """The clock when ``/proc/cpuinfo`` gives none."""
 CPU_TOWER_EFFICIENCY = 0.5
 """Fraction of that peak a tower's counted FLOPs run at, forward and backward alike. A nominal
-figure, not fitted: fp32 GEMMs of transformer sizes reach 0.6-1.0 of the peak in the development
-VM's matmul table (sizes 64-512), attention's per-head products and the elementwise work (norms,
+figure, not fitted: fp32 GEMMs of transformer sizes reach 0.6-1.0 of the peak in a measured matmul
+table (sizes 64-512, one AVX-512 core), attention's per-head products and the elementwise work (norms,
 activations, softmax: no FLOPs in the count, but time) less. It scales every candidate's compute
 alike: it does not change which of two compute-bound plans is cheaper, only how much compute weighs
 against the gradient all-reduce and the per-call cost (so it can move a near-tie)."""
 CPU_OP_SECONDS = 5e-6
 """Seconds of one operator call under autograd (dispatch and graph bookkeeping), per operator of a
 forward; a backward is priced at twice the forward's operators, as the cost model does. 5.1-5.5 us
-on the development VM (``measure_local_cpu``'s small-op probe). It is why small towers on their own
+measured on an AVX-512 host (``measure_local_cpu``'s small-op probe). It is why small towers on their own
 ranks win: their per-call cost does not shrink with the batch."""
 GLOO_BANDWIDTH = 1.0 * GB
 """Bytes per second a gloo ring all-reduce moves between processes of one host over loopback TCP:
-0.76-1.21 GB/s on the development VM (``measure_local_cpu``), 1.2 GB/s in docs/planner.md section 12."""
+0.76-1.21 GB/s measured on a 2-core host (``measure_local_cpu``), 1.2 GB/s in docs/planner.md section 12."""
 GLOO_LATENCY = 200e-6
 """Seconds per ring step of a gloo collective on one host: 0.24 ms (2 processes) to 1.5 ms (4
-processes on 2 cores) on the development VM; the lower figure, for a host not oversubscribed."""
+processes on 2 cores) measured on a 2-core host; the lower figure, for a host not oversubscribed."""
 CPU_STREAM_BANDWIDTH = 10.0 * GB
 """Bytes per second one CPU process streams (the optimizer step's traffic): 23-27 GB/s for a 32 MiB
-copy on the development VM, taken lower for a process sharing the socket's memory bandwidth."""
+copy measured on one host, taken lower for a process sharing the socket's memory bandwidth."""
 GPU_TOWER_EFFICIENCY = 0.4
 """Fraction of a GPU preset's peak a tower's counted FLOPs run at: NVIDIA NeMo's published ViT-g/14
-CLIP training on DGX A100 is ~39% MFU by the planner's FLOP count (issue 18), open_clip's runs lower;
+CLIP training on DGX A100 is ~39% MFU by the planner's FLOP count (docs/planner.md), open_clip's runs lower;
 a counted tower has no GEMM shapes to price more closely. Not checked on a GPU."""
 DEFAULT_BATCH = 64
 """The global batch priced when the DataLoader has no ``batch_size`` (an iterable of batches)."""

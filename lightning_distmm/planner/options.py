@@ -36,9 +36,8 @@ class PlannerOptions:
     ``layouts`` whether towers may get their own devices (``separate``) and/or share all devices
     (``colocated``); ``recompute`` whether ``gpipe`` may checkpoint activations (TowerPlan.recompute);
     ``max_points`` the resolution of the balancer's parametric search; ``shards`` how a tower's
-    replicas may hold the training state (:data:`PLANNABLE_SHARDS`: ``none``, the default, and
-    ``full``, FSDP2; only what the runtime runs and the cost model prices, so the plan written is
-    the plan priced); ``baselines`` which baselines to
+    replicas may hold the training state (``none``, the default; any of :data:`PLANNABLE_SHARDS`,
+    the shardings the runtime runs and the cost model prices, so the plan written is the plan priced); ``baselines`` which baselines to
     price (default all of ``baselines.BASELINES``); the rest are :class:`CostOptions`.
     ``world_size`` plans for that many devices of the cluster's kind.
     """

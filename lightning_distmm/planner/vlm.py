@@ -1,4 +1,4 @@
-"""The planner for a vision encoder feeding a language model (issue 21; docs/mllm.md, "The planner").
+"""The planner for a vision encoder feeding a language model (docs/mllm.md, "The planner").
 
 Why its own search: the contrastive planner (:mod:`.search`) balances towers that meet at a
 batch-sync; here the LLM consumes the encoder's tokens row by row, so the step is a two-module

@@ -1,4 +1,4 @@
-"""What one sample costs a vision-language model's modules (issue 21's planner, docs/mllm.md).
+"""What one sample costs a vision-language model's modules (the encoder->LLM planner's; docs/mllm.md).
 
 Three analytic profiles from a preset (:mod:`lightning_distmm.planner.vlm_presets`), in the units the
 cost model prices (:mod:`lightning_distmm.planner.cost.compute`):

@@ -36,7 +36,7 @@ class Consolidate(L.Callback):
         state = consolidated_state_dict(trainer)  # collective: every rank
         nodes = [None] * trainer.world_size
         dist.all_gather_object(nodes, trainer.node_rank)
-        mesh = trainer.strategy.runtime.groups["image"].shard_mesh
+        mesh = trainer.strategy.engine.groups["image"].shard_mesh
         if trainer.global_rank == 0:
             torch.save(state, self.out / "weights.pt")
             (self.out / "nodes.json").write_text(json.dumps({"nodes": nodes, "image_mesh": mesh.mesh.tolist()}))

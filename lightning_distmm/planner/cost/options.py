@@ -108,7 +108,7 @@ class CostOptions:
     context, workspace).
     ``step_overhead``: seconds per step the training framework spends outside what is priced here
     (the Lightning loop and hooks, logging, the runtime's bookkeeping and its small collectives);
-    0 unless measured (docs/planner.md section 12: 5-7 ms for 2 CPU ranks on the development VM).
+    0 unless measured (docs/planner.md section 12: 5-7 ms for 2 CPU ranks on a 2-core host).
     ``autocast``: mixed precision is PyTorch autocast (Lightning's ``bf16-mixed``, NeMo without
     ``megatron_amp_O2``): the weights stay fp32 and are cast to the compute dtype once per forward,
     LayerNorm runs in fp32 (autocast's "ops that autocast to float32" list), so the residual stream

@@ -3,11 +3,11 @@
 A step starts when Lightning starts a training batch; :class:`StepState` then carries what is
 decided there (does Lightning zero the gradients after this ``training_step``: ``zero_after``)
 and where Lightning decides it (does this step's backward end with the gradient sums:
-``ends_with_sums``, off while Lightning accumulates), and, when traced, its instructions' spans. The runtime's methods take it as an argument:
-``contrastive_loss`` runs the schedule and records one :class:`ScheduleRun` in it per call (the
-rank batch and rows, the instruction list, the gradients set aside and produced, the sums
-posted), and ``backward`` hands those gradients back, scaled by the upstream gradient that
-autograd recorded in the run.
+``ends_with_sums``, off while Lightning accumulates), and, when traced, its instructions' spans.
+The engine's :meth:`~lightning_distmm.parallel.step.engine.StepEngine.run` takes it as an argument
+and records one :class:`ScheduleRun` in it per call (the rank batch and rows, the instruction list,
+the gradients set aside and produced, the sums posted); its ``backward`` hands those gradients
+back, scaled by the upstream gradient that autograd recorded in the run.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class Microbatch:
 
 @dataclass
 class ScheduleRun:
-    """One run of this rank's instruction list (one ``contrastive_loss`` call) and what it leaves for the backward.
+    """One run of this rank's instruction list (one :meth:`StepEngine.run`) and what it leaves for the backward.
 
     ``rows[tower, mb]`` are the microbatch's rows of this rank's batch (each sync group's rows of the
     replica, cut in microbatch order), ``sync_group_of`` its sync group, ``last[tower]`` whether this rank
