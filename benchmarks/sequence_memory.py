@@ -33,9 +33,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from lightning_distmm.parallel.context_parallel import apply_cp
-from lightning_distmm.parallel.sequence_parallel import apply_sp
-from lightning_distmm.parallel.tensor_parallel import apply_tp
+from lightning_distmm.parallel.families import apply_cp, apply_sp, apply_tp
 from lightning_distmm.planner.cost.memory import act_per_sample
 from lightning_distmm.planner.cost.options import CostOptions
 from lightning_distmm.planner.profile import tower_profile

@@ -8,8 +8,7 @@ from torch import nn
 import lightning_distmm as ldm
 from lightning_distmm.core import Plan, PlanError, TowerPlan
 from lightning_distmm.core.schedule import stage_neighbours, sync_ranks
-from lightning_distmm.parallel.context_parallel import check_cp
-from lightning_distmm.parallel.sequence_parallel import check_sp
+from lightning_distmm.parallel.families import check_cp, check_sp
 
 
 def test_cp_and_sp_round_trip_through_yaml_and_show_in_the_table():
@@ -204,8 +203,8 @@ def test_text_tower_with_tp2_and_sp_is_exact(optimizer, tmp_path):
     [
         (
             nn.Linear(2, 2),
-            r"tower 'x', tp=2, sp: true: sequence parallelism is built for timm VisionTransformer towers and"
-            r" transformers CLIP-style text encoders; a Linear tower",
+            r"tower 'x', tp=2, sp: true: no sequence-parallel plan for a Linear tower: supported are timm"
+            r" VisionTransformer, transformers CLIP-style text encoders",
         ),
         (_vit(4, patch_drop_rate=0.5), "patch dropout"),
     ],
@@ -295,7 +294,8 @@ def _tower_gradients_match(rank: int, world: int, port: int, kw: dict, out) -> N
     import torch
     import torch.distributed as dist
 
-    from lightning_distmm.parallel.context_parallel import apply_cp, feature_grad_scale
+    from lightning_distmm.parallel.context_parallel import feature_grad_scale
+    from lightning_distmm.parallel.families import apply_cp
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -6,7 +6,8 @@ from distmm_testing import TinyText
 from timm.models.vision_transformer import VisionTransformer
 
 from lightning_distmm.models.clip import TextTower
-from lightning_distmm.parallel.pipeline import owned_names, tower_stages
+from lightning_distmm.parallel.families import tower_stages
+from lightning_distmm.parallel.pipeline import owned_names
 
 
 def _chain(stages, rows):

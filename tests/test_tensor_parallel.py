@@ -12,7 +12,8 @@ from timm.models.vision_transformer import VisionTransformer
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from lightning_distmm.parallel.tensor_parallel import apply_tp_clip_text, apply_tp_vit
+from lightning_distmm.parallel.families.clip_text import apply_tp_clip_text
+from lightning_distmm.parallel.families.vit import apply_tp_vit
 
 
 def _worker(rank, world, init, kind, errors):

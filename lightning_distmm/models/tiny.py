@@ -65,7 +65,7 @@ class TinyText(nn.Module):
 
     def pipeline_stages(self, pp: int) -> list:
         """The cut distmm's pipeline parallelism uses (``pp`` stages of the encoder layers)."""
-        from lightning_distmm.parallel.pipeline import clip_text_stages
+        from lightning_distmm.parallel.families.clip_text import clip_text_stages
 
         return clip_text_stages(self.encoder, pp, lambda h, rows: self._pool(h, rows["attention_mask"]), [self.proj])
 

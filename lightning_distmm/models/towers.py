@@ -138,7 +138,7 @@ class TextTower(_ProjectedEncoder):
 
     def pipeline_stages(self, pp: int) -> list:
         """The cut used by distmm's pipeline parallelism (``pp`` stages of the encoder layers)."""
-        from lightning_distmm.parallel.pipeline import clip_text_stages
+        from lightning_distmm.parallel.families.clip_text import clip_text_stages
 
         return clip_text_stages(self.transformer, pp, self._head, [self.proj])
 

@@ -30,7 +30,6 @@ parallelism" (heads divisible by ``cp * tp``; any length, padded).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,67 +180,6 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, dropout: fl
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout, scale=scale)
 
 
-@functools.cache
-def _vit_attention_class() -> type[nn.Module]:
-    from timm.models.vision_transformer import Attention
-
-    class ContextParallelAttention(Attention):
-        """timm's ``Attention`` with Ulysses all-to-alls around the attention (``_distmm_cp``), padded
-        keys masked (``_distmm_keys``: the split that padded them, cp or sp); same parameters."""
-
-        _distmm_cp: SequenceSplit | None = None
-        _distmm_keys: SequenceSplit
-
-        def forward(self, x: Tensor, attn_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
-            if attn_mask is not None or is_causal:
-                raise ValueError("context parallelism of a timm ViT supports no attention mask or causal ViT")
-            split = self._distmm_cp
-            b = x.shape[0]
-            gate = self.gate(x).sigmoid() if self.gate is not None else None
-            qkv = self.qkv(x)  # sp: the qkv gathers the tokens, so its output has all of them
-            qkv = qkv.reshape(b, qkv.shape[1], 3, self.num_heads, self.head_dim)
-            if split is not None:
-                qkv = _SeqToHeads.apply(qkv, split.cp, split.group)
-            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # [B, heads here, S, d]
-            q, k = self.q_norm(q), self.k_norm(k)
-            allowed = self._distmm_keys.key_mask(q.shape[2], q.device)
-            out = _attend(q, k, v, allowed, self.attn_drop.p if self.training else 0.0, None)
-            out = out.transpose(1, 2).unsqueeze(2)  # [B, S, 1, heads here, d]
-            if split is not None:
-                out = _HeadsToSeq.apply(out, split.cp, split.group)  # [B, S/cp, 1, H, d]
-            x = self.norm(out.reshape(b, out.shape[1], -1))
-            if gate is not None:
-                x = x * gate
-            return self.proj_drop(self.proj(x))
-
-    return ContextParallelAttention
-
-
-@functools.cache
-def _clip_attention_class() -> type[nn.Module]:
-    from transformers.models.clip.modeling_clip import CLIPAttention
-
-    class ContextParallelCLIPAttention(CLIPAttention):
-        """transformers' ``CLIPAttention`` with Ulysses all-to-alls; same parameters."""
-
-        _distmm_cp: SequenceSplit
-
-        def forward(self, hidden_states: Tensor, attention_mask: Tensor | None = None, **kwargs: Any) -> Any:
-            split = self._distmm_cp
-            b, s, _ = hidden_states.shape
-            qkv = [
-                proj(hidden_states).view(b, s, 1, -1, self.head_dim) for proj in (self.q_proj, self.k_proj, self.v_proj)
-            ]
-            q, k, v = _SeqToHeads.apply(torch.cat(qkv, 2), split.cp, split.group).permute(2, 0, 3, 1, 4).unbind(0)
-            n = q.shape[2]
-            allowed = _text_mask(attention_mask, kwargs.get("is_causal", self.is_causal), split, n, q.device)
-            out = _attend(q, k, v, allowed, self.dropout if self.training else 0.0, self.scale)
-            out = _HeadsToSeq.apply(out.transpose(1, 2).unsqueeze(2), split.cp, split.group)
-            return self.out_proj(out.reshape(b, s, -1)), None
-
-    return ContextParallelCLIPAttention
-
-
 def _text_mask(mask: Tensor | None, causal: bool, split: SequenceSplit, padded: int, device: torch.device) -> Tensor:
     """The whole-sequence mask the model built (``[B, 1, S, S]``, bools or additive floats; None:
     causal only), as bools over the padded length, padded keys masked."""
@@ -305,87 +243,4 @@ def _gather_output(split: SequenceSplit) -> Any:
     return hook
 
 
-def _text_layers(module: nn.Module) -> tuple[nn.Module, nn.Module] | None:
-    """A transformers CLIP-style text encoder's ``encoder.layers`` and ``final_layer_norm``."""
-    for name, sub in module.named_modules():
-        if name.endswith("encoder.layers") or name == "encoder.layers":
-            owner = (
-                module.get_submodule(name[: -len("encoder.layers")].rstrip(".")) if name != "encoder.layers" else module
-            )
-            norm = getattr(owner, "final_layer_norm", None)
-            if norm is not None:
-                return sub, norm
-    return None
-
-
-def _heads(module: nn.Module) -> list[tuple[str, int]]:
-    """(where, head count) of every attention of a supported tower; raises for another family."""
-    blocks = getattr(module, "blocks", None)
-    if blocks is not None and hasattr(module, "patch_embed") and hasattr(module, "norm_pre"):
-        return [(f"blocks.{i}.attn", b.attn.num_heads) for i, b in enumerate(blocks)]
-    found = _text_layers(module)
-    if found is not None:
-        return [(f"encoder.layers.{i}.self_attn", layer.self_attn.num_heads) for i, layer in enumerate(found[0])]
-    raise ValueError(
-        f"no context-parallel plan for a {type(module).__name__} tower: supported are timm VisionTransformer and"
-        " transformers CLIP-style text encoders (encoder.layers + final_layer_norm); use cp=1 for this tower"
-    )
-
-
-def check_cp(module: nn.Module, cp: int, tp: int, tower: str, pp: int = 1) -> None:
-    """Raise, naming the tower and the rule, if ``module`` cannot be split ``cp`` ways: every attention's
-    heads must divide by ``cp * tp`` (Ulysses gives each cp rank whole heads of its tp shard). Needs only
-    the structure (meta is fine), so every rank checks every tower. (A pipelined text tower's sequence
-    length is checked when it is split: it must divide by ``cp``, ``pp`` being > 1.)"""
-    where = f"tower {tower!r}, cp={cp}"
-    try:
-        heads = _heads(module)
-    except ValueError as err:
-        raise ValueError(f"{where}: {err}") from None
-    for name, h in heads:
-        if h % (cp * tp):
-            raise ValueError(
-                f"{where}: {name} has {h} attention heads, which do not divide by cp*tp = {cp}*{tp} = {cp * tp}"
-                " (Ulysses all-to-all gives each cp rank whole heads): choose cp*tp dividing the head count"
-            )
-    vit = hasattr(module, "patch_embed")
-    if vit:
-        blocks = module.blocks  # type: ignore[union-attr]
-        from timm.models.vision_transformer import Attention
-
-        odd = [i for i, b in enumerate(blocks) if type(b.attn) not in (Attention, _vit_attention_class())]
-        if odd:
-            raise ValueError(f"{where}: blocks {odd} use an attention other than timm's Attention")
-        if getattr(module, "dynamic_img_size", False) or not isinstance(module.patch_drop, nn.Identity):
-            raise ValueError(f"{where}: dynamic image sizes and patch dropout change the sequence length per batch")
-
-
-def apply_cp(
-    module: nn.Module, group: dist.ProcessGroup, cp: int, rank: int, pp: int = 1, tower: str = ""
-) -> nn.Module:
-    """Split a tower's sequence over the ``cp`` ranks of ``group`` (this rank is ``rank`` in it), in
-    place; idempotent (a second Trainer call finds it split). A text tower cut into ``pp > 1`` stages
-    pads as a whole one: its later stages are told the length by the stage (:func:`tell_length`)."""
-    if getattr(module, "_distmm_cp", None) is not None:
-        return module
-    split = SequenceSplit(group, cp, rank, tower=tower)
-    if hasattr(module, "patch_embed"):  # timm ViT: the tokens after norm_pre, gathered after norm
-        split.length = module.patch_embed.num_patches + module.num_prefix_tokens  # type: ignore[union-attr,operator]
-        module.norm_pre.register_forward_hook(_split_output(split, static=True))  # type: ignore[union-attr]
-        module.norm.register_forward_hook(_gather_output(split))  # type: ignore[union-attr]
-        for block in module.blocks:  # type: ignore[union-attr]
-            block.attn.__class__ = _vit_attention_class()
-            block.attn._distmm_cp = block.attn._distmm_keys = split
-    else:
-        layers, norm = _text_layers(module)  # type: ignore[misc]
-        cls = _clip_attention_class()
-        layers[0].register_forward_pre_hook(_split_first_input(split), with_kwargs=True)
-        norm.register_forward_hook(_gather_output(split))
-        for layer in layers:
-            layer.self_attn.__class__ = cls
-            layer.self_attn._distmm_cp = split
-    module._distmm_cp = split  # type: ignore[assignment]
-    return module
-
-
-__all__ = ["SequenceSplit", "apply_cp", "check_cp", "feature_grad_scale", "head_copies", "tell_length"]
+__all__ = ["SequenceSplit", "feature_grad_scale", "gather_tokens", "head_copies", "scatter_tokens", "tell_length"]

@@ -1,12 +1,10 @@
 """Pipeline stages of a tower and the point-to-point moves between them.
 
 A tower with ``pp > 1`` is cut into ``pp`` stages, each on its own rank of the replica; a rank
-keeps only its stage's parameters. The cut is per tower family (like tensor parallelism):
-
-* timm ``VisionTransformer``: stage 0 holds the patch embedding, tokens and position embedding;
-  the blocks are split evenly (equal blocks cost the same, so the profile's balance is even);
-  the last stage holds the final norm and the head.
-* any tower can define ``pipeline_stages(pp) -> list[Stage]`` itself.
+keeps only its stage's parameters. The cut is per tower family (like tensor parallelism), in the
+family's file (:mod:`lightning_distmm.parallel.families`: a timm ``VisionTransformer`` is cut
+automatically, a CLIP text tower by ``clip_text_stages``, which its wrapper calls); any tower can
+define ``pipeline_stages(pp) -> list[Stage]`` itself.
 
 Activations travel between consecutive stages of the same replica (and the same tensor-parallel
 coordinate) point to point (:class:`PipelineLinks`: a header with the shape on the host, then the
@@ -54,108 +52,6 @@ def even_split(n: int, parts: int) -> list[tuple[int, int]]:
         out.append((start, start + size))
         start += size
     return out
-
-
-def vit_stages(model: nn.Module, pp: int, fields: tuple[str, ...]) -> list[Stage]:
-    blocks = model.blocks  # type: ignore[union-attr]
-    if len(blocks) < pp:
-        raise ValueError(f"a ViT with {len(blocks)} blocks cannot be cut into pp={pp} stages")
-    stages = []
-    for s, (a, b) in enumerate(even_split(len(blocks), pp)):
-        first, last = s == 0, s == pp - 1
-        own: list[nn.Module] = list(blocks[a:b])
-
-        if first:
-            own += [model.patch_embed, model.norm_pre]  # type: ignore[list-item]
-        if last:
-            own += [model.norm, model.fc_norm, model.head]  # type: ignore[list-item]
-            if getattr(model, "attn_pool", None) is not None:
-                own.append(model.attn_pool)  # type: ignore[arg-type]
-
-        def run(
-            x: Tensor | None, rows: Mapping[str, Any], a: int = a, b: int = b, first: bool = first, last: bool = last
-        ) -> Tensor:
-            if first:
-                x = model.patch_embed(rows[fields[0]])  # type: ignore[operator]
-                x = model._pos_embed(x)  # type: ignore[operator]
-                x = model.patch_drop(x)  # type: ignore[operator]
-                x = model.norm_pre(x)  # type: ignore[operator]
-            for block in blocks[a:b]:
-                x = block(x)
-            if last:
-                x = model.norm(x)  # type: ignore[operator]
-                x = model.forward_head(x)  # type: ignore[operator]
-            return x  # type: ignore[return-value]
-
-        loose = tuple(
-            n for n in ("cls_token", "reg_token", "pos_embed") if first and getattr(model, n, None) is not None
-        )
-        stages.append(Stage(own, run, loose))
-    return stages
-
-
-def clip_text_stages(
-    text_model: nn.Module,
-    pp: int,
-    epilogue: Callable[[Tensor, Mapping[str, Any]], Tensor],
-    epilogue_modules: list[nn.Module],
-    ids_field: str = "input_ids",
-    mask_field: str | None = "attention_mask",
-) -> list[Stage]:
-    """Stages of a transformers ``CLIPTextModel``: embeddings on stage 0, ``encoder.layers`` split
-    evenly, ``final_layer_norm`` then ``epilogue(hidden, rows)`` (the wrapper's pooling and
-    projection) on the last. Every stage rebuilds the causal + padding mask from the batch rows."""
-    from transformers.masking_utils import create_causal_mask
-
-    from lightning_distmm.parallel.context_parallel import tell_length
-
-    layers = text_model.encoder.layers  # type: ignore[union-attr]
-    if len(layers) < pp:
-        raise ValueError(f"a text encoder with {len(layers)} layers cannot be cut into pp={pp} stages")
-    stages = []
-    for s, (a, b) in enumerate(even_split(len(layers), pp)):
-        first, last = s == 0, s == pp - 1
-        own: list[nn.Module] = list(layers[a:b])
-        if first:
-            own.append(text_model.embeddings)  # type: ignore[arg-type]
-        if last:
-            own += [text_model.final_layer_norm, *epilogue_modules]  # type: ignore[list-item]
-
-        def run(
-            x: Tensor | None, rows: Mapping[str, Any], a: int = a, b: int = b, first: bool = first, last: bool = last
-        ) -> Tensor:
-            if first:
-                x = text_model.embeddings(input_ids=rows[ids_field])  # type: ignore[operator]
-            assert x is not None
-            mask = rows[mask_field] if mask_field is not None else None
-            # the mask of the whole sequence: a stage of a cp / sp tower receives its share of the tokens
-            # (padded to a multiple of cp), so the length comes from the batch rows and its split is told
-            length = rows[ids_field].shape[1]
-            like = x if x.shape[1] == length else x.new_empty(x.shape[0], length, x.shape[2])
-            tell_length(layers[a:b], length)
-            attn = create_causal_mask(config=text_model.config, inputs_embeds=like, attention_mask=mask, cache=None)
-            for layer in layers[a:b]:
-                x = layer(x, attn, is_causal=True)
-            if last:
-                x = epilogue(text_model.final_layer_norm(x), rows)  # type: ignore[operator]
-            return x
-
-        stages.append(Stage(own, run))
-    return stages
-
-
-def tower_stages(module: nn.Module, pp: int, fields: tuple[str, ...]) -> list[Stage]:
-    """The ``pp`` stages of a tower: its own ``pipeline_stages`` or the family's cut."""
-    custom = getattr(module, "pipeline_stages", None)
-    if callable(custom):
-        return custom(pp)
-    blocks = getattr(module, "blocks", None)
-    if blocks is not None and hasattr(module, "patch_embed") and hasattr(module, "forward_head"):
-        return vit_stages(module, pp, fields)
-    raise ValueError(
-        f"no pipeline cut for a {type(module).__name__} tower: timm VisionTransformer is supported, or give the"
-        " tower a pipeline_stages(pp) method returning lightning_distmm.parallel.pipeline.Stage objects; use pp=1"
-    )
 
 
 def owned_names(tower: nn.Module, stage: Stage) -> set[str]:

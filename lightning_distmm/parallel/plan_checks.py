@@ -17,10 +17,7 @@ from collections.abc import Callable, Mapping
 from lightning_distmm.core.handoff import check_handoff_plan
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.core.plan_schema import PlanError
-from lightning_distmm.parallel.context_parallel import check_cp
-from lightning_distmm.parallel.pipeline import tower_stages
-from lightning_distmm.parallel.sequence_parallel import check_sp
-from lightning_distmm.parallel.tensor_parallel import check_tp
+from lightning_distmm.parallel.families import check_cp, check_sp, check_tp, tower_stages
 from lightning_distmm.tower import Tower
 
 

@@ -22,12 +22,10 @@ from lightning_distmm.core.layout import RankLayout
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.core.schedule import stage_neighbours
 from lightning_distmm.parallel import deferred
-from lightning_distmm.parallel.context_parallel import apply_cp
+from lightning_distmm.parallel.families import apply_cp, apply_sp, apply_tp, tower_stages
 from lightning_distmm.parallel.fsdp import apply_fsdp
 from lightning_distmm.parallel.groups import TowerGroups
-from lightning_distmm.parallel.pipeline import Stage, owned_names, release_unowned, tower_stages
-from lightning_distmm.parallel.sequence_parallel import apply_sp
-from lightning_distmm.parallel.tensor_parallel import apply_tp
+from lightning_distmm.parallel.pipeline import Stage, owned_names, release_unowned
 from lightning_distmm.tower import Tower
 
 

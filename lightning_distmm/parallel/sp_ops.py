@@ -1,5 +1,5 @@
-"""The autograd pieces of sequence parallelism (:mod:`.sequence_parallel` for timm ViTs,
-:mod:`.sequence_parallel_text` for CLIP-style text towers): a linear on the gathered tokens that
+"""The autograd pieces of sequence parallelism (the families' files use them:
+:mod:`.families.vit` for timm ViTs, :mod:`.families.clip_text` for CLIP-style text towers): a linear on the gathered tokens that
 keeps only this rank's, a linear on an activation that keeps only the activation's input, the
 reduce-scatter back to this rank's tokens, and the tp sums of the replicated parameters' gradients."""
 
