@@ -157,7 +157,7 @@ def test_strided_shard_and_to_local(tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
 
-    from lightning_distmm.parallel.gradients import local
+    from lightning_distmm.parallel.step.gradients import local
     from lightning_distmm.parallel.tensor_parallel import is_strided, strided_shard
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)

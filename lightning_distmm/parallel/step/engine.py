@@ -10,7 +10,7 @@ call it. A training step on a rank is its instruction list from
 1. ``Forward``: a microbatch of a local tower through this rank's stage (the whole tower without
    pipeline), receiving its input from the previous stage and posting its output to the next;
 2. ``BatchSync`` (last stages only): the sync group's features of every tower meet at the
-   interaction loss (:mod:`lightning_distmm.parallel.batch_sync`); each microbatch takes its rows
+   interaction loss (:mod:`lightning_distmm.parallel.step.batch_sync`); each microbatch takes its rows
    of the summed feature gradient. Under ``distmm`` every batch-sync but the last may be split into
    ``SyncPost`` (the gather posted, ``async_op=True``) and ``SyncWait`` with the next sync group's
    first forward between them (``overlap_batch_sync``; the same collectives and arithmetic, so the
@@ -18,7 +18,7 @@ call it. A training step on a rank is its instruction list from
 3. ``Backward``: the microbatch's backward through the stage, from its feature gradient (last
    stage) or the gradient received from the next stage, posting the input gradient back (a
    sharded tower reduce-scatters in its last backward of the step only);
-4. ``GradSync``: the gradient sums (:mod:`lightning_distmm.parallel.gradients`). When the step's
+4. ``GradSync``: the gradient sums (:mod:`lightning_distmm.parallel.step.gradients`). When the step's
    gradients are the optimizer step's final ones (:attr:`StepState.final`), they are posted now:
    each tower's in buckets during its last backward on the rank, the interaction parameters' here;
    otherwise they are left for the backward that ends the optimizer step.
@@ -56,13 +56,13 @@ from lightning_distmm.core.schedule import (
     SyncWait,
     rank_schedule,
 )
-from lightning_distmm.parallel.batch_sync import BatchSyncRunner
 from lightning_distmm.parallel.fsdp import mixed_precision_policy
-from lightning_distmm.parallel.gradients import RankGradients, SetAsideGradients
 from lightning_distmm.parallel.groups import Topology, build_topology
-from lightning_distmm.parallel.handoff import HANDOFF_INSTRUCTIONS, TokenHandoff, tower_trains
 from lightning_distmm.parallel.pipeline import Stage
 from lightning_distmm.parallel.prepare import prepare_local_towers, tower_parameters
+from lightning_distmm.parallel.step.batch_sync import BatchSyncRunner
+from lightning_distmm.parallel.step.gradients import RankGradients, SetAsideGradients
+from lightning_distmm.parallel.step.handoff import HANDOFF_INSTRUCTIONS, TokenHandoff, tower_trains
 from lightning_distmm.parallel.step.passes import StagePasses, take_rows
 from lightning_distmm.parallel.step.state import ScheduleRun, StepState
 from lightning_distmm.parallel.timing import StepTrace

@@ -17,12 +17,12 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.core.schedule import Backward, Forward
-from lightning_distmm.parallel.batch_sync import check_features
 from lightning_distmm.parallel.context_parallel import feature_grad_scale, head_copies
 from lightning_distmm.parallel.fsdp import set_gradient_reduction
-from lightning_distmm.parallel.gradients import RankGradients
 from lightning_distmm.parallel.groups import Topology
 from lightning_distmm.parallel.pipeline import Stage
+from lightning_distmm.parallel.step.batch_sync import check_features
+from lightning_distmm.parallel.step.gradients import RankGradients
 from lightning_distmm.parallel.step.state import Microbatch, ScheduleRun
 from lightning_distmm.tower import Tower
 
