@@ -120,8 +120,4 @@ def _check_heads(heads: int, tp: int, where: str) -> None:
         raise ValueError(f"{where}: {heads} attention heads do not divide by tp={tp}")
 
 
-def _holds_all(block: nn.Module) -> bool:
-    return not any(p.is_meta for p in block.parameters())
-
-
 __all__ = ["is_strided", "strided_shard"]

@@ -221,12 +221,9 @@ class StepEngine:
             self.step = StepState()
         return self.step
 
-    def trainable(self, name: str) -> bool:
-        return self.gradients.trainable(name)
-
     def _runs_backward(self, name: str) -> bool:
         """A tower's backward runs when it trains, or when it consumes a tower that does."""
-        return self.trainable(name) or (self.handoff is not None and self.handoff.needs_backward(name))
+        return self.gradients.trainable(name) or (self.handoff is not None and self.handoff.needs_backward(name))
 
     # ------------------------------------------------------------------ the step
     def global_batch_size(self, batch: Mapping[str, Any]) -> int:
