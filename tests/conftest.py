@@ -12,6 +12,13 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(1)
 
+# the runs this process launches rendezvous on ports from the suite's own allocator: Lightning's
+# picker (a kernel-chosen ephemeral port) races the other pytest workers' ranks (tests/ports.py)
+import lightning.fabric.plugins.environments.lightning as _lightning_environment  # noqa: E402
+from ports import free_port  # noqa: E402
+
+_lightning_environment.find_free_network_port = free_port
+
 
 @pytest.fixture(autouse=True)
 def _quiet_env(monkeypatch):

@@ -331,11 +331,10 @@ def _tower_gradients_match(rank: int, world: int, port: int, kw: dict, out) -> N
 )
 def test_prefix_tokens_and_pooling_heads_are_exact_over_four_cp_ranks(kw):
     import multiprocessing as mp
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from ports import free_port
+
+    port = free_port()
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     procs = [ctx.Process(target=_tower_gradients_match, args=(r, 4, port, kw, out)) for r in range(4)]

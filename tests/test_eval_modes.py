@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 import torch
 from distmm_testing import in_subprocess
 from forked_main import script_module
+from ports import free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "eval_modes.py"
 PLANS = ["mesh1", "mesh2"]
@@ -32,9 +32,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
     ``run_sequence`` on one process). Each plan's and the reference's result and weights."""
     out = tmp_path_factory.mktemp("eval_modes")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MASTER_PORT", "MASTER_ADDR")}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        env["MASTER_PORT"] = str(s.getsockname()[1])
+    env["MASTER_PORT"] = str(free_port())
     env["PYTHONWARNINGS"] = "ignore"
     # the ranks at the reference's 1 thread on any host: unset, Lightning's launcher would give them
     # cores / 2 (1 only on a 2-core host), and fp32 sums in another order drift past 1e-5 under AdamW

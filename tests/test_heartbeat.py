@@ -4,11 +4,11 @@ stops answering names the node that hosts it."""
 
 from __future__ import annotations
 
-import socket
 import time
 from datetime import timedelta
 
 import pytest
+from ports import free_port
 from torch.distributed import TCPStore
 
 from lightning_distmm.faults import NODE_LOST, NodeHeartbeat
@@ -17,9 +17,7 @@ NODES = [0, 0, 1, 1]  # ranks 0-1 on node 0, 2-3 on node 1
 
 
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 @pytest.fixture

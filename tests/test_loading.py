@@ -3,13 +3,13 @@
 import json
 import multiprocessing as mp
 import os
-import socket
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
 from distmm_testing import loader
+from ports import free_port
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler
 
 from lightning_distmm.core import Plan
@@ -253,9 +253,7 @@ def test_the_users_sampler_is_iterated_as_is():
 
 # ---------------------------------------------------------------------- several ranks
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 def _rank_main(rank: int, world: int, port: int, case: str, out: str) -> None:

@@ -12,15 +12,14 @@ import lightning as L
 import pytest
 import torch
 from distmm_testing import TinyCLIP, loader, run_reference
+from ports import free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "multinode_train.py"
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 def _env(**extra: str) -> dict[str, str]:
