@@ -9,9 +9,9 @@ uniform+batchsync ablation), and solve time.
     python benchmarks/planner.py --global-batch 1024,32768    # several contrastive batch sizes
     python benchmarks/planner.py --models clip_vit_bigg14 --clusters a100_8x8_eth100
 
-DistMM's towers may be sharded as the runtime runs them (``shards: [none, full]``: FSDP2);
-Megatron-LM's distributed optimizer (ZeRO-1) is priced for the megatron baseline only, since the
-runtime has no ZeRO-1. ``--sharding-table`` compares DistMM with and without ZeRO-3.
+DistMM's towers may be sharded as the runtime runs them (``shards: [none, optimizer, zero2, full,
+hybrid]``: ZeRO-1, FSDP2's ZeRO-2, ZeRO-3 and HSDP). ``--sharding-table`` compares DistMM with and
+without ZeRO-3.
 
 ``--paper`` prints, per preset, DistMM's best separate-tower plan (its own idea: each tower on its
 own devices), its best colocated plan, every baseline's plan, and which one the planner picks. The
@@ -41,7 +41,8 @@ from lightning_distmm.planner.baselines import BASELINES  # noqa: E402
 from lightning_distmm.planner.cluster import CONF_DIR  # noqa: E402
 from lightning_distmm.planner.report import Report, describe  # noqa: E402
 
-ALL_SHARDS = {"shards": ["none", "zero2", "full", "hybrid"]}  # every sharding the runtime runs and the planner prices
+#: every sharding the runtime runs and the planner prices
+ALL_SHARDS = {"shards": ["none", "optimizer", "zero2", "full", "hybrid"]}
 PAPER_MODELS = ["distmm_1b", "clip_vit_g14", "clip_vit_bigg14", "distmm_4b", "distmm_10b", "distmm_26b"]
 PAPER_CLUSTERS = ["a100_8x8", "h100_8x8", "h200_8x8"]
 SUMMARY = ("megatron", "megatron-tp-pp", "fsdp")  # the baselines the --paper summary lines compare with
@@ -201,9 +202,9 @@ def paper(global_batch: int, clusters: list[str]) -> None:
 
 
 def sharding_table(clusters: list[str], global_batch: int, models: list[str]) -> None:
-    """Issue 11's question: what sharding buys DistMM on the largest presets. For each model, DistMM
-    with unsharded towers only (``shards: [none]``, the planner's default) and with ZeRO-3 allowed
-    (what the runtime runs, FSDP2; ZeRO-1 is priced for megatron alone): the plan, its memory on the fullest rank, its step
+    """What sharding buys DistMM on the largest presets. For each model, DistMM with unsharded towers
+    only (``shards: [none]``, the planner's default) and with every sharding the runtime runs allowed
+    (ZeRO-1, ZeRO-2, ZeRO-3, HSDP): the plan, its memory on the fullest rank, its step
     and the speedup over every baseline (the baselines are the same in every row: each shards by its
     own rules)."""
     print(f"DistMM with and without sharding, global batch {global_batch} (bf16-mixed, 18 B per parameter unsharded)")
@@ -441,6 +442,7 @@ def main() -> None:
     rows = []
     large: list[float] = []
     losses: list[str] = []  # where a baseline's plan is predicted faster than DistMM's
+    partial = 0  # of those, rows where the baseline recomputes part of a tower's blocks (the runtime cannot)
     worst_solve = 0.0
     for G in [int(x) for x in args.global_batch.split(",")]:
         for m in args.models.split(","):
@@ -456,8 +458,11 @@ def main() -> None:
                 meg, ddp = rep.baselines["megatron"], rep.baselines["ddp"]
                 for name, b in rep.baselines.items():
                     if b is not None and b.step_time < rep.step_time * (1 - 1e-9):
+                        sp = "; sp" if any(ch.sp for ch in b.choices.values()) else ""
+                        partial += any(ch.recompute_layers is not None for ch in b.choices.values())
                         losses.append(
                             f"{m} on {c} at batch {G}: {name} {fmt_time(b.step_time)} < DistMM {fmt_time(rep.step_time)}"
+                            f" ({describe(b)}{sp} against {describe(rep.chosen)})"
                         )
                 sm, sd = rep.speedup("megatron"), rep.speedup("ddp")
                 if params >= 1.05e9 and sm is not None:
@@ -490,11 +495,18 @@ def main() -> None:
             f" (paper: 1.32x .. 3.27x; docs/planner.md explains the difference)"
         )
     if losses:
-        # a baseline can price a configuration the runtime does not run (Megatron-LM's ZeRO-1 with
-        # sequence parallelism), which the search may not choose: where it wins, DistMM loses
-        print("predicted slower than a baseline:")
+        # a baseline can price a configuration the runtime does not run (sequence parallelism with
+        # uniform degrees, block recomputation of part of a tower), which the search may not choose:
+        # where it wins, DistMM loses
+        print(
+            f"predicted slower than a baseline: {len(losses)} rows (shardings allowed: {', '.join(ALL_SHARDS['shards'])})"
+        )
         for line in losses:
             print(f"  {line}")
+        print(
+            f"  {partial} of the {len(losses)}: the baseline recomputes part of a tower's blocks (n/stage), which the"
+            " runtime cannot run (a tower recomputes all its blocks or none), so the search may not choose it"
+        )
     print(f"slowest solve at 64 devices: {worst_solve * 1e3:.0f} ms")
     if args.scale_devices:
         solve_at_scale(args.scale_devices)

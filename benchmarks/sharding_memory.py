@@ -1,10 +1,17 @@
-"""Per-rank memory of a ~50M-parameter tower on 4 CPU ranks: ``shard: none`` against ``shard: full``.
+"""Per-rank memory of a ~50M-parameter tower on 4 CPU ranks: ``shard: none`` against ``shard: optimizer``
+(ZeRO-1) and ``shard: full`` (ZeRO-3).
 
 Each configuration runs in fresh processes (4 gloo ranks, spawned) so that peak RSS is its own.
 A timm ViT tower (~50M parameters) trains a few AdamW steps, as the runtime runs it:
 
 * ``none``: every rank builds and holds the whole tower; gradients are summed over the ranks
   (:func:`lightning_distmm.parallel.exchange.allreduce_sum`, the runtime's sums);
+* ``optimizer``: every rank builds and holds the whole tower; at the end of the backward the
+  gradients are reduce-scattered over the ranks into each rank's quarter, AdamW steps that quarter
+  (its state allocated for it alone) and the updated quarters are all-gathered into every rank's
+  weights (:class:`lightning_distmm.parallel.optimizer_shards.OptimizerShards` through the same
+  optimizer hooks the strategy installs). The whole gradients are freed after the reduce-scatter,
+  so the ``grads`` column (held after the step) is 0 there; the step peak includes them;
 * ``full``: every rank builds the whole tower, then
   :func:`lightning_distmm.parallel.fsdp.apply_fsdp` shards it over a 1-D mesh of the 4 ranks (what
   the runtime applies to a tower with ``shard: full``);
@@ -102,6 +109,8 @@ def _worker(rank: int, shard: str, args: argparse.Namespace, port: int, out: str
     from lightning_distmm.parallel.deferred import deferred_init, materialize, tensor_refs
     from lightning_distmm.parallel.exchange import allreduce_sum
     from lightning_distmm.parallel.fsdp import apply_fsdp
+    from lightning_distmm.parallel.optimizer_kernels import prepare_mixed_groups
+    from lightning_distmm.parallel.optimizer_shards import OptimizerShards
     from lightning_distmm.parallel.prepare import return_freed_memory
 
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
@@ -126,6 +135,10 @@ def _worker(rank: int, shard: str, args: argparse.Namespace, port: int, out: str
     rss_built = _rss()
     windows = _reset_peak() and windows
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    shards = None
+    if shard == "optimizer":
+        shards = OptimizerShards({"tower": (list(model.parameters()), None)}, 25 * 2**20)
+        prepare_mixed_groups([optimizer], shards)
     g = torch.Generator().manual_seed(rank)
     times = []
     for _ in range(args.steps):
@@ -134,6 +147,8 @@ def _worker(rank: int, shard: str, args: argparse.Namespace, port: int, out: str
         model(x).square().mean().backward()
         if shard == "none":
             allreduce_sum([p.grad for p in model.parameters()])
+        if shards is not None:
+            shards.towers["tower"].reduce_scatter()
         optimizer.step()
         times.append(time.perf_counter() - start)
         if _ < args.steps - 1:
@@ -176,7 +191,7 @@ def measure(shard: str, args: argparse.Namespace) -> list[dict]:
         return eval(Path(out).read_text())  # noqa: S307 - our own repr of plain dicts
 
 
-CONFIGS = ("none", "full", "full+meta")
+CONFIGS = ("none", "optimizer", "full", "full+meta")
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ folder with one shard per rank plus ``meta.pt`` (loops, callbacks, schedulers). 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
@@ -32,6 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.optim import Optimizer
 
 from lightning_distmm.core.plan import Plan, PlanError
+from lightning_distmm.parallel.optimizer_shards import OptimizerShards
 from lightning_distmm.parallel.prepare import tower_prefixes
 from lightning_distmm.parallel.step.engine import StepEngine
 from lightning_distmm.parallel.tensor_parallel import is_strided
@@ -95,18 +97,29 @@ def _unwrapped(optimizer: Optimizer) -> Optimizer:
     return inner if isinstance(inner, Optimizer) else optimizer
 
 
-def optimizer_state_dict(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+def optimizer_state_dict(
+    module: nn.Module, optimizer: Optimizer, shards: OptimizerShards | None = None
+) -> dict[str, Any]:
+    """The optimizer's state by parameter name; a ZeRO-1 tower's (``shards``) as its whole parameters'."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    return get_optimizer_state_dict(module, _unwrapped(optimizer), options=_flat_options())
+    inner = _unwrapped(optimizer)
+    with shards.whole_state(inner) if shards else contextlib.nullcontext():
+        return get_optimizer_state_dict(module, inner, options=_flat_options())
 
 
 def _load_optimizer_state(
-    module: nn.Module, optimizer: Optimizer, loaded: dict[str, Any], like: dict[str, Any]
+    module: nn.Module,
+    optimizer: Optimizer,
+    loaded: dict[str, Any],
+    like: dict[str, Any],
+    shards: OptimizerShards | None = None,
 ) -> None:
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    set_optimizer_state_dict(module, _unwrapped(optimizer), from_dcp(loaded, like), options=_flat_options())
+    inner = _unwrapped(optimizer)
+    with shards.whole_state(inner) if shards else contextlib.nullcontext():
+        set_optimizer_state_dict(module, inner, from_dcp(loaded, like), options=_flat_options())
 
 
 def plan_record(plan: Plan, global_batch: int | None) -> dict[str, Any]:
@@ -150,9 +163,14 @@ def split_for_dcp(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str,
 
 
 def load_sharded(
-    path: Path, module: nn.Module, optimizers: list[Optimizer], weights_only: bool | None = None
+    path: Path,
+    module: nn.Module,
+    optimizers: list[Optimizer],
+    weights_only: bool | None = None,
+    shards: OptimizerShards | None = None,
 ) -> dict[str, Any]:
-    """Load this rank's tensors (and optimizer state) from a DCP folder; return the remaining metadata."""
+    """Load this rank's tensors (and optimizer state; a ZeRO-1 tower's, ``shards``, cut into this
+    rank's pieces) from a DCP folder; return the remaining metadata."""
     import torch.distributed.checkpoint as dcp
 
     if not path.is_dir() or not (path / META_FILE).is_file():
@@ -163,7 +181,7 @@ def load_sharded(
     model_state = local_state_dict(module)
     live = {"state_dict": model_state}
     for i, optimizer in enumerate(optimizers):
-        live[f"optimizer_{i}"] = optimizer_state_dict(module, optimizer)
+        live[f"optimizer_{i}"] = optimizer_state_dict(module, optimizer, shards)
     state = {key: for_dcp(value) for key, value in live.items()}
     check_keys(path, state, set(metadata.state_dict_metadata))  # a different model is named, before the load
     dcp.load(state, checkpoint_id=path)
@@ -174,7 +192,7 @@ def load_sharded(
             f"checkpoint {path} does not match the module: missing {not_meta_missing}, unexpected {unexpected}"
         )
     for i, optimizer in enumerate(optimizers):
-        _load_optimizer_state(module, optimizer, state[f"optimizer_{i}"], live[f"optimizer_{i}"])
+        _load_optimizer_state(module, optimizer, state[f"optimizer_{i}"], live[f"optimizer_{i}"], shards)
     return read_metadata(path, weights_only=bool(weights_only) if weights_only is not None else False)
 
 

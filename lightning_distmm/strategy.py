@@ -233,7 +233,7 @@ class DistMMStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             ckpt.drop_remote_parameters(self.optimizers)
-            for group in prepare_mixed_groups(self.optimizers):
+            for group in prepare_mixed_groups(self.optimizers, self.engine.gradients.shards):
                 (warnings.warn if group.asked else _log.info)(f"distmm (rank {self.global_rank}): {group.describe()}")
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -342,7 +342,7 @@ class DistMMStrategy(ModelParallelStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.lightning_module is not None
-        return ckpt.for_dcp(ckpt.optimizer_state_dict(self.lightning_module, optimizer))
+        return ckpt.for_dcp(ckpt.optimizer_state_dict(self.lightning_module, optimizer, self.engine.gradients.shards))
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -388,7 +388,9 @@ class DistMMStrategy(ModelParallelStrategy):
         if line is not None:
             rank_zero_info(line)
         ckpt.check_plan_change(path, self.plan)  # on every rank: all fail together
-        loaded = ckpt.load_sharded(path, self.lightning_module, self.optimizers, weights_only=weights_only)
+        loaded = ckpt.load_sharded(
+            path, self.lightning_module, self.optimizers, weights_only=weights_only, shards=self.engine.gradients.shards
+        )
         record = loaded.get(ckpt.PLAN_KEY) or {}
         before = Plan.from_dict(record["plan"]) if record.get("plan") else None
         step = int(loaded.get("global_step", 0))

@@ -20,6 +20,11 @@ UNEVEN4 = ldm.Plan(4, {"image": {"ranks": [0, 1, 2], "replica_batch": [4, 2, 2]}
 SEPARATE2 = ldm.Plan(2, {"image": {"ranks": [0]}, "text": {"ranks": [1]}})
 
 CP_SHARDED = ldm.Plan(4, {"image": {"ranks": [0, 1, 2, 3], "cp": 2, "shard": "full"}, "text": {"ranks": [0]}})
+ZERO1 = ldm.Plan(3, {"image": {"ranks": [0, 1], "shard": "optimizer"}, "text": {"ranks": [1, 2], "shard": "optimizer"}})
+TP2_ZERO1 = ldm.Plan(
+    4,
+    {"image": {"ranks": [0, 1, 2, 3], "tp": 2, "shard": "optimizer"}, "text": {"ranks": [0, 2], "shard": "optimizer"}},
+)
 TP_SP = ldm.Plan(4, {"image": {"ranks": [0, 1], "tp": 2, "sp": True}, "text": {"ranks": [2, 3], "cp": 2}})
 
 CHANGES = {
@@ -28,6 +33,9 @@ CHANGES = {
     "cp2-sharded-to-tp2-sp": (CP_SHARDED, TP_SP),
     "sharded-to-colocated": (BOTH_SHARDED, COLOCATED2),
     "4-ranks-to-2-ranks": (UNEVEN4, SEPARATE2),
+    # ZeRO-1's state is saved as the whole parameters' and cut into pieces again on load
+    "zero1-to-sharded": (ZERO1, IMAGE_SHARDED3),
+    "colocated-to-zero1-tp2": (COLOCATED2, TP2_ZERO1),
 }
 
 

@@ -156,7 +156,7 @@ def test_shard_in_plan_yaml_round_trip_and_validation():
     assert zero2.towers["image"].shard == "zero2" and zero2.towers["image"].sharded
     with pytest.raises(ldm.PlanError, match="unknown shard 'zero3'"):
         ldm.Plan(1, {"image": {"ranks": [0], "shard": "zero3"}})
-    with pytest.raises(ldm.PlanError, match="towers.image.shard: expected one of none, zero2, full, hybrid"):
+    with pytest.raises(ldm.PlanError, match="towers.image.shard: expected one of none, optimizer, zero2, full, hybrid"):
         ldm.Plan.from_dict({"world_size": 1, "towers": {"image": {"ranks": [0], "shard": True}}})
 
 
@@ -217,15 +217,13 @@ def test_resume_from_tp_x_fsdp_onto_sharded_pipeline_stages(tmp_path):
     assert max_param_diff(straight, first_half) > 1e-4
 
 
-def test_the_planner_refuses_shardings_the_runtime_lacks():
-    from lightning_distmm.planner.auto import auto_plan
-
-    with pytest.raises(ValueError, match="runtime has no ZeRO-1"):
-        auto_plan({}, 2, 8, options={"shards": ["none", "optimizer"]})
+def test_the_planner_plans_every_sharding_the_runtime_runs_and_no_other():
     from lightning_distmm.planner.options import PlannerOptions
 
-    # HSDP and ZeRO-2 are run and priced
-    assert PlannerOptions(shards=("none", "zero2", "full", "hybrid")).shards == ("none", "zero2", "full", "hybrid")
+    every = ("none", "optimizer", "zero2", "full", "hybrid")
+    assert PlannerOptions(shards=every).shards == every
+    with pytest.raises(ValueError, match=r"planner.shards=\['none', 'zero1'\]: choose from none, optimizer"):
+        PlannerOptions(shards=("none", "zero1"))
 
 
 def _hybrid_mesh_worker(rank, init, errors):

@@ -16,11 +16,15 @@ import yaml
 
 SCHEDULES = ("gpipe", "distmm", "cached")
 #: how a tower's parameters, gradients and optimizer state are held over its data-parallel ranks:
-#: ``none`` replicated (DDP-style sums), ``zero2`` sharded over all of them with each layer's weights
+#: ``none`` replicated (DDP-style sums), ``optimizer`` the optimizer state sharded over all of them,
+#: weights and gradients whole (ZeRO-1: gradients reduce-scattered, the weights all-gathered after the
+#: step), ``zero2`` sharded over all of them with each layer's weights
 #: kept whole from its forward to its backward (ZeRO-2: FSDP2's ``reshard_after_forward=False``),
 #: ``full`` sharded over all of them (ZeRO-3, FSDP2's default), ``hybrid`` sharded inside a node and
 #: replicated across nodes (HSDP)
-SHARDS = ("none", "zero2", "full", "hybrid")
+SHARDS = ("none", "optimizer", "zero2", "full", "hybrid")
+#: the shardings FSDP2 runs (the tower's parameters become its sharded DTensors)
+FSDP_SHARDS = ("zero2", "full", "hybrid")
 
 
 class PlanError(ValueError):
@@ -109,7 +113,7 @@ def check_sequence_split(name: str, cp: int, tp: int, pp: int, sp: Any, shard: s
             " cp: 1)",
             f"{key}.sp",
         )
-    if sp and shard != "none":
+    if sp and shard in FSDP_SHARDS:
         raise PlanError(
             f"{where}: sp: true with shard: {shard} is not supported (FSDP replaces the parameters whose partial"
             " gradients sp sums over tp); use shard: none, or sp: false",

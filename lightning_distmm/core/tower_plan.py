@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lightning_distmm.core.plan_schema import FSDP_SHARDS
+
 
 def split_batch(n: int, weights: Sequence[int] | None, replicas: int) -> list[int]:
     """Split ``n`` samples over ``replicas`` replicas.
@@ -50,7 +52,8 @@ class TowerPlan:
     (Megatron-LM ``--recompute-granularity full``, open_clip ``--grad-checkpointing``)."""
     shard: str = "none"
     """Parameters, gradients and optimizer state over the tower's data-parallel ranks: ``none``
-    (replicated), ``full`` (sharded over all replicas, FSDP), ``zero2`` (sharded over all replicas,
+    (replicated), ``optimizer`` (the optimizer state sharded over all replicas, weights and gradients
+    whole: ZeRO-1, Megatron-LM's distributed optimizer), ``full`` (sharded over all replicas, FSDP), ``zero2`` (sharded over all replicas,
     each layer's weights gathered once in the forward and kept to the backward: FSDP2's
     ``reshard_after_forward=False``) or ``hybrid`` (sharded over the replicas on one node, replicated
     across nodes, HSDP)."""
@@ -64,7 +67,8 @@ class TowerPlan:
 
     @property
     def sharded(self) -> bool:
-        return self.shard != "none"
+        """FSDP shards the tower's parameters (``zero2``, ``full``, ``hybrid``)."""
+        return self.shard in FSDP_SHARDS
 
     @property
     def stage_width(self) -> int:

@@ -20,11 +20,15 @@ Two remedies, both exact (the same update of every parameter):
 * ``foreach=False`` and ``fused=False`` on the group, for any other optimizer: splitting a group
   would change an optimizer whose update reads the whole group (LBFGS, Prodigy's ``d``), while one
   parameter at a time gives the same update, at that cost.
+
+The same step hooks give a ZeRO-1 tower's parameters to the optimizer as this rank's pieces of them
+(:mod:`lightning_distmm.parallel.optimizer_shards`): a group is then stepped over its parameters
+with those substituted, split by kind if the substituted list mixes kinds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +37,10 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-#: torch optimizers whose update of a parameter reads only that parameter, its gradient and state
+from lightning_distmm.parallel.optimizer_shards import OptimizerShards
+
+#: torch optimizers whose update of a parameter reads only that parameter, its gradient and state,
+#: element by element (so a piece of a parameter steps as the whole would)
 PER_PARAMETER = (
     torch.optim.SGD,
     torch.optim.Adam,
@@ -87,14 +94,27 @@ def params_by_kind(params: Iterable[Tensor]) -> list[list[Tensor]]:
 
 
 class KindSplitStep:
-    """Runs an optimizer's ``step`` with each mixed group replaced by one copy per kind of parameter
-    (the kinds found once, here: a group's parameters do not change after setup; the copies are made
-    each step, so they carry the hyperparameters a scheduler set). Installed as the optimizer's step
-    pre- and post-hooks."""
+    """Runs an optimizer's ``step`` with param groups rewritten: each group's parameters substituted
+    (``substitute``: a ZeRO-1 tower's parameters by this rank's pieces; identity otherwise) and each
+    group in ``mixed`` replaced by one copy per kind of parameter (the kinds found once, here: a
+    group's parameters do not change after setup; the copies are made each step, so they carry the
+    hyperparameters a scheduler set). Installed as the optimizer's step pre- and post-hooks, with
+    ``before`` and ``after`` run first and last (the ZeRO-1 gradients handed over, the updated
+    pieces gathered)."""
 
-    def __init__(self, optimizer: Optimizer, mixed: Sequence[int]) -> None:
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        mixed: Sequence[int],
+        substitute: Callable[[Sequence[Tensor]], list[Tensor]] | None = None,
+        before: Callable[[], None] | None = None,
+        after: Callable[[], None] | None = None,
+    ) -> None:
         self.optimizer = optimizer
-        self.parts = {i: params_by_kind(optimizer.param_groups[i]["params"]) for i in mixed}
+        swap = substitute or list
+        self.params = [swap(g["params"]) if substitute else None for g in optimizer.param_groups]
+        self.parts = {i: params_by_kind(swap(optimizer.param_groups[i]["params"])) for i in mixed}
+        self.before, self.after = before, after
         self._kept: list[dict[str, Any]] | None = None
         self._split: list[tuple[int, list[dict[str, Any]]]] = []
         optimizer.register_step_pre_hook(self._before)
@@ -103,14 +123,19 @@ class KindSplitStep:
     def _before(self, *_: Any) -> None:
         if self._kept is not None:
             return
+        if self.before is not None:
+            self.before()
         self._kept = self.optimizer.param_groups
         groups: list[dict[str, Any]] = []
         self._split = []
         for i, group in enumerate(self._kept):
-            if i not in self.parts:
+            if i in self.parts:
+                copies = [{**group, "params": params} for params in self.parts[i]]
+            elif self.params[i] is not None:
+                copies = [{**group, "params": self.params[i]}]
+            else:
                 groups.append(group)
                 continue
-            copies = [{**group, "params": params} for params in self.parts[i]]
             self._split.append((i, copies))
             groups.extend(copies)
         self.optimizer.param_groups = groups
@@ -124,20 +149,46 @@ class KindSplitStep:
                 if key != "params" and original.get(key) is not value:
                     original[key] = value
         self.optimizer.param_groups, self._kept, self._split = self._kept, None, []
+        if self.after is not None:
+            self.after()
 
 
-def _mixed_kinds(group: dict[str, Any]) -> tuple[str, ...]:
-    return tuple(sorted({parameter_kind(p) for p in group["params"] if not p.is_meta}))
+def _kinds(params: Iterable[Tensor]) -> tuple[str, ...]:
+    return tuple(sorted({parameter_kind(p) for p in params if not p.is_meta}))
 
 
-def prepare_mixed_groups(optimizers: Iterable[Optimizer]) -> list[MixedGroup]:
+def prepare_mixed_groups(optimizers: Iterable[Optimizer], shards: OptimizerShards | None = None) -> list[MixedGroup]:
     """For every param group whose parameters held here are not all of one kind: a
     :class:`KindSplitStep` on a :data:`PER_PARAMETER` optimizer, else ``foreach=False`` and
-    ``fused=False``. Returns what was done, to be logged."""
+    ``fused=False``. An optimizer that holds a ZeRO-1 tower's parameters (``shards``) steps this
+    rank's pieces of them through the same hooks; one that is not :data:`PER_PARAMETER` is refused
+    there (its update of a piece would not be its update of the whole). Returns what was done, to be
+    logged."""
     done: list[MixedGroup] = []
+    holders: list[int] = []
     for i, optimizer in enumerate(optimizers):
         inner = getattr(optimizer, "optimizer", optimizer)  # Lightning's LightningOptimizer wraps one
-        mixed = {j: kinds for j, g in enumerate(inner.param_groups) if len(kinds := _mixed_kinds(g)) > 1}
+        swap = shards.substitute if shards else list
+        holds = bool(shards) and any(shards.holds(p) for g in inner.param_groups for p in g["params"])
+        mixed = {j: kinds for j, g in enumerate(inner.param_groups) if len(kinds := _kinds(swap(g["params"]))) > 1}
+        if holds:
+            if type(inner) not in PER_PARAMETER:
+                raise ValueError(
+                    f"shard: optimizer (ZeRO-1) steps each replica's 1/n of every parameter, which is the update of the"
+                    f" whole only for an optimizer that updates each element on its own"
+                    f" ({', '.join(o.__name__ for o in PER_PARAMETER)}); optimizer {i} is a {type(inner).__name__}:"
+                    f" use shard: none or shard: full for its towers"
+                )
+            holders.append(i)
+            if len(holders) > 1:
+                raise ValueError(
+                    f"shard: optimizer (ZeRO-1): optimizers {holders[0]} and {i} both hold parameters of ZeRO-1 towers;"
+                    " one optimizer must hold them all (its step gathers the updated weights)"
+                )
+            assert shards is not None
+            KindSplitStep(inner, list(mixed), shards.substitute, shards.before_step, shards.after_step)
+            done += [MixedGroup(i, j, kinds, "split") for j, kinds in mixed.items()]
+            continue
         if not mixed:
             continue
         if type(inner) in PER_PARAMETER:

@@ -71,15 +71,7 @@ class PlannerOptions:
             raise ValueError(f"planner.schedules={list(self.schedules)}: choose from {', '.join(SCHEDULES)}")
         self.shards = tuple(self.shards)
         if not self.shards or any(s not in PLANNABLE_SHARDS for s in self.shards):
-            why = {
-                "optimizer": "the runtime has no ZeRO-1 (optimizer-state-only sharding): the planner prices it for"
-                " the megatron baseline alone",
-            }
-            reasons = "; ".join(f"{s!r}: {why[s]}" for s in self.shards if s in why)
-            raise ValueError(
-                f"planner.shards={list(self.shards)}: choose from {', '.join(PLANNABLE_SHARDS)}"
-                + (f" ({reasons})" if reasons else "")
-            )
+            raise ValueError(f"planner.shards={list(self.shards)}: choose from {', '.join(PLANNABLE_SHARDS)}")
         if self.baselines is not None:
             self.baselines = tuple(self.baselines)
         self.layouts = tuple(self.layouts)

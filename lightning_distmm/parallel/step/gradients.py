@@ -15,6 +15,11 @@ tower's last backward of the step (``set_gradient_divide_factor(1.0)``: a sum; t
 FSDP's gradient sync on for that backward only), so its ``.grad`` holds this rank's shard of the
 summed gradient; the earlier microbatches' gradients, and while Lightning accumulates every
 backward's, accumulate unsharded inside FSDP until that backward reduces their total.
+
+A tower with ``shard: optimizer`` (ZeRO-1) keeps whole gradients through the step like an unsharded
+one; when the optimizer step's gradients are complete they are reduce-scattered over its replicas
+into this rank's pieces (:mod:`lightning_distmm.parallel.optimizer_shards`), which the optimizer
+steps.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from lightning_distmm.core.plan import Plan
 from lightning_distmm.parallel.buckets import FIRST_BUCKET_BYTES, GradientBuckets, local
 from lightning_distmm.parallel.exchange import PendingSum, allreduce_sum, allreduce_sum_async, host_any
 from lightning_distmm.parallel.groups import TowerGroups
+from lightning_distmm.parallel.optimizer_shards import OptimizerShards
 from lightning_distmm.parallel.step.state import Gradients, ScheduleRun, StepState
 from lightning_distmm.tower import Tower
 
@@ -82,6 +88,20 @@ class RankGradients:
         self._buckets: dict[str, GradientBuckets] = {}
         #: upstream gradients of the runs whose sharded towers' gradients FSDP holds unreduced
         self._held_scales: list[Tensor] = []
+        #: the ZeRO-1 towers held here (``shard: optimizer`` with more than one replica)
+        self.shards = OptimizerShards(
+            {
+                name: (
+                    [p for p in tower_params[name].values() if p.requires_grad and not p.is_meta],
+                    groups[name].dp_group,
+                )
+                for name in layout.local_towers
+                if plan.towers[name].shard == "optimizer"
+                and plan.towers[name].dp * plan.towers[name].cp > 1
+                and self.trainable(name)
+            },
+            int(bucket_cap_mb * 2**20),
+        )
 
     def sharded(self, name: str) -> bool:
         """Tower ``name`` is sharded by FSDP on this rank (its gradient sums are FSDP's)."""
@@ -158,6 +178,9 @@ class RankGradients:
                 local(p.grad).add_(local(g))
         if step.ends_with_sums and not summed:
             self.sum_all()
+        if step.ends_with_sums:
+            for tower in self.shards.towers.values():
+                tower.reduce_scatter()
 
     def _check_held_scales(self, step: StepState, used: list[ScheduleRun]) -> None:
         """FSDP reduces the *total* of the gradients it accumulated unsynced, which the last run's
@@ -184,7 +207,7 @@ class RankGradients:
         one replica, or a sharded tower, which FSDP sums). Built once: their buffers are the
         gradients' storage on the steps whose sums are posted during the step."""
         tower = self.plan.towers[name]
-        if tower.dp * tower.cp == 1 or self.sharded(name) or not self.trainable(name):
+        if tower.dp * tower.cp == 1 or self.sharded(name) or name in self.shards or not self.trainable(name):
             return None
         if name not in self._buckets:
             group = None if tower.dp * tower.cp == self.world else self.groups[name].dp_group
@@ -231,8 +254,8 @@ class RankGradients:
         world_grads = self._grads_for(self.interaction_params)
         for name in self.layout.local_towers:
             tower = self.plan.towers[name]
-            if tower.dp * tower.cp == 1 or not self.trainable(name) or self.sharded(name):
-                continue
+            if tower.dp * tower.cp == 1 or not self.trainable(name) or self.sharded(name) or name in self.shards:
+                continue  # one copy, nothing to learn, or summed by FSDP or by the ZeRO-1 reduce-scatter
             grads = self._grads_for(self.tower_params[name])
             if tower.dp * tower.cp == self.world:
                 world_grads.extend(grads)  # the replicas span the world: one collective for all
@@ -261,6 +284,11 @@ class RankGradients:
             if self.sharded(name):
                 counted.extend(local(p.grad) for p in self.tower_params[name].values() if counts_once(p.grad))
                 continue
+            if name in self.shards:  # every rank's pieces are its own; a tp-replicated one counted on tp rank 0
+                tp_rank = self.groups[name].mesh.get_local_rank("tp")
+                pieces = self.shards.towers[name].gradients()
+                counted.extend(g for p, g in pieces if is_sharded(p) or tp_rank == 0)
+                continue
             if self.rank not in tower.replica_ranks(0):
                 continue
             # position in the stage: (cp, tp); the cp ranks hold the same summed gradients, count the first
@@ -280,10 +308,9 @@ class RankGradients:
             dist.all_reduce(part, op=dist.ReduceOp.SUM)
             total = part ** (1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for p in self.local_parameters():
-            if p.grad is not None:
-                grad = local(p.grad)
-                grad.detach().mul_(coef.to(grad.device, grad.dtype))
+        pieces = [g for tower in self.shards.towers.values() for _, g in tower.gradients()]
+        for grad in [local(p.grad) for p in self.local_parameters() if p.grad is not None] + pieces:
+            grad.detach().mul_(coef.to(grad.device, grad.dtype))
         return total
 
 

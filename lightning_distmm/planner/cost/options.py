@@ -26,8 +26,7 @@ LAYER_SHARDS = ("zero2", "full", "hybrid")
 
 PLANNABLE_SHARDS = tuple(s for s in RUNTIME_SHARDS if s in SHARDS)
 """What the planner may write into a plan: ways the runtime runs (``core.plan_schema.SHARDS``) and
-the cost model prices. ``optimizer`` is priced for the Megatron-LM baseline alone (its distributed
-optimizer), since the runtime has no ZeRO-1."""
+the cost model prices (all of them)."""
 
 
 @dataclass(frozen=True)
