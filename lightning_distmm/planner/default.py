@@ -326,7 +326,7 @@ def default_plan(
         if any(G < len(t.ranks) for t in plan.towers.values()):
             continue  # a replica without a sample
         cost = price_plan(plan, profiles, cluster, options, G)
-        priced.append((name, plan, cost.step_time, bool(cost.extra["fits"])))
+        priced.append((name, plan, cost.step_time, cost.fits))
     if not priced:  # fewer samples than ranks: the runtime's own check names the problem
         plan = proportional_plan({n: towers[n].flops for n in names}, world_size)
         return DefaultChoice(plan, "proportional", [("proportional", plan, math.nan)], host, G)

@@ -125,7 +125,7 @@ def price_on_measurements(
         if any(global_batch < len(t.ranks) for t in candidate.towers.values()):
             continue
         cost = price_plan(candidate, profiles, cluster, options, global_batch)
-        if cost.extra.get("fits", True):
+        if cost.fits:
             candidates.append((name, candidate, cost.step_time))
     return Pricing(current, candidates)
 

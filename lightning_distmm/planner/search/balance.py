@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from lightning_distmm.planner.cost.breakdown import TowerChoice
 from lightning_distmm.planner.search.partition import Candidates, InfeasibleError
 
 INF = math.inf
@@ -93,7 +94,15 @@ class Balance:
     method: str
     exact: bool = True
     evaluations: int = 0
-    notes: dict[str, Any] = field(default_factory=dict)
+    #: each tower's candidates as the balancer chose among them (its Pareto set): ``index`` points here
+    pareto: list[Candidates] = field(default_factory=list)
+    #: the window of the forward bound ``phi`` the barrier DP swept, and how many points it tried
+    phi_window: tuple[float, float] | None = None
+    phi_points: int = 0
+
+    def choices(self) -> dict[str, TowerChoice]:
+        """Each tower's chosen configuration, in the order the towers were balanced."""
+        return {c.tower: c.choice(self.index[c.tower]) for c in self.pareto}
 
 
 def best_by_devices(cands: Sequence[Candidates], D: int, values: Sequence[np.ndarray]) -> list[np.ndarray]:
@@ -198,7 +207,9 @@ def barrier_allocation(
         method="fixed" if fixed is not None else "dp",
         exact=exact,
         evaluations=evals,
-        notes={"phi_window": (float(f_lo), float(hi)), "phi_points": int(len(phis)), "pruned": cands},
+        pareto=list(cands),
+        phi_window=(float(f_lo), float(hi)),
+        phi_points=int(len(phis)),
     )
 
 

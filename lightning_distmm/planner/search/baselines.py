@@ -176,7 +176,7 @@ def colocated_search(
     for _, group in combos[:top]:
         choices = {n: _choice(n, o, devices, global_batch) for n, o in zip(names, group)}
         cost = evaluate_plan(profiles, cluster, costs, choices, ranks, global_batch)
-        if not cost.extra["fits"]:
+        if not cost.fits:
             continue
         ev = Evaluated(mode, choices, ranks, cost)
         if mode in ("megatron", "megatron-tp-pp"):
@@ -227,7 +227,7 @@ def partial_recompute(
     if not changed:
         return ev
     cost = evaluate_plan(profiles, cluster, opts, choices, ev.ranks, global_batch)
-    if not cost.extra["fits"] or cost.step_time > ev.step_time:
+    if not cost.fits or cost.step_time > ev.step_time:
         return ev
     return Evaluated(ev.name, choices, ev.ranks, cost)
 

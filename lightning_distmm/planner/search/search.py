@@ -27,6 +27,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_distmm.core.plan import Plan, split_batch
@@ -98,135 +99,169 @@ def make_plan(
     n_global = int(global_batch)
     if n_global < 1:
         raise InfeasibleError(f"global batch must be at least 1, got {global_batch}")
-    n_devices = spec.world_size
-    costs = opts.cost
-    names = list(profiles)
 
-    # ---------------------------------------------------------------- search space and hard limits
-    if opts.tp is not None and opts.tp <= spec.devices_per_node:
-        bad = {n: p for n, p in profiles.items() if p.analytic and p.heads % opts.tp}
-        if bad and len(bad) == len(profiles):
-            heads = ", ".join(
-                f"{n} has {p.heads} heads ({p.heads} % {opts.tp} = {p.heads % opts.tp})" for n, p in bad.items()
-            )
-            raise InfeasibleError(
-                f"tp={opts.tp} divides no tower's head count: {heads}; leave planner.tp unset or pick a common divisor"
-            )
+    _check_tp(profiles, spec, opts)
     job = search_job(profiles, spec, n_global, opts)
-    space = job.space
-    n_contrastive, embed = contrastive_features(profiles)
-    syncs = {
-        k: batch_syncs(spec, costs, n_global, embed, n_devices, spec.nodes, n_contrastive, k)["total"] for k in (1, 2)
-    }
     for p in profiles.values():
         need = min_memory(p, job)
         if need["total"] > job.memory_limit:
             raise InfeasibleError(describe_no_fit(p, job, need))
     _check_replicas(profiles, job)
 
-    # ---------------------------------------------------------------- separate towers
     candidates: dict[str, Evaluated | None] = {}
-    balance: Balance | None = None
-    scores: dict[str, float] = {}
-    if "separate" in opts.layouts and 1 < len(names) <= n_devices:
-        cands = [tower_candidates(profiles[n], job, max_devices=n_devices - len(names) + 1) for n in names]
-        fixed = None
-        if opts.balancer == "proportional":
-            fixed = proportional_allocation({n: profiles[n].train_flops_per_sample() or 1.0 for n in names}, n_devices)
-        elif opts.balancer == "even":
-            fixed = even_allocation(names, n_devices)
-        # a plan runs distmm on every tower or on none (one or two sync groups): balance each family,
-        # the second only when its lower bound (the min-max of F + B, plus its batch-syncs) can beat
-        # the first's objective plus its batch-sync, and place it only when its objective does
-        errors: list[InfeasibleError] = []
-        first: float | None = None
-        for n_sync, family in _sync_families(cands):
-            if fixed is not None:
-                family = [c.take(c.n == fixed[c.tower]) for c in family]
-            if not all(len(c) for c in family):
-                continue
-            if first is not None:
-                bound, _ = minmax_allocation(best_by_devices(family, n_devices, [c.F + c.B for c in family]), n_devices)
-                if bound + syncs[n_sync] >= first:
-                    continue
-            try:
-                bal = barrier_allocation(family, n_devices, opts.max_points, fixed=fixed)
-            except InfeasibleError as err:
-                errors.append(err)
-                continue
-            if first is None:
-                first = bal.objective + syncs[n_sync]
-            elif bal.objective + syncs[n_sync] >= first:
-                continue
-            pruned = {c.tower: c for c in bal.notes["pruned"]}
-            choices = {n: pruned[n].choice(bal.index[n]) for n in names}
-
-            def score(layout: Mapping[str, list[int]], choices: dict[str, TowerChoice] = choices) -> float:
-                cost = evaluate_plan(profiles, spec, costs, choices, layout, n_global)
-                return cost.step_time if cost.extra["fits"] else math.inf
-
-            layout, layout_scores = place(
-                {n: choices[n].n for n in names}, {n: choices[n].tp for n in names}, spec, opts.placement, score
-            )
-            cost = evaluate_plan(profiles, spec, costs, choices, layout, n_global)
-            if balance is None:
-                balance, scores = bal, layout_scores
-            best = candidates.get("separate")
-            if cost.extra["fits"] and (best is None or cost.step_time < best.step_time):
-                candidates["separate"] = Evaluated("separate", choices, {n: list(layout[n]) for n in names}, cost)
-                balance, scores = bal, layout_scores
-        if balance is None and errors and fixed is None:
-            raise errors[0]
-        candidates.setdefault("separate", None)
+    separate = Separate()
+    if "separate" in opts.layouts and 1 < len(profiles) <= spec.world_size:
+        separate = separate_search(profiles, job, opts)
+        candidates["separate"] = separate.best
     if "colocated" in opts.layouts:
         candidates["colocated"] = colocated_search(profiles, job, "colocated")
-
-    # ---------------------------------------------------------------- baselines (in the same model)
     baselines = {
-        kind: colocated_search(
-            profiles,
-            dataclasses.replace(
-                job,
-                costs=baseline_options(kind, costs),
-                space=baseline_space(kind, profiles, spec.devices_per_node, n_devices, opts.max_microbatches),
-            ),
-            kind,
-        )
+        kind: colocated_search(profiles, baseline_job(kind, profiles, job, opts), kind)
         for kind in (opts.baselines if opts.baselines is not None else BASELINES)
     }
+
     pool = [e for e in candidates.values() if e is not None]
     if "colocated" in opts.layouts:
         # the baselines are colocated plans: part of DistMM's space whenever their degrees and
         # schedules are allowed (always, unless the options restrict DistMM)
-        for b in baselines.values():
-            if b is not None and all(
-                ch.tp in space.tps[n]
-                and ch.pp in space.pps[n]
-                and (profiles[n].frozen or ch.schedule in space.schedules)
-                and ch.shard in space.shards
-                and ch.recompute_layers is None  # the runtime recomputes a whole tower or nothing
-                and (ch.tp == 1 or not baseline_options(b.name, costs).sequence_parallel)  # nor runs SP
-                for n, ch in b.choices.items()
-            ):
-                pool.append(b)
+        pool += [b for b in baselines.values() if b is not None and _in_space(b, profiles, job, opts)]
     if not pool:
         raise InfeasibleError(_why_nothing(profiles, job, opts))
     chosen = min(pool, key=lambda e: e.step_time)
-    plan = to_plan(chosen, n_devices, n_global)
-    notes: list[str] = []
+    plan = to_plan(chosen, spec.world_size, n_global)
+    sequence_notes: list[str] = []
     if opts.sequence:
-        plan, refined, notes = refine_sequence(
+        plan, refined, sequence_notes = refine_sequence(
             plan, profiles, spec, lambda pl: price_plan(pl, profiles, spec, opts, n_global), n_global
         )
-        if notes:
+        if sequence_notes:
             choices, ranks = plan_choices(plan, n_global)
             chosen = Evaluated(chosen.name, choices, ranks, refined)
-    solve = time.perf_counter() - t0
     report = Report(
-        model_name, spec, n_global, plan, chosen, candidates, baselines, profiles, solve, opts, balance, scores
+        model=model_name,
+        cluster=spec,
+        global_batch=n_global,
+        plan=plan,
+        chosen=chosen,
+        candidates=candidates,
+        baselines=baselines,
+        profiles=profiles,
+        solve_time=time.perf_counter() - t0,
+        options=opts,
+        balance=separate.balance,
+        placement_scores=separate.placement_scores,
+        sequence_notes=sequence_notes,
     )
-    report.sequence_notes = notes
     return plan, report
+
+
+@dataclass
+class Separate:
+    """What the separate-towers family gives the search: its fastest plan that fits (None when none
+    does), the balance behind it and its layouts' scores (those of the first family balanced when
+    no plan fits)."""
+
+    best: Evaluated | None = None
+    balance: Balance | None = None
+    placement_scores: dict[str, float] = field(default_factory=dict)
+
+
+def separate_search(profiles: Mapping[str, TowerProfile], job: SearchJob, opts: PlannerOptions) -> Separate:
+    """The fastest plan with every tower on devices of its own: candidates per tower, devices per
+    tower by the balancer, ranks by the placement, the whole plan priced.
+
+    A plan runs ``distmm`` on every tower or on none (one or two sync groups): each family is
+    balanced, the second only when its lower bound (the min-max of F + B, plus its batch-syncs) can
+    beat the first's objective plus its batch-sync, and placed only when its objective does."""
+    spec, costs, n_devices, n_global = job.cluster, job.costs, job.devices, job.global_batch
+    names = list(profiles)
+    n_contrastive, embed = contrastive_features(profiles)
+    syncs = {
+        k: batch_syncs(spec, costs, n_global, embed, n_devices, spec.nodes, n_contrastive, k)["total"] for k in (1, 2)
+    }
+    cands = [tower_candidates(profiles[n], job, max_devices=n_devices - len(names) + 1) for n in names]
+    fixed = None
+    if opts.balancer == "proportional":
+        fixed = proportional_allocation({n: profiles[n].train_flops_per_sample() or 1.0 for n in names}, n_devices)
+    elif opts.balancer == "even":
+        fixed = even_allocation(names, n_devices)
+    out = Separate()
+    errors: list[InfeasibleError] = []
+    first: float | None = None
+    for n_sync, family in _sync_families(cands):
+        if fixed is not None:
+            family = [c.take(c.n == fixed[c.tower]) for c in family]
+        if not all(len(c) for c in family):
+            continue
+        if first is not None:
+            bound, _ = minmax_allocation(best_by_devices(family, n_devices, [c.F + c.B for c in family]), n_devices)
+            if bound + syncs[n_sync] >= first:
+                continue
+        try:
+            balance = barrier_allocation(family, n_devices, opts.max_points, fixed=fixed)
+        except InfeasibleError as err:
+            errors.append(err)
+            continue
+        if first is None:
+            first = balance.objective + syncs[n_sync]
+        elif balance.objective + syncs[n_sync] >= first:
+            continue
+        choices = balance.choices()
+
+        def score(layout: Mapping[str, list[int]], choices: dict[str, TowerChoice] = choices) -> float:
+            cost = evaluate_plan(profiles, spec, costs, choices, layout, n_global)
+            return cost.step_time if cost.fits else math.inf
+
+        layout, scores = place(
+            {n: choices[n].n for n in names}, {n: choices[n].tp for n in names}, spec, opts.placement, score
+        )
+        cost = evaluate_plan(profiles, spec, costs, choices, layout, n_global)
+        if out.balance is None:
+            out.balance, out.placement_scores = balance, scores
+        if cost.fits and (out.best is None or cost.step_time < out.best.step_time):
+            out.best = Evaluated("separate", choices, {n: list(layout[n]) for n in names}, cost)
+            out.balance, out.placement_scores = balance, scores
+    if out.balance is None and errors and fixed is None:
+        raise errors[0]
+    return out
+
+
+def baseline_job(kind: str, profiles: Mapping[str, TowerProfile], job: SearchJob, opts: PlannerOptions) -> SearchJob:
+    """``job`` as baseline ``kind`` runs it: its cost options and the degrees and schedules it may use."""
+    spec = job.cluster
+    return dataclasses.replace(
+        job,
+        costs=baseline_options(kind, job.costs),
+        space=baseline_space(kind, profiles, spec.devices_per_node, job.devices, opts.max_microbatches),
+    )
+
+
+def _in_space(b: Evaluated, profiles: Mapping[str, TowerProfile], job: SearchJob, opts: PlannerOptions) -> bool:
+    """Whether a baseline's plan is one DistMM's options allow and the runtime runs."""
+    space = job.space
+    return all(
+        ch.tp in space.tps[n]
+        and ch.pp in space.pps[n]
+        and (profiles[n].frozen or ch.schedule in space.schedules)
+        and ch.shard in space.shards
+        and ch.recompute_layers is None  # the runtime recomputes a whole tower or nothing
+        and (ch.tp == 1 or not baseline_options(b.name, opts.cost).sequence_parallel)  # nor runs SP
+        for n, ch in b.choices.items()
+    )
+
+
+def _check_tp(profiles: Mapping[str, TowerProfile], spec: Cluster, opts: PlannerOptions) -> None:
+    """A fixed ``planner.tp`` must divide the head count of at least one analytic tower."""
+    if opts.tp is None or opts.tp > spec.devices_per_node:
+        return
+    bad = {n: p for n, p in profiles.items() if p.analytic and p.heads % opts.tp}
+    if bad and len(bad) == len(profiles):
+        heads = ", ".join(
+            f"{n} has {p.heads} heads ({p.heads} % {opts.tp} = {p.heads % opts.tp})" for n, p in bad.items()
+        )
+        raise InfeasibleError(
+            f"tp={opts.tp} divides no tower's head count: {heads}; leave planner.tp unset or pick a common divisor"
+        )
 
 
 def search_job(

@@ -89,7 +89,7 @@ def refine_sequence(
                 cost = price(candidate)
             except (PlanError, ValueError):
                 continue
-            if cost.extra["fits"] and cost.step_time < best_cost.step_time:
+            if cost.fits and cost.step_time < best_cost.step_time:
                 best, best_cost = candidate, cost
         if best.towers[name] is not start:
             t = best.towers[name]
