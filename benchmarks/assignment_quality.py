@@ -7,7 +7,7 @@ rows per encoder replica, draws global batches and prints, over them, the mean o
 its tokens (text plus ``tokens_per_image`` per image). ``even`` is the plan's split in sample order,
 ``balanced`` what :func:`~lightning_distmm.core.assignment.balance_rows` assigns (one step order for
 both towers, each cut into its own runs); ``model`` is the planner's straggler price of the even
-split (``planner.vlm_profile.straggler``, which prices the images' spread and not the captions'),
+split (``planner.vlm.profile.straggler``, which prices the images' spread and not the captions'),
 ``bound`` the least any assignment of whole rows can reach (``max(largest row, mean load rounded up) / mean``: the loads are whole counts).
 
 This measures the assignment (pure Python, no timing); ``docs/runtime.md`` ("Balancing each step")
@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_distmm.core.assignment import RowAssignment, balance_rows, loads  # noqa: E402
 from lightning_distmm.core.plan import Plan  # noqa: E402
-from lightning_distmm.planner.vlm_presets import PRESETS  # noqa: E402
-from lightning_distmm.planner.vlm_profile import WORKLOADS, straggler  # noqa: E402
+from lightning_distmm.planner.vlm.presets import PRESETS  # noqa: E402
+from lightning_distmm.planner.vlm.profile import WORKLOADS, straggler  # noqa: E402
 
 
 def main() -> None:

@@ -5,7 +5,7 @@
 
 Why: the planner prices every GEMM as a roofline whose efficiency comes from a datasheet peak and a
 published best-shape matmul efficiency applied to every size class (docs/planner.md, section 1). This script measures what one device really
-sustains, so that :func:`lightning_distmm.planner.calibration.cluster_from_calibration` (preset
+sustains, so that :func:`lightning_distmm.planner.machine.calibration.cluster_from_calibration` (preset
 ``cluster=h200_measured``) can price plans with measured numbers instead. It writes one JSON:
 
 * ``gemm``: bf16 ``torch.mm`` over a grid of (M, N, K) typical of ViT-B/L/H and CLIP text towers
@@ -567,18 +567,18 @@ def measure_all(
 def predict_towers(result: dict[str, Any]) -> None:
     """Beside every measured tower step, the planner's analytic prediction of the same tower and
     microbatch (forward + backward, :func:`lightning_distmm.planner.cost.stage_compute`) on the
-    device this run measured (:func:`lightning_distmm.planner.calibration.device_from_calibration`:
+    device this run measured (:func:`lightning_distmm.planner.machine.calibration.device_from_calibration`:
     its GEMM efficiency per size class and copy bandwidth, the preset's attention efficiency), and
     its memory (fp32 weights and gradients, autocast's bf16 weight copies, the activations the
     profile keeps); ``time_ratio`` and ``memory_ratio`` are measured / predicted."""
     import dataclasses as dc
 
-    from lightning_distmm.planner.calibration import SCHEMA as PLANNER_SCHEMA
-    from lightning_distmm.planner.calibration import device_from_calibration
-    from lightning_distmm.planner.cluster import Cluster, Link
     from lightning_distmm.planner.cost import CostOptions, memory_per_device, stage_compute
-    from lightning_distmm.planner.measure import load_cluster
-    from lightning_distmm.planner.profile import tower_profile
+    from lightning_distmm.planner.machine.calibration import SCHEMA as PLANNER_SCHEMA
+    from lightning_distmm.planner.machine.calibration import device_from_calibration
+    from lightning_distmm.planner.machine.cluster import Cluster, Link
+    from lightning_distmm.planner.measure.local import load_cluster
+    from lightning_distmm.planner.profiles.profile import tower_profile
 
     assert PLANNER_SCHEMA == SCHEMA, "the script and the planner's loader disagree on the schema"
     smoke = result["kind"] == "cpu-smoke"

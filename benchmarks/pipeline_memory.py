@@ -100,7 +100,7 @@ def bubbles(plan: ldm.Plan, batch: int, traces: list[list]) -> tuple[float, floa
     """(measured, from the IR, the simulated intervals): the idle share of the ranks' compute time
     over the last step, as traced by the executor and as the IR simulated with those durations."""
     from lightning_distmm.core.schedule import Backward, BatchSync, Forward, schedules
-    from lightning_distmm.planner.simulate import bubble_fraction, simulate
+    from lightning_distmm.planner.cost.simulate import bubble_fraction, simulate
 
     start = min(t[3] for trace in traces for t in trace)
     end = max(t[4] for trace in traces for t in trace)
@@ -202,7 +202,7 @@ def main() -> None:
             f" {bubble[schedule][0]:>16.2f} {bubble[schedule][1]:>10.2f}"
         )
     if args.svg:
-        from lightning_distmm.planner.timeline import timeline_svg
+        from lightning_distmm.planner.pictures.timeline import timeline_svg
 
         Path(args.svg).mkdir(parents=True, exist_ok=True)
         for schedule in names:

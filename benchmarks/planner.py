@@ -37,9 +37,9 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_distmm.planner import InfeasibleError, load_cluster, make_plan  # noqa: E402
-from lightning_distmm.planner.baselines import BASELINES  # noqa: E402
-from lightning_distmm.planner.cluster import CONF_DIR  # noqa: E402
-from lightning_distmm.planner.report import Report, describe  # noqa: E402
+from lightning_distmm.planner.machine.cluster import CONF_DIR  # noqa: E402
+from lightning_distmm.planner.search.baselines import BASELINES  # noqa: E402
+from lightning_distmm.planner.search.report import Report, describe  # noqa: E402
 
 #: every sharding the runtime runs and the planner prices
 ALL_SHARDS = {"shards": ["none", "optimizer", "zero2", "full", "hybrid"]}
@@ -237,8 +237,8 @@ def sharding_table(clusters: list[str], global_batch: int, models: list[str]) ->
 
 def published() -> None:
     """Every published CLIP training throughput of ``conf/published/clip_training.yaml`` priced as its
-    source ran it, beside the measurement (lightning_distmm.planner.published)."""
-    from lightning_distmm.planner.published import TOLERANCE, load_published, predict_all, table
+    source ran it, beside the measurement (benchmarks/published.py)."""
+    from published import TOLERANCE, load_published, predict_all, table  # benchmarks/ is on the path as a script
 
     data = load_published()
     preds = predict_all(data)

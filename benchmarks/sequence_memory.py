@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from lightning_distmm.parallel.families import apply_cp, apply_sp, apply_tp
 from lightning_distmm.planner.cost.memory import act_per_sample
 from lightning_distmm.planner.cost.options import CostOptions
-from lightning_distmm.planner.profile import tower_profile
+from lightning_distmm.planner.profiles.profile import tower_profile
 
 #: name -> (ranks, cp, tp, sp)
 CONFIGS = {

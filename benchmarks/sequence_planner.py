@@ -6,7 +6,7 @@ tower gets the first node and the other tower the second (data parallel, 8 repli
 tower's node is then planned by hand: data parallel (dp8), TP-only (tp 2 / 4 / 8), TP + SP, CP
 (2 / 4 / 8), CP x TP, FSDP (``shard: full``, over the replicas and cp ranks), and the ``cached`` schedule (gradient cache, microbatches of 8 rows). Every
 variant is a runtime ``Plan`` (validated as the runtime validates it: a degree the heads do not
-allow is named) priced by the cost model (``planner.search.price_plan``: the Ulysses all-to-alls,
+allow is named) priced by the cost model (``planner.price.price_plan``: the Ulysses all-to-alls,
 SP's gathers, activation memory with ``cp`` / ``sp``). The table gives, per variant, the largest
 global batch whose step fits the GPUs' memory (doubling, then bisection) and the step time at
 ``--global-batch`` (``-`` where it does not fit), the fastest marked. Nothing here is measured:
@@ -29,10 +29,10 @@ from typing import Any
 import yaml
 
 from lightning_distmm.core.plan import Plan, PlanError, TowerPlan
-from lightning_distmm.planner.config import CONF_DIR
-from lightning_distmm.planner.measure import load_cluster
-from lightning_distmm.planner.profile import model_profiles
-from lightning_distmm.planner.search import price_plan
+from lightning_distmm.planner.machine.config import CONF_DIR
+from lightning_distmm.planner.measure.local import load_cluster
+from lightning_distmm.planner.price import price_plan
+from lightning_distmm.planner.profiles.profile import model_profiles
 
 #: preset -> its long tower
 PRESETS = {"clip_vit_l14_448": "image", "siglip_so400m_384": "image", "clip_vit_l14_longtext": "text"}
@@ -152,7 +152,7 @@ def _searched(cluster_name: str, batches: list[int]) -> None:
     """The planner's plan for each preset and batch, without and with ``sequence``."""
     import time
 
-    from lightning_distmm.planner.search import make_plan
+    from lightning_distmm.planner.search.search import make_plan
 
     print("\nthe planner's choice (16 GPUs), without / with planner.sequence: the long tower, the predicted step")
     print(

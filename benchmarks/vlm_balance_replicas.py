@@ -14,7 +14,7 @@ real tile's does: about 8 ms per call and 12 ms per image here) on its rows, one
 steps:
 
 * ``busy slowest / mean``: the replicas' measured busy times, largest over mean (what balancing
-  removes), beside the planner's price of it (``planner.vlm_profile.straggler``, its even-split and
+  removes), beside the planner's price of it (``planner.vlm.profile.straggler``, its even-split and
   balanced models);
 * ``encoder phase``: the slowest replica's time, which a parallel step waits for, and the ratio of
   the two splits.
@@ -45,7 +45,7 @@ from vlm_balance import PATCH, WIDTH, WORKLOADS  # noqa: E402
 import lightning_distmm as ldm  # noqa: E402
 from lightning_distmm.core.assignment import RowAssignment, balance_rows  # noqa: E402
 from lightning_distmm.models.vlm import VisionProjector, tiny_vit  # noqa: E402
-from lightning_distmm.planner.vlm_profile import VLMWorkload, straggler  # noqa: E402
+from lightning_distmm.planner.vlm.profile import VLMWorkload, straggler  # noqa: E402
 
 
 def replica_rows(assignment: RowAssignment, dp: int) -> list[tuple[int, ...]]:

@@ -25,8 +25,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_distmm.planner import load_cluster  # noqa: E402
-from lightning_distmm.planner.vlm import vlm_plan  # noqa: E402
-from lightning_distmm.planner.vlm_profile import WORKLOADS, vlm_profiles  # noqa: E402
+from lightning_distmm.planner.vlm.profile import WORKLOADS, vlm_profiles  # noqa: E402
+from lightning_distmm.planner.vlm.search import vlm_plan  # noqa: E402
 
 
 def fmt(t: float | None) -> str:

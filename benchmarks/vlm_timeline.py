@@ -18,8 +18,8 @@ import sys
 from lightning_distmm.core.handoff import handoff_schedules, routes
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.core.schedule import Backward, Forward
-from lightning_distmm.planner.simulate import bubble_fraction, simulate_handoff
-from lightning_distmm.planner.timeline import timeline_svg
+from lightning_distmm.planner.cost.simulate import bubble_fraction, simulate_handoff
+from lightning_distmm.planner.pictures.timeline import timeline_svg
 
 
 def plan(microbatch: int | None) -> Plan:

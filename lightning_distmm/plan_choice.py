@@ -172,7 +172,7 @@ def default_choice(job: LiveJob) -> tuple[dict, str, None]:
     host = describe_host(job.device, job.per_node)
     pair = producer_consumer(job.towers)
     if pair is not None:  # an encoder feeding a language model: the encoder->LLM search
-        from lightning_distmm.planner.vlm_default import default_vlm_plan
+        from lightning_distmm.planner.vlm.default import default_vlm_plan
 
         counted = {n: CountedTower(**c) for n, c in counts.items()}
         vlm = default_vlm_plan(counted, *pair, job.world_size, job.global_batch, host, job.precision)
@@ -216,7 +216,7 @@ def auto_choice(job: LiveJob) -> tuple[dict, str | None, None]:
     pair = producer_consumer(job.towers)
     if pair is not None:
         from lightning_distmm.parallel.flops import output_vectors
-        from lightning_distmm.planner.vlm_default import auto_vlm_plan
+        from lightning_distmm.planner.vlm.default import auto_vlm_plan
 
         tokens, width = output_vectors(produced[pair[0]])
         if width is None:

@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_distmm.planner import InfeasibleError, make_plan  # noqa: E402
-from lightning_distmm.planner.config import to_plain  # noqa: E402
+from lightning_distmm.planner.machine.config import to_plain  # noqa: E402
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="plan")
@@ -50,7 +50,7 @@ def main(cfg: DictConfig) -> float:
             rep = out.parent / cfg.report
             rep.write_text(yaml.safe_dump(report.to_dict(), sort_keys=False))
     if cfg.get("draw"):
-        from lightning_distmm.planner.timeline import timeline_svg
+        from lightning_distmm.planner.pictures.timeline import timeline_svg
 
         picture = Path(cfg.draw) if Path(cfg.draw).is_absolute() else base / cfg.draw
         try:
@@ -64,7 +64,7 @@ def main(cfg: DictConfig) -> float:
         except ValueError as err:
             print(f"no timeline: {err}", file=sys.stderr)
     if cfg.get("draw_placement"):
-        from lightning_distmm.planner.pictures import placement_map
+        from lightning_distmm.planner.pictures.placement_map import placement_map
 
         picture = Path(cfg.draw_placement)
         picture = picture if picture.is_absolute() else base / picture

@@ -8,8 +8,6 @@ import pytest
 import yaml
 
 from lightning_distmm.planner import make_plan
-from lightning_distmm.planner.baselines import BASELINES, baseline_space, colocated_search
-from lightning_distmm.planner.cluster import CONF_DIR
 from lightning_distmm.planner.cost import (
     CostOptions,
     evaluate_plan,
@@ -20,10 +18,12 @@ from lightning_distmm.planner.cost import (
 )
 from lightning_distmm.planner.cost.memory import gathered_layers_bytes
 from lightning_distmm.planner.cost.nccl import choose_protocol
-from lightning_distmm.planner.job import SearchJob
-from lightning_distmm.planner.measure import load_cluster
-from lightning_distmm.planner.profile import model_profiles
-from lightning_distmm.planner.report import describe
+from lightning_distmm.planner.machine.cluster import CONF_DIR
+from lightning_distmm.planner.measure.local import load_cluster
+from lightning_distmm.planner.profiles.profile import model_profiles
+from lightning_distmm.planner.search.baselines import BASELINES, baseline_space, colocated_search
+from lightning_distmm.planner.search.job import SearchJob
+from lightning_distmm.planner.search.report import describe
 
 ALL_SHARDS = {"shards": ["none", "optimizer", "zero2", "full", "hybrid"]}  # every sharding the runtime runs
 
@@ -199,8 +199,8 @@ def test_megatron_recomputes_only_the_layers_memory_requires():
     on either no longer fits, and the plan is faster than recomputing everything."""
     import dataclasses
 
-    from lightning_distmm.planner.baselines import baseline_options
     from lightning_distmm.planner.cost import RECOMPUTE
+    from lightning_distmm.planner.search.baselines import baseline_options
 
     cfg = model("distmm_10b")
     cl = load_cluster("a100_8x8")
@@ -254,7 +254,7 @@ def test_partial_recompute_runs_between_none_and_all_layers():
 
 def test_a_partial_recompute_is_never_written_into_a_runtime_plan():
     from lightning_distmm.planner.cost import RECOMPUTE, TowerChoice
-    from lightning_distmm.planner.search import tower_plan
+    from lightning_distmm.planner.cost.plans import tower_plan
 
     ch = TowerChoice("image", 8, 1, 1, 64, RECOMPUTE, (64,) * 8, "none", 4)
     with pytest.raises(ValueError, match="block"):
@@ -279,9 +279,9 @@ def test_megatron_is_priced_with_sequence_parallelism_under_tensor_parallelism()
     """Megatron-LM runs --sequence-parallel with TP: the norms, residual adds and their activations
     are split over the tp ranks. The megatron baselines are priced so; DDP, FSDP and DistMM are not
     (the runtime has no sequence parallelism), and a plan priced with it never joins DistMM's pool."""
-    from lightning_distmm.planner.baselines import baseline_options
     from lightning_distmm.planner.cost import block_times
     from lightning_distmm.planner.cost.memory import act_per_sample
+    from lightning_distmm.planner.search.baselines import baseline_options
 
     o = CostOptions()
     assert baseline_options("megatron", o).sequence_parallel and baseline_options("megatron-tp-pp", o).sequence_parallel

@@ -117,7 +117,7 @@ def test_config_errors_name_the_fix():
 def test_planner_profiles_count_the_runtime_modules():
     """The planner's analytic parameter counts for the pooled ViT and the decoder (a text_decoder
     entry, as the coca_vit_l14 preset writes it) match the modules the runtime builds."""
-    from lightning_distmm.planner.profile import tower_profile
+    from lightning_distmm.planner.profiles.profile import tower_profile
 
     cfg = copy.deepcopy(TINY_COCA)
     cfg["towers"]["image"]["qkv_bias"] = True  # timm's default, which the profile counts

@@ -18,9 +18,9 @@ from lightning_distmm.planner import (
     price_plan,
     runtime_cost_defaults,
 )
-from lightning_distmm.planner.cluster import GB, Cluster, Device, Link
 from lightning_distmm.planner.cost import RECOMPUTE, CostOptions, shared_host_phases
-from lightning_distmm.planner.profile import MeasuredFit
+from lightning_distmm.planner.machine.cluster import GB, Cluster, Device, Link
+from lightning_distmm.planner.profiles.profile import MeasuredFit
 
 OPTS = CostOptions(precision="32", overlap_grad_sync=False)
 
@@ -188,7 +188,7 @@ def test_predicted_ordering_on_measured_towers():
 
 
 def test_concurrency_is_cached_only_when_measured_quietly(tmp_path, monkeypatch):
-    from lightning_distmm.planner import measure as measure_mod
+    from lightning_distmm.planner.measure import local as measure_mod
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(measure_mod, "_measure_concurrency", lambda devices, threads: (2.5, False))

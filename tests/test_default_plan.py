@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from lightning_distmm.planner import price_plan
-from lightning_distmm.planner.cluster import GB
 from lightning_distmm.planner.default import (
     CountedTower,
     Host,
@@ -17,6 +16,7 @@ from lightning_distmm.planner.default import (
     host_cluster,
     proportional_plan,
 )
+from lightning_distmm.planner.machine.cluster import GB
 from lightning_distmm.planner.options import PlannerOptions
 
 

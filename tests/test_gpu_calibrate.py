@@ -1,6 +1,6 @@
 """benchmarks/gpu_calibrate.py on the CPU (its smoke path: tiny sizes, fp32, gloo), so the script a lent
 GPU will run cannot rot, and the loader that turns its JSON into a device profile
-(lightning_distmm.planner.calibration). No timing assertions: the CPU numbers only feed the schema."""
+(lightning_distmm.planner.machine.calibration). No timing assertions: the CPU numbers only feed the schema."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import yaml
 from forked_main import main_in_fork, script_module
 
 from lightning_distmm.planner import load_cluster, make_plan
-from lightning_distmm.planner.calibration import (
+from lightning_distmm.planner.machine.calibration import (
     SCHEMA,
     CalibrationError,
     cluster_from_calibration,
@@ -22,7 +22,7 @@ from lightning_distmm.planner.calibration import (
     load_calibration,
     tower_steps,
 )
-from lightning_distmm.planner.cluster import CONF_DIR, Cluster
+from lightning_distmm.planner.machine.cluster import CONF_DIR, Cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_calibrate.py"

@@ -17,8 +17,8 @@ from lightning_distmm.core.handoff import (
 )
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.core.schedule import Backward, Forward
-from lightning_distmm.planner.simulate import simulate_handoff
-from lightning_distmm.planner.timeline import timeline_svg
+from lightning_distmm.planner.cost.simulate import simulate_handoff
+from lightning_distmm.planner.pictures.timeline import timeline_svg
 
 CONSUMES = {"llm": ["image"]}
 ORDER = ["image", "llm"]

@@ -9,12 +9,13 @@ import pytest
 import yaml
 
 from lightning_distmm.planner import make_plan
-from lightning_distmm.planner.cluster import CONF_DIR
 from lightning_distmm.planner.cost import CostOptions, TowerChoice, evaluate_plan, shard_comm, shard_group
 from lightning_distmm.planner.cost.memory import gathered_layers_bytes
-from lightning_distmm.planner.measure import load_cluster
-from lightning_distmm.planner.profile import model_profiles
-from lightning_distmm.planner.search import plan_choices, price_plan, tower_choice, tower_plan
+from lightning_distmm.planner.cost.plans import plan_choices, tower_choice, tower_plan
+from lightning_distmm.planner.machine.cluster import CONF_DIR
+from lightning_distmm.planner.measure.local import load_cluster
+from lightning_distmm.planner.price import price_plan
+from lightning_distmm.planner.profiles.profile import model_profiles
 
 
 def model(name: str) -> dict:

@@ -355,7 +355,7 @@ def test_hydra_configs_compose():
         for strategy in ("distmm", "ddp"):
             assert compose(config_name="train", overrides=[f"strategy={strategy}"]).strategy.name == strategy
         plan = compose(config_name="train").strategy.plan  # the main job names its plan: a tower per rank
-        from lightning_distmm.planner.config import to_plain
+        from lightning_distmm.planner.machine.config import to_plain
 
         assert to_plain(plan) == {"world_size": 2, "towers": {"image": {"ranks": [0]}, "text": {"ranks": [1]}}}
         assert compose(config_name="train", overrides=["strategy.plan=null"]).strategy.plan is None

@@ -13,17 +13,17 @@ import yaml
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.core.schedule import Backward, Forward, schedules
 from lightning_distmm.planner import make_plan
-from lightning_distmm.planner.config import CONF_DIR
-from lightning_distmm.planner.measure import load_cluster
-from lightning_distmm.planner.pictures import (
+from lightning_distmm.planner.cost.simulate import simulate
+from lightning_distmm.planner.machine.config import CONF_DIR
+from lightning_distmm.planner.measure.local import load_cluster
+from lightning_distmm.planner.pictures.placement_map import (
     device_roles,
     heavy_links,
     link_traffic,
     placement_map,
     placement_svg,
 )
-from lightning_distmm.planner.simulate import simulate
-from lightning_distmm.planner.timeline import KINDS, instruction_kind, nice_ticks, timeline_svg
+from lightning_distmm.planner.pictures.timeline import KINDS, instruction_kind, nice_ticks, timeline_svg
 
 SVG = "{http://www.w3.org/2000/svg}"
 

@@ -226,7 +226,7 @@ PLANNER_BATCHES = (256, 4096)
 def profile_refusal(profile: Any, tower: Any) -> str | None:
     """The module rules of ``check_plan_runs`` asked of a preset's profile (heads, layers, kind of
     tower), for towers too big to build here; None when the tower plan passes them."""
-    from lightning_distmm.planner.sequence import CP_ARCHS
+    from lightning_distmm.planner.search.sequence import CP_ARCHS
 
     if profile.heads % (tower.tp * tower.cp):
         return f"{profile.heads} heads do not divide by cp*tp = {tower.cp * tower.tp}"
@@ -243,12 +243,13 @@ def test_every_tower_plan_the_planner_can_emit_validates(capsys):
     on and recomputation allowed) is a tower plan that validates and passes the module's rules."""
     import yaml
 
-    from lightning_distmm.planner.config import CONF_DIR
-    from lightning_distmm.planner.measure import load_cluster
+    from lightning_distmm.planner.cost.plans import tower_plan
+    from lightning_distmm.planner.machine.config import CONF_DIR
+    from lightning_distmm.planner.measure.local import load_cluster
     from lightning_distmm.planner.options import PlannerOptions
-    from lightning_distmm.planner.partition import tower_candidates
-    from lightning_distmm.planner.profile import model_profiles
-    from lightning_distmm.planner.search import search_job, tower_plan
+    from lightning_distmm.planner.profiles.profile import model_profiles
+    from lightning_distmm.planner.search.partition import tower_candidates
+    from lightning_distmm.planner.search.search import search_job
 
     opts = PlannerOptions.from_any({"schedules": list(SCHEDULES), "recompute": True, "sequence": True})
     checked, bad = Counter(), []
@@ -282,9 +283,9 @@ def test_every_module_choice_of_the_encoder_llm_planner_validates(capsys):
     microbatch count of a module on 1..N devices) for its presets: every choice, as the tower plan
     ``simulate_step`` writes, validates and passes the module's rules."""
     from lightning_distmm.planner.cost import CostOptions
-    from lightning_distmm.planner.measure import load_cluster
-    from lightning_distmm.planner.vlm_modules import module_options
-    from lightning_distmm.planner.vlm_profile import WORKLOADS, vlm_profiles
+    from lightning_distmm.planner.measure.local import load_cluster
+    from lightning_distmm.planner.vlm.modules import module_options
+    from lightning_distmm.planner.vlm.profile import WORKLOADS, vlm_profiles
 
     checked, bad = 0, []
     for workload in WORKLOADS.values():

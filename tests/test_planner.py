@@ -32,8 +32,6 @@ from lightning_distmm.planner import (
     tp_groups_inside_nodes,
 )
 from lightning_distmm.planner.auto import TowerInfo
-from lightning_distmm.planner.balance import compositions
-from lightning_distmm.planner.cluster import CONF_DIR, GB, Cluster, Device, Link
 from lightning_distmm.planner.cost import (
     RECOMPUTE,
     CostOptions,
@@ -51,11 +49,13 @@ from lightning_distmm.planner.cost import (
     sync_group_rows,
     sync_time,
 )
+from lightning_distmm.planner.cost.simulate import simulate
+from lightning_distmm.planner.machine.cluster import CONF_DIR, GB, Cluster, Device, Link
 from lightning_distmm.planner.options import DEFAULT_SCHEDULES, PlannerOptions
-from lightning_distmm.planner.partition import Candidates, InfeasibleError
-from lightning_distmm.planner.placement import candidate_layouts, place
-from lightning_distmm.planner.profile import model_profiles
-from lightning_distmm.planner.simulate import simulate
+from lightning_distmm.planner.profiles.profile import model_profiles
+from lightning_distmm.planner.search.balance import compositions
+from lightning_distmm.planner.search.partition import Candidates, InfeasibleError
+from lightning_distmm.planner.search.placement import candidate_layouts, place
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -122,9 +122,9 @@ def test_barrier_balancer_equals_brute_force(seed):
 def test_balancer_on_real_towers_equals_brute_force():
     """Real candidate tables (three towers, uneven replica batches, a frozen-free CoCa) vs brute force."""
     from lightning_distmm.planner.cost import CostOptions, loss_bytes
-    from lightning_distmm.planner.job import SearchJob
-    from lightning_distmm.planner.partition import SearchSpace, tower_candidates, tower_space
-    from lightning_distmm.planner.profile import model_profiles
+    from lightning_distmm.planner.profiles.profile import model_profiles
+    from lightning_distmm.planner.search.job import SearchJob
+    from lightning_distmm.planner.search.partition import SearchSpace, tower_candidates, tower_space
 
     cl = small_cluster(2, 4)
     profiles = model_profiles(model("coca_vit_l14"))
@@ -647,7 +647,7 @@ def test_compositions_cover_everything():
 def test_report_draws_the_predicted_step():
     """Report.timeline: every rank's instruction list simulated with the cost model's durations; the
     drawn step is the priced step less what the lists leave out (gradient sums, optimizer, overhead)."""
-    from lightning_distmm.planner.timeline import timeline_svg
+    from lightning_distmm.planner.pictures.timeline import timeline_svg
 
     plan, report = make_plan(model("clip_vit_l14"), "a100_8x8", 1024)
     intervals = report.timeline()

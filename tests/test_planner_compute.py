@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import yaml
+from forked_main import script_module
 
 from lightning_distmm.planner import load_cluster, make_plan
-from lightning_distmm.planner.calibration import SCHEMA
-from lightning_distmm.planner.cluster import CONF_DIR, Cluster
 from lightning_distmm.planner.cost import ATTN_BWD_FLOPS, CostOptions, block_times
-from lightning_distmm.planner.profile import Attn, Block, Gemm, model_profiles
+from lightning_distmm.planner.machine.calibration import SCHEMA
+from lightning_distmm.planner.machine.cluster import CONF_DIR, Cluster
+from lightning_distmm.planner.profiles.profile import Attn, Block, Gemm, model_profiles
 
 OPTS = CostOptions()  # bf16-mixed: 2-byte activations
 
@@ -159,12 +161,11 @@ def test_predicted_mfu_of_clip_vit_l14_on_a100_lands_in_the_published_range():
     contains those published CLIP measurements; the model sits above them (it prices the best-shape
     GEMM efficiency: tests/test_published.py prints by how much). NeMo's B/32 (16%) is bounded by
     something its page does not state and is left out of the band."""
-    from lightning_distmm.planner.published import load_published, predict_all
-
-    data = load_published()
+    published = script_module(Path(__file__).resolve().parents[1] / "benchmarks" / "published.py")
+    data = published.load_published()
     nemo_a100 = [
         p.mfu(measured=True)
-        for p in predict_all(data)
+        for p in published.predict_all(data)
         if p.entry.source.startswith("nemo_perf") and p.entry.cluster == "dgx_a100" and p.entry.model != "nemo_b32"
     ]
     low = min(nemo_a100)

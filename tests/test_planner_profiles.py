@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from lightning_distmm.planner.cluster import CONF_DIR
-from lightning_distmm.planner.profile import model_profiles, tower_profile
+from lightning_distmm.planner.machine.cluster import CONF_DIR
+from lightning_distmm.planner.profiles.profile import model_profiles, tower_profile
 
 E = 32
 
@@ -114,7 +114,7 @@ def test_every_model_preset_profiles():
     sizes = {}
     for path in sorted((CONF_DIR / "model").glob("*.yaml")):
         cfg = yaml.safe_load(path.read_text())
-        if cfg.get("kind") in ("vlm", "llava"):  # an encoder feeding an LLM: planner.vlm_profile (test_vlm_planner.py)
+        if cfg.get("kind") in ("vlm", "llava"):  # an encoder feeding an LLM: planner.vlm.profile (test_vlm_planner.py)
             with pytest.raises(ValueError, match=f"kind: {cfg['kind']}"):
                 model_profiles(cfg)
             continue

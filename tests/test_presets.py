@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from lightning_distmm.planner.config import CONF_DIR
-from lightning_distmm.planner.profile import model_profiles
+from lightning_distmm.planner.machine.config import CONF_DIR
+from lightning_distmm.planner.profiles.profile import model_profiles
 
 # our preset -> open_clip's model config name
 OPEN_CLIP = {

@@ -6,19 +6,22 @@ change that reaches it has to move it), and the ratios are printed (`pytest -s`,
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from forked_main import script_module
 
 from lightning_distmm.planner.cost import RECOMPUTE
-from lightning_distmm.planner.published import (
-    TOLERANCE,
-    PublishedSet,
-    load_published,
-    predict,
-    predict_all,
-    run_choices,
-    run_options,
-    table,
-)
+
+published = script_module(Path(__file__).resolve().parents[1] / "benchmarks" / "published.py")
+TOLERANCE = published.TOLERANCE
+PublishedSet = published.PublishedSet
+load_published = published.load_published
+predict = published.predict
+predict_all = published.predict_all
+run_choices = published.run_choices
+run_options = published.run_options
+table = published.table
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +88,7 @@ def test_partial_recompute_is_priced_between_none_and_all_layers(data: Published
     no recomputation to recomputing the whole tower, and the 264-token vision sequence (256 patches
     and NeMo's 8 class tokens) is what is priced."""
     from lightning_distmm.planner.cost import evaluate_plan
-    from lightning_distmm.planner.profile import model_profiles
+    from lightning_distmm.planner.profiles.profile import model_profiles
 
     e = next(x for x in data.entries if x.key == "nemo_g14_a100_1n")
     run = data.models[e.model]
@@ -148,8 +151,8 @@ def test_separate_bias_kernels_cost_the_bytes_they_move() -> None:
     forward and (5h + m) x 2 bytes backward per token in bf16."""
     from lightning_distmm.planner.cost import CostOptions
     from lightning_distmm.planner.cost.compute import block_times
-    from lightning_distmm.planner.measure import load_cluster
-    from lightning_distmm.planner.profile import model_profiles
+    from lightning_distmm.planner.measure.local import load_cluster
+    from lightning_distmm.planner.profiles.profile import model_profiles
 
     cl = load_cluster("dgx_a100")
     prof = model_profiles(data_model := load_published().models["nemo_h14"].config())["image"]
@@ -169,8 +172,8 @@ def test_an_fp32_torch_softmax_costs_its_extra_passes_over_the_scores() -> None:
     streaming bandwidth; only for the towers named, only without FlashAttention."""
     from lightning_distmm.planner.cost import CostOptions
     from lightning_distmm.planner.cost.compute import TORCH_SOFTMAX_BYTES, stage_compute
-    from lightning_distmm.planner.measure import load_cluster
-    from lightning_distmm.planner.profile import model_profiles
+    from lightning_distmm.planner.measure.local import load_cluster
+    from lightning_distmm.planner.profiles.profile import model_profiles
 
     assert TORCH_SOFTMAX_BYTES == (24.0, 28.0)
     cl = load_cluster("dgx_a100")

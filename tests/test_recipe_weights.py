@@ -19,7 +19,7 @@ from lightning_distmm.models.bridges import from_open_clip, open_clip_compatible
 from lightning_distmm.models.bridges.layout import FINETUNE_OPTIM
 from lightning_distmm.models.bridges.recipe import export_problems, finetune_optim, load_init, parse_init
 from lightning_distmm.models.clip import CLIP_TINY, CLIPModel
-from lightning_distmm.planner.config import CONF_DIR
+from lightning_distmm.planner.machine.config import CONF_DIR
 
 open_clip = pytest.importorskip("open_clip")
 

@@ -15,8 +15,8 @@ from lightning_distmm.core.schedule import (
     rank_schedule,
     schedules,
 )
-from lightning_distmm.planner.simulate import bubble_fraction, simulate
-from lightning_distmm.planner.timeline import timeline_svg
+from lightning_distmm.planner.cost.simulate import bubble_fraction, simulate
+from lightning_distmm.planner.pictures.timeline import timeline_svg
 
 PLAN = Plan(3, {"image": {"ranks": [0, 1], "pp": 2, "microbatch": 2}, "text": {"ranks": [2], "microbatch": 4}})
 
@@ -302,7 +302,7 @@ def test_no_plan_deadlocks_when_a_send_holds_its_rank(capsys):
     (``test_no_plan_deadlocks``' models)."""
     from lightning_distmm.core.handoff import handoff_links, handoff_schedules
     from lightning_distmm.parallel.pipeline import stage_pairs
-    from lightning_distmm.planner.simulate import simulate_handoff
+    from lightning_distmm.planner.cost.simulate import simulate_handoff
 
     counts = {}
     for schedule, overlap in (("gpipe", False), ("cached", False), ("distmm", False), ("distmm", True)):

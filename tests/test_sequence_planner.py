@@ -4,14 +4,15 @@ import pytest
 import yaml
 
 from lightning_distmm.core.plan import Plan, TowerPlan
-from lightning_distmm.planner.config import CONF_DIR
 from lightning_distmm.planner.cost.comm import cp_comm
 from lightning_distmm.planner.cost.memory import act_per_sample
 from lightning_distmm.planner.cost.options import CostOptions
+from lightning_distmm.planner.cost.plans import plan_choices, tower_plan
 from lightning_distmm.planner.cost.step import rank_groups
-from lightning_distmm.planner.measure import load_cluster
-from lightning_distmm.planner.profile import model_profiles
-from lightning_distmm.planner.search import plan_choices, price_plan, tower_plan
+from lightning_distmm.planner.machine.config import CONF_DIR
+from lightning_distmm.planner.measure.local import load_cluster
+from lightning_distmm.planner.price import price_plan
+from lightning_distmm.planner.profiles.profile import model_profiles
 
 
 def _profiles(preset: str = "clip_vit_l14_448"):
@@ -67,7 +68,7 @@ def test_cp_and_sp_are_priced_and_round_trip():
 
 
 def test_sequence_variants_follow_the_runtime_rules():
-    from lightning_distmm.planner.sequence import sequence_variants
+    from lightning_distmm.planner.search.sequence import sequence_variants
 
     profiles = _profiles()
     image = sequence_variants(profiles["image"], TowerPlan(ranks=list(range(8))), 8)
@@ -88,8 +89,9 @@ def test_the_search_chooses_cp_when_the_batch_is_below_the_devices():
     """ViT-L/14 at 448 px, 2 samples on 16 A100s: the image tower's 8 GPUs hold 2 replicas; without
     ``sequence`` the search gives it tp4; with it the search itself (the balancer's candidates, not
     the pass after it) gives cp2 x tp2, predicted faster, at least as fast as the pass alone."""
-    from lightning_distmm.planner.search import make_plan, price_plan
-    from lightning_distmm.planner.sequence import refine_sequence
+    from lightning_distmm.planner.price import price_plan
+    from lightning_distmm.planner.search.search import make_plan
+    from lightning_distmm.planner.search.sequence import refine_sequence
 
     cfg = yaml.safe_load((CONF_DIR / "model" / "clip_vit_l14_448.yaml").read_text())
     options = {"world_size": 16, "shards": ["none", "full"]}
@@ -109,9 +111,9 @@ def test_tower_candidates_enumerate_cp_and_sp_with_the_other_degrees():
     """With ``sequence`` the balancer's candidates hold cp and sp configurations (each a valid runtime
     plan on its devices), priced by the same terms as the plan pricing; without it, none."""
     from lightning_distmm.planner.cost import CostOptions
-    from lightning_distmm.planner.job import SearchJob
-    from lightning_distmm.planner.partition import SearchSpace, tower_candidates, tower_space
-    from lightning_distmm.planner.search import tower_plan
+    from lightning_distmm.planner.cost.plans import tower_plan
+    from lightning_distmm.planner.search.job import SearchJob
+    from lightning_distmm.planner.search.partition import SearchSpace, tower_candidates, tower_space
 
     profiles, cluster = _profiles(), load_cluster("a100_8x8").with_world(16)
     image = profiles["image"]
@@ -131,7 +133,7 @@ def test_tower_candidates_enumerate_cp_and_sp_with_the_other_degrees():
 
 
 def test_the_placement_picture_lays_cp_replicas_out_as_the_runtime_does():
-    from lightning_distmm.planner.pictures import device_roles, heavy_links, placement_svg
+    from lightning_distmm.planner.pictures.placement_map import device_roles, heavy_links, placement_svg
 
     plan = Plan(8, {"image": {"ranks": list(range(8)), "cp": 2, "tp": 2}, "text": {"ranks": list(range(8))}})
     roles = device_roles(plan)

@@ -1,4 +1,4 @@
-"""Issue 21's planner for a vision encoder feeding an LLM (planner/vlm_profile.py, planner/vlm.py):
+"""Issue 21's planner for a vision encoder feeding an LLM (planner/vlm/profile.py, planner/vlm/search.py):
 profiles against transformers' parameter counts, the images-per-sample distribution, the pipeline
 replay, and the search against its baselines on a small cluster."""
 
@@ -12,11 +12,11 @@ from lightning_distmm.core.handoff import handoff_schedules
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.core.schedule import Forward
 from lightning_distmm.planner.cost.options import CostOptions
-from lightning_distmm.planner.measure import load_cluster
-from lightning_distmm.planner.simulate import simulate_handoff
-from lightning_distmm.planner.vlm import ModuleChoice, price_module, vlm_plan
-from lightning_distmm.planner.vlm_presets import PRESETS, count_on_meta
-from lightning_distmm.planner.vlm_profile import WORKLOADS, VLMWorkload, straggler, vlm_profiles
+from lightning_distmm.planner.cost.simulate import simulate_handoff
+from lightning_distmm.planner.measure.local import load_cluster
+from lightning_distmm.planner.vlm.presets import PRESETS, count_on_meta
+from lightning_distmm.planner.vlm.profile import WORKLOADS, VLMWorkload, straggler, vlm_profiles
+from lightning_distmm.planner.vlm.search import ModuleChoice, price_module, vlm_plan
 
 
 @pytest.mark.parametrize("name", list(WORKLOADS))

@@ -5,8 +5,8 @@ through its stage of a tower (receiving the input from the previous stage, sendi
 the next), the batch-sync, backward a microbatch (receiving the output gradient, sending the
 input gradient), the gradient sums. The runtime's executor runs this list
 (:mod:`lightning_distmm.parallel.step.engine`), the planner's simulator turns the same lists into a
-timeline (:mod:`lightning_distmm.planner.simulate`) and draws it
-(:mod:`lightning_distmm.planner.timeline`): one source of truth.
+timeline (:mod:`lightning_distmm.planner.cost.simulate`) and draws it
+(:mod:`lightning_distmm.planner.pictures.timeline`): one source of truth.
 
 Pure Python: no process groups.
 """

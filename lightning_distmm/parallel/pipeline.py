@@ -106,7 +106,7 @@ def connect_in_order(links: Mapping[tuple[Any, int, int], Any], device: torch.de
     NCCL creates a point-to-point communicator at its first ``send``/``recv``, and creating one
     blocks the calling rank until the peer joins: a first step whose sends meet their receivers in
     a cycle of ranks (towers sharing ranks in different stage orders) would hang there, though every
-    later step only posts its sends (``planner.simulate.simulate(..., blocking_sends=True)`` counts
+    later step only posts its sends (``planner.cost.simulate.simulate(..., blocking_sends=True)`` counts
     such plans). Here every rank walks the same list and takes part in its own links, so the
     earliest link not yet open always has both ends waiting on it, and every link opens. Collective:
     every rank calls it with links built in the same order."""

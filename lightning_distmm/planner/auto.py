@@ -1,7 +1,7 @@
 """``plan="auto"``: plan the live job from its live towers, measured on the live device.
 
-:func:`auto_plan` times each tower (:mod:`.tower_timing`), measures the machine
-(:func:`lightning_distmm.planner.measure.local_cluster`) and runs :func:`make_plan` for the live
+:func:`auto_plan` times each tower (:mod:`.measure.tower_timing`), measures the machine
+(:func:`lightning_distmm.planner.measure.local.local_cluster`) and runs :func:`make_plan` for the live
 world size. Measured profiles price a tower only at ``tp = pp = 1``, so without a tower's model
 config the plan is data parallel per tower; a :class:`TowerInfo` with its ``config`` adds the
 analytic profile and with it tensor and pipeline parallelism, which the runtime runs too.
@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_distmm.core.plan import Plan
-from lightning_distmm.planner.cluster import Cluster
-from lightning_distmm.planner.config import to_plain
-from lightning_distmm.planner.measure import local_cluster
+from lightning_distmm.planner.machine.cluster import Cluster
+from lightning_distmm.planner.machine.config import to_plain
+from lightning_distmm.planner.measure.local import local_cluster
+from lightning_distmm.planner.measure.tower_timing import first_tensor, measure_tower
 from lightning_distmm.planner.options import PlannerOptions
-from lightning_distmm.planner.profile import TowerProfile, measured_profile, tower_profile
-from lightning_distmm.planner.search import make_plan
-from lightning_distmm.planner.tower_timing import first_tensor, measure_tower
+from lightning_distmm.planner.profiles.profile import TowerProfile, measured_profile, tower_profile
+from lightning_distmm.planner.search.search import make_plan
 
 
 @dataclass

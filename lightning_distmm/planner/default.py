@@ -6,14 +6,14 @@ unequal their work, and the rank of the lighter tower idles (measured: 1.44x of 
 same ranks colocated ran at 1.03x; docs/planner.md). Colocating every tower on every rank loses where towers balance and
 the all-reduce of every parameter over every rank costs more than the split saves. So the default
 prices both, and where cheap every other contiguous split of the ranks, with the cost model that
-prices every plan (:func:`lightning_distmm.planner.search.price_plan`), and runs the cheapest.
+prices every plan (:func:`lightning_distmm.planner.price.price_plan`), and runs the cheapest.
 
 Nothing is measured (``plan="auto"`` is the measured version): a tower is what the strategy counted
 on one sample (:class:`CountedTower`: forward FLOPs, operators, parameters, feature width) and the
 machine is what its description says (:class:`Host`: CPU cores, SIMD width and clock, threads per
 rank; a GPU by its name). :func:`host_cluster` turns the description into the cost model's
-:class:`~lightning_distmm.planner.cluster.Cluster` with the nominal constants below, and
-:func:`counted_profile` a tower into a :class:`~lightning_distmm.planner.profile.TowerProfile`
+:class:`~lightning_distmm.planner.machine.cluster.Cluster` with the nominal constants below, and
+:func:`counted_profile` a tower into a :class:`~lightning_distmm.planner.profiles.profile.TowerProfile`
 whose time is ``operators x per-operator cost + samples x FLOPs / rate``.
 
 Pure Python: :func:`describe_cpu` reads ``/proc/cpuinfo`` and the process's CPU affinity; the
@@ -31,11 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_distmm.core.plan import Plan, TowerPlan, colocated_plan
-from lightning_distmm.planner.cluster import GB, Cluster, Device, Link
-from lightning_distmm.planner.measure import load_cluster
+from lightning_distmm.planner.machine.cluster import GB, Cluster, Device, Link
+from lightning_distmm.planner.machine.presets import read_cluster
 from lightning_distmm.planner.options import PlannerOptions
-from lightning_distmm.planner.profile import Block, MeasuredFit, TowerProfile
-from lightning_distmm.planner.search import price_plan
+from lightning_distmm.planner.price import price_plan
+from lightning_distmm.planner.profiles.profile import Block, MeasuredFit, TowerProfile
 
 # ---------------------------------------------------------------------- nominal constants (CPU)
 CPU_FLOPS_PER_CYCLE = {"avx512f": 64.0, "avx2": 32.0, "sse": 8.0}
@@ -179,7 +179,7 @@ def host_cluster(host: Host, world_size: int) -> Cluster:
         if key in host.name.upper():
             preset = name
             break
-    base = load_cluster(preset)
+    base = read_cluster(preset)
     device = dataclasses.replace(
         base.device,
         memory=host.memory or base.device.memory,
@@ -326,7 +326,7 @@ def default_plan(
         if any(G < len(t.ranks) for t in plan.towers.values()):
             continue  # a replica without a sample
         cost = price_plan(plan, profiles, cluster, options, G)
-        priced.append((name, plan, cost.step_time, bool(cost.extra["fits"])))
+        priced.append((name, plan, cost.step_time, cost.fits))
     if not priced:  # fewer samples than ranks: the runtime's own check names the problem
         plan = proportional_plan({n: towers[n].flops for n in names}, world_size)
         return DefaultChoice(plan, "proportional", [("proportional", plan, math.nan)], host, G)

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_distmm.core.plan import SCHEDULES
-from lightning_distmm.planner.config import to_plain
 from lightning_distmm.planner.cost import PLANNABLE_SHARDS, CostOptions
+from lightning_distmm.planner.machine.config import to_plain
 
 BALANCERS = ("dp", "proportional", "even")
 

@@ -33,7 +33,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from lightning_distmm.core.plan import Plan
-from lightning_distmm.planner.cluster import Cluster
 from lightning_distmm.planner.default import (
     CountedTower,
     Host,
@@ -42,9 +41,10 @@ from lightning_distmm.planner.default import (
     host_cluster,
     plan_layout,
 )
+from lightning_distmm.planner.machine.cluster import Cluster
 from lightning_distmm.planner.options import PlannerOptions
-from lightning_distmm.planner.profile import MeasuredFit, TowerProfile
-from lightning_distmm.planner.search import price_plan
+from lightning_distmm.planner.price import price_plan
+from lightning_distmm.planner.profiles.profile import MeasuredFit, TowerProfile
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ def price_on_measurements(
         if any(global_batch < len(t.ranks) for t in candidate.towers.values()):
             continue
         cost = price_plan(candidate, profiles, cluster, options, global_batch)
-        if cost.extra.get("fits", True):
+        if cost.fits:
             candidates.append((name, candidate, cost.step_time))
     return Pricing(current, candidates)
 

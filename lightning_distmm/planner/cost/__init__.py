@@ -11,7 +11,11 @@
   :class:`StepCost`);
 * :mod:`.nccl` NCCL's ring model and protocol choice;
 * :mod:`.step` :func:`evaluate_plan`, which assembles a whole step from the above;
-* :mod:`.instructions` the seconds of each instruction of a plan's lists (for drawing a step).
+* :mod:`.instructions` the seconds of each instruction of a plan's lists (for drawing a step);
+* :mod:`.plans` a priced plan (:class:`Evaluated`) and the converters between the runtime's
+  :class:`~lightning_distmm.core.plan.Plan` and the cost model's per-tower choices;
+* :mod:`.simulate` the simulator that plays every rank's instruction list, which the pipeline
+  and handoff prices run.
 
 The functions accept numpy arrays (the partitioner evaluates thousands of (replicas,
 microbatches) combinations at once) and plain numbers (the final evaluation).
@@ -55,6 +59,7 @@ from lightning_distmm.planner.cost.memory import (
 )
 from lightning_distmm.planner.cost.options import *  # noqa: F403 (re-exported whole)
 from lightning_distmm.planner.cost.pipeline import *  # noqa: F403 (re-exported whole)
+from lightning_distmm.planner.cost.plans import Evaluated, plan_choices, to_plan, tower_choice, tower_plan
 from lightning_distmm.planner.cost.step import evaluate_plan, rank_groups, sync_groups
 
 __all__ = [
@@ -92,4 +97,9 @@ __all__ = [
     "sync_groups",
     "rank_groups",
     "evaluate_plan",
+    "Evaluated",
+    "to_plan",
+    "tower_plan",
+    "tower_choice",
+    "plan_choices",
 ]

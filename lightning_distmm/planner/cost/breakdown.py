@@ -81,5 +81,10 @@ class StepCost:
     layout: str
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def fits(self) -> bool:
+        """Whether the fullest rank's memory stays under the device's limit (``extra["fits"]``)."""
+        return bool(self.extra["fits"])
+
 
 __all__ = ["TowerChoice", "TowerCost", "StepCost"]

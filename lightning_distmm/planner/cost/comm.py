@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 
 from lightning_distmm.core.plan import split_batch
-from lightning_distmm.planner.cluster import Cluster
 from lightning_distmm.planner.cost import nccl
 from lightning_distmm.planner.cost.options import CostOptions
 from lightning_distmm.planner.cost.pipeline import recomputes
-from lightning_distmm.planner.profile import TowerProfile
+from lightning_distmm.planner.machine.cluster import Cluster
+from lightning_distmm.planner.profiles.profile import TowerProfile
 
 
 # ---------------------------------------------------------------------- collectives

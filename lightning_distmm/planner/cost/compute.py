@@ -1,7 +1,7 @@
 """Device time: a tower's forward and backward on one pipeline stage, the optimizer step, and how
 devices that share a host stretch each other's compute.
 
-Everything is priced from shapes (:class:`lightning_distmm.planner.cluster.Device`):
+Everything is priced from shapes (:class:`lightning_distmm.planner.machine.cluster.Device`):
 
 * every GEMM by :meth:`Device.gemm_time`, a roofline of its FLOPs at the kernel efficiency of its
   size class times its wave quantisation (output tiles over SMs) against its bytes (operands and
@@ -14,7 +14,7 @@ Everything is priced from shapes (:class:`lightning_distmm.planner.cluster.Devic
   it recomputes the scores) at the device's ``attention_efficiency`` over its (query block x head)
   tiles, or its bytes if more;
 * elementwise work (norms, activations, residual adds) as bytes moved over the streaming bandwidth,
-  forward and backward counted per block (:meth:`lightning_distmm.planner.profile.Block.backward_elems`);
+  forward and backward counted per block (:meth:`lightning_distmm.planner.profiles.profile.Block.backward_elems`);
 * plus a fixed cost per kernel (measured on CPUs, 0 on GPUs).
 
 A measured profile (:class:`MeasuredFit`) replaces the analytic time at ``tp = pp = 1`` and
@@ -29,10 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from lightning_distmm.planner.cluster import Cluster
 from lightning_distmm.planner.cost.memory import stage_params
 from lightning_distmm.planner.cost.options import CostOptions
-from lightning_distmm.planner.profile import Block, TowerProfile
+from lightning_distmm.planner.machine.cluster import Cluster
+from lightning_distmm.planner.profiles.profile import Block, TowerProfile
 
 ATTN_BWD_FLOPS = 2.5
 """FlashAttention's backward FLOPs per forward FLOP: five matrix products (the scores recomputed,

@@ -9,12 +9,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_distmm.planner.cluster import Cluster
 from lightning_distmm.planner.cost.breakdown import TowerChoice, TowerCost
 from lightning_distmm.planner.cost.comm import allreduce_time, exposed_allreduce, ring_bytes
 from lightning_distmm.planner.cost.memory import grad_bytes_per_device
 from lightning_distmm.planner.cost.options import CostOptions
-from lightning_distmm.planner.profile import TowerProfile
+from lightning_distmm.planner.machine.cluster import Cluster
+from lightning_distmm.planner.profiles.profile import TowerProfile
 
 
 @dataclass

@@ -25,9 +25,9 @@ from lightning_distmm.core.handoff import (
     handoff_schedules,
 )
 from lightning_distmm.core.plan import Plan
-from lightning_distmm.planner.cluster import Cluster
 from lightning_distmm.planner.cost.comm import nic_share
-from lightning_distmm.planner.simulate import simulate_handoff
+from lightning_distmm.planner.cost.simulate import simulate_handoff
+from lightning_distmm.planner.machine.cluster import Cluster
 
 
 def route_seconds(route: Route, cluster: Cluster, tokens_per_row: int, width: int, bytes_el: int) -> float:

@@ -8,7 +8,6 @@ import functools
 from collections.abc import Callable, Mapping
 
 from lightning_distmm.core import schedule as ir
-from lightning_distmm.planner.cluster import Cluster
 from lightning_distmm.planner.cost.breakdown import TowerChoice
 from lightning_distmm.planner.cost.comm import (
     batch_syncs,
@@ -22,7 +21,8 @@ from lightning_distmm.planner.cost.compute import stage_compute
 from lightning_distmm.planner.cost.options import LAYER_SHARDS, CostOptions
 from lightning_distmm.planner.cost.pipeline import recomputes
 from lightning_distmm.planner.cost.step import sync_groups
-from lightning_distmm.planner.profile import TowerProfile
+from lightning_distmm.planner.machine.cluster import Cluster
+from lightning_distmm.planner.profiles.profile import TowerProfile
 
 
 def instruction_seconds(
@@ -37,7 +37,7 @@ def instruction_seconds(
     """Seconds of each instruction of a plan's lists, priced as :func:`evaluate_plan` prices them:
     a microbatch's forward or backward on a stage (compute and tensor-parallel all-reduces, a
     recomputing backward with its forward again), each batch-sync; and the transfer to a stage
-    (the ``link`` of :func:`~lightning_distmm.planner.simulate.simulate`). For drawing a plan's step, not for the planner."""
+    (the ``link`` of :func:`~lightning_distmm.planner.cost.simulate.simulate`). For drawing a plan's step, not for the planner."""
     n_contrastive, embed = contrastive_features(profiles)
     syncs = batch_syncs(cluster, opts, global_batch, embed, world, nodes, n_contrastive, sync_groups(choices))
     seconds_of_sync = syncs["per_group"]

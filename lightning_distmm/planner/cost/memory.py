@@ -16,7 +16,7 @@ import numpy as np
 
 from lightning_distmm.planner.cost.options import CostOptions
 from lightning_distmm.planner.cost.pipeline import RECOMPUTE, sync_group_rows
-from lightning_distmm.planner.profile import TowerProfile
+from lightning_distmm.planner.profiles.profile import TowerProfile
 
 
 def stage_params(profile: TowerProfile, tp: int, pp: int) -> float:

@@ -1,7 +1,7 @@
 """Pipeline pricing: one replica's step through the runtime's own instruction lists.
 
 A replica's pipeline is priced from the schedule the runtime runs: :func:`replica_timeline`
-simulates (``planner.simulate.simulate``) the lists ``core.schedule.schedules`` emits for a one-tower
+simulates (``planner.cost.simulate.simulate``) the lists ``core.schedule.schedules`` emits for a one-tower
 plan of the replica's pipeline depth, microbatch and schedule, with per-microbatch forward and
 backward durations, the batch-sync durations and the stage-to-stage transfer time. Its result is
 cut at the batch-syncs into *segments*: the time before the first batch-sync, between the
@@ -39,7 +39,7 @@ import numpy as np
 
 from lightning_distmm.core import schedule as ir
 from lightning_distmm.core.plan import SCHEDULES, Plan, TowerPlan, split_batch
-from lightning_distmm.planner.simulate import simulate
+from lightning_distmm.planner.cost.simulate import simulate
 
 RECOMPUTE = "gpipe+recompute"
 

@@ -29,7 +29,6 @@ from typing import Any
 import numpy as np
 
 from lightning_distmm.core.plan import split_batch, sync_group_count
-from lightning_distmm.planner.cluster import Cluster
 from lightning_distmm.planner.cost.breakdown import StepCost, TowerChoice, TowerCost
 from lightning_distmm.planner.cost.comm import (
     batch_syncs,
@@ -56,7 +55,8 @@ from lightning_distmm.planner.cost.pipeline import (
     replica_instructions,
     replica_timeline,
 )
-from lightning_distmm.planner.profile import TowerProfile
+from lightning_distmm.planner.machine.cluster import Cluster
+from lightning_distmm.planner.profiles.profile import TowerProfile
 
 
 def sync_groups(choices: Mapping[str, TowerChoice]) -> int:
