@@ -38,6 +38,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_distmm.parallel.exchange import all_gather_single, reduce_scatter_single
+
 
 @dataclass
 class SequenceSplit:
@@ -131,8 +133,7 @@ class _Split(torch.autograd.Function):
 def gather_tokens(x: Tensor, split: SequenceSplit) -> Tensor:
     """All-gather every rank's ``[B, s, ...]`` chunk into ``[B, cp*s, ...]`` (padding kept)."""
     out = x.new_empty(split.cp * x.shape[0], *x.shape[1:])
-    _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    _all_gather(out, x.contiguous(), group=split.group)
+    all_gather_single(out, x.contiguous(), group=split.group)
     return out.view(split.cp, *x.shape).transpose(0, 1).reshape(x.shape[0], split.cp * x.shape[1], *x.shape[2:])
 
 
@@ -142,8 +143,7 @@ def scatter_tokens(grad: Tensor, split: SequenceSplit) -> Tensor:
     s = n // split.cp
     send = grad.reshape(b, split.cp, s, *grad.shape[2:]).transpose(0, 1).reshape(split.cp * b, s, *grad.shape[2:])
     out = grad.new_empty(b, s, *grad.shape[2:])
-    _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    _reduce_scatter(out, send.contiguous(), op=dist.ReduceOp.SUM, group=split.group)
+    reduce_scatter_single(out, send.contiguous(), op=dist.ReduceOp.SUM, group=split.group)
     return out
 
 

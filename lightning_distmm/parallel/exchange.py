@@ -25,8 +25,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-# torch 2.14 renamed all_gather_into_tensor (and deprecated the old name); older torch has only that
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# torch 2.14 renamed all_gather_into_tensor and reduce_scatter_tensor (and deprecated the old names);
+# older torch has only those
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass(frozen=True)
@@ -170,7 +172,7 @@ def gather_features_async(
                     _, start, length = layout.segments[(name, i)]
                     send[start : start + length] = local[name].detach().reshape(-1)
         recv = torch.empty(world * send.numel(), dtype=dtype, device=device)
-        work = _all_gather_single(recv, send, group=group, async_op=True)
+        work = all_gather_single(recv, send, group=group, async_op=True)
         works.append((work, send, recv, layout))
     return PendingGather(works, slots, specs, row_of)
 

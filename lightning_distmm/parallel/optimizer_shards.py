@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_distmm.parallel.buckets import local
+from lightning_distmm.parallel.exchange import all_gather_single, reduce_scatter_single
 
 
 @dataclass
@@ -139,7 +140,7 @@ class TowerShards:
         for bucket in self.buckets:
             flat = bucket.flat_gradients()
             owned = torch.empty(bucket.shard, dtype=flat.dtype, device=flat.device)
-            dist.reduce_scatter_tensor(owned, flat, op=dist.ReduceOp.SUM, group=self.group)
+            reduce_scatter_single(owned, flat, op=dist.ReduceOp.SUM, group=self.group)
             for piece in bucket.pieces:
                 with torch.no_grad():
                     piece.main.copy_(local(piece.param).detach().reshape(-1)[piece.start : piece.stop])
@@ -154,7 +155,7 @@ class TowerShards:
             return
         for bucket in self.buckets:
             flat = torch.empty(bucket.padded, dtype=bucket.dtype, device=bucket.device)
-            dist.all_gather_into_tensor(flat, bucket.owned_values(), group=self.group)
+            all_gather_single(flat, bucket.owned_values(), group=self.group)
             bucket.write_back(flat)
             for piece in bucket.pieces:
                 piece.main.grad = None
@@ -194,7 +195,7 @@ class TowerShards:
                     if value is not None:
                         owned[piece.offset : piece.offset + piece.main.numel()].copy_(value.reshape(-1))
                 flat = torch.empty(bucket.padded, dtype=bucket.dtype, device=bucket.device)
-                dist.all_gather_into_tensor(flat, owned, group=self.group)
+                all_gather_single(flat, owned, group=self.group)
                 start = 0
                 for p, n in zip(bucket.params, bucket.sizes):
                     out[id(p)][name] = _like(p, flat[start : start + n].clone())
