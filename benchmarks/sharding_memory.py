@@ -11,7 +11,9 @@ A timm ViT tower (~50M parameters) trains a few AdamW steps, as the runtime runs
   (its state allocated for it alone) and the updated quarters are all-gathered into every rank's
   weights (:class:`lightning_distmm.parallel.optimizer_shards.OptimizerShards` through the same
   optimizer hooks the strategy installs). The whole gradients are freed after the reduce-scatter,
-  so the ``grads`` column (held after the step) is 0 there; the step peak includes them;
+  so the ``grads`` column (held after the step) is 0 there; the step peak includes them. Its
+  ``optim`` column counts the AdamW state of the quarter and the quarter's copy of the weights that
+  AdamW steps (Megatron's sharded main weights);
 * ``full``: every rank builds the whole tower, then
   :func:`lightning_distmm.parallel.fsdp.apply_fsdp` shards it over a 1-D mesh of the 4 ranks (what
   the runtime applies to a tower with ``shard: full``);
@@ -156,6 +158,8 @@ def _worker(rank: int, shard: str, args: argparse.Namespace, port: int, out: str
     step_peak = _peak()
     params = list(model.parameters())
     state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    if shards is not None:  # the pieces the optimizer steps (Megatron's sharded main weights) are its state too
+        state += [piece.main for piece in shards.towers["tower"].pieces.values()]
     return_freed_memory()  # malloc_trim: what the rank holds now, not what glibc kept
     row = {
         "rss_floor": rss_floor,
