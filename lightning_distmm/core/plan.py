@@ -86,8 +86,9 @@ class Plan:
                 raise PlanError(
                     f"{where}: unknown schedule {t.schedule!r}; choose one of {', '.join(SCHEDULES)}", f"{key}.schedule"
                 )
-            if not isinstance(t.recompute, bool):
-                raise PlanError(f"{where}: recompute must be true or false, got {t.recompute!r}", f"{key}.recompute")
+            for flag in ("recompute", "compile"):
+                if not isinstance(getattr(t, flag), bool):
+                    raise PlanError(f"{where}: {flag} must be true or false, got {getattr(t, flag)!r}", f"{key}.{flag}")
             if t.shard not in SHARDS:
                 raise PlanError(
                     f"{where}: unknown shard {t.shard!r}; choose one of {', '.join(SHARDS)}", f"{key}.shard"
@@ -320,7 +321,7 @@ class Plan:
                     t.shard,
                     batch,
                     str(t.microbatch or "-"),
-                    t.schedule + ("+recompute" if t.recompute else ""),
+                    t.schedule + ("+recompute" if t.recompute else "") + ("+compile" if t.compile else ""),
                 )
             )
         widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]

@@ -82,7 +82,7 @@ def check_types(data: Mapping[str, Any]) -> None:
                 _expect(value is None or (is_int(value) and value >= 1), path, "a positive int or null", value)
             elif key == "schedule":
                 _expect(isinstance(value, str), path, f"one of {', '.join(SCHEDULES)}", value)
-            elif key in ("recompute", "sp"):
+            elif key in ("recompute", "sp", "compile"):
                 _expect(isinstance(value, bool), path, "true or false", value)
             elif key == "shard":
                 _expect(isinstance(value, str), path, f"one of {', '.join(SHARDS)}", value)

@@ -64,6 +64,10 @@ class TowerPlan:
     sp: bool = False
     """Sequence parallelism with TP (Megatron-LM): the norm / dropout / residual regions sharded
     along the sequence over the ``tp`` ranks instead of replicated; needs ``tp > 1``."""
+    compile: bool = False
+    """Regional compilation: each transformer block's forward compiled with ``torch.compile``
+    (inductor), once for every block and batch size; a tower that fails to compile runs eagerly
+    (docs/runtime.md, "Compiling a tower")."""
 
     @property
     def sharded(self) -> bool:

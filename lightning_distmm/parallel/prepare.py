@@ -3,7 +3,7 @@
 Applied to the user's plain module from outside (torchtitan's ``parallelize`` style), once, before
 the optimizer sees the parameters: towers this rank does not run go to the meta device, a
 pipelined tower keeps only this rank's stage, a tower with ``tp > 1`` is sharded over its
-tensor-parallel mesh, and a tower with ``shard: full | hybrid | zero2`` is wrapped with FSDP2 over its
+tensor-parallel mesh, a tower with ``compile: true`` has its blocks compiled, and a tower with ``shard: full | hybrid | zero2`` is wrapped with FSDP2 over its
 data-parallel mesh (a pipelined one stage by stage, over the stage's replicas). Whether the plan can
 be applied to the module at all was checked on every rank before any group was built
 (:func:`lightning_distmm.parallel.plan_checks.check_plan_runs`).
@@ -22,6 +22,7 @@ from lightning_distmm.core.layout import RankLayout
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.core.schedule import stage_neighbours
 from lightning_distmm.parallel import deferred
+from lightning_distmm.parallel.compile import CompiledTower, compile_tower
 from lightning_distmm.parallel.families import apply_cp, apply_sp, apply_tp, tower_stages
 from lightning_distmm.parallel.fsdp import apply_fsdp
 from lightning_distmm.parallel.groups import TowerGroups
@@ -42,6 +43,7 @@ def prepare_rank(
     release_remote_towers(towers, layout)
     stages = cut_pipelines(plan, towers, layout, rank)
     parallelize_local_towers(plan, towers, layout, groups, stages)
+    compile_local_towers(plan, towers, layout, stages)
     return shard_local_towers(plan, towers, layout, groups, stages)
 
 
@@ -65,6 +67,27 @@ def cut_pipelines(plan: Plan, towers: Mapping[str, Tower], layout: RankLayout, r
     return stages
 
 
+def _stage_holds(stage: Stage | None) -> Callable[[nn.Module], bool]:
+    """Whether a block belongs to this rank's ``stage`` of a pipelined tower (every block without one)."""
+    if stage is None:
+        return lambda block: True
+    mine = {id(m) for top in stage.modules for m in top.modules()}
+    return lambda block: id(block) in mine
+
+
+def compile_local_towers(
+    plan: Plan, towers: Mapping[str, Tower], layout: RankLayout, stages: Mapping[str, Stage] | None = None
+) -> dict[str, CompiledTower]:
+    """Compile the blocks this rank runs of the local towers whose plan says ``compile: true`` (after
+    tensor, sequence and context parallelism, before FSDP2, as torchtitan orders them)."""
+    out: dict[str, CompiledTower] = {}
+    for name in layout.local_towers:
+        if plan.towers[name].compile:
+            stage = (stages or {}).get(name)
+            out[name] = compile_tower(name, towers[name].module, _stage_holds(stage), pipelined=stage is not None)
+    return out
+
+
 def parallelize_local_towers(
     plan: Plan,
     towers: Mapping[str, Tower],
@@ -78,11 +101,7 @@ def parallelize_local_towers(
     for name in layout.local_towers:
         tower = plan.towers[name]
         if tower.tp > 1:
-            stage = (stages or {}).get(name)
-            held = lambda block: True  # noqa: E731
-            if stage is not None:
-                mine = {id(m) for top in stage.modules for m in top.modules()}
-                held = lambda block: id(block) in mine  # noqa: E731
+            held = _stage_holds((stages or {}).get(name))
             apply_tp(towers[name].module, groups[name].mesh["tp"], held, tower.sp)
             if tower.sp:
                 apply_sp(towers[name].module, groups[name].mesh["tp"], held)
