@@ -113,3 +113,12 @@ def test_compile_is_a_plan_key():
     assert "+compile" in plan.table()
     with pytest.raises(ldm.PlanError, match="towers.image.compile"):
         ldm.Plan.from_dict({"world_size": 1, "towers": {"image": {"ranks": [0], "compile": "yes"}}})
+
+
+def test_compiling_a_compiled_tower_again_keeps_it_as_it_is():
+    """A second Trainer call in the same process (fit, then validate) prepares the module again."""
+    vit = tiny_vit(8, 4, width=16, depth=2, heads=2, embed=8)
+    first = compile_tower("image", vit, backend="eager")
+    assert compile_tower("image", vit, backend="eager") is first
+    vit(torch.randn(3, 3, 8, 8))
+    assert first.failure is None

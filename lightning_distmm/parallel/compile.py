@@ -100,6 +100,7 @@ class CompiledTower:
         for region in self.regions:
             region.restore()
         _log.warning("tower %r: torch.compile failed (%s); the tower runs eagerly", self.name, self.failure)
+        _log.debug("tower %r: the compiler's traceback", self.name, exc_info=error)
 
 
 def _reason(error: BaseException) -> str:
@@ -124,9 +125,13 @@ def compile_tower(
     backend: str | Callable[..., Any] = BACKEND,
 ) -> CompiledTower:
     """Compile ``module``'s transformer blocks that this rank runs (``held``), or its root ``forward``
-    when it has no repeated blocks (not when ``pipelined``: a stage does not run the root's forward)."""
+    when it has no repeated blocks (not when ``pipelined``: a stage does not run the root's forward).
+    A tower compiled already (an earlier ``Trainer`` call in this process) is returned as it is."""
     blocks = [b for b in transformer_blocks(module) if held(b)]
     regions = blocks or ([] if pipelined else [module])
+    for region in regions:  # a second Trainer call in the same process (fit, then validate): as it is
+        if isinstance(region.__dict__.get("forward"), _Region):
+            return region.__dict__["forward"].tower
     compiled = CompiledTower(name, regions, backend)
     what = f"{len(blocks)} block(s)" if blocks else ("its forward" if regions else "nothing (no blocks in this stage)")
     _log.info(
