@@ -1,0 +1,36 @@
+"""docs/design.md's map of the rooms names every module of the package in its room's row, so a new
+module cannot land without a place on the map (and a word on what it does)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "lightning_distmm"
+
+
+def room_rows() -> list[tuple[str, str]]:
+    """The rooms table's rows as (first cell, the rest)."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    table = text[text.index("## The rooms") : text.index("Arrows point one way")]
+    rows = []
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and cells[0].startswith("`"):
+            rows.append((cells[0], " ".join(cells[:2])))
+    return rows
+
+
+def test_every_module_is_on_the_map_in_its_rooms_row():
+    rows = room_rows()
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE)
+        if rel.name == "__init__.py":
+            continue  # a folder's own __init__ (the folder is the room), the package's entry
+        top = rel.parts[0]
+        key = f"`{top}/`" if len(rel.parts) > 1 else f"`{top}`"
+        row = [files for first, files in rows if key in first]
+        if not row or f"`{rel.name}`" not in row[0]:
+            missing.append(str(rel))
+    assert not missing, f"modules missing from docs/design.md's rooms table (each in its room's row): {missing}"
