@@ -252,13 +252,18 @@ def test_partial_recompute_runs_between_none_and_all_layers():
     assert all(a[0] < b[0] and a[1] > b[1] for a, b in zip(ks, ks[1:]))
 
 
-def test_a_partial_recompute_is_never_written_into_a_runtime_plan():
+def test_a_partial_recompute_is_written_into_the_runtime_plan_and_read_back():
+    """The runtime recomputes the first N blocks of each stage (``recompute: N``): the plan written
+    holds the count the cost model priced, and pricing the plan gives the same choice back."""
     from lightning_distmm.planner.cost import RECOMPUTE, TowerChoice
-    from lightning_distmm.planner.cost.plans import tower_plan
+    from lightning_distmm.planner.cost.plans import tower_choice, tower_plan
 
     ch = TowerChoice("image", 8, 1, 1, 64, RECOMPUTE, (64,) * 8, "none", 4)
-    with pytest.raises(ValueError, match="block"):
-        tower_plan(ch, list(range(8)))
+    tower = tower_plan(ch, list(range(8)))
+    assert tower.schedule == "gpipe" and tower.recompute == 4 and tower.recompute is not True
+    assert tower_choice("image", tower, 512).recompute_layers == 4
+    whole = tower_plan(TowerChoice("image", 8, 1, 1, 64, RECOMPUTE, (64,) * 8), list(range(8)))
+    assert whole.recompute is True and tower_choice("image", whole, 512).recompute_layers is None
 
 
 def test_megatron_tp_pp_is_the_model_parallel_family_the_paper_implies():

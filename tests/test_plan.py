@@ -128,8 +128,8 @@ def test_distmm_plan_needs_rows_for_every_replica_in_each_sync_group():
             "towers.image.replica_batch: expected a list of ints or null, got 4",
         ),
         (
-            "world_size: 1\ntowers:\n  image: {ranks: [0], recompute: 1}\n",
-            "towers.image.recompute: expected true or false",
+            "world_size: 1\ntowers:\n  image: {ranks: [0], recompute: -1}\n",
+            "towers.image.recompute: expected true, false or a number of blocks per stage",
         ),
         ("world_size: 1\ntowers: [image]\n", "plan.yaml: towers: expected a mapping"),
         ("world_size: 1\ntowers:\n  image: [0]\n", "plan.yaml: towers.image: expected a mapping of tower settings"),

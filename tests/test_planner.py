@@ -472,7 +472,7 @@ def test_plan_yaml_round_trip(tmp_path):
 def test_plan_without_recompute_key_still_loads():
     plan = Plan.from_yaml("world_size: 2\ntowers:\n  image: {ranks: [0]}\n  text: {ranks: [1], schedule: cached}\n")
     assert plan.towers["image"].recompute is False
-    with pytest.raises(PlanError, match="recompute.*true or false"):
+    with pytest.raises(PlanError, match="recompute.*true, false or a number of blocks"):
         Plan.from_dict({"world_size": 1, "towers": {"image": {"ranks": [0], "recompute": "yes"}}})
 
 

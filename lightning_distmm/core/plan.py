@@ -86,9 +86,13 @@ class Plan:
                 raise PlanError(
                     f"{where}: unknown schedule {t.schedule!r}; choose one of {', '.join(SCHEDULES)}", f"{key}.schedule"
                 )
-            for flag in ("recompute", "compile"):
-                if not isinstance(getattr(t, flag), bool):
-                    raise PlanError(f"{where}: {flag} must be true or false, got {getattr(t, flag)!r}", f"{key}.{flag}")
+            if not isinstance(t.compile, bool):
+                raise PlanError(f"{where}: compile must be true or false, got {t.compile!r}", f"{key}.compile")
+            if not (isinstance(t.recompute, bool) or (is_int(t.recompute) and t.recompute >= 0)):
+                raise PlanError(
+                    f"{where}: recompute must be true, false or a number of blocks per stage, got {t.recompute!r}",
+                    f"{key}.recompute",
+                )
             if t.shard not in SHARDS:
                 raise PlanError(
                     f"{where}: unknown shard {t.shard!r}; choose one of {', '.join(SHARDS)}", f"{key}.shard"
@@ -321,7 +325,7 @@ class Plan:
                     t.shard,
                     batch,
                     str(t.microbatch or "-"),
-                    t.schedule + ("+recompute" if t.recompute else "") + ("+compile" if t.compile else ""),
+                    t.schedule + _recompute_str(t.recompute) + ("+compile" if t.compile else ""),
                 )
             )
         widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
@@ -367,6 +371,13 @@ def colocated_plan(towers: Sequence[str], world_size: int, global_batch: int | N
     """Every rank holds every tower: the DDP-like baseline, run through the same code path."""
     everyone = list(range(world_size))
     return Plan(world_size, {name: TowerPlan(ranks=list(everyone)) for name in towers}, global_batch)
+
+
+def _recompute_str(recompute: bool | int) -> str:
+    """``+recompute`` (every block), ``+recompute(N)`` (the first N blocks of each stage) or nothing."""
+    if recompute is True:
+        return "+recompute"
+    return f"+recompute({recompute})" if recompute else ""
 
 
 __all__ = [

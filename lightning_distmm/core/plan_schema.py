@@ -82,8 +82,11 @@ def check_types(data: Mapping[str, Any]) -> None:
                 _expect(value is None or (is_int(value) and value >= 1), path, "a positive int or null", value)
             elif key == "schedule":
                 _expect(isinstance(value, str), path, f"one of {', '.join(SCHEDULES)}", value)
-            elif key in ("recompute", "sp", "compile"):
+            elif key in ("sp", "compile"):
                 _expect(isinstance(value, bool), path, "true or false", value)
+            elif key == "recompute":
+                ok = isinstance(value, bool) or (is_int(value) and value >= 0)
+                _expect(ok, path, "true, false or a number of blocks per stage", value)
             elif key == "shard":
                 _expect(isinstance(value, str), path, f"one of {', '.join(SHARDS)}", value)
 

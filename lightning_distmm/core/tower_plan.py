@@ -47,9 +47,11 @@ class TowerPlan:
     pp: int = 1
     microbatch: int | None = None
     schedule: str = "gpipe"
-    recompute: bool = False
+    recompute: bool | int = False
     """Activation checkpointing: keep each transformer block's input, recompute the block in backward
-    (Megatron-LM ``--recompute-granularity full``, open_clip ``--grad-checkpointing``)."""
+    (Megatron-LM ``--recompute-granularity full``, open_clip ``--grad-checkpointing``); ``true`` every
+    block, an int ``N`` the first ``N`` blocks of each pipeline stage (Megatron-LM's ``--recompute-method
+    block``), the others keeping their activations."""
     shard: str = "none"
     """Parameters, gradients and optimizer state over the tower's data-parallel ranks: ``none``
     (replicated), ``optimizer`` (the optimizer state sharded over all replicas, weights and gradients

@@ -18,6 +18,7 @@ from lightning_distmm.core.handoff import check_handoff_plan
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.core.plan_schema import PlanError
 from lightning_distmm.parallel.families import check_cp, check_sp, check_tp, tower_stages
+from lightning_distmm.parallel.fsdp import transformer_blocks
 from lightning_distmm.tower import Tower
 
 
@@ -56,6 +57,24 @@ def check_plan_runs(plan: Plan, towers: Mapping[str, Tower]) -> None:
             _refuse_as(
                 f"{key}.pp", lambda: tower_stages(module, t.pp, towers[name].fields), f"tower {name!r}, pp={t.pp}: "
             )
+        if t.recompute is not True and t.recompute:
+            _refuse_as(f"{key}.recompute", lambda: _check_block_count(module, name, t.recompute, t.pp))
+
+
+def _check_block_count(module: object, name: str, count: int, pp: int) -> None:
+    """``recompute: N`` recomputes the first N blocks of each stage: every stage must have them."""
+    blocks = len(transformer_blocks(module))
+    if not blocks:
+        raise ValueError(
+            f"tower {name!r}: recompute: {count} counts transformer blocks, and the tower has none that distmm"
+            " finds (timm blocks, transformers encoder.layers, open_clip resblocks); use recompute: true"
+        )
+    if count > blocks // pp:
+        raise ValueError(
+            f"tower {name!r}: recompute: {count} recomputes the first {count} blocks of each of its {pp} pipeline"
+            f" stage(s), which hold {blocks // pp} at fewest ({blocks} blocks in all); use at most {blocks // pp},"
+            " or true for every block"
+        )
 
 
 __all__ = ["check_plan_runs"]

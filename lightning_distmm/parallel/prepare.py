@@ -3,7 +3,8 @@
 Applied to the user's plain module from outside (torchtitan's ``parallelize`` style), once, before
 the optimizer sees the parameters: towers this rank does not run go to the meta device, a
 pipelined tower keeps only this rank's stage, a tower with ``tp > 1`` is sharded over its
-tensor-parallel mesh, a tower with ``compile: true`` has its blocks compiled, and a tower with ``shard: full | hybrid | zero2`` is wrapped with FSDP2 over its
+tensor-parallel mesh, a tower with ``compile: true`` has its blocks compiled, a tower with ``recompute`` its blocks
+recomputed in the backward, and a tower with ``shard: full | hybrid | zero2`` is wrapped with FSDP2 over its
 data-parallel mesh (a pipelined one stage by stage, over the stage's replicas). Whether the plan can
 be applied to the module at all was checked on every rank before any group was built
 (:func:`lightning_distmm.parallel.plan_checks.check_plan_runs`).
@@ -27,6 +28,7 @@ from lightning_distmm.parallel.families import apply_cp, apply_sp, apply_tp, tow
 from lightning_distmm.parallel.fsdp import apply_fsdp
 from lightning_distmm.parallel.groups import TowerGroups
 from lightning_distmm.parallel.pipeline import Stage, owned_names, release_unowned
+from lightning_distmm.parallel.recompute import recompute_blocks
 from lightning_distmm.tower import Tower
 
 
@@ -44,6 +46,7 @@ def prepare_rank(
     stages = cut_pipelines(plan, towers, layout, rank)
     parallelize_local_towers(plan, towers, layout, groups, stages)
     compile_local_towers(plan, towers, layout, stages)
+    recompute_local_towers(plan, towers, layout, stages)
     return shard_local_towers(plan, towers, layout, groups, stages)
 
 
@@ -86,6 +89,19 @@ def compile_local_towers(
             stage = (stages or {}).get(name)
             out[name] = compile_tower(name, towers[name].module, _stage_holds(stage), pipelined=stage is not None)
     return out
+
+
+def recompute_local_towers(
+    plan: Plan, towers: Mapping[str, Tower], layout: RankLayout, stages: Mapping[str, Stage] | None = None
+) -> None:
+    """Recompute the blocks of the local towers whose plan says ``recompute: true`` (every block this
+    rank runs) or ``recompute: N`` (the first N of its stage), after compilation (the compiled forward
+    is what is recomputed) and before FSDP2."""
+    for name in layout.local_towers:
+        count = plan.towers[name].recompute
+        if count is True or (count is not False and count > 0):
+            stage = (stages or {}).get(name)
+            recompute_blocks(towers[name].module, count, _stage_holds(stage), pipelined=stage is not None)
 
 
 def parallelize_local_towers(

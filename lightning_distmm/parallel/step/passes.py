@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.core.schedule import Backward, Forward
@@ -52,11 +51,7 @@ class StagePasses:
     def run_stage(self, name: str, x: Tensor | None, rows: Mapping[str, Any], training: bool) -> Tensor:
         if name in self.stages:
             return self.stages[name].run(x, rows)
-        tower = self.towers[name]
-        if self.plan.towers[name].recompute and training and self.gradients.trainable(name):
-            # activation checkpointing: keep the tower's inputs, recompute its forward in backward
-            return checkpoint(tower.encode, rows, use_reentrant=False)
-        return tower.encode(rows)
+        return self.towers[name].encode(rows)  # recomputed blocks are wrapped at preparation (parallel.recompute)
 
     def forward(self, ins: Forward, rows: Mapping[str, Any], training: bool, run: ScheduleRun) -> None:
         """One microbatch through this rank's stage of a tower (the whole tower without pipeline)."""

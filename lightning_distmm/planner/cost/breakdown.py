@@ -22,7 +22,7 @@ class TowerChoice:
     replica_batch: tuple[int, ...]
     shard: str = "none"  # how the replicas hold the training state (cost.options.SHARDS)
     # under gpipe+recompute: how many of a stage's layers are recomputed (Megatron-LM's
-    # --recompute-method block --recompute-num-layers N); None: all of them (the runtime's only form)
+    # --recompute-method block --recompute-num-layers N; the runtime's recompute: N); None: all of them
     recompute_layers: int | None = None
     cp: int = 1  # context parallelism: each replica's stages are cp x tp ranks splitting the tokens
     sp: bool = False  # sequence parallelism with tp (Megatron-LM)

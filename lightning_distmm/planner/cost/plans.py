@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from lightning_distmm.core.plan import Plan, TowerPlan
 from lightning_distmm.planner.cost.breakdown import StepCost, TowerChoice
 from lightning_distmm.planner.cost.options import PLANNABLE_SHARDS
-from lightning_distmm.planner.cost.pipeline import cost_schedule, runtime_schedule
+from lightning_distmm.planner.cost.pipeline import RECOMPUTE, cost_schedule, runtime_schedule
 
 
 @dataclass
@@ -45,12 +45,9 @@ def tower_plan(choice: TowerChoice, ranks: Sequence[int]) -> TowerPlan:
             f"tower {choice.name!r}: shard {choice.shard!r} is priced for a baseline but the runtime does not run"
             f" it; a plan holds {', '.join(PLANNABLE_SHARDS)}"
         )
-    if choice.recompute_layers is not None:
-        raise ValueError(
-            f"tower {choice.name!r}: recomputing {choice.recompute_layers} layers per stage (Megatron-LM's block"
-            " method) is priced for a baseline but the runtime recomputes a whole tower or nothing"
-        )
     schedule, recompute = runtime_schedule(choice.schedule)
+    if recompute and choice.recompute_layers is not None:  # the first N blocks of each stage
+        recompute = int(choice.recompute_layers)
     return TowerPlan(
         ranks=list(ranks),
         replica_batch=list(choice.replica_batch),
@@ -74,9 +71,21 @@ def tower_choice(name: str, tower: TowerPlan, global_batch: int) -> TowerChoice:
         )
     rb = tuple(tower.split(int(global_batch)))
     mb = min(tower.microbatch, max(rb)) if tower.microbatch else max(rb)
-    schedule = cost_schedule(tower.schedule, tower.recompute)
+    schedule = cost_schedule(tower.schedule, bool(tower.recompute))
+    # ``recompute: N``: the first N blocks of each stage (partial); ``true``: every block
+    layers = None if isinstance(tower.recompute, bool) or schedule != RECOMPUTE else int(tower.recompute)
     return TowerChoice(
-        name, len(tower.ranks), tower.tp, tower.pp, mb, schedule, rb, tower.shard, cp=tower.cp, sp=tower.sp
+        name,
+        len(tower.ranks),
+        tower.tp,
+        tower.pp,
+        mb,
+        schedule,
+        rb,
+        tower.shard,
+        cp=tower.cp,
+        sp=tower.sp,
+        recompute_layers=layers,
     )
 
 

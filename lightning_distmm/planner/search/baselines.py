@@ -180,7 +180,7 @@ def colocated_search(
         if not cost.fits:
             continue
         ev = Evaluated(mode, choices, ranks, cost)
-        if mode in ("megatron", "megatron-tp-pp"):
+        if mode in ("megatron", "megatron-tp-pp", "colocated"):
             ev = partial_recompute(ev, profiles, cluster, costs, global_batch)
         if best is None or ev.step_time < best.step_time:
             best = ev
@@ -194,8 +194,9 @@ def partial_recompute(
     recomputes instead the fewest layers per stage with which the plan still fits, one tower after
     the other. Only the tower's kept activations change with the count (falling monotonically: a
     bisection over :func:`~lightning_distmm.planner.cost.memory_per_device`, on the priced plan's
-    peak); the result is priced again whole. A baseline's option only: the runtime recomputes a
-    whole tower or nothing."""
+    peak); the result is priced again whole and kept only when it fits and is not slower. Megatron-LM's
+    plans get it, and DistMM's (the runtime's ``recompute: N``); FSDP's and DDP's users recompute
+    every block (torch's activation checkpointing wrapper), so theirs do not."""
     choices = dict(ev.choices)
     peak, limit = ev.cost.extra["peak_memory"], ev.cost.extra["memory_limit"]
 

@@ -60,6 +60,7 @@ from lightning_distmm.planner.search.baselines import (
     baseline_options,
     baseline_space,
     colocated_search,
+    partial_recompute,
 )
 from lightning_distmm.planner.search.job import SearchJob
 from lightning_distmm.planner.search.limits import describe_no_fit, min_memory
@@ -112,7 +113,8 @@ def make_plan(
     separate = Separate()
     if "separate" in opts.layouts and 1 < len(profiles) <= spec.world_size:
         separate = separate_search(profiles, job, opts)
-        candidates["separate"] = separate.best
+        best = separate.best
+        candidates["separate"] = best and partial_recompute(best, profiles, job.cluster, job.costs, n_global)
     if "colocated" in opts.layouts:
         candidates["colocated"] = colocated_search(profiles, job, "colocated")
     baselines = {
@@ -244,7 +246,6 @@ def _in_space(b: Evaluated, profiles: Mapping[str, TowerProfile], job: SearchJob
         and ch.pp in space.pps[n]
         and (profiles[n].frozen or ch.schedule in space.schedules)
         and ch.shard in space.shards
-        and ch.recompute_layers is None  # the runtime recomputes a whole tower or nothing
         and (ch.tp == 1 or not baseline_options(b.name, opts.cost).sequence_parallel)  # nor runs SP
         for n, ch in b.choices.items()
     )
