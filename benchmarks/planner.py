@@ -442,7 +442,7 @@ def main() -> None:
     rows = []
     large: list[float] = []
     losses: list[str] = []  # where a baseline's plan is predicted faster than DistMM's
-    partial = 0  # of those, rows where the baseline recomputes part of a tower's blocks (the runtime cannot)
+    partial = 0  # of those, rows where the baseline recomputes part of a tower's blocks
     worst_solve = 0.0
     for G in [int(x) for x in args.global_batch.split(",")]:
         for m in args.models.split(","):
@@ -494,19 +494,15 @@ def main() -> None:
             f"speedup over Megatron-LM for presets >= 1.1B parameters: {min(large):.2f}x .. {max(large):.2f}x"
             f" (paper: 1.32x .. 3.27x; docs/planner.md explains the difference)"
         )
+    # a baseline can price a configuration the search may not choose (sequence parallelism with
+    # uniform degrees): where it wins, DistMM loses, and the rows say so
+    print(
+        f"predicted slower than a baseline: {len(losses)} rows (shardings allowed: {', '.join(ALL_SHARDS['shards'])})"
+    )
+    for line in losses:
+        print(f"  {line}")
     if losses:
-        # a baseline can price a configuration the runtime does not run (sequence parallelism with
-        # uniform degrees, block recomputation of part of a tower), which the search may not choose:
-        # where it wins, DistMM loses
-        print(
-            f"predicted slower than a baseline: {len(losses)} rows (shardings allowed: {', '.join(ALL_SHARDS['shards'])})"
-        )
-        for line in losses:
-            print(f"  {line}")
-        print(
-            f"  {partial} of the {len(losses)}: the baseline recomputes part of a tower's blocks (n/stage), which the"
-            " runtime cannot run (a tower recomputes all its blocks or none), so the search may not choose it"
-        )
+        print(f"  {partial} of the {len(losses)}: the baseline recomputes part of a tower's blocks (n/stage)")
     print(f"slowest solve at 64 devices: {worst_solve * 1e3:.0f} ms")
     if args.scale_devices:
         solve_at_scale(args.scale_devices)
