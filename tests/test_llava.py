@@ -214,6 +214,33 @@ def test_a_packed_language_tower_trains_like_transformers_padded(tmp_path):
     assert _compare(plan, 3, "adamw", None, tmp_path, pack_tokens=24) <= 1e-5
 
 
+def test_packed_pipeline_stages_hand_on_packed_sequences_and_match_the_padded_forward():
+    """Stage 0 packs its rows (what it sends is the packed sequences, not the padded rows); stage 1
+    finds the same packing from the mask and unpacks; the result is the padded forward's."""
+    module = LlavaModule(tiny_llava(), pack_tokens=24)
+    batch = next(iter(data()))
+    features = module.vision(batch["pixel_values"], batch["n_images"])
+    rows = {**batch, "image_features": features}
+    stages = module.language.pipeline_stages(2)
+    sent = stages[0].run(None, rows)
+    tokens = int(batch["attention_mask"].sum())
+    assert sent.shape[1] <= 24 and sent.shape[0] * sent.shape[1] < batch["input_ids"].numel()
+    assert sent.shape[0] * 24 >= tokens
+    out = stages[1].run(sent, rows)
+    module.language.pack_tokens = None
+    padded = towers_logits(module, batch)
+    kept = batch["attention_mask"].bool()
+    assert (out[kept] - padded[kept]).abs().max().item() <= 1e-5
+
+
+@pytest.mark.slow
+def test_a_packed_pipelined_language_tower_trains_like_transformers_padded(tmp_path):
+    """The language model in 2 pipeline stages and 2 microbatches, each stage finding the packing
+    from the rows' mask: the first packs, every stage runs the packed sequences, the last unpacks."""
+    plan = ldm.Plan(3, {"vision": {"ranks": [0]}, "language": {"ranks": [1, 2], "pp": 2, "microbatch": 4}})
+    assert _compare(plan, 3, "adamw", None, tmp_path, pack_tokens=24) <= 1e-5
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("freeze", ["vision", "language"])
 def test_llava_stages_with_a_frozen_part_train_like_one_process(freeze, tmp_path):

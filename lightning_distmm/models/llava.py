@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from lightning_distmm.core.layout import SAMPLES_KEY
 from lightning_distmm.mixin import DistMMMixin
-from lightning_distmm.models.packing import check_budget, pack, unpack
+from lightning_distmm.models.packing import check_budget, pack, packing_of, place, unpack
 from lightning_distmm.tower import Tower
 
 IGNORE = -100
@@ -144,19 +144,22 @@ class LlavaLanguage(nn.Module):
 
         from lightning_distmm.parallel.pipeline import Stage, even_split
 
-        if self.pack_tokens is not None:
-            raise ValueError("a packed language tower (pack_tokens) cannot be cut into pipeline stages yet: use pp 1")
         lm = self.language_model
+        budget = self.pack_tokens
         layers = lm.layers
         if len(layers) < pp:
             raise ValueError(f"{len(layers)} decoder layers cannot be cut into {pp} pipeline stages")
 
-        def context(x: Tensor, rows: Mapping[str, Any]) -> tuple[Any, Any, Tensor]:
-            positions = torch.arange(x.shape[1], device=x.device)[None]
+        def context(x: Tensor, rows: Mapping[str, Any], positions: Tensor | None) -> tuple[Any, Any, Tensor]:
+            # packed sequences (``positions`` given): transformers keeps attention inside each sample
+            # from the restarting positions, with no attention mask, as in :meth:`forward`
+            mask = rows["attention_mask"] if positions is None else None
+            if positions is None:
+                positions = torch.arange(x.shape[1], device=x.device)[None]
             causal = create_causal_mask(
                 config=lm.config,
                 inputs_embeds=x,
-                attention_mask=rows["attention_mask"],
+                attention_mask=mask,
                 cache=None,
                 position_ids=positions,
             )
@@ -179,15 +182,25 @@ class LlavaLanguage(nn.Module):
                 first: bool = first,
                 last: bool = last,
             ) -> Tensor:
+                packed_positions, where = None, None
+                if budget is not None:  # every stage finds the packing from the rows' mask alone
+                    packed_positions, where = packing_of(rows["attention_mask"], budget)
                 if first:
                     x = self._embed(rows)
+                    if where is not None:
+                        x = place(x, where)
                 assert x is not None
-                causal, rotary, positions = context(x, rows)
+                if packed_positions is not None:
+                    packed_positions = packed_positions.to(x.device)
+                causal, rotary, positions = context(x, rows, packed_positions)
                 for layer in layers[a:b]:
                     x = layer(
                         x, attention_mask=causal, position_embeddings=rotary, position_ids=positions, use_cache=False
                     )
-                return self.lm_head(lm.norm(x)) if last else x
+                if not last:
+                    return x
+                out = self.lm_head(lm.norm(x))
+                return out if where is None else unpack(out, where)
 
             stages.append(Stage(own, run))
         return stages

@@ -95,6 +95,22 @@ def pack(x: Tensor, keep: Tensor, budget: int) -> tuple[Tensor, Tensor, Packing]
     position_ids [S, L], packing)``. Positions count each sample's kept tokens from 0; a sequence's
     tail after its last sample continues the last sample's positions (it is never attended: the
     mask is causal) and holds zeros."""
+    positions, where = packing_of(keep, budget)
+    return place(x, where), positions.to(x.device), where
+
+
+def place(x: Tensor, where: Packing) -> Tensor:
+    """``x`` ``[B, T, ...]``'s kept tokens laid out as ``where`` says (:func:`pack` with its packing known)."""
+    packed = x.new_zeros((*where.shape, *x.shape[2:]))
+    seqs, places, rows, cols = (i.to(x.device) for i in (where.seqs, where.places, where.rows, where.cols))
+    packed[seqs, places] = x[rows, cols]
+    return packed
+
+
+def packing_of(keep: Tensor, budget: int) -> tuple[Tensor, Packing]:
+    """Where :func:`pack` puts the tokens ``keep`` ``[B, T]`` sets, and their ``position_ids`` ``[S, L]``
+    (on the CPU), from the mask alone: what a pipeline stage after the first needs to run packed
+    sequences it receives and to unpack its output."""
     b, t = keep.shape
     mask = keep.bool().cpu()  # the host decides the shapes: one read of the mask
     lengths = mask.sum(dim=1).tolist()
@@ -120,10 +136,7 @@ def pack(x: Tensor, keep: Tensor, budget: int) -> tuple[Tensor, Tensor, Packing]
             last = int(positions[s, place - 1]) if place else -1
             positions[s, place:] = torch.arange(last + 1, last + 1 + positions.shape[1] - place)
     where = Packing(_cat(rows_of), _cat(cols_of), _cat(seqs_of), _cat(places_of), tuple(positions.shape), (b, t))
-    packed = x.new_zeros((*where.shape, *x.shape[2:]))
-    device_index = [i.to(x.device) for i in (where.seqs, where.places, where.rows, where.cols)]
-    packed[device_index[0], device_index[1]] = x[device_index[2], device_index[3]]
-    return packed, positions.to(x.device), where
+    return positions, where
 
 
 def _cat(parts: list[Tensor]) -> Tensor:
