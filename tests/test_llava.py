@@ -20,11 +20,18 @@ from lightning_distmm.models.llava import LlavaModule, llava_state_dict
 IMAGE_TOKEN, VOCAB, SEQ, IMAGE_TOKENS = 39, 40, 12, 4
 
 
-def tiny_llava(vocab: int = VOCAB, image_token: int = IMAGE_TOKEN) -> LlavaForConditionalGeneration:
+def tiny_llava(
+    vocab: int = VOCAB, image_token: int = IMAGE_TOKEN, vision_layers: int = 2
+) -> LlavaForConditionalGeneration:
     """A random LLaVA of a few ten thousand parameters: CLIP vision (2 layers, 8x8 images in 4
     patches) and Llama (2 layers)."""
     vision = CLIPVisionConfig(
-        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=8, patch_size=4
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=vision_layers,
+        num_attention_heads=2,
+        image_size=8,
+        patch_size=4,
     )
     text = LlamaConfig(
         vocab_size=vocab,
@@ -169,11 +176,17 @@ PLANS = {
 
 
 def _compare(
-    plan: Any, devices: int, optimizer: str, freeze: str | None, tmp_path: Path, pack_tokens: int | None = None
+    plan: Any,
+    devices: int,
+    optimizer: str,
+    freeze: str | None,
+    tmp_path: Path,
+    pack_tokens: int | None = None,
+    vision_layers: int = 2,
 ) -> float:
     L.seed_everything(0)
     lr = 0.05 if optimizer == "sgd" else 0.01
-    model = tiny_llava()
+    model = tiny_llava(vision_layers=vision_layers)
     reference = OneProcess(copy.deepcopy(model), optimizer, lr, freeze)
     module = LlavaModule(
         copy.deepcopy(model),
@@ -214,6 +227,22 @@ def test_a_packed_language_tower_trains_like_transformers_padded(tmp_path):
     assert _compare(plan, 3, "adamw", None, tmp_path, pack_tokens=24) <= 1e-5
 
 
+def test_the_vision_towers_stages_compute_its_features():
+    """Two stages of the vision tower (the layers up to the one LLaVA reads) give the features of its
+    forward; a list of feature layers is refused with pp > 1."""
+    module = LlavaModule(tiny_llava(vision_layers=3))
+    batch = next(iter(data()))
+    stages = module.vision.pipeline_stages(2)  # vision_feature_layer -2 of 3 layers: 2 run, one per stage
+    out = stages[1].run(stages[0].run(None, batch), batch)
+    expected = module.vision(batch["pixel_values"], batch["n_images"])
+    assert (out - expected).abs().max().item() <= 1e-6
+    with pytest.raises(ValueError, match="cannot be cut into 3 pipeline stages"):
+        module.vision.pipeline_stages(3)
+    module.vision.layer = [-2, -1]
+    with pytest.raises(ValueError, match="several layers"):
+        module.vision.pipeline_stages(2)
+
+
 def test_packed_pipeline_stages_hand_on_packed_sequences_and_match_the_padded_forward():
     """Stage 0 packs its rows (what it sends is the packed sequences, not the padded rows); stage 1
     finds the same packing from the mask and unpacks; the result is the padded forward's."""
@@ -231,6 +260,14 @@ def test_packed_pipeline_stages_hand_on_packed_sequences_and_match_the_padded_fo
     padded = towers_logits(module, batch)
     kept = batch["attention_mask"].bool()
     assert (out[kept] - padded[kept]).abs().max().item() <= 1e-5
+
+
+@pytest.mark.slow
+def test_a_pipelined_vision_tower_trains_like_transformers(tmp_path):
+    """The vision tower in 2 stages (one encoder layer each; the third, whose output LLaVA does not
+    read, held unrun by the last) in 2 microbatches, the language model on a rank of its own."""
+    plan = ldm.Plan(3, {"vision": {"ranks": [0, 1], "pp": 2, "microbatch": 4}, "language": {"ranks": [2]}})
+    assert _compare(plan, 3, "adamw", None, tmp_path, vision_layers=3) <= 1e-5
 
 
 @pytest.mark.slow

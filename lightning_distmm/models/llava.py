@@ -79,14 +79,73 @@ class LlavaVision(nn.Module):
         return self.multi_modal_projector(torch.cat(picked, dim=-1))
 
     def forward(self, pixel_values: Tensor, n_images: Tensor) -> Tensor:
-        present = n_images > 0
-        images = pixel_values[present]
-        if images.shape[0] == 0:  # no row here carries an image: a blank one, whose tokens land nowhere
-            images = pixel_values.new_zeros(1, *pixel_values.shape[1:])
-        tokens = self.features(images)
-        out = tokens.new_zeros(pixel_values.shape[0], *tokens.shape[1:])
-        # every row keeps a graph (zero gradients for the rows without an image)
-        return out.index_put((present,), tokens[: int(present.sum())]) + 0.0 * tokens.sum()
+        return _scatter(self.features(_images(pixel_values, n_images)), n_images)
+
+    def pipeline_stages(self, pp: int) -> list:
+        """``pp`` stages of :meth:`forward` (an ``int`` ``vision_feature_layer``): the patch embedding
+        first, the encoder layers up to the one whose hidden state LLaVA reads split evenly, the
+        selection and the projector last. The layers after that one (their output unused, as in
+        transformers' forward) and the post-norm are held by the last stage, unrun: no gradient,
+        as in one process."""
+        from lightning_distmm.parallel.pipeline import Stage, even_split
+
+        if not isinstance(self.layer, int):
+            raise ValueError(
+                f"vision_feature_layer={self.layer!r}: a vision tower reading several layers' hidden states cannot"
+                " be cut into pipeline stages yet: use pp 1 for the vision tower"
+            )
+        tower = self.vision_tower
+        layers = tower.encoder.layers
+        depth = self.layer % (len(layers) + 1)  # hidden state ``depth``: the output of ``depth`` layers
+        if depth < pp:
+            raise ValueError(
+                f"the vision tower's features are the output of its first {depth} layer(s)"
+                f" (vision_feature_layer={self.layer}): they cannot be cut into {pp} pipeline stages"
+            )
+        unrun = [*layers[depth:], *(m for m in (getattr(tower, "post_layernorm", None),) if m is not None)]
+        stages = []
+        for s, (a, b) in enumerate(even_split(depth, pp)):
+            first, last = s == 0, s == pp - 1
+            own: list[nn.Module] = list(layers[a:b])
+            if first:
+                own += [tower.embeddings, tower.pre_layrnorm]
+            if last:
+                own += [self.multi_modal_projector, *unrun]
+
+            def run(
+                x: Tensor | None,
+                rows: Mapping[str, Any],
+                a: int = a,
+                b: int = b,
+                first: bool = first,
+                last: bool = last,
+            ) -> Tensor:
+                if first:
+                    x = tower.pre_layrnorm(tower.embeddings(_images(rows["pixel_values"], rows["n_images"])))
+                assert x is not None
+                for layer in layers[a:b]:
+                    x = layer(x, None)
+                if not last:
+                    return x
+                picked = x[:, 1:] if self.strategy == "default" else x
+                return _scatter(self.multi_modal_projector(picked), rows["n_images"])
+
+            stages.append(Stage(own, run))
+        return stages
+
+
+def _images(pixel_values: Tensor, n_images: Tensor) -> Tensor:
+    """The rows' images; a blank one when no row here carries an image (its tokens land nowhere)."""
+    images = pixel_values[n_images > 0]
+    return images if images.shape[0] else pixel_values.new_zeros(1, *pixel_values.shape[1:])
+
+
+def _scatter(tokens: Tensor, n_images: Tensor) -> Tensor:
+    """Each image's tokens at its row, zeros for a row without one; every row keeps a graph (zero
+    gradients for the rows without an image)."""
+    present = n_images > 0
+    out = tokens.new_zeros(n_images.shape[0], *tokens.shape[1:])
+    return out.index_put((present,), tokens[: int(present.sum())]) + 0.0 * tokens.sum()
 
 
 class LlavaLanguage(nn.Module):
