@@ -21,9 +21,9 @@ from typing import Any
 from lightning_distmm.data.datasets.modules import StreamPairsDataModule
 from lightning_distmm.data.datasets.pair_options import stream_seed
 from lightning_distmm.data.datasets.pairs import PairDecoding
-from lightning_distmm.data.loader.fields import FieldDataset
 from lightning_distmm.data.loader.litdata_stream import LitDataStream, LitIndex
 from lightning_distmm.data.loader.streaming import FieldStream
+from lightning_distmm.data.samples.fields import FieldDataset
 
 
 class LitDataPairs(PairDecoding, FieldStream):
@@ -35,7 +35,7 @@ class LitDataPairs(PairDecoding, FieldStream):
         image_key, caption_key: the item's fields holding the encoded image and the caption.
         transform, tokenizer, context_length, decode_log: see :class:`~lightning_distmm.data.datasets.pairs.PairDecoding`.
         skip_bad_samples: a bad item is replaced by the next row of its global batch that decodes
-            (:mod:`lightning_distmm.data.loader.skipping`; one process: ``collate_fn=SkipBadRows(dataset)``).
+            (:mod:`lightning_distmm.data.samples.skipping`; one process: ``collate_fn=SkipBadRows(dataset)``).
     """
 
     def __init__(

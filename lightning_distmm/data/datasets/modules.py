@@ -15,9 +15,9 @@ from torch.utils.data import DataLoader
 
 from lightning_distmm.data.datasets.pair_options import PairsModuleBase
 from lightning_distmm.data.datasets.pairs import CsvPairs, ImageFolderPairs
-from lightning_distmm.data.loader.fields import FieldDataset
 from lightning_distmm.data.loader.shuffle import train_loader
-from lightning_distmm.data.loader.skipping import SkipBadRows, SkipBadSamples
+from lightning_distmm.data.samples.fields import FieldDataset
+from lightning_distmm.data.samples.skipping import SkipBadRows, SkipBadSamples
 
 
 class FieldSubset(FieldDataset):

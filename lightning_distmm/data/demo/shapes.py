@@ -34,8 +34,8 @@ from torch.utils.data import DataLoader
 
 from lightning_distmm.data.demo.captions import COLORS, POSITIONS, SHAPES, TEMPLATES, vocabulary
 from lightning_distmm.data.demo.tokenizer import build_caption_tokenizer, encode
-from lightning_distmm.data.loader.fields import FieldDataset
 from lightning_distmm.data.loader.shuffle import train_loader
+from lightning_distmm.data.samples.fields import FieldDataset
 
 NUM_COMBOS = len(COLORS) * len(SHAPES) * len(POSITIONS)
 _COLOR_NAMES = tuple(COLORS)

@@ -13,9 +13,9 @@ from typing import Any
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_distmm.core.plan import split_batch
-from lightning_distmm.data.loader.fields import FieldDataset
 from lightning_distmm.data.loader.stream_sources import as_stream
 from lightning_distmm.data.loader.streaming import FieldStream
+from lightning_distmm.data.samples.fields import FieldDataset
 
 
 def check_dataloader(

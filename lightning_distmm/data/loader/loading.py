@@ -32,18 +32,18 @@ from lightning_distmm.core.layout import ASSIGNMENT_KEY, GLOBAL_BATCH_KEY, SAMPL
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.data.loader.balance import CostBalancer, CostSpec
 from lightning_distmm.data.loader.checks import check_dataloader, prebatched_message
-from lightning_distmm.data.loader.fields import load_fields
-from lightning_distmm.data.loader.sampling import RankBatchSampler
-from lightning_distmm.data.loader.skipping import SkipBadSamples, resolve_rows, resolve_stream_rows
 from lightning_distmm.data.loader.stream_sources import as_stream
 from lightning_distmm.data.loader.streaming import StreamBatchSampler, StreamFieldSubset
+from lightning_distmm.data.samples.fields import load_fields
+from lightning_distmm.data.samples.sampling import RankBatchSampler
+from lightning_distmm.data.samples.skipping import SkipBadSamples, resolve_rows, resolve_stream_rows
 
 
 class FieldSubsetDataset(Dataset):
     """Loads only ``fields`` of each requested sample; carries the global batch size and the sample's
     index along. Over a :class:`SkipBadSamples` it hands on ``(index, sample or BadSample)``: the
     ranks agree on the bad rows in the main process
-    (:func:`~lightning_distmm.data.loader.skipping.resolve_rows`)."""
+    (:func:`~lightning_distmm.data.samples.skipping.resolve_rows`)."""
 
     def __init__(self, dataset: Any, fields: Sequence[str]):
         self.dataset = dataset
@@ -60,7 +60,7 @@ class FieldSubsetDataset(Dataset):
 
 
 class _Pending:
-    """A batch whose rows may hold :class:`~lightning_distmm.data.loader.skipping.BadSample`: collated in the
+    """A batch whose rows may hold :class:`~lightning_distmm.data.samples.skipping.BadSample`: collated in the
     main process once the ranks agree on them. ``rows``: ``(index or row, sample)``; ``batch``: a
     stream's raw global batch (replacements are decoded from it)."""
 

@@ -1,6 +1,6 @@
 """Iterable datasets under distmm: every rank reads the same stream, and decodes only its rows.
 
-A map-style dataset is drawn by index (:mod:`lightning_distmm.data.loader.sampling`); a stream has no
+A map-style dataset is drawn by index (:mod:`lightning_distmm.data.samples.sampling`); a stream has no
 index to draw, so every rank reads it, in the same order, and cuts it into the same global
 batches. What makes that cheap is the split of a sample into its *raw* form (the bytes of a tar
 member, a caption's bytes) and its decoded fields: a :class:`FieldStream` yields raw samples, which
@@ -32,9 +32,9 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from lightning_distmm.core.layout import RankLayout
 from lightning_distmm.data.loader.agreement import StreamAgreement, declared_rank_independent, explicit_key, key_of
-from lightning_distmm.data.loader.fields import select_fields
-from lightning_distmm.data.loader.sampling import DataPositionError, RankBatchSampler, _distributed
-from lightning_distmm.data.loader.skipping import StreamRow, decode_or_mark
+from lightning_distmm.data.samples.fields import select_fields
+from lightning_distmm.data.samples.sampling import DataPositionError, RankBatchSampler, _distributed
+from lightning_distmm.data.samples.skipping import StreamRow, decode_or_mark
 
 
 class FieldStream(IterableDataset):
@@ -57,7 +57,7 @@ class FieldStream(IterableDataset):
 
     def samples(self, epoch: int, skip: int = 0) -> Iterator[Any]:
         """The raw samples of ``epoch`` from sample ``skip`` on; skipping decodes nothing, and an epoch of
-        fewer than ``skip`` samples raises :class:`~lightning_distmm.data.loader.sampling.DataPositionError`
+        fewer than ``skip`` samples raises :class:`~lightning_distmm.data.samples.sampling.DataPositionError`
         (see :func:`skip_samples`)."""
         raise NotImplementedError
 
