@@ -31,10 +31,10 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from lightning_distmm.core.layout import RankLayout
-from lightning_distmm.data.loader.agreement import StreamAgreement, declared_rank_independent, explicit_key, key_of
 from lightning_distmm.data.samples.fields import select_fields
 from lightning_distmm.data.samples.sampling import DataPositionError, RankBatchSampler, _distributed
 from lightning_distmm.data.samples.skipping import StreamRow, decode_or_mark
+from lightning_distmm.data.streams.agreement import StreamAgreement, declared_rank_independent, explicit_key, key_of
 
 
 class FieldStream(IterableDataset):
@@ -72,7 +72,7 @@ class FieldStream(IterableDataset):
     def sample_key(self, sample: Any) -> Any:
         """What names the raw ``sample`` (a str, an int, a tuple of them), compared across ranks to
         check that every rank reads the same samples; None: a fingerprint of the raw sample is
-        (:mod:`lightning_distmm.data.loader.agreement`)."""
+        (:mod:`lightning_distmm.data.streams.agreement`)."""
         return None
 
     def set_epoch(self, epoch: int) -> None:
