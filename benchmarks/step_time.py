@@ -19,7 +19,7 @@ launchers, in this process), ``spawn``, or ``popen`` (Lightning's subprocess lau
 run from a shell: each run is this script started again with ``--only``).
 
 ``--stream`` prices the check that every rank reads the same samples of a stream
-(:mod:`lightning_distmm.data.loader.agreement`): the separate-towers plan over the same data as a map-style
+(:mod:`lightning_distmm.data.streams.agreement`): the separate-towers plan over the same data as a map-style
 dataset (``distmm-separate``), as a stream checked every ``--check-every`` global batches
 (``distmm-stream``), and as the same stream declared rank-independent, unchecked
 (``distmm-stream-declared``); ``check ms`` is the check's own time per global batch on rank 0 (the
@@ -107,7 +107,7 @@ class CheckTimer:
 
     @classmethod
     def install(cls) -> None:
-        from lightning_distmm.data.loader import agreement
+        from lightning_distmm.data.streams import agreement
 
         original = agreement.StreamAgreement.batches
 

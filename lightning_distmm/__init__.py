@@ -9,7 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_distmm import losses
 from lightning_distmm.checkpoint import consolidated_state_dict, export_checkpoint
 from lightning_distmm.core.plan import Plan, PlanError, TowerPlan
-from lightning_distmm.data.loader.fields import FieldDataset
+from lightning_distmm.data.samples.fields import FieldDataset
 from lightning_distmm.elastic import last_checkpoint
 from lightning_distmm.interaction import local_rows
 from lightning_distmm.mixin import DistMMMixin

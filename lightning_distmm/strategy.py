@@ -77,7 +77,7 @@ class DistMMStrategy(ModelParallelStrategy):
             leaves the allocator as it is.
         stream_check_every: over an iterable dataset, the ranks check that they read the same samples
             every this many global batches (and on each epoch's first, and at its end): one all-gather
-            of three integers (:mod:`lightning_distmm.data.loader.agreement`). A dataset declared with
+            of three integers (:mod:`lightning_distmm.data.streams.agreement`). A dataset declared with
             :func:`lightning_distmm.data.rank_independent` is not checked.
         failure_grace: how long a rank waits, blocked, after another rank recorded an error (or one of
             its host died), before it ends itself with that rank's error (NCCL, unlike gloo, leaves it

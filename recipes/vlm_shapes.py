@@ -30,7 +30,7 @@ import lightning_distmm as ldm
 from lightning_distmm.data.demo.captions import COLORS, SHAPES
 from lightning_distmm.data.demo.shapes import PIXEL_MEAN, PIXEL_STD, ShapesDataset, describe, render
 from lightning_distmm.data.demo.tokenizer import BOS_ID, EOS_ID, build_caption_tokenizer, decode
-from lightning_distmm.data.loader.fields import FieldDataset
+from lightning_distmm.data.samples.fields import FieldDataset
 from lightning_distmm.models.vlm import VLM, tiny_llama_config, tiny_vit
 
 CONTEXT = 16

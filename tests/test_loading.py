@@ -14,9 +14,9 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Seque
 
 from lightning_distmm.core import Plan
 from lightning_distmm.core.layout import GLOBAL_BATCH_KEY, SAMPLES_KEY, RankLayout
-from lightning_distmm.data.loader.fields import FieldDataset
 from lightning_distmm.data.loader.loading import DistMMDataLoader
-from lightning_distmm.data.loader.sampling import DataPositionError
+from lightning_distmm.data.samples.fields import FieldDataset
+from lightning_distmm.data.samples.sampling import DataPositionError
 
 FIELDS = {"image": ("image",), "text": ("input_ids", "attention_mask")}
 PLAN = Plan(4, {"image": {"ranks": [0, 1, 2], "replica_batch": [4, 3, 3]}, "text": {"ranks": [3]}}, 10)

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from lightning_distmm.data.datasets.modules import PairsDataModule
 from lightning_distmm.data.datasets.pairs import SampleDecodeError
-from lightning_distmm.data.loader.skipping import MAX_CONSECUTIVE_BAD, SkipBadSamples, SkippedSamples, resolve_rows
+from lightning_distmm.data.samples.skipping import MAX_CONSECUTIVE_BAD, SkipBadSamples, SkippedSamples, resolve_rows
 
 BAD = {3, 4, 17, 40}
 CAPTIONS = [f"{c} {s}" for c in ("red", "green", "blue") for s in ("circle", "square", "triangle", "cross")]
@@ -54,7 +54,7 @@ def test_the_csv_route_replaces_a_truncated_image_by_the_next_pair_and_logs_it(t
         strict.train_dataset[2]
     dm = PairsDataModule(str(csv), val_size=2, image_size=8, context_length=8, batch_size=4, skip_bad_samples=True)
     assert isinstance(dm.train_dataset, SkipBadSamples)
-    with caplog.at_level(logging.WARNING, logger="lightning_distmm.data.loader.skipping"):
+    with caplog.at_level(logging.WARNING, logger="lightning_distmm.data.samples.skipping"):
         sample = dm.train_dataset[2]
     assert sample["caption"] == f"a {CAPTIONS[3]}" and dm.train_dataset.skipped == 1
     assert "img2.png" in caplog.text and "1 so far" in caplog.text
@@ -164,7 +164,7 @@ def test_a_stream_skips_the_same_rows_under_distmm_as_in_one_process(tmp_path):
     from test_webdataset import PLAN3, _tiny
 
     from lightning_distmm.data import WebDatasetPairs
-    from lightning_distmm.data.loader.skipping import SkipBadRows
+    from lightning_distmm.data.samples.skipping import SkipBadRows
 
     _shards_with_damaged_images(tmp_path / "s", 40, {2, 9, 21})
 

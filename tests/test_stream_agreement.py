@@ -30,11 +30,11 @@ from torch.utils.data import DataLoader, IterableDataset
 import lightning_distmm as ldm
 from lightning_distmm.core.layout import RankLayout
 from lightning_distmm.data import rank_independent
-from lightning_distmm.data.loader.agreement import StreamAgreement, UnidentifiableSampleError, key_of
 from lightning_distmm.data.loader.checks import check_dataloader
-from lightning_distmm.data.loader.litdata_stream import LitIndex
 from lightning_distmm.data.loader.loading import DistMMDataLoader
-from lightning_distmm.data.loader.stream_sources import as_stream
+from lightning_distmm.data.streams.agreement import StreamAgreement, UnidentifiableSampleError, key_of
+from lightning_distmm.data.streams.litdata_stream import LitIndex
+from lightning_distmm.data.streams.stream_sources import as_stream
 
 FIELDS = {"image": ("image",), "text": ("input_ids", "attention_mask")}
 ALL = ("image", "input_ids", "attention_mask")
@@ -141,7 +141,7 @@ def test_a_litdata_chunk_deleted_mid_epoch_is_named_missing(tmp_path, monkeypatc
     what to do, whether it reads items by index or LitData's own iteration."""
     import litdata.streaming.item_loader as item_loader
 
-    from lightning_distmm.data.loader.litdata_stream import MissingChunkError, _chunk_source
+    from lightning_distmm.data.streams.litdata_stream import MissingChunkError, _chunk_source
     from lightning_distmm.faults import is_consequence
 
     monkeypatch.setattr(item_loader, "_MAX_WAIT_TIME", 0.2)  # LitData's wait for a local chunk: min(2 s, this)

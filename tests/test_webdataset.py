@@ -39,7 +39,7 @@ from lightning_distmm.data.datasets.webdataset import shard_urls
 from lightning_distmm.data.demo.tokenizer import build_tokenizer
 from lightning_distmm.data.loader.checks import check_dataloader
 from lightning_distmm.data.loader.loading import DistMMDataLoader
-from lightning_distmm.data.loader.sampling import DataPositionError
+from lightning_distmm.data.samples.sampling import DataPositionError
 
 WORDS = ["red", "green", "blue", "circle", "square", "cross", "big", "small", "a"]
 assert len(WORDS) + 4 <= VOCAB  # the tiny text tower's vocabulary

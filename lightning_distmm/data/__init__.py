@@ -5,9 +5,9 @@ from lightning_distmm.data.datasets.litdata_pairs import LitDataPairs
 from lightning_distmm.data.datasets.pairs import CsvPairs, ImageFolderPairs, PairDataset
 from lightning_distmm.data.datasets.preprocess import CaptionTokenizer, image_transform
 from lightning_distmm.data.datasets.webdataset import WebDatasetPairs
-from lightning_distmm.data.loader.agreement import rank_independent
-from lightning_distmm.data.loader.fields import FieldDataset
-from lightning_distmm.data.loader.streaming import FieldStream
+from lightning_distmm.data.samples.fields import FieldDataset
+from lightning_distmm.data.streams.agreement import rank_independent
+from lightning_distmm.data.streams.streaming import FieldStream
 
 __all__ = [
     "CaptionTokenizer",

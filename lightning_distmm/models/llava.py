@@ -29,7 +29,8 @@ from torch import Tensor, nn
 
 from lightning_distmm.core.layout import SAMPLES_KEY
 from lightning_distmm.mixin import DistMMMixin
-from lightning_distmm.models.packing import check_budget, pack, packing_of, place, unpack
+from lightning_distmm.models.llava_stages import language_stages, present_images, rows_of_images, vision_stages
+from lightning_distmm.models.packing import check_budget, pack, unpack
 from lightning_distmm.tower import Tower
 
 IGNORE = -100
@@ -79,73 +80,11 @@ class LlavaVision(nn.Module):
         return self.multi_modal_projector(torch.cat(picked, dim=-1))
 
     def forward(self, pixel_values: Tensor, n_images: Tensor) -> Tensor:
-        return _scatter(self.features(_images(pixel_values, n_images)), n_images)
+        return rows_of_images(self.features(present_images(pixel_values, n_images)), n_images)
 
     def pipeline_stages(self, pp: int) -> list:
-        """``pp`` stages of :meth:`forward` (an ``int`` ``vision_feature_layer``): the patch embedding
-        first, the encoder layers up to the one whose hidden state LLaVA reads split evenly, the
-        selection and the projector last. The layers after that one (their output unused, as in
-        transformers' forward) and the post-norm are held by the last stage, unrun: no gradient,
-        as in one process."""
-        from lightning_distmm.parallel.pipeline import Stage, even_split
-
-        if not isinstance(self.layer, int):
-            raise ValueError(
-                f"vision_feature_layer={self.layer!r}: a vision tower reading several layers' hidden states cannot"
-                " be cut into pipeline stages yet: use pp 1 for the vision tower"
-            )
-        tower = self.vision_tower
-        layers = tower.encoder.layers
-        depth = self.layer % (len(layers) + 1)  # hidden state ``depth``: the output of ``depth`` layers
-        if depth < pp:
-            raise ValueError(
-                f"the vision tower's features are the output of its first {depth} layer(s)"
-                f" (vision_feature_layer={self.layer}): they cannot be cut into {pp} pipeline stages"
-            )
-        unrun = [*layers[depth:], *(m for m in (getattr(tower, "post_layernorm", None),) if m is not None)]
-        stages = []
-        for s, (a, b) in enumerate(even_split(depth, pp)):
-            first, last = s == 0, s == pp - 1
-            own: list[nn.Module] = list(layers[a:b])
-            if first:
-                own += [tower.embeddings, tower.pre_layrnorm]
-            if last:
-                own += [self.multi_modal_projector, *unrun]
-
-            def run(
-                x: Tensor | None,
-                rows: Mapping[str, Any],
-                a: int = a,
-                b: int = b,
-                first: bool = first,
-                last: bool = last,
-            ) -> Tensor:
-                if first:
-                    x = tower.pre_layrnorm(tower.embeddings(_images(rows["pixel_values"], rows["n_images"])))
-                assert x is not None
-                for layer in layers[a:b]:
-                    x = layer(x, None)
-                if not last:
-                    return x
-                picked = x[:, 1:] if self.strategy == "default" else x
-                return _scatter(self.multi_modal_projector(picked), rows["n_images"])
-
-            stages.append(Stage(own, run))
-        return stages
-
-
-def _images(pixel_values: Tensor, n_images: Tensor) -> Tensor:
-    """The rows' images; a blank one when no row here carries an image (its tokens land nowhere)."""
-    images = pixel_values[n_images > 0]
-    return images if images.shape[0] else pixel_values.new_zeros(1, *pixel_values.shape[1:])
-
-
-def _scatter(tokens: Tensor, n_images: Tensor) -> Tensor:
-    """Each image's tokens at its row, zeros for a row without one; every row keeps a graph (zero
-    gradients for the rows without an image)."""
-    present = n_images > 0
-    out = tokens.new_zeros(n_images.shape[0], *tokens.shape[1:])
-    return out.index_put((present,), tokens[: int(present.sum())]) + 0.0 * tokens.sum()
+        """``pp`` stages of :meth:`forward` (:func:`~lightning_distmm.models.llava_stages.vision_stages`)."""
+        return vision_stages(self, pp)
 
 
 class LlavaLanguage(nn.Module):
@@ -196,73 +135,8 @@ class LlavaLanguage(nn.Module):
         return embeds.masked_scatter(slots[..., None].expand_as(embeds), features.reshape(-1, features.shape[-1]))
 
     def pipeline_stages(self, pp: int) -> list:
-        """``pp`` stages of the same computation as :meth:`forward` (``LlamaModel.forward`` without a
-        cache): the embeddings and the image features first, the decoder layers split evenly, the final
-        norm and the head last; each stage rebuilds the causal mask and the rotary table (no parameters)."""
-        from transformers.masking_utils import create_causal_mask
-
-        from lightning_distmm.parallel.pipeline import Stage, even_split
-
-        lm = self.language_model
-        budget = self.pack_tokens
-        layers = lm.layers
-        if len(layers) < pp:
-            raise ValueError(f"{len(layers)} decoder layers cannot be cut into {pp} pipeline stages")
-
-        def context(x: Tensor, rows: Mapping[str, Any], positions: Tensor | None) -> tuple[Any, Any, Tensor]:
-            # packed sequences (``positions`` given): transformers keeps attention inside each sample
-            # from the restarting positions, with no attention mask, as in :meth:`forward`
-            mask = rows["attention_mask"] if positions is None else None
-            if positions is None:
-                positions = torch.arange(x.shape[1], device=x.device)[None]
-            causal = create_causal_mask(
-                config=lm.config,
-                inputs_embeds=x,
-                attention_mask=mask,
-                cache=None,
-                position_ids=positions,
-            )
-            return causal, lm.rotary_emb(x, position_ids=positions), positions
-
-        stages = []
-        for s, (a, b) in enumerate(even_split(len(layers), pp)):
-            first, last = s == 0, s == pp - 1
-            own: list[nn.Module] = [lm.rotary_emb, *layers[a:b]]
-            if first:
-                own.append(lm.get_input_embeddings())
-            if last:
-                own += [lm.norm, self.lm_head]
-
-            def run(
-                x: Tensor | None,
-                rows: Mapping[str, Any],
-                a: int = a,
-                b: int = b,
-                first: bool = first,
-                last: bool = last,
-            ) -> Tensor:
-                packed_positions, where = None, None
-                if budget is not None:  # every stage finds the packing from the rows' mask alone
-                    packed_positions, where = packing_of(rows["attention_mask"], budget)
-                if first:
-                    x = self._embed(rows)
-                    if where is not None:
-                        x = place(x, where)
-                assert x is not None
-                if packed_positions is not None:
-                    packed_positions = packed_positions.to(x.device)
-                causal, rotary, positions = context(x, rows, packed_positions)
-                for layer in layers[a:b]:
-                    x = layer(
-                        x, attention_mask=causal, position_embeddings=rotary, position_ids=positions, use_cache=False
-                    )
-                if not last:
-                    return x
-                out = self.lm_head(lm.norm(x))
-                return out if where is None else unpack(out, where)
-
-            stages.append(Stage(own, run))
-        return stages
+        """``pp`` stages of :meth:`forward` (:func:`~lightning_distmm.models.llava_stages.language_stages`)."""
+        return language_stages(self, pp)
 
 
 def llava_towers(model: nn.Module) -> tuple[LlavaVision, LlavaLanguage]:

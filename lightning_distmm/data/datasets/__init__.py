@@ -1,4 +1,4 @@
 """Datasets and DataModules of image-caption pairs: CSV and image-folder pairs, WebDataset and
-LitData streams, class folders for zero-shot, their image transforms and caption tokenizers, and
-the seeded shuffle the bundled DataModules train with. Each loads only the fields a rank asks for.
+LitData streams, class folders for zero-shot, their image transforms and caption tokenizers. Each
+loads only the fields a rank asks for.
 """

@@ -18,7 +18,7 @@ from typing import Any
 from torch import Tensor
 
 from lightning_distmm.data.datasets.pairs import IMAGE_EXTENSIONS, PairDecoding
-from lightning_distmm.data.loader.fields import FieldDataset
+from lightning_distmm.data.samples.fields import FieldDataset
 
 #: open_clip's ``SIMPLE_IMAGENET_TEMPLATES`` (open_clip/zero_shot_metadata.py), as format strings
 SIMPLE_TEMPLATES: tuple[str, ...] = (

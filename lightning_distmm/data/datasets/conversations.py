@@ -25,7 +25,7 @@ import lightning as L
 import torch
 from torch import Tensor
 
-from lightning_distmm.data.loader.fields import FieldDataset
+from lightning_distmm.data.samples.fields import FieldDataset
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 IGNORE = -100

@@ -2,7 +2,7 @@
 
 A LitData folder (written by ``litdata.optimize``, or ``recipes/make_litdata.py``) whose items are
 ``{"image": encoded image bytes, "caption": str}``. :class:`LitDataPairs` reads it as one process
-reads it (:class:`~lightning_distmm.data.loader.litdata_stream.LitDataStream`: LitData's seed, chunk
+reads it (:class:`~lightning_distmm.data.streams.litdata_stream.LitDataStream`: LitData's seed, chunk
 permutation and in-chunk shuffle of the epoch, on every rank) and decodes only what a rank asks for:
 its rows, by index, and of those only its towers' fields (an image rank opens the image and runs the
 transform, a text rank tokenizes the caption). LitData's own deserialization gives bytes and a
@@ -21,9 +21,9 @@ from typing import Any
 from lightning_distmm.data.datasets.modules import StreamPairsDataModule
 from lightning_distmm.data.datasets.pair_options import stream_seed
 from lightning_distmm.data.datasets.pairs import PairDecoding
-from lightning_distmm.data.loader.fields import FieldDataset
-from lightning_distmm.data.loader.litdata_stream import LitDataStream, LitIndex
-from lightning_distmm.data.loader.streaming import FieldStream
+from lightning_distmm.data.samples.fields import FieldDataset
+from lightning_distmm.data.streams.litdata_stream import LitDataStream, LitIndex
+from lightning_distmm.data.streams.streaming import FieldStream
 
 
 class LitDataPairs(PairDecoding, FieldStream):
@@ -35,7 +35,7 @@ class LitDataPairs(PairDecoding, FieldStream):
         image_key, caption_key: the item's fields holding the encoded image and the caption.
         transform, tokenizer, context_length, decode_log: see :class:`~lightning_distmm.data.datasets.pairs.PairDecoding`.
         skip_bad_samples: a bad item is replaced by the next row of its global batch that decodes
-            (:mod:`lightning_distmm.data.loader.skipping`; one process: ``collate_fn=SkipBadRows(dataset)``).
+            (:mod:`lightning_distmm.data.samples.skipping`; one process: ``collate_fn=SkipBadRows(dataset)``).
     """
 
     def __init__(

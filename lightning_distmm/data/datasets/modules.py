@@ -15,9 +15,9 @@ from torch.utils.data import DataLoader
 
 from lightning_distmm.data.datasets.pair_options import PairsModuleBase
 from lightning_distmm.data.datasets.pairs import CsvPairs, ImageFolderPairs
-from lightning_distmm.data.datasets.shuffle import train_loader
-from lightning_distmm.data.loader.fields import FieldDataset
-from lightning_distmm.data.loader.skipping import SkipBadRows, SkipBadSamples
+from lightning_distmm.data.loader.shuffle import train_loader
+from lightning_distmm.data.samples.fields import FieldDataset
+from lightning_distmm.data.samples.skipping import SkipBadRows, SkipBadSamples
 
 
 class FieldSubset(FieldDataset):
@@ -87,7 +87,7 @@ class PairsDataModule(PairsModuleBase):
         val_size: pairs held out when ``val_path`` is None: a count, or a fraction below 1 (0.1: a tenth).
         img_key, caption_key, sep: the CSV's columns and separator (open_clip's defaults: ``filepath``, ``title``, tab).
         captions: an image folder's captions file (None: sidecar ``.txt`` files).
-        shuffle: the seeded shuffle of the training pairs (:func:`~lightning_distmm.data.datasets.shuffle.seeded_shuffle`).
+        shuffle: the seeded shuffle of the training pairs (:func:`~lightning_distmm.data.loader.shuffle.seeded_shuffle`).
         options: :class:`~lightning_distmm.data.datasets.pair_options.PairOptions` (``image_size``, ``mean``,
             ``std``, ``interpolation``, ``crop_pct``, ``tokenizer``, ``context_length``, ``batch_size``: the
             global batch, ``val_batch_size``, ``num_workers``, ``skip_bad_samples``).

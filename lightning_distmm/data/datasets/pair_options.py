@@ -35,7 +35,7 @@ class PairOptions:
         context_length: token width.
         batch_size: the global batch; val_batch_size, num_workers: as for any DataModule.
         skip_bad_samples: replace a sample that cannot be decoded by the next one that can, logging
-            and counting it (:mod:`lightning_distmm.data.loader.skipping`); off: the first one ends the run, named.
+            and counting it (:mod:`lightning_distmm.data.samples.skipping`); off: the first one ends the run, named.
     """
 
     image_size: int = 224

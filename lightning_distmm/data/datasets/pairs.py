@@ -5,7 +5,7 @@
 - :class:`ImageFolderPairs`: a folder of images with a sidecar ``<stem>.txt`` caption per image,
   or one captions file (JSON ``{relative path: caption}`` or ``path<TAB>caption`` lines).
 
-Both are :class:`~lightning_distmm.data.loader.fields.FieldDataset` s: ``load(index, fields)`` does only
+Both are :class:`~lightning_distmm.data.samples.fields.FieldDataset` s: ``load(index, fields)`` does only
 the work of the fields asked for. Under distmm an image rank opens and decodes the image file and
 runs the transform, never the tokenizer; a text rank tokenizes, never touching the image file.
 Fields: ``image`` (the transform's tensor), ``caption`` (str), ``input_ids`` / ``attention_mask``.
@@ -28,7 +28,7 @@ from typing import Any
 from torch import Tensor
 
 from lightning_distmm.data.datasets.preprocess import CaptionTokenizer
-from lightning_distmm.data.loader.fields import FieldDataset, SampleDecodeError
+from lightning_distmm.data.samples.fields import FieldDataset, SampleDecodeError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 TOKEN_FIELDS = ("input_ids", "attention_mask")

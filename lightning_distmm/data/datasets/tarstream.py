@@ -1,6 +1,6 @@
 """The members of a tar stream, read with as little Python per member as the format allows.
 
-Every distmm rank reads every sample of a WebDataset stream (:mod:`lightning_distmm.data.loader.streaming`),
+Every distmm rank reads every sample of a WebDataset stream (:mod:`lightning_distmm.data.streams.streaming`),
 so the cost of reading a member is paid once per rank per sample of the global batch. The standard
 library's ``tarfile`` iterator (what ``webdataset``'s tar iterators use) spends ~120 us of Python per
 header on the demo shards (pax headers, two per member); this reader takes the three kinds of

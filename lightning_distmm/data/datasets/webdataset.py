@@ -7,7 +7,7 @@ and ``pipe:`` URLs (``pipe:cat shard.tar``, ``pipe:curl -s ...``, ``pipe:aws s3 
 ``webdataset``'s ``gopen``, its members grouped into samples by ``webdataset``'s ``group_by_keys``
 (read by :func:`~lightning_distmm.data.datasets.tarstream.tar_members`, which every rank runs on every sample).
 
-It is a :class:`~lightning_distmm.data.loader.streaming.FieldStream`: the epoch's order (shards permuted,
+It is a :class:`~lightning_distmm.data.streams.streaming.FieldStream`: the epoch's order (shards permuted,
 then samples through a shuffle buffer) follows from ``(seed, epoch)`` alone, so every distmm rank
 reads the same stream and cuts the same global batches, and decodes only its rows' fields: an
 image rank decodes the image and runs the transform, a text rank tokenizes the caption, and the
@@ -35,8 +35,8 @@ from lightning_distmm.data.datasets.modules import StreamPairsDataModule
 from lightning_distmm.data.datasets.pair_options import stream_seed
 from lightning_distmm.data.datasets.pairs import PairDecoding
 from lightning_distmm.data.datasets.tarstream import tar_members
-from lightning_distmm.data.loader.fields import FieldDataset
-from lightning_distmm.data.loader.streaming import FieldStream, skip_samples
+from lightning_distmm.data.samples.fields import FieldDataset
+from lightning_distmm.data.streams.streaming import FieldStream, skip_samples
 
 IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
 
@@ -105,7 +105,7 @@ class WebDatasetPairs(PairDecoding, FieldStream):
         transform, tokenizer, context_length, decode_log: as for
             :class:`~lightning_distmm.data.datasets.pairs.PairDataset`.
         skip_bad_samples: a sample that cannot be decoded is replaced by the next row of its global
-            batch that can (:mod:`lightning_distmm.data.loader.skipping`; iterated in one process, batch it
+            batch that can (:mod:`lightning_distmm.data.samples.skipping`; iterated in one process, batch it
             with ``collate_fn=SkipBadRows(dataset)``); ``skipped`` counts them.
     """
 

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from lightning_distmm.data.datasets.shuffle import train_loader
 from lightning_distmm.data.demo.tokenizer import build_tokenizer, encode
-from lightning_distmm.data.loader.fields import FieldDataset
+from lightning_distmm.data.loader.shuffle import train_loader
+from lightning_distmm.data.samples.fields import FieldDataset
 
 CLASSNAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 TEMPLATES = ("a handwritten {}", "the digit {}", "a scan of the number {}", "a picture of a handwritten {}")

@@ -32,10 +32,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_distmm.data.datasets.shuffle import train_loader
 from lightning_distmm.data.demo.captions import COLORS, POSITIONS, SHAPES, TEMPLATES, vocabulary
 from lightning_distmm.data.demo.tokenizer import build_caption_tokenizer, encode
-from lightning_distmm.data.loader.fields import FieldDataset
+from lightning_distmm.data.loader.shuffle import train_loader
+from lightning_distmm.data.samples.fields import FieldDataset
 
 NUM_COMBOS = len(COLORS) * len(SHAPES) * len(POSITIONS)
 _COLOR_NAMES = tuple(COLORS)
@@ -242,7 +242,7 @@ class ShapesDataModule(L.LightningDataModule):
     ``batch_size`` is the **global** batch: the samples that one contrastive loss sees (under distmm
     the strategy splits it across each tower's replicas). Training batches drop the last partial
     batch; validation keeps it. ``shuffle`` is a seeded permutation per epoch (see
-    :func:`~lightning_distmm.data.datasets.shuffle.seeded_shuffle`), identical under single-process and distmm training.
+    :func:`~lightning_distmm.data.loader.shuffle.seeded_shuffle`), identical under single-process and distmm training.
     """
 
     def __init__(

@@ -1,9 +1,8 @@
 """The runtime's side of the data: what each rank loads of a global batch.
 
-Rank 0 draws the user's sampler and every rank keeps its rows (:mod:`.sampling`, :mod:`.loading`);
-an iterable dataset is read whole by every rank, which decodes only its rows (:mod:`.streaming`,
-:mod:`.stream_sources`, :mod:`.litdata_stream`) and checks that every rank read the same samples
-(:mod:`.agreement`); checks of a dataset against the plan (:mod:`.checks`); the field-loading
-contract (:mod:`.fields`) and the skip-and-count rule for samples that cannot be decoded
-(:mod:`.skipping`).
+Every rank keeps its rows of each global batch and loads only their fields (:mod:`.loading`: a
+map-style dataset drawn by index, an iterable one read through :mod:`lightning_distmm.data.streams`);
+each step's rows assigned to the towers' replicas by what they cost (:mod:`.balance`); checks of a
+dataset against the plan (:mod:`.checks`); and the seeded training loader of the bundled
+DataModules (:mod:`.shuffle`).
 """

@@ -13,9 +13,9 @@ from typing import Any
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_distmm.core.plan import split_batch
-from lightning_distmm.data.loader.fields import FieldDataset
-from lightning_distmm.data.loader.stream_sources import as_stream
-from lightning_distmm.data.loader.streaming import FieldStream
+from lightning_distmm.data.samples.fields import FieldDataset
+from lightning_distmm.data.streams.stream_sources import as_stream
+from lightning_distmm.data.streams.streaming import FieldStream
 
 
 def check_dataloader(
@@ -117,7 +117,7 @@ def _check_stream(
     replicas_by_tower: Mapping[str, int],
     sync_groups: int,
 ) -> None:
-    """An ``IterableDataset``: every rank reads it whole (data/loader/streaming.py). A :class:`FieldStream`
+    """An ``IterableDataset``: every rank reads it whole (data/streams/streaming.py). A :class:`FieldStream`
     declares its fields and maybe its length; another one is checked sample by sample as it is read."""
     name = type(dataset).__name__
     stream = as_stream(dataset)  # refuses what cannot be read the same on every rank

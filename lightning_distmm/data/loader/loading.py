@@ -8,7 +8,7 @@ generator, a ``DistributedSampler`` or a custom batch sampler all give every ran
 single-process run with the same seed, the same batches. This module then keeps, per global batch,
 only the rows this rank's towers compute on, and asks the dataset for only their fields. An
 ``IterableDataset`` has no index to draw: every rank reads the stream itself and cuts the same
-global batches, and decodes only its rows' fields (:mod:`lightning_distmm.data.loader.streaming`).
+global batches, and decodes only its rows' fields (:mod:`lightning_distmm.data.streams.streaming`).
 
 The loader is stateful. Its position is ``(epoch, samples of that epoch already trained)``, a count
 of samples rather than of batches, so a run resumed with another batch size continues at the next
@@ -32,18 +32,18 @@ from lightning_distmm.core.layout import ASSIGNMENT_KEY, GLOBAL_BATCH_KEY, SAMPL
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.data.loader.balance import CostBalancer, CostSpec
 from lightning_distmm.data.loader.checks import check_dataloader, prebatched_message
-from lightning_distmm.data.loader.fields import load_fields
-from lightning_distmm.data.loader.sampling import RankBatchSampler
-from lightning_distmm.data.loader.skipping import SkipBadSamples, resolve_rows, resolve_stream_rows
-from lightning_distmm.data.loader.stream_sources import as_stream
-from lightning_distmm.data.loader.streaming import StreamBatchSampler, StreamFieldSubset
+from lightning_distmm.data.samples.fields import load_fields
+from lightning_distmm.data.samples.sampling import RankBatchSampler
+from lightning_distmm.data.samples.skipping import SkipBadSamples, resolve_rows, resolve_stream_rows
+from lightning_distmm.data.streams.stream_sources import as_stream
+from lightning_distmm.data.streams.streaming import StreamBatchSampler, StreamFieldSubset
 
 
 class FieldSubsetDataset(Dataset):
     """Loads only ``fields`` of each requested sample; carries the global batch size and the sample's
     index along. Over a :class:`SkipBadSamples` it hands on ``(index, sample or BadSample)``: the
     ranks agree on the bad rows in the main process
-    (:func:`~lightning_distmm.data.loader.skipping.resolve_rows`)."""
+    (:func:`~lightning_distmm.data.samples.skipping.resolve_rows`)."""
 
     def __init__(self, dataset: Any, fields: Sequence[str]):
         self.dataset = dataset
@@ -60,7 +60,7 @@ class FieldSubsetDataset(Dataset):
 
 
 class _Pending:
-    """A batch whose rows may hold :class:`~lightning_distmm.data.loader.skipping.BadSample`: collated in the
+    """A batch whose rows may hold :class:`~lightning_distmm.data.samples.skipping.BadSample`: collated in the
     main process once the ranks agree on them. ``rows``: ``(index or row, sample)``; ``batch``: a
     stream's raw global batch (replacements are decoded from it)."""
 
@@ -112,7 +112,7 @@ class DistMMDataLoader(DataLoader):
             those, not the batches already prefetched.
         group: the process group over which rank 0 sends the batches (default: the default group).
         check_every: over a stream, the ranks check that they read the same samples every this many
-            global batches (and on each epoch's first and at its end; :mod:`~lightning_distmm.data.loader.agreement`).
+            global batches (and on each epoch's first and at its end; :mod:`~lightning_distmm.data.streams.agreement`).
     """
 
     def __init__(
@@ -131,7 +131,7 @@ class DistMMDataLoader(DataLoader):
         dataset: Dataset
         stream = None
         if isinstance(source.dataset, IterableDataset):
-            # a stream: every rank reads it and cuts the same global batches (data/loader/streaming.py)
+            # a stream: every rank reads it and cuts the same global batches (data/streams/streaming.py)
             stream = as_stream(source.dataset)
             bs = source.batch_sampler
             sampler: RankBatchSampler = StreamBatchSampler(
@@ -199,7 +199,7 @@ class RankLoaders:
     Args:
         progress: samples of the epoch already trained (read when a loader's iterator starts).
         check_every: over an iterable dataset, the ranks compare what they read every this many
-            global batches (:mod:`lightning_distmm.data.loader.agreement`).
+            global batches (:mod:`lightning_distmm.data.streams.agreement`).
         note: where a line for the user goes (rank 0's log).
     """
 

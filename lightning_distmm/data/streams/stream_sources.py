@@ -1,11 +1,11 @@
 """Which iterable datasets distmm reads, and as what: every rank must read the same stream.
 
-A :class:`~lightning_distmm.data.loader.streaming.FieldStream` is read as it is; a LitData
-``StreamingDataset`` through :class:`~lightning_distmm.data.loader.litdata_stream.LitDataStream` (as one
+A :class:`~lightning_distmm.data.streams.streaming.FieldStream` is read as it is; a LitData
+``StreamingDataset`` through :class:`~lightning_distmm.data.streams.litdata_stream.LitDataStream` (as one
 process reads it); any other ``IterableDataset`` of dict samples as a
-:class:`~lightning_distmm.data.loader.streaming.PlainStream`. Refused by name, at setup, on every rank:
+:class:`~lightning_distmm.data.streams.streaming.PlainStream`. Refused by name, at setup, on every rank:
 what splits itself by rank or reads differently per process, so that the cause is named before any
-step (the run-time check of :mod:`~lightning_distmm.data.loader.agreement` catches the others).
+step (the run-time check of :mod:`~lightning_distmm.data.streams.agreement` catches the others).
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from typing import Any
 
 from torch.utils.data import IterableDataset
 
-from lightning_distmm.data.loader.litdata_stream import LitDataStream
-from lightning_distmm.data.loader.streaming import FieldStream, PlainStream
+from lightning_distmm.data.streams.litdata_stream import LitDataStream
+from lightning_distmm.data.streams.streaming import FieldStream, PlainStream
 
 
 def as_stream(dataset: IterableDataset) -> FieldStream:
     """``dataset`` as a :class:`FieldStream`; refuses what distmm cannot read the same on every rank,
-    and reads a LitData ``StreamingDataset`` as one process would (:mod:`~lightning_distmm.data.loader.litdata_stream`)."""
+    and reads a LitData ``StreamingDataset`` as one process would (:mod:`~lightning_distmm.data.streams.litdata_stream`)."""
     if isinstance(dataset, FieldStream):
         return dataset
     refuse_unsupported_stream(dataset)

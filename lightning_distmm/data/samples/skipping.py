@@ -2,7 +2,7 @@
 ``data.skip_bad_samples=true``), as open_clip's WebDataset pipeline does with ``warn_and_continue``.
 
 The rule, the same on every route: a sample whose fields cannot be decoded
-(:class:`~lightning_distmm.data.loader.fields.SampleDecodeError`) is replaced by the next index (cyclically)
+(:class:`~lightning_distmm.data.samples.fields.SampleDecodeError`) is replaced by the next index (cyclically)
 whose fields decode, so batches keep their size and a run with bad files trains on the same batches
 under every strategy.
 
@@ -28,7 +28,7 @@ from typing import Any
 import lightning as L
 import torch.distributed as dist
 
-from lightning_distmm.data.loader.fields import FieldDataset, SampleDecodeError
+from lightning_distmm.data.samples.fields import FieldDataset, SampleDecodeError
 
 log = logging.getLogger(__name__)
 

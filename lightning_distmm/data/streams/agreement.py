@@ -1,7 +1,7 @@
 """Every rank reads the same samples: checked while training, for every stream.
 
 Under distmm every rank reads an iterable dataset itself and keeps its rows of each global batch
-(:mod:`lightning_distmm.data.loader.streaming`). That is right only if every rank reads the *same* samples
+(:mod:`lightning_distmm.data.streams.streaming`). That is right only if every rank reads the *same* samples
 in the same order. A stream whose order depends on the process (its rank or world size, as LitData's
 shuffle, Hugging Face's ``split_dataset_by_node`` or a dataset reading ``torch.distributed.get_rank()``
 do) gives the image rank other samples than the text rank: every image is trained against another

@@ -1,6 +1,6 @@
 """Iterable datasets under distmm: every rank reads the same stream, and decodes only its rows.
 
-A map-style dataset is drawn by index (:mod:`lightning_distmm.data.loader.sampling`); a stream has no
+A map-style dataset is drawn by index (:mod:`lightning_distmm.data.samples.sampling`); a stream has no
 index to draw, so every rank reads it, in the same order, and cuts it into the same global
 batches. What makes that cheap is the split of a sample into its *raw* form (the bytes of a tar
 member, a caption's bytes) and its decoded fields: a :class:`FieldStream` yields raw samples, which
@@ -31,10 +31,10 @@ import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from lightning_distmm.core.layout import RankLayout
-from lightning_distmm.data.loader.agreement import StreamAgreement, declared_rank_independent, explicit_key, key_of
-from lightning_distmm.data.loader.fields import select_fields
-from lightning_distmm.data.loader.sampling import DataPositionError, RankBatchSampler, _distributed
-from lightning_distmm.data.loader.skipping import StreamRow, decode_or_mark
+from lightning_distmm.data.samples.fields import select_fields
+from lightning_distmm.data.samples.sampling import DataPositionError, RankBatchSampler, _distributed
+from lightning_distmm.data.samples.skipping import StreamRow, decode_or_mark
+from lightning_distmm.data.streams.agreement import StreamAgreement, declared_rank_independent, explicit_key, key_of
 
 
 class FieldStream(IterableDataset):
@@ -57,7 +57,7 @@ class FieldStream(IterableDataset):
 
     def samples(self, epoch: int, skip: int = 0) -> Iterator[Any]:
         """The raw samples of ``epoch`` from sample ``skip`` on; skipping decodes nothing, and an epoch of
-        fewer than ``skip`` samples raises :class:`~lightning_distmm.data.loader.sampling.DataPositionError`
+        fewer than ``skip`` samples raises :class:`~lightning_distmm.data.samples.sampling.DataPositionError`
         (see :func:`skip_samples`)."""
         raise NotImplementedError
 
@@ -72,7 +72,7 @@ class FieldStream(IterableDataset):
     def sample_key(self, sample: Any) -> Any:
         """What names the raw ``sample`` (a str, an int, a tuple of them), compared across ranks to
         check that every rank reads the same samples; None: a fingerprint of the raw sample is
-        (:mod:`lightning_distmm.data.loader.agreement`)."""
+        (:mod:`lightning_distmm.data.streams.agreement`)."""
         return None
 
     def set_epoch(self, epoch: int) -> None:

@@ -33,7 +33,7 @@ import os
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from lightning_distmm.data.loader.streaming import PlainStream, one_pass, skip_samples
+from lightning_distmm.data.streams.streaming import PlainStream, one_pass, skip_samples
 
 
 class LitIndex(int):
