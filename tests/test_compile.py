@@ -30,12 +30,13 @@ COMPILED_TOL = 1e-5
 
 #: torchtitan's order on the image tower: tensor parallelism, then the compiled blocks, then FSDP2 over
 #: the replicas, whose batches are uneven (6 + 4 rows: one graph for both, the batch dimension
-#: dynamic); the transformers text tower compiled on its two replicas
+#: dynamic); the transformers text tower compiled on its two replicas, its first block recomputed
+#: (the checkpoint inside the compiled region)
 PLAN = ldm.Plan(
     4,
     {
         "image": {"ranks": [0, 1, 2, 3], "tp": 2, "shard": "full", "replica_batch": [6, 4], "compile": True},
-        "text": {"ranks": [0, 2], "compile": True},
+        "text": {"ranks": [0, 2], "compile": True, "recompute": 1},
     },
     10,
 )

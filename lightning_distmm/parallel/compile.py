@@ -6,7 +6,9 @@ reuses it for every block (the parameters are the graph's inputs), instead of on
 tower that a new sequence length or a pipeline cut would recompile. Only ``forward`` is wrapped, so
 the modules' hooks (FSDP2's gathers and reduce-scatters, the runtime's own) stay eager around the
 compiled region, and the order torchtitan applies the parts in holds: tensor, sequence and context
-parallelism first (the blocks compile with their DTensors and collectives), FSDP2 after. A tower
+parallelism and recomputation first (the blocks compile with their DTensors, collectives and
+checkpoints: a compiled function never runs inside a checkpoint's recomputation, where dynamo is
+disabled), FSDP2 after. A tower
 with no repeated blocks (a small conv encoder) compiles its root ``forward`` instead; a pipelined
 tower compiles its stage's blocks only.
 
@@ -26,6 +28,7 @@ settings; an error there ends the step like any other).
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -49,7 +52,9 @@ class _Region:
         self.module = module
         self.own_forward = "forward" in module.__dict__  # an instance forward (a patch) to restore as it was
         self.eager = module.forward
-        self.compiled = torch.compile(self.eager, backend=backend)
+        # a recomputed block's forward is a callable object (parallel.recompute): compile its __call__
+        target = self.eager if inspect.ismethod(self.eager) or inspect.isfunction(self.eager) else self.eager.__call__
+        self.compiled = torch.compile(target, backend=backend)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.tower.failure is not None:

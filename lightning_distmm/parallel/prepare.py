@@ -45,8 +45,8 @@ def prepare_rank(
     release_remote_towers(towers, layout)
     stages = cut_pipelines(plan, towers, layout, rank)
     parallelize_local_towers(plan, towers, layout, groups, stages)
-    compile_local_towers(plan, towers, layout, stages)
     recompute_local_towers(plan, towers, layout, stages)
+    compile_local_towers(plan, towers, layout, stages)
     return shard_local_towers(plan, towers, layout, groups, stages)
 
 
@@ -82,7 +82,7 @@ def compile_local_towers(
     plan: Plan, towers: Mapping[str, Tower], layout: RankLayout, stages: Mapping[str, Stage] | None = None
 ) -> dict[str, CompiledTower]:
     """Compile the blocks this rank runs of the local towers whose plan says ``compile: true`` (after
-    tensor, sequence and context parallelism, before FSDP2, as torchtitan orders them)."""
+    tensor, sequence and context parallelism and recomputation, before FSDP2, as torchtitan orders them)."""
     out: dict[str, CompiledTower] = {}
     for name in layout.local_towers:
         if plan.towers[name].compile:
@@ -95,8 +95,9 @@ def recompute_local_towers(
     plan: Plan, towers: Mapping[str, Tower], layout: RankLayout, stages: Mapping[str, Stage] | None = None
 ) -> None:
     """Recompute the blocks of the local towers whose plan says ``recompute: true`` (every block this
-    rank runs) or ``recompute: N`` (the first N of its stage), after compilation (the compiled forward
-    is what is recomputed) and before FSDP2."""
+    rank runs) or ``recompute: N`` (the first N of its stage), before compilation (torch.compile then
+    traces the checkpoint, torchtitan's order: a compiled function must not run inside a
+    checkpoint's recomputation, where dynamo is disabled) and before FSDP2."""
     for name in layout.local_towers:
         count = plan.towers[name].recompute
         if count is True or (count is not False and count > 0):

@@ -11,7 +11,9 @@ blocks memory requires. A tower without repeated blocks recomputes its whole for
 The forward is wrapped where it is called, as :mod:`lightning_distmm.parallel.compile` wraps it: the
 modules' hooks (FSDP2's gathers) stay outside, so a sharded block's weights are gathered for its
 recomputation by FSDP's pre-backward hook, as torchtitan's order (checkpointing before FSDP2) has it.
-A compiled block is recomputed by its compiled forward. Random operations (dropout) replay the
+A block both recomputed and compiled is wrapped here first and compiled around the checkpoint
+(torchtitan's order again; a compiled forward called inside the recomputation, where torch disables
+dynamo, failed). Random operations (dropout) replay the
 forward's draws (``preserve_rng_state``).
 """
 
