@@ -23,7 +23,7 @@ from lightning_distmm.core.layout import RankLayout
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.core.schedule import stage_neighbours
 from lightning_distmm.parallel import deferred
-from lightning_distmm.parallel.compile import CompiledTower, compile_tower
+from lightning_distmm.parallel.compile import compile_tower
 from lightning_distmm.parallel.families import apply_cp, apply_sp, apply_tp, tower_stages
 from lightning_distmm.parallel.fsdp import apply_fsdp
 from lightning_distmm.parallel.groups import TowerGroups
@@ -80,15 +80,13 @@ def _stage_holds(stage: Stage | None) -> Callable[[nn.Module], bool]:
 
 def compile_local_towers(
     plan: Plan, towers: Mapping[str, Tower], layout: RankLayout, stages: Mapping[str, Stage] | None = None
-) -> dict[str, CompiledTower]:
+) -> None:
     """Compile the blocks this rank runs of the local towers whose plan says ``compile: true`` (after
     tensor, sequence and context parallelism and recomputation, before FSDP2, as torchtitan orders them)."""
-    out: dict[str, CompiledTower] = {}
     for name in layout.local_towers:
         if plan.towers[name].compile:
             stage = (stages or {}).get(name)
-            out[name] = compile_tower(name, towers[name].module, _stage_holds(stage), pipelined=stage is not None)
-    return out
+            compile_tower(name, towers[name].module, _stage_holds(stage), pipelined=stage is not None)
 
 
 def recompute_local_towers(
@@ -100,7 +98,7 @@ def recompute_local_towers(
     checkpoint's recomputation, where dynamo is disabled) and before FSDP2."""
     for name in layout.local_towers:
         count = plan.towers[name].recompute
-        if count is True or (count is not False and count > 0):
+        if count:  # true, or a positive number of blocks
             stage = (stages or {}).get(name)
             recompute_blocks(towers[name].module, count, _stage_holds(stage), pipelined=stage is not None)
 

@@ -34,7 +34,6 @@ class _Recomputed:
     """A module's forward run under ``checkpoint`` (the module's own ``forward`` kept to restore)."""
 
     def __init__(self, module: nn.Module) -> None:
-        self.module = module
         self.inner = module.forward
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -48,7 +48,7 @@ class StagePasses:
         self.topology, self.device, self.gradients = topology, device, gradients
         self.runs_backward = runs_backward
 
-    def run_stage(self, name: str, x: Tensor | None, rows: Mapping[str, Any], training: bool) -> Tensor:
+    def run_stage(self, name: str, x: Tensor | None, rows: Mapping[str, Any]) -> Tensor:
         if name in self.stages:
             return self.stages[name].run(x, rows)
         return self.towers[name].encode(rows)  # recomputed blocks are wrapped at preparation (parallel.recompute)
@@ -65,14 +65,14 @@ class StagePasses:
         if grad and not ins.keep:  # cached: no activations now, recompute from the input in backward
             rng = _rng_state(self.device)
             with torch.no_grad():
-                x = self.run_stage(ins.tower, x_in, rows, training)
+                x = self.run_stage(ins.tower, x_in, rows)
             run.records[ins.tower, ins.mb] = Microbatch(x_in, rows, None, rng)
             if x_in is not None:
                 run.stash_bytes += x_in.numel() * x_in.element_size()
         else:
             if grad and x_in is not None:
                 x_in.requires_grad_(True)
-            x = self.run_stage(ins.tower, x_in, rows, training)
+            x = self.run_stage(ins.tower, x_in, rows)
             if grad:
                 run.records[ins.tower, ins.mb] = Microbatch(x_in, rows, x, None)
         run.traced(ins, start)
@@ -108,7 +108,7 @@ class StagePasses:
         if micro.output is None:  # cached: recompute the stage from its saved input, same RNG
             x_in = micro.input.requires_grad_(True) if micro.input is not None else None
             with _restored_rng(micro.rng, self.device):  # type: ignore[arg-type]
-                out = self.run_stage(ins.tower, x_in, micro.rows, True)
+                out = self.run_stage(ins.tower, x_in, micro.rows)
         else:
             x_in, out = micro.input, micro.output
         torch.autograd.backward(out, g_out)
