@@ -36,8 +36,8 @@ two-tower model) and is searched for its fastest configuration under the same me
 microbatch, schedule and sharding (memory is shared, so they are chosen jointly; ``distmm``, when
 the options list it, is on every tower or on none). The search adds every baseline whose choices
 its options allow to its pool, so the DistMM plan is never predicted slower than those; a baseline
-with a choice the options do not allow (a sharding not listed in ``shards``) or the runtime does not
-run (block recomputation of part of a tower) stays out of the pool and can be predicted faster
+with a choice the options do not allow (a sharding not listed in ``shards``, Megatron-LM's sequence
+parallelism under its uniform degrees) stays out of the pool and can be predicted faster
 (``benchmarks/planner.py`` lists where, and why).
 """
 
