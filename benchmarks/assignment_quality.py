@@ -1,6 +1,6 @@
 """How close each step's cost-balanced row assignment comes to the ideal, against the even split.
 
-For each workload (images per sample as the encoder->LLM planner's ``WORKLOADS`` give them, caption
+For each workload (images per sample as the VLM planner's ``WORKLOADS`` give them, caption
 lengths drawn uniformly from half to one and a half times the workload's mean) and each number of
 rows per encoder replica, draws global batches and prints, over them, the mean of
 ``slowest replica's load / mean replica load``: the encoder's load is its replicas' images, the LLM's
@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_distmm.core.assignment import RowAssignment, balance_rows, loads  # noqa: E402
 from lightning_distmm.core.plan import Plan  # noqa: E402
-from lightning_distmm.planner.vlm.presets import PRESETS  # noqa: E402
 from lightning_distmm.planner.vlm.profile import WORKLOADS, straggler  # noqa: E402
+from lightning_distmm.planner.vlm.sizes import PRESETS  # noqa: E402
 
 
 def main() -> None:

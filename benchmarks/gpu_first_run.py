@@ -387,7 +387,7 @@ class TransformersLlava(L.LightningModule):
 
 def check_llava(ctx: Context, pack_tokens: int | None = None) -> dict[str, Any]:
     """transformers' ``LlavaForConditionalGeneration`` as two towers under ``DistMMStrategy()`` with
-    no plan (the encoder->LLM search on the live towers, timed on the device), the tower handoff
+    no plan (the VLM search on the live towers, timed on the device), the tower handoff
     and torch's default AdamW kernels: equal to the model's own forward and loss in a plain Trainer.
     ``pack_tokens``: the language model on packed rows (transformers' packed-sequence attention on
     the device) against the padded reference."""

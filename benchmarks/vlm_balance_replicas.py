@@ -20,7 +20,7 @@ steps:
   the two splits.
 
 What it is not: a parallel step. No communication, no language model, no contention between ranks:
-a step of an encoder->LLM plan whose encoder is its bottleneck gains at most this ratio, and less as
+a step of a VLM plan whose encoder is its bottleneck gains at most this ratio, and less as
 the LLM's share grows.
 
     python benchmarks/vlm_balance_replicas.py --dp 8,16 --rows 1,2,4 --steps 8

@@ -1,4 +1,4 @@
-"""The VLM planner's table (docs/mllm.md, "The planner"): for each preset, cluster and global batch,
+"""The VLM planner's table (docs/vlm.md, "The planner"): for each preset, cluster and global batch,
 the plan the planner picks (each module's devices and degrees) against FSDP over the whole model
 and a uniform Megatron-style plan, all priced by the same cost model and replayed through the
 runtime's handoff lists. Predicted, not measured.

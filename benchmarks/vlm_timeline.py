@@ -1,21 +1,21 @@
-"""Draw one simulated step of a vision encoder feeding an LLM (docs/mllm.md): encoder dp3 on ranks
+"""Draw one simulated step of a vision encoder feeding an LLM (docs/vlm.md): encoder dp3 on ranks
 0-2, LLM dp2 on ranks 3-4, a global batch of 7 (rows 3+2+2 and 4+3); with ``--microbatch`` every
 replica runs microbatches of one row, so the LLM's microbatch k overlaps the encoder's k+1.
 
-The instruction lists are the ones the runtime executes (``core.handoff.handoff_schedule``) and
+The instruction lists are the ones the runtime executes (``core.handoff_schedule.handoff_schedule``) and
 ``simulate_handoff`` replays them; the durations are illustrative (per row: encoder forward 1 ms,
 LLM forward 3 ms, backward twice the forward, 0.2 ms per transfer, 0.1 ms link latency), not
 measured: the picture shows the data flow and the waits, not a speed.
 
-    python benchmarks/vlm_timeline.py docs/img/mllm_step_5rank.svg
-    python benchmarks/vlm_timeline.py docs/img/mllm_step_5rank_mb1.svg --microbatch
+    python benchmarks/vlm_timeline.py docs/img/vlm_step_5rank.svg
+    python benchmarks/vlm_timeline.py docs/img/vlm_step_5rank_mb1.svg --microbatch
 """
 
 from __future__ import annotations
 
 import sys
 
-from lightning_distmm.core.handoff import handoff_schedules, routes
+from lightning_distmm.core.handoff_schedule import handoff_schedules, routes
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.core.schedule import Backward, Forward
 from lightning_distmm.planner.cost.simulate import bubble_fraction, simulate_handoff

@@ -123,7 +123,7 @@ class DistMMMixin:
         return grouped_loss(self.interaction_loss, features, self.sync_groups)
 
     def _token_mean(self, consumer: str, batch: Mapping[str, Any]) -> Tensor:
-        """The single-process reference of a consuming model: every tower on the whole batch in
+        """The single-process reference of a VLM: every tower on the whole batch in
         consumption order, the consumer's per-token loss summed over the batch over its target count."""
         specs = self.tower_specs()
         outputs: dict[str, Tensor] = {}

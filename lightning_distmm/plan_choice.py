@@ -171,7 +171,7 @@ def default_choice(job: LiveJob) -> tuple[dict, str, None]:
         counts = tower_counts(job.towers, job.example)
     host = describe_host(job.device, job.per_node)
     pair = producer_consumer(job.towers)
-    if pair is not None:  # an encoder feeding a language model: the encoder->LLM search
+    if pair is not None:  # an encoder feeding a language model: the VLM search
         from lightning_distmm.planner.vlm.default import default_vlm_plan
 
         counted = {n: CountedTower(**c) for n, c in counts.items()}
@@ -196,7 +196,7 @@ def describe_host(device: torch.device, per_node: int) -> Host:
 
 def producer_consumer(towers: Mapping[str, Tower]) -> tuple[str, str] | None:
     """``(producer, consumer)`` when the model is one tower feeding another (an encoder and its
-    language model), which the encoder->LLM search plans; None otherwise (the contrastive default)."""
+    language model), which the VLM search plans; None otherwise (the contrastive default)."""
     consumers = [n for n, t in towers.items() if t.consumes]
     if len(towers) != 2 or len(consumers) != 1 or len(towers[consumers[0]].consumes) != 1:
         return None
@@ -205,7 +205,7 @@ def producer_consumer(towers: Mapping[str, Tower]) -> tuple[str, str] | None:
 
 def auto_choice(job: LiveJob) -> tuple[dict, str | None, None]:
     """The planner on tower profiles measured here, in the run's precision, one tower at a time
-    (an encoder feeding a language model: the encoder->LLM search)."""
+    (an encoder feeding a language model: the VLM search)."""
     from lightning_distmm.planner.auto import auto_plan, tower_info_from_batch
     from lightning_distmm.planner.cost.options import PRECISION_ALIASES
 

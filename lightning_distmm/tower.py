@@ -29,7 +29,7 @@ class Tower:
         frozen: a frozen tower (LiT) is run without gradients and has no optimizer state.
         consumes: other towers whose output this tower reads, ``{tower: keyword}``: the module is
             called with ``keyword=<that tower's output for the same rows>`` (a language model
-            reading a vision tower's image tokens, docs/mllm.md). A model with such a tower has a
+            reading a vision tower's image tokens, docs/vlm.md). A model with such a tower has a
             per-token loss on it (``token_loss``) instead of a batch-sync.
         cost: what one row costs this tower, read from the sample before it is loaded: a field name
             (``"n_images"``; an integer counts as itself, a sequence or tensor by its length) or

@@ -1,5 +1,5 @@
 """Fine-tune a tiny transformers LLaVA on conversations about the embedded shapes under distmm, then
-ask it about held-out images (docs/mllm.md, "Your own LLaVA").
+ask it about held-out images (docs/vlm.md, "Your own LLaVA").
 
 The model is transformers' own ``LlavaForConditionalGeneration`` (a CLIP vision tower and a Llama,
 built at random, or loaded from ``--init`` folder), trained as two towers (the vision tower and its

@@ -468,7 +468,7 @@ def fit_towers(
     parts: str,
     tail: str = "",
 ) -> tuple[L.Trainer, float, Any]:
-    """The encoder->LLM jobs' training: the Trainer with the configured callbacks and logger, one line
+    """The VLM jobs' training: the Trainer with the configured callbacks and logger, one line
     naming the model (``parts``: its towers' parameters) and the run, ``fit``; returns the trainer,
     the seconds ``fit`` took and the last ``train/loss``."""
     callbacks = [*(trainer_kwargs.pop("callbacks", None) or []), *instantiate_group(cfg.get("callbacks")), *callbacks]

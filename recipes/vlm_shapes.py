@@ -1,5 +1,5 @@
 """Caption the embedded shapes images with a tiny vision encoder + projector + LLM under distmm
-(docs/mllm.md): the encoder on its own rank(s), the LLM on another, image tokens handed over
+(docs/vlm.md): the encoder on its own rank(s), the LLM on another, image tokens handed over
 point to point. Prints the loss, then generated captions of held-out images next to the true ones
 and the share of captions that name the right colour and shape, next to chance (1/32).
 

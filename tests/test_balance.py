@@ -148,7 +148,7 @@ def test_layout_loads_the_rows_of_its_run():
 
 
 def test_bad_cost_fields_are_named():
-    from lightning_distmm.data.loader.balance import CostBalancer
+    from lightning_distmm.data.loader.step_balance import CostBalancer
 
     plan = _two_towers(2)
     samples = [{"n_images": 1}, {"n_images": -1}, {"n_images": 2.5}, {"other": 1}, {"n_images": True}]

@@ -71,7 +71,7 @@ def test_every_mismatch_is_named_at_once_and_the_shipped_config_exports(tmp_path
     to_hf(CLIPModel(shipped))
     coca = {**open_clip_compatible(CLIP_TINY), "loss": "coca"}
     with pytest.raises(ValueError, match="CoCa"):
-        from lightning_distmm.models.bridges.layout import _check_ours
+        from lightning_distmm.models.bridges.neutral import _check_ours
 
         _check_ours(type("M", (), {"model_cfg": coca})())
 

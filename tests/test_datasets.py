@@ -226,7 +226,7 @@ def test_captions_the_tokenizer_cannot_read_are_refused_before_training(tmp_path
     reads as ``a [UNK] of the [UNK] [UNK]`` and every digit caption reads the same, which trained to
     exactly chance with no error. The DataModule refuses it and names the fix; a tokenizer that
     knows the words passes."""
-    from lightning_distmm.data.datasets.modules import PairsDataModule
+    from lightning_distmm.data.datasets.datamodule import PairsDataModule
 
     path = _digit_csv(tmp_path)
     with pytest.raises(ValueError) as err:
@@ -256,7 +256,7 @@ def test_a_broken_image_names_its_csv_row_and_file(tmp_path):
 
 
 def test_csv_separator_and_empty_file_and_small_data_messages(tmp_path):
-    from lightning_distmm.data.datasets.modules import PairsDataModule
+    from lightning_distmm.data.datasets.datamodule import PairsDataModule
 
     path = _write_csv(tmp_path, 6, sep="\t")
     assert len(CsvPairs(path, sep="\\t", **_tiny_kwargs())) == 6  # a Hydra override's backslash-t
@@ -278,7 +278,7 @@ def test_csv_separator_and_empty_file_and_small_data_messages(tmp_path):
 def test_pair_options_are_recorded_with_their_defaults_and_a_misspelt_one_is_named(tmp_path):
     """The pairs DataModules take their eleven shared keys through PairOptions: every key, given or
     default, is in the hyperparameters a checkpoint records, and a misspelt key is refused by name."""
-    from lightning_distmm.data.datasets.modules import PairsDataModule
+    from lightning_distmm.data.datasets.datamodule import PairsDataModule
 
     path = _write_csv(tmp_path, 6, sep="\t")
     tok = tmp_path / "tokenizer.json"

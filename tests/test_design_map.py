@@ -34,3 +34,30 @@ def test_every_module_is_on_the_map_in_its_rooms_row():
         if not row or f"`{rel.name}`" not in row[0]:
             missing.append(str(rel))
     assert not missing, f"modules missing from docs/design.md's rooms table (each in its room's row): {missing}"
+
+
+#: module names that appear in two folders, each the same concept from another layer (docs/design.md,
+#: "Words, one meaning each"): the cost model prices what the runtime runs, the VLM planner mirrors
+#: the planner, the cost options nest in the planner's
+SAME_CONCEPT = {
+    "gradients.py": {"planner/cost", "parallel/step"},
+    "groups.py": {"planner/cost", "parallel"},
+    "handoff.py": {"planner/cost", "parallel/step"},
+    "memory.py": {"planner/cost", "parallel"},
+    "pipeline.py": {"planner/cost", "parallel"},
+    "default.py": {"planner", "planner/vlm"},
+    "search.py": {"planner/search", "planner/vlm"},
+    "partition.py": {"planner/search", "planner/vlm"},
+    "profile.py": {"planner/profiles", "planner/vlm"},
+    "options.py": {"planner", "planner/cost"},
+}
+
+
+def test_a_module_name_in_two_folders_is_one_concept_seen_from_two_layers():
+    folders: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path.name != "__init__.py":
+            folders.setdefault(path.name, set()).add(str(path.parent.relative_to(PACKAGE)))
+    repeated = {name: where for name, where in folders.items() if len(where) > 1}
+    unexplained = {n: sorted(w) for n, w in repeated.items() if SAME_CONCEPT.get(n) != w}
+    assert not unexplained, f"module names repeated across folders without a reason in docs/design.md: {unexplained}"

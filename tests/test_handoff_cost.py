@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from lightning_distmm.core.handoff import Route, routes
+from lightning_distmm.core.handoff_schedule import Route, routes
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.planner.cost.handoff import handoff_step_seconds, route_seconds
 from lightning_distmm.planner.measure.local import load_cluster

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from lightning_distmm.core.handoff import (
+from lightning_distmm.core.handoff_schedule import (
     RecvTokenGrads,
     RecvTokens,
     SendTokenGrads,
@@ -164,7 +164,7 @@ def test_instruction_names() -> None:
 def test_every_message_has_its_link(towers) -> None:
     """Every transfer of every rank's list, at any batch, runs over one of :func:`handoff_links`' pairs
     (the runtime's per-pair process groups), and a rank never has a link to itself."""
-    from lightning_distmm.core.handoff import SendTokenGrads, SendTokens, handoff_links
+    from lightning_distmm.core.handoff_schedule import SendTokenGrads, SendTokens, handoff_links
 
     world = len({r for t in towers.values() for r in t["ranks"]})
     plan = Plan(world, towers)

@@ -2,7 +2,7 @@
 
 Plans are drawn from the schema's whole space (:mod:`plan_space`: towers separate, colocated or
 overlapping; dp, tp, pp, cp, sp, every shard, microbatch, schedule, recompute, uneven replica
-batches; 2-4 ranks; a contrastive model and an encoder -> LLM model). Validation is everything the
+batches; 2-4 ranks; a contrastive model and a VLM). Validation is everything the
 strategy checks before it builds a process group: the plan itself (``Plan``), the plan against the
 module (``check_plan_runs``, the loss's sync groups) and how the run's batch splits. A refusal is a
 ``PlanError`` naming the plan key; it depends only on the plan, the module's structure and the
@@ -44,7 +44,7 @@ STEPS = 3
 def make_module(kind: str, sync_groups: int) -> L.LightningModule:
     """The kind's module, seeded: a two-block ViT (4 heads) with a two-layer text tower (2 heads), or
     a two-block ViT (4 heads) feeding a two-layer Llama (4 query, 2 key/value heads); float64 for the
-    encoder -> LLM model, so that its rounding (AdamW near eps) is not mistaken for an error."""
+    VLM, so that its rounding (AdamW near eps) is not mistaken for an error."""
     L.seed_everything(0)
     if kind == "clip":
         return (GroupedDeepCLIP if sync_groups == 2 else DeepCLIP)("adamw", lr=0.01)
@@ -279,12 +279,12 @@ def test_every_tower_plan_the_planner_can_emit_validates(capsys):
 
 @pytest.mark.slow  # no process, but 9 s of pricing
 def test_every_module_choice_of_the_encoder_llm_planner_validates(capsys):
-    """The encoder -> LLM planner's grid (``module_options``: each tp, pp, shard, recompute and
+    """The VLM planner's grid (``module_options``: each tp, pp, shard, recompute and
     microbatch count of a module on 1..N devices) for its presets: every choice, as the tower plan
     ``simulate_step`` writes, validates and passes the module's rules."""
     from lightning_distmm.planner.cost import CostOptions
     from lightning_distmm.planner.measure.local import load_cluster
-    from lightning_distmm.planner.vlm.modules import module_options
+    from lightning_distmm.planner.vlm.partition import module_options
     from lightning_distmm.planner.vlm.profile import WORKLOADS, vlm_profiles
 
     checked, bad = 0, []
@@ -315,5 +315,5 @@ def test_every_module_choice_of_the_encoder_llm_planner_validates(capsys):
                             if why:
                                 bad.append(f"{workload.preset} {cluster} batch {batch}: {c}: {why}")
     with capsys.disabled():
-        print(f"\nencoder -> LLM planner: {checked} module choices checked")
+        print(f"\nVLM planner: {checked} module choices checked")
     assert checked > 1000 and not bad, "\n".join(bad[:20])

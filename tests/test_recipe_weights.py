@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from lightning_distmm.models.bridges import from_open_clip, open_clip_compatible, save_hf, save_open_clip, to_open_clip
-from lightning_distmm.models.bridges.layout import FINETUNE_OPTIM
+from lightning_distmm.models.bridges.neutral import FINETUNE_OPTIM
 from lightning_distmm.models.bridges.recipe import export_problems, finetune_optim, load_init, parse_init
 from lightning_distmm.models.clip import CLIP_TINY, CLIPModel
 from lightning_distmm.planner.machine.config import CONF_DIR

@@ -300,7 +300,7 @@ def test_no_plan_deadlocks_when_a_send_holds_its_rank(capsys):
     message each in one order on every rank (``parallel.pipeline.connect_in_order``), which completes
     under this model for every plan, and afterwards the step only posts its sends on opened links
     (``test_no_plan_deadlocks``' models)."""
-    from lightning_distmm.core.handoff import handoff_links, handoff_schedules
+    from lightning_distmm.core.handoff_schedule import handoff_links, handoff_schedules
     from lightning_distmm.parallel.pipeline import stage_pairs
     from lightning_distmm.planner.cost.simulate import simulate_handoff
 

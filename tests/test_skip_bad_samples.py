@@ -16,7 +16,7 @@ import torch
 from distmm_testing import PairData, TinyCLIP, in_subprocess, max_param_diff, read_losses, run_distmm, run_reference
 from torch.utils.data import DataLoader
 
-from lightning_distmm.data.datasets.modules import PairsDataModule
+from lightning_distmm.data.datasets.datamodule import PairsDataModule
 from lightning_distmm.data.datasets.pairs import SampleDecodeError
 from lightning_distmm.data.samples.skipping import MAX_CONSECUTIVE_BAD, SkipBadSamples, SkippedSamples, resolve_rows
 

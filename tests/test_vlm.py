@@ -1,4 +1,4 @@
-"""Issue 21: a vision tower feeding a language model (docs/mllm.md), against one process."""
+"""Issue 21: a vision tower feeding a language model (docs/vlm.md), against one process."""
 
 from __future__ import annotations
 
@@ -167,7 +167,7 @@ def test_image_counts_that_miss_the_images_stop_training_with_the_sample(case: s
 
 
 def test_docs_show_the_messages_the_code_gives() -> None:
-    docs = (Path(__file__).resolve().parents[1] / "docs" / "mllm.md").read_text()
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "vlm.md").read_text()
     for case in ("claims-an-empty-slot", "more-than-its-slots", "negative", "fewer-slots-than-max-images"):
         assert MISCOUNTED[case][2] in docs, case
 
@@ -361,7 +361,7 @@ def test_vlm_llm_tp2_equals_one_process(optimizer: str, tmp_path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_vlm_llm_tp2_sharded_on_its_own_ranks_equals_one_process(optimizer: str, tmp_path) -> None:
-    """The LLM at tp2 with ``shard: full`` on ranks the encoder does not hold (the shape the encoder->LLM
+    """The LLM at tp2 with ``shard: full`` on ranks the encoder does not hold (the shape the VLM
     planner picks for LLaVA-1.5-7B on 64 A100s: "llm 32 dev: dp16 tp2 ... full; separate")."""
     plan = ldm.Plan(3, {"image": {"ranks": [0]}, "llm": {"ranks": [1, 2], "tp": 2, "shard": "full"}})
     lr = 0.1 if optimizer == "sgd" else 0.01

@@ -155,7 +155,7 @@ def test_every_plan_spec_trains_a_consuming_model_like_one_process(spec, devices
     "spec, world", [("default", 2), ("default", 3), pytest.param("auto", 2, marks=pytest.mark.slow)]
 )
 def test_the_choice_comes_from_the_encoder_to_llm_search(spec, world):
-    """Rank 0's choice for a consuming model: the encoder->LLM search's pick, in the model's tower
+    """Rank 0's choice for a VLM: the VLM search's pick, in the model's tower
     names, with the line the log gets (the pick and its predicted ratio to FSDP and colocated)."""
     from contextlib import nullcontext
 
@@ -178,7 +178,7 @@ def test_the_choice_comes_from_the_encoder_to_llm_search(spec, world):
     assert error is None, error
     plan = ldm.Plan.from_dict(chosen)
     assert set(plan.towers) == {"vision", "text"} and plan.world_size == world
-    assert line.startswith(f"distmm {spec} plan (encoder->LLM search): chose vision ")
+    assert line.startswith(f"distmm {spec} plan (VLM search): chose vision ")
     # the line compares the pick with the other kinds (FSDP over both, colocated, separate), never with
     # its own kind: an "auto" pick timed on a busy host may be the FSDP one
     assert line.count("x faster than ") >= 1 and ("than FSDP over both" in line or "than colocated" in line)

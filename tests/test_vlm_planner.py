@@ -8,15 +8,15 @@ import dataclasses
 
 import pytest
 
-from lightning_distmm.core.handoff import handoff_schedules
+from lightning_distmm.core.handoff_schedule import handoff_schedules
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.core.schedule import Forward
 from lightning_distmm.planner.cost.options import CostOptions
 from lightning_distmm.planner.cost.simulate import simulate_handoff
 from lightning_distmm.planner.measure.local import load_cluster
-from lightning_distmm.planner.vlm.presets import PRESETS, count_on_meta
 from lightning_distmm.planner.vlm.profile import WORKLOADS, VLMWorkload, straggler, vlm_profiles
 from lightning_distmm.planner.vlm.search import ModuleChoice, price_module, vlm_plan
+from lightning_distmm.planner.vlm.sizes import PRESETS, count_on_meta
 
 
 @pytest.mark.parametrize("name", list(WORKLOADS))

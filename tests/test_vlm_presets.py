@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_distmm.planner.vlm.presets import PRESETS, count_on_meta
+from lightning_distmm.planner.vlm.sizes import PRESETS, count_on_meta
 
 
 @pytest.mark.parametrize("name", list(PRESETS))

@@ -1,7 +1,7 @@
 """transformers' LLaVA (``LlavaForConditionalGeneration``) as two distmm towers, its modules unchanged.
 
 LLaVA's vision tower and projector feed its language model at the ``<image>`` placeholder
-positions; distmm runs them as a producing tower and a consuming one (docs/mllm.md, "Your own
+positions; distmm runs them as a producing tower and a consuming one (docs/vlm.md, "Your own
 LLaVA"):
 
 * :class:`LlavaVision`: ``model.vision_tower`` + ``model.multi_modal_projector``, the hidden state

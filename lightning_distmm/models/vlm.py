@@ -1,5 +1,5 @@
 """A vision encoder feeding a language model (LLaVA-style): timm ViT + MLP projector + a transformers
-causal LM, as two towers where the LLM consumes the vision tower's image tokens (docs/mllm.md).
+causal LM, as two towers where the LLM consumes the vision tower's image tokens (docs/vlm.md).
 
 Samples carry 0 to ``max_images`` images: ``pixel_values`` is ``[B, K, C, H, W]`` with ``K =
 max_images`` (absent images' slots are ignored) and ``n_images`` ``[B]`` says how many are real. The

@@ -1,4 +1,4 @@
-"""The batch contract of the encoder->LLM model (:mod:`lightning_distmm.models.vlm`): how many images
+"""The batch contract of the VLM (:mod:`lightning_distmm.models.vlm`): how many images
 each sample carries and where they are, checked on the CPU before the batch moves to a device.
 
 Samples carry 0 to ``max_images`` images: ``pixel_values`` is ``[B, K, C, H, W]`` with ``K =

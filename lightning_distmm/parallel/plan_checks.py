@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from lightning_distmm.core.handoff import check_handoff_plan
+from lightning_distmm.core.handoff_schedule import check_handoff_plan
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.core.plan_schema import PlanError
 from lightning_distmm.parallel.families import check_cp, check_sp, check_tp, tower_stages

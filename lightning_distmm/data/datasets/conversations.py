@@ -1,5 +1,5 @@
 """LLaVA-format conversations with images, as the fields :class:`~lightning_distmm.models.llava.LlavaModule`
-reads (docs/mllm.md, "Your own LLaVA").
+reads (docs/vlm.md, "Your own LLaVA").
 
 A record is LLaVA's instruction format: ``{"image": "path.jpg", "conversations": [{"from": "human",
 "value": "<image>\\nWhat is ...?"}, {"from": "gpt", "value": "..."}, ...]}`` (``image`` absent for a

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 from io import BytesIO
 from typing import Any
 
-from lightning_distmm.data.datasets.modules import StreamPairsDataModule
+from lightning_distmm.data.datasets.datamodule import StreamPairsDataModule
 from lightning_distmm.data.datasets.pair_options import stream_seed
 from lightning_distmm.data.datasets.pairs import PairDecoding
 from lightning_distmm.data.samples.fields import FieldDataset

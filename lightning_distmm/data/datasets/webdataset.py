@@ -31,7 +31,7 @@ from urllib.parse import urlparse
 
 from torch import Tensor
 
-from lightning_distmm.data.datasets.modules import StreamPairsDataModule
+from lightning_distmm.data.datasets.datamodule import StreamPairsDataModule
 from lightning_distmm.data.datasets.pair_options import stream_seed
 from lightning_distmm.data.datasets.pairs import PairDecoding
 from lightning_distmm.data.datasets.tarstream import tar_members

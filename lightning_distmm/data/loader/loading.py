@@ -30,8 +30,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from lightning_distmm.core.assignment import RowAssignment
 from lightning_distmm.core.layout import ASSIGNMENT_KEY, GLOBAL_BATCH_KEY, SAMPLES_KEY, RankLayout
 from lightning_distmm.core.plan import Plan
-from lightning_distmm.data.loader.balance import CostBalancer, CostSpec
 from lightning_distmm.data.loader.checks import check_dataloader, prebatched_message
+from lightning_distmm.data.loader.step_balance import CostBalancer, CostSpec
 from lightning_distmm.data.samples.fields import load_fields
 from lightning_distmm.data.samples.sampling import RankBatchSampler
 from lightning_distmm.data.samples.skipping import SkipBadSamples, resolve_rows, resolve_stream_rows
@@ -226,7 +226,7 @@ class RankLoaders:
         training; a batch size the plan's global batch does not match is refused, and one it splits
         differently from the plan's replica batches is stated (once). ``costs``: what a row of each
         tower costs (``Tower(cost=...)``); each step's rows then go to the replicas by their cost
-        (:mod:`~lightning_distmm.data.loader.balance`).
+        (:mod:`~lightning_distmm.data.loader.step_balance`).
         """
         check_dataloader(dataloader, fields, {name: t.dp for name, t in plan.towers.items()}, plan.sync_groups)
         batch_size = getattr(dataloader.batch_sampler, "batch_size", None)

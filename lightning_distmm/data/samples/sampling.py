@@ -81,7 +81,7 @@ class RankBatchSampler(Sampler[list[tuple[int, int]]]):
         self._pass: _Pass | None = None
         self._iter_rng: dict[str, Any] | None = None
         #: ``indices -> RowAssignment`` when each step's rows are assigned by their cost
-        #: (:class:`~lightning_distmm.data.loader.balance.CostBalancer`); None: the plan's split
+        #: (:class:`~lightning_distmm.data.loader.step_balance.CostBalancer`); None: the plan's split
         self.balancer: Callable[[Sequence[int]], Any] | None = None
 
     @property

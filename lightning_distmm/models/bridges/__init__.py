@@ -24,7 +24,7 @@ Files: :mod:`.layout` (the neutral layout, shared checks), :mod:`.openclip`, :mo
 """
 
 from lightning_distmm.models.bridges.hf import from_hf, save_hf, to_hf
-from lightning_distmm.models.bridges.layout import CLIP_VIT_KEYS, open_clip_compatible
+from lightning_distmm.models.bridges.neutral import CLIP_VIT_KEYS, open_clip_compatible
 from lightning_distmm.models.bridges.openclip import (
     from_open_clip,
     from_open_clip_config,

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from lightning_distmm.models.bridges.layout import (
+from lightning_distmm.models.bridges.neutral import (
     CLIP_VIT_KEYS,
     _check_ours,
     _hf_layers_from,

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_distmm.models.bridges.layout import (
+from lightning_distmm.models.bridges.neutral import (
     CLIP_VIT_KEYS,
     State,
     _check_ours,

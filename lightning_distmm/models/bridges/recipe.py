@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_distmm.models.bridges.hf import from_hf, save_hf
-from lightning_distmm.models.bridges.layout import _check_ours
+from lightning_distmm.models.bridges.neutral import _check_ours
 from lightning_distmm.models.bridges.openclip import from_open_clip, save_open_clip
 from lightning_distmm.models.clip import CLIPModel
 

@@ -153,7 +153,7 @@ class StepEngine:
             module, plan, self.towers, self.layout, self.groups, device, values_from_checkpoint
         )
         self.gradients = self._gradients()
-        #: a model whose towers consume each other's outputs (docs/mllm.md): its own lists and transfers
+        #: a model whose towers consume each other's outputs (docs/vlm.md): its own lists and transfers
         self.handoff = (
             TokenHandoff(plan, self.towers, tower_trains(self.towers), self.groups, device, topology.host)
             if TokenHandoff.needed(self.towers)

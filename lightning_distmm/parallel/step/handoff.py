@@ -1,8 +1,8 @@
-"""The transfers of a consuming tower's step (docs/mllm.md): a producer's rows to the consumer
+"""The transfers of a consuming tower's step (docs/vlm.md): a producer's rows to the consumer
 replica that owns them, the per-token loss on the consumer, the rows' gradients back.
 
 The step engine (:mod:`lightning_distmm.parallel.step.engine`) runs the lists of
-:func:`lightning_distmm.core.handoff.handoff_schedule` and hands the five handoff instructions to
+:func:`lightning_distmm.core.handoff_schedule.handoff_schedule` and hands the five handoff instructions to
 :meth:`TokenHandoff.run`. Received rows become leaves of the consumer's forward (the consumer's
 backward fills their gradients, which go back); a rank that holds both towers hands its own rows
 over in memory, through the same leaves, so the two paths compute the same numbers.
@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_distmm.core.assignment import RowAssignment
-from lightning_distmm.core.handoff import (
+from lightning_distmm.core.handoff_schedule import (
     RecvTokenGrads,
     RecvTokens,
     Route,

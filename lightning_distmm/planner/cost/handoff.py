@@ -1,6 +1,6 @@
-"""Seconds of a consuming tower's handoff (docs/mllm.md): a route's rows of image tokens, and their
+"""Seconds of a consuming tower's handoff (docs/vlm.md): a route's rows of image tokens, and their
 gradient back, over the link between its two ranks; and a step's makespan from the same lists the
-runtime executes (:func:`lightning_distmm.core.handoff.simulate_handoff`).
+runtime executes (:func:`lightning_distmm.core.handoff_schedule.simulate_handoff`).
 
 A route's bytes are ``rows x tokens per row x width x bytes per element``; it crosses the intra-node
 fabric when both ranks lie on one node (consecutive ranks fill nodes of ``devices_per_node``), else
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from lightning_distmm.core import schedule as ir
-from lightning_distmm.core.handoff import (
+from lightning_distmm.core.handoff_schedule import (
     RecvTokenGrads,
     RecvTokens,
     Route,

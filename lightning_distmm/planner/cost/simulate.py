@@ -3,7 +3,7 @@
 :func:`simulate` replays the lists :func:`lightning_distmm.core.schedule.schedules` gives (the
 same lists the runtime's executor runs) with a duration per instruction and returns each
 instruction's interval; :func:`simulate_handoff` does the same for the lists of a model whose
-towers consume each other's outputs (:mod:`lightning_distmm.core.handoff`). The cost model prices
+towers consume each other's outputs (:mod:`lightning_distmm.core.handoff_schedule`). The cost model prices
 plans with it and :mod:`lightning_distmm.planner.pictures.timeline` draws its intervals. Pure Python.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from lightning_distmm.core.handoff import RecvTokenGrads, RecvTokens, SendTokenGrads, SendTokens, TokenLoss
+from lightning_distmm.core.handoff_schedule import RecvTokenGrads, RecvTokens, SendTokenGrads, SendTokens, TokenLoss
 from lightning_distmm.core.schedule import (
     Backward,
     BatchSync,

@@ -22,7 +22,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "GradSync": ("#9B59B6", "gradient sync: sums over the replicas"),
     "SyncPost": ("#B5DFAA", "batch-sync gather in flight (posted, not waited for)"),
     "SyncWait": ("#3E8E2F", "batch-sync wait: loss, feature gradients"),
-    # a tower consuming another's output (core/handoff.py, docs/mllm.md)
+    # a tower consuming another's output (core/handoff_schedule.py, docs/vlm.md)
     "SendTokens": ("#F2C14E", "image tokens sent to the LLM replica owning the rows"),
     "RecvTokens": ("#D9A21B", "image tokens received"),
     "TokenLoss": ("#6BBF59", "per-token loss over the global target count"),

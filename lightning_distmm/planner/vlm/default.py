@@ -2,7 +2,7 @@
 and ``plan="auto"`` for a ``Tower(consumes=...)`` model).
 
 The contrastive default (:mod:`lightning_distmm.planner.default`) prices towers meeting at a batch-sync; an encoder feeding
-an LLM is a two-module pipeline instead, which the encoder->LLM search prices
+an LLM is a two-module pipeline instead, which the VLM search prices
 (:func:`lightning_distmm.planner.vlm.search.vlm_plan`: every split of the ranks, colocated, FSDP over
 both). Here that search runs on the live job's two towers: profiled from their counted FLOPs and
 operators (``plan=None``, :func:`~lightning_distmm.planner.default.counted_profile`) or measured
@@ -53,7 +53,7 @@ class VLMChoice:
             if (p := self.others.get(key)) is not None and key != self.pick.kind
         ]
         return (
-            f"distmm {spec} plan (encoder->LLM search): chose {self.describe(self.pick)} ({mine * 1e3:.0f} ms per"
+            f"distmm {spec} plan (VLM search): chose {self.describe(self.pick)} ({mine * 1e3:.0f} ms per"
             f" step), predicted {' and '.join(vs) or 'the only candidate'}; {self.where}"
         )
 
@@ -86,14 +86,12 @@ def choose_vlm_plan(
     options: CostOptions,
     where: str,
 ) -> VLMChoice:
-    """The encoder->LLM search's pick on ``cluster`` (``names``: the live towers' names of the
+    """The VLM search's pick on ``cluster`` (``names``: the live towers' names of the
     search's ``image`` and ``llm``); raises ValueError when nothing fits."""
     out = vlm_plan(profiles, cluster, global_batch, options)
     pick = out.get("distmm")
     if pick is None:
-        raise ValueError(
-            f"no plan of the encoder->LLM search fits {cluster.world_size} ranks at global batch {global_batch}"
-        )
+        raise ValueError(f"no plan of the VLM search fits {cluster.world_size} ranks at global batch {global_batch}")
     data = pick.plan.to_dict()
     data["towers"] = {names[k]: t for k, t in data["towers"].items()}
     data.pop("global_batch", None)  # priced at this batch, runs at any
@@ -112,7 +110,7 @@ def default_vlm_plan(
     precision: str | None = None,
 ) -> VLMChoice:
     """``plan=None`` for an encoder (``producer``) feeding a language model (``consumer``): the
-    encoder->LLM search on the towers' counts and this host's description (nothing timed)."""
+    VLM search on the towers' counts and this host's description (nothing timed)."""
     from lightning_distmm.planner.default import DEFAULT_BATCH, counted_profile, host_cluster
     from lightning_distmm.planner.options import PlannerOptions
 
@@ -151,7 +149,7 @@ def auto_vlm_plan(
 ) -> VLMChoice:
     """``plan="auto"`` for an encoder (``producer``, handing ``tokens`` vectors of ``width`` per row)
     feeding a language model (``consumer``): the towers timed here, the machine measured, the
-    encoder->LLM search on them."""
+    VLM search on them."""
     from lightning_distmm.planner.auto import measure_profiles, runtime_cost_defaults
     from lightning_distmm.planner.measure.local import local_cluster
     from lightning_distmm.planner.options import PlannerOptions

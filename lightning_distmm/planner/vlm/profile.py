@@ -1,6 +1,6 @@
-"""What one sample costs a vision-language model's modules (the encoder->LLM planner's; docs/mllm.md).
+"""What one sample costs a vision-language model's modules (the VLM planner's; docs/vlm.md).
 
-Three analytic profiles from a preset (:mod:`lightning_distmm.planner.vlm.presets`), in the units the
+Three analytic profiles from a preset (:mod:`lightning_distmm.planner.vlm.sizes`), in the units the
 cost model prices (:mod:`lightning_distmm.planner.cost.compute`):
 
 * ``vision``: the ViT, per **image** (a tile): its patch tokens through every block;
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from lightning_distmm.planner.profiles.profile import Attn, Block, Gemm, TowerProfile, tower_profile
-from lightning_distmm.planner.vlm.presets import PRESETS, VLMPreset
+from lightning_distmm.planner.vlm.sizes import PRESETS, VLMPreset
 
 #: the preset name of a workload whose modules are the live job's (profiles counted or measured, no preset)
 LIVE = "live"
@@ -91,7 +91,7 @@ class VLMWorkload:
         return cls.from_dict(yaml.safe_load(text))
 
 
-#: the jobs the planner table prices (docs/mllm.md): LLaVA-1.5's instruction tuning (ViT frozen, about
+#: the jobs the planner table prices (docs/vlm.md): LLaVA-1.5's instruction tuning (ViT frozen, about
 #: 1 in 10 samples text-only); InternVL-1.5-like fine-tuning (dynamic resolution: 1-12 tiles of 448 px
 #: plus a thumbnail, every module trains)
 WORKLOADS: dict[str, VLMWorkload] = {

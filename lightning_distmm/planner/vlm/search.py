@@ -1,9 +1,9 @@
-"""The planner for a vision encoder feeding a language model (docs/mllm.md, "The planner").
+"""The planner for a vision encoder feeding a language model (docs/vlm.md, "The planner").
 
 Why its own search: the contrastive planner (:mod:`lightning_distmm.planner.search`) balances towers that meet at a
 batch-sync; here the LLM consumes the encoder's tokens row by row, so the step is a two-module
 pipeline (the encoder's microbatches stream into the LLM's) whose makespan the runtime's own lists
-give (:func:`lightning_distmm.core.handoff.simulate_handoff`).
+give (:func:`lightning_distmm.core.handoff_schedule.simulate_handoff`).
 
 * **partitioner** (:func:`module_options`): every (tp, pp, shard, recompute, microbatches) of one
   module on ``n`` devices, priced per microbatch from its profile (:mod:`.profile`; the images
@@ -27,14 +27,14 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from lightning_distmm.core.handoff import RecvTokenGrads, RecvTokens, TokenLoss, handoff_schedules
+from lightning_distmm.core.handoff_schedule import RecvTokenGrads, RecvTokens, TokenLoss, handoff_schedules
 from lightning_distmm.core.plan import Plan, TowerPlan
 from lightning_distmm.core.schedule import Backward, Forward, GradSync
 from lightning_distmm.planner.cost.handoff import route_seconds
 from lightning_distmm.planner.cost.options import CostOptions
 from lightning_distmm.planner.cost.simulate import simulate_handoff
 from lightning_distmm.planner.machine.cluster import Cluster
-from lightning_distmm.planner.vlm.modules import (
+from lightning_distmm.planner.vlm.partition import (
     MODULES,
     ModuleChoice,
     ModuleCost,

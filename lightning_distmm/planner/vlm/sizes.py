@@ -1,4 +1,4 @@
-"""Vision-language model sizes people train (the encoder->LLM planner's presets), as transformers configs
+"""Vision-language model sizes people train (the VLM planner's presets), as transformers configs
 whose parameter counts are checked by building them on the meta device (nothing allocated, nothing
 downloaded).
 

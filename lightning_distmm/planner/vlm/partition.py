@@ -1,4 +1,4 @@
-"""The VLM planner's partitioner (docs/mllm.md, "Presets and the planner"): one module's choice
+"""The VLM planner's partitioner (docs/vlm.md, "Presets and the planner"): one module's choice
 (devices, tp, pp, shard, recompute, microbatches) priced per microbatch from its profiles by the cost
 model's own pieces, the grid of choices that fit device memory, and the balancer's closed form of
 two modules. :mod:`.search` lays the best out and replays them through the runtime's lists.

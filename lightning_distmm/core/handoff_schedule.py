@@ -1,5 +1,5 @@
 """Towers that consume other towers' outputs (a vision encoder feeding a language model): which rank
-sends which rows where, and each rank's instruction list of one step (docs/mllm.md).
+sends which rows where, and each rank's instruction list of one step (docs/vlm.md).
 
 Every tower splits the global batch over its replicas by the step's row assignment (the plan's
 own split by default, :mod:`lightning_distmm.core.assignment`), as
@@ -104,7 +104,7 @@ def _microbatches(plan: Plan, name: str, assignment: RowAssignment) -> list[list
 
 
 def check_handoff_plan(plan: Plan, consumes: Mapping[str, Sequence[str]]) -> None:
-    """What the handoff runtime supports so far (docs/mllm.md says what is next); the runtime checks
+    """What the handoff runtime supports so far (docs/vlm.md says what is next); the runtime checks
     it when it is built, on every rank, so a plan it cannot run stops every rank before a step."""
     if plan.sync_groups != 1:
         raise ValueError(
