@@ -4,7 +4,7 @@
     python benchmarks/gpu_calibrate.py --cpu-smoke --out /tmp/smoke.json      # tiny, fp32, gloo (the test)
 
 Why: the planner prices every GEMM as a roofline whose efficiency comes from a datasheet peak and a
-published best-shape matmul efficiency applied to every size class (docs/planner.md, section 1). This script measures what one device really
+published best-shape matmul efficiency applied to every size class (docs/planner.md, "Cluster"). This script measures what one device really
 sustains, so that :func:`lightning_distmm.planner.machine.calibration.cluster_from_calibration` (preset
 ``cluster=h200_measured``) can price plans with measured numbers instead. It writes one JSON:
 

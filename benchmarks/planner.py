@@ -192,7 +192,8 @@ def paper(global_batch: int, clusters: list[str]) -> None:
         lo, hi = PAPER_RANGE
         print(
             f"\nvs Megatron-LM on a100_8x8 (where it fits): {min(speedups):.2f}x .. {max(speedups):.2f}x"
-            f" (paper: {lo}x .. {hi}x; docs/planner.md says which modelling differences explain the gap)"
+            f' (paper: {lo}x .. {hi}x; docs/planner-results.md, "The paper\'s table", says which modelling'
+            " differences explain the gap)"
         )
     if tp_pp:
         print(
@@ -492,7 +493,7 @@ def main() -> None:
     if large:
         print(
             f"speedup over Megatron-LM for presets >= 1.1B parameters: {min(large):.2f}x .. {max(large):.2f}x"
-            f" (paper: 1.32x .. 3.27x; docs/planner.md explains the difference)"
+            f' (paper: 1.32x .. 3.27x; docs/planner-results.md, "The paper\'s table", explains the difference)'
         )
     # a baseline can price a configuration the search may not choose (sequence parallelism with
     # uniform degrees): where it wins, DistMM loses, and the rows say so

@@ -97,7 +97,7 @@ class DistMMStrategy(ModelParallelStrategy):
         replan: ``"drift"``: every ``replan_every`` steps compare the towers' measured times with the
             first window under the plan; past ``replan_margin`` (a fraction), price the plans on the
             measurements and switch, through a checkpoint, to one predicted faster by more than that
-            (:mod:`lightning_distmm.drift_replan`; docs/planner.md, "Re-planning"). ``None``: the plan stays.
+            (:mod:`lightning_distmm.drift_replan`; docs/planner.md, "Re-planning while the job runs"). ``None``: the plan stays.
     """
 
     strategy_name = "distmm"

@@ -1,4 +1,4 @@
-"""Cost-model terms for CPU hosts (docs/planner.md, "Fidelity on this machine"): devices that share a
+"""Cost-model terms for CPU hosts (docs/planner.md, "CPU ranks"): devices that share a
 host slow each other down (``Device.concurrency``), a measured optimizer step, the runtime's cost
 defaults, pricing any runtime plan. No timing assertions: measured profiles only feed orderings
 that follow from the schedules' structure or from a 30x imbalance."""

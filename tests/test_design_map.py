@@ -61,3 +61,29 @@ def test_a_module_name_in_two_folders_is_one_concept_seen_from_two_layers():
     repeated = {name: where for name, where in folders.items() if len(where) > 1}
     unexplained = {n: sorted(w) for n, w in repeated.items() if SAME_CONCEPT.get(n) != w}
     assert not unexplained, f"module names repeated across folders without a reason in docs/design.md: {unexplained}"
+
+
+def planner_module_map() -> set[str]:
+    """The module paths in docs/planner.md's module map: the first cell of each row of the table under
+    its "Module map" heading, as written there (relative to ``lightning_distmm/planner/``)."""
+    text = (ROOT / "docs" / "planner.md").read_text()
+    start = text.index("\n## Module map\n")
+    section = text[start : text.index("\n## ", start + 1)]
+    paths = set()
+    for line in section.splitlines():
+        if not line.startswith("|"):
+            continue
+        first = line.strip().strip("|").split("|")[0].strip()
+        if first.startswith("`") and first.endswith("`"):
+            paths.add(first.strip("`"))
+    return paths
+
+
+def test_every_planner_module_is_on_planner_mds_module_map_by_its_path():
+    listed = planner_module_map()
+    planner = PACKAGE / "planner"
+    modules = {p.relative_to(planner).as_posix() for p in planner.rglob("*.py") if p.name != "__init__.py"}
+    missing = sorted(modules - listed)
+    assert not missing, f"planner modules missing from docs/planner.md's module map (by their path there): {missing}"
+    stale = sorted(listed - modules)
+    assert not stale, f"docs/planner.md's module map names modules that do not exist: {stale}"

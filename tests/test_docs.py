@@ -1,5 +1,7 @@
-"""The README's figures that the code can check: the fast lane's size (kept true by this test, not
-by memory; its time is measured and written by hand, since a timed test would fail on a busy host)."""
+"""What the docs say that the code can check: the README's fast-lane size (kept true by this test, not
+by memory; its time is measured and written by hand, since a timed test would fail on a busy host),
+and that every citation of a section of docs/planner.md or docs/planner-results.md by its heading
+names a heading that exists."""
 
 from __future__ import annotations
 
@@ -43,3 +45,42 @@ def test_the_readmes_fast_lane_count_is_the_suites(request):
         count = int(found.group(1))
     readme = int(stated.group(1).replace(",", ""))
     assert count == readme, f"README.md says the fast lane has {readme} tests; it has {count}: update README.md"
+
+
+#: where a section of the planner's pages is cited by name (CHANGELOG.md keeps its history as written)
+CITING = ("lightning_distmm", "tests", "benchmarks", "recipes", "conf", "docs")
+PLANNER_PAGES = ("planner.md", "planner-results.md")
+
+
+def _headings(page: str) -> set[str]:
+    text = (ROOT / "docs" / page).read_text()
+    return {m.group(1).strip() for m in re.finditer(r"(?m)^#+ (.+)$", text)}
+
+
+def _one_line(cited: str) -> str:
+    """A cited heading as one line: wrapped lines joined, a comment's ``#`` and a Python escape dropped."""
+    return re.sub(r"\s*\n\s*(#\s*)?", " ", cited).replace("\\'", "'").strip()
+
+
+def test_every_cited_planner_section_exists():
+    headings = {page: _headings(page) for page in PLANNER_PAGES}
+    files = [ROOT / "README.md"] + [
+        p for d in CITING for p in sorted((ROOT / d).rglob("*")) if p.suffix in {".py", ".md", ".yaml"}
+    ]
+    cite = re.compile(r"(planner(?:-results)?\.md),\s+(?:\"((?:[^\"\\]|\\.)+)\"|'([^']+)')")
+    wrong = []
+    for path in files:
+        text = path.read_text()
+        for m in cite.finditer(text):
+            cited = _one_line(m.group(2) or m.group(3))
+            if cited not in headings[m.group(1)]:
+                wrong.append(f"{path.relative_to(ROOT)}: {m.group(1)}, {cited!r}")
+        if path.parent.name == "docs" and path.name in PLANNER_PAGES:  # a page citing its own sections
+            own = re.finditer(r'(?:see |\* )"([^"]+)"|"([^"]+)",\s+(?:above|below)', text)
+            for m in own:
+                cited = _one_line(m.group(1) or m.group(2))
+                # the planner page's "Results" list cites the results page
+                page = "planner-results.md" if m.group(0).startswith("*") else path.name
+                if cited not in headings[page]:
+                    wrong.append(f"{path.relative_to(ROOT)}: {page}, {cited!r}")
+    assert not wrong, "citations of a planner section whose heading does not exist:\n" + "\n".join(wrong)

@@ -1,4 +1,4 @@
-"""Compute priced from shapes (docs/planner.md, section 1): a GEMM roofline at the kernel efficiency of
+"""Compute priced from shapes (docs/planner.md, "Cluster"): a GEMM roofline at the kernel efficiency of
 its size class, wave quantisation and the memory bound of its shape; backward GEMMs from their own
 shapes; FlashAttention at its published fraction of peak; elementwise work from bytes moved. The
 end-to-end MFU is only a sanity check on a whole predicted step; a measured device overrides the

@@ -1,5 +1,5 @@
 """The cost model against published CLIP training throughputs (conf/published/clip_training.yaml;
-docs/planner.md, "Published measurements"). Every entry is priced as its source ran it; an entry
+docs/planner-results.md, "Published measurements"). Every entry is priced as its source ran it; an entry
 marked reached must be predicted within +-25%, one marked unreached must still be out (a model
 change that reaches it has to move it), and the ratios are printed (`pytest -s`, or
 `python benchmarks/planner.py --published`)."""

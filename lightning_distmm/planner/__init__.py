@@ -1,6 +1,6 @@
 """The planner, pure Python above :mod:`lightning_distmm.core`: cluster specs (:mod:`.machine`),
 tower profiles (:mod:`.profiles`), the cost model (:mod:`.cost`), the search (:mod:`.search`) and
-the entries that plan a job (:mod:`.default`, :mod:`.auto`); docs/planner.md has the module map.
+the entries that plan a job (:mod:`.default`, :mod:`.auto`); docs/planner.md, "Module map", lists every module.
 It imports neither torch nor Lightning at import time: torch only inside the functions that
 measure the live machine or towers (:mod:`.measure`, which this module and :mod:`.auto` import)."""
 

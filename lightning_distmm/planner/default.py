@@ -3,10 +3,11 @@
 Why: giving each tower ranks in proportion to its forward FLOPs
 (:func:`proportional_plan`) puts one tower per rank on 2 ranks however
 unequal their work, and the rank of the lighter tower idles (measured: 1.44x of DDP's step where the
-same ranks colocated ran at 1.03x; docs/planner.md). Colocating every tower on every rank loses where towers balance and
-the all-reduce of every parameter over every rank costs more than the split saves. So the default
-prices both, and where cheap every other contiguous split of the ranks, with the cost model that
-prices every plan (:func:`lightning_distmm.planner.price.price_plan`), and runs the cheapest.
+same ranks colocated ran at 1.03x; docs/runtime.md, "The default plan, measured against colocated
+and separate"). Colocating every tower on every rank loses where towers balance and the all-reduce
+of every parameter over every rank costs more than the split saves. So the default prices both,
+and where cheap every other contiguous split of the ranks, with the cost model that prices every
+plan (:func:`lightning_distmm.planner.price.price_plan`), and runs the cheapest.
 
 Nothing is measured (``plan="auto"`` is the measured version): a tower is what the strategy counted
 on one sample (:class:`CountedTower`: forward FLOPs, operators, parameters, feature width) and the
@@ -59,7 +60,7 @@ measured on an AVX-512 host (``measure_local_cpu``'s small-op probe). It is why 
 ranks win: their per-call cost does not shrink with the batch."""
 GLOO_BANDWIDTH = 1.0 * GB
 """Bytes per second a gloo ring all-reduce moves between processes of one host over loopback TCP:
-0.76-1.21 GB/s measured on a 2-core host (``measure_local_cpu``), 1.2 GB/s in docs/planner.md section 12."""
+0.76-1.21 GB/s measured on a 2-core host (``measure_local_cpu``), 1.2 GB/s in docs/planner.md, "CPU ranks"."""
 GLOO_LATENCY = 200e-6
 """Seconds per ring step of a gloo collective on one host: 0.24 ms (2 processes) to 1.5 ms (4
 processes on 2 cores) measured on a 2-core host; the lower figure, for a host not oversubscribed."""
@@ -68,7 +69,7 @@ CPU_STREAM_BANDWIDTH = 10.0 * GB
 copy measured on one host, taken lower for a process sharing the socket's memory bandwidth."""
 GPU_TOWER_EFFICIENCY = 0.4
 """Fraction of a GPU preset's peak a tower's counted FLOPs run at: NVIDIA NeMo's published ViT-g/14
-CLIP training on DGX A100 is ~39% MFU by the planner's FLOP count (docs/planner.md), open_clip's runs lower;
+CLIP training on DGX A100 is ~39% MFU by the planner's FLOP count (docs/planner-results.md, "Published measurements"), open_clip's runs lower;
 a counted tower has no GEMM shapes to price more closely. Not checked on a GPU."""
 DEFAULT_BATCH = 64
 """The global batch priced when the DataLoader has no ``batch_size`` (an iterable of batches)."""

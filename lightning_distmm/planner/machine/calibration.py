@@ -2,7 +2,7 @@
 
 Why: the GPU presets price a GEMM with a datasheet peak and published efficiencies (the maximum
 achievable matmul FLOPS of one size class, FlashAttention's fraction of peak, the bandwidth
-memory-bound kernels reach; docs/planner.md, section 1). A calibration run on one GPU measures, for
+memory-bound kernels reach; docs/planner.md, "Cluster"). A calibration run on one GPU measures, for
 a grid of transformer-layer GEMM shapes, the fraction of peak really reached; here those
 measurements become an efficiency per GEMM size class (:attr:`Device.gemm_class_efficiency`) that
 the roofline of :meth:`Device.gemm_time` uses in place of the preset's. A class is a decade of GEMM FLOPs;

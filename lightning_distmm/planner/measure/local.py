@@ -238,7 +238,7 @@ def load_cluster(spec: str | Path | Mapping[str, Any] | Cluster) -> Cluster:
 def local_cluster(device: Any, world_size: int, devices_per_node: int | None = None) -> Cluster:
     """A cluster of ``world_size`` devices like ``device``: measured CPU processes on this host, or
     GPUs (memory from the driver, FLOP/s and HBM bandwidth measured, links from the matching preset
-    when the device name matches one, else PCIe-class links, see docs/planner.md)."""
+    when the device name matches one, else PCIe-class links; docs/planner.md, "The measured plan")."""
     import torch
 
     dev = torch.device(device)
