@@ -220,6 +220,19 @@ def verdicts(measured: Mapping[str, float], predicted: Mapping[str, float], who:
     return out
 
 
+#: how far a plan's predicted step may be from its measured one and still count as priced right
+TIME_TOLERANCE = 0.15
+
+
+def time_verdict(measured: Mapping[str, float], predicted: Mapping[str, float]) -> str:
+    """One sentence: which plans' predicted steps lie within :data:`TIME_TOLERANCE` of the measured."""
+    errors = {k: predicted[k] / measured[k] - 1 for k in measured}
+    off = [f"{k} {e:+.0%}" for k, e in errors.items() if abs(e) > TIME_TOLERANCE]
+    within = [f"{k} {e:+.0%}" for k, e in errors.items() if abs(e) <= TIME_TOLERANCE]
+    head = f"predicted step within {TIME_TOLERANCE:.0%} of the measured: "
+    return head + (", ".join(within) or "none") + ("; outside it: " + ", ".join(off) if off else "")
+
+
 def markdown(result: Mapping[str, Any]) -> str:
     """The short table of a result (what docs/planner.md quotes)."""
     plans = result["plans"]
@@ -281,7 +294,12 @@ def markdown(result: Mapping[str, Any]) -> str:
 # ---------------------------------------------------------------------- the run
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rate-mbit", default="auto", help="'auto' (matched to 2 A100 nodes at 100 Gb/s) or Mbit/s")
+    parser.add_argument(
+        "--rate-mbit",
+        default="auto,10x",
+        help="link rates, each run on the same calibration: 'auto' (matched to 2 A100 nodes at 100 Gb/s), Mbit/s,"
+        " or Nx (N times the first); the first writes --results, the second --results + '_fast', others '_<i>'",
+    )
     parser.add_argument("--batch", type=int, default=32, help="global batch")
     parser.add_argument("--steps", type=int, default=8, help="steps per plan and round, warm-up included")
     parser.add_argument("--warmup", type=int, default=2)
@@ -303,8 +321,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.warmup >= args.steps:
         parser.error(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
-    if args.rate_mbit != "auto":
-        args.rate_mbit = float(args.rate_mbit)
+    args.rates = [r.strip() for r in str(args.rate_mbit).split(",")]
+    for r in args.rates:
+        try:
+            if r != "auto" and float(r.removesuffix("x")) <= 0:
+                raise ValueError
+        except ValueError:
+            parser.error(f"--rate-mbit {args.rate_mbit}: each rate is 'auto', Mbit/s or Nx (N times the first)")
+    if args.rates[0].endswith("x"):
+        parser.error("--rate-mbit: the first rate is 'auto' or Mbit/s; later ones may be Nx of it")
     args.plans = tuple(k.strip() for k in args.plans.split(","))
     if "distmm" not in args.plans or any(k not in PLANS for k in args.plans):
         parser.error(f"--plans {','.join(args.plans)}: distmm and any of {', '.join(PLANS[1:])}")
@@ -344,13 +369,49 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
         return comm / compute
 
-    rate = round(matched_rate(ref["ratio"], ratio_at)) if args.rate_mbit == "auto" else float(args.rate_mbit)
+    first = None
+    for i, spec in enumerate(args.rates):
+        if spec == "auto":
+            rate = round(matched_rate(ref["ratio"], ratio_at))
+        elif spec.endswith("x"):
+            rate = round(float(spec[:-1]) * first)
+        else:
+            rate = float(spec)
+        first = rate if first is None else first
+        suffix = "" if i == 0 else "_fast" if i == 1 else f"_{i}"
+        run_rate(
+            args,
+            spec,
+            rate,
+            host,
+            concurrency,
+            profiles,
+            options,
+            ref,
+            towers,
+            ratio_at,
+            t0,
+            Path(args.results + suffix),
+            cores,
+            {"foreign_cores_before": waited, "foreign_cores": calib_load},
+        )
+
+
+def run_rate(
+    args, spec, rate, host, concurrency, profiles, options, ref, towers, ratio_at, t0, results, cores, calib
+) -> None:
+    """Plan, price and run the four plans on a link of ``rate`` Mbit/s; write the tables to ``results``."""
+    import statistics
+
+    from cost_model_fidelity import ForeignLoad
+
+    ddp_probe = baseline_plans(towers, args.batch)["ddp"]
     link = pe.LinkSettings(rate)
     cluster = pe.emulated_cluster(host, link, concurrency)
     comm, compute = comm_compute(price_plan(ddp_probe, profiles, cluster, options))
     print(
-        f"calibrated in {time.perf_counter() - t0:.0f} s (other processes kept {waited:.1f} cores busy before,"
-        f" {calib_load:.1f} during): concurrency {concurrency:.2f}; link rate: the DDP plan's"
+        f"calibrated in {time.perf_counter() - t0:.0f} s (other processes kept {calib['foreign_cores_before']:.1f} cores busy before,"
+        f" {calib['foreign_cores']:.1f} during): concurrency {concurrency:.2f}; link rate: the DDP plan's"
         f" all-reduce / forward+backward is {ref['ratio']:.3f} for {ref['model']} on {ref['devices']} A100s"
         f" ({ref['per_device_batch']:.0f} per GPU; {ref['bytes_per_nic'] / 1e9:.2f} GB per NIC at"
         f" {ref['link_gbps']:.0f} Gb/s: {ref['allreduce_s'] * 1e3:.1f} ms over {ref['compute_s'] * 1e3:.1f} ms);"
@@ -372,7 +433,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             notes.append(
                 f"megatron tp{tp} pp{pp} (not run) predicted {price_plan(alt, profiles, cluster, options).step_time * 1e3:.0f} ms"
             )
-    if args.rate_mbit == "auto":  # the A100 side's compute as NeMo measured it: a faster link, priced only
+    if spec == "auto":  # the A100 side's compute as NeMo measured it: a faster link, priced only
         slow = round(matched_rate(ref["ratio"] / NEMO_GAP, ratio_at))
         cl_slow = pe.emulated_cluster(host, pe.LinkSettings(slow), concurrency)
         t = {k: price_plan(p, profiles, cl_slow, options).step_time for k, p in plans.items()}
@@ -433,8 +494,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit("side_by_side_emulated: every round failed:\n" + "\n".join(failed))
     result = build_result(args, rate, mbit, comm / compute, ref, plans, predicted, steps, per_round, parts, foreign)
     result["notes"] = notes + failed
-    result["calibration"] = {"foreign_cores_before": waited, "foreign_cores": calib_load, "concurrency": concurrency}
-    report(result, Path(args.results))
+    result["calibration"] = {**calib, "concurrency": concurrency}
+    report(result, results)
 
 
 def build_result(args, rate, mbit, ratio, ref, plans, predicted, steps, per_round, parts, foreign) -> dict[str, Any]:
@@ -464,7 +525,7 @@ def build_result(args, rate, mbit, ratio, ref, plans, predicted, steps, per_roun
             for k in plans
         },
         "speedup": {"measured": speedups(measured), "predicted": speedups(pred)},
-        "verdicts": verdicts(measured, pred),
+        "verdicts": [time_verdict(measured, pred), *verdicts(measured, pred)],
     }
 
 

@@ -61,6 +61,9 @@ class TowerCost:
     # seconds the tower's compute is stretched by other devices of its node (Device.concurrency)
     contention: float = 0.0
     segments: tuple[float, ...] = ()  # before the first batch-sync, between the batch-syncs, after the last
+    #: seconds of each segment a rank waits on the inter-node link (a sharded stage's gathers and
+    #: scatters across nodes): they take no core, so a shared host does not stretch them
+    link_waits: tuple[float, ...] = ()
 
     @property
     def comm(self) -> float:

@@ -22,6 +22,7 @@ as the runtime's DDP-style buckets are) and assemble the step.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -142,8 +143,13 @@ def price_tower(
     if c.schedule == RECOMPUTE and frac < 1.0:
         schedule = "gpipe"
         bc_r, bx_r = bc_r + frac * fc_r, bx_r + frac * fx_r
+    link_f = link_b = 0.0  # of them, the seconds spent waiting on the inter-node link
     if c.shard in LAYER_SHARDS:  # per-layer weight gathers and gradient scatters (compact packing estimate)
         ag, agrs = shard_comm(p, cluster, opts, c.dp * c.cp, c.tp, c.pp, c.shard)
+        if cluster.device.concurrency != 1.0 and len({node(r) for r in ranks[name]}) > 1:
+            fast = dataclasses.replace(cluster, inter=dataclasses.replace(cluster.inter, bandwidth=math.inf))
+            ag_in, agrs_in = shard_comm(p, fast, opts, c.dp * c.cp, c.tp, c.pp, c.shard)
+            link_f, link_b = (np.atleast_1d(np.asarray(x) - np.asarray(y)) for x, y in ((ag, ag_in), (agrs, agrs_in)))
         layers = p.layers // P
         fx_r, bx_r = (sharded_stage(x, y, layers, opts.overlap_grad_sync) for x, y in ((fx_r, ag), (bx_r, agrs)))
     f_r = np.maximum(fx_r, ppc_r)
@@ -218,6 +224,7 @@ def price_tower(
         bytes_intra=intra_b,
         bytes_inter=inter_b,
         segments=tuple(segments),
+        link_waits=link_waits(segments, K * float(np.max(link_f)), 0.0 if p.frozen else K * float(np.max(link_b))),
     )
     details = {
         "tp_cross_node": tp_cross,
@@ -228,6 +235,17 @@ def price_tower(
         "slot": float(last_slot(schedule, f, b)) if not p.frozen else 0.0,
     }
     return cost, details
+
+
+def link_waits(segments: Sequence[float], forward: float, backward: float) -> tuple[float, ...]:
+    """The link seconds inside each segment: the forwards' in the first, the backwards' in the last
+    (a sharded tower's gathers run where its layers do), never more than the segment."""
+    if not forward and not backward:
+        return ()
+    waits = [0.0] * len(segments)
+    waits[0] = min(segments[0], forward)
+    waits[-1] = min(segments[-1] - (waits[0] if len(segments) == 1 else 0.0), backward + waits[-1])
+    return tuple(waits)
 
 
 def link_bytes(
@@ -272,8 +290,17 @@ def assemble_step(
     seg = {n: [*c.segments[:-1], c.segments[-1] + c.optimizer] for n, c in costs.items()}
     parts = [{n: seg[n][g] for n in costs} for g in range(groups + 1)]
     conc = cluster.device.concurrency
-    if conc != 1.0:
-        parts = [shared_host_phases(part, ranks, cluster.devices_per_node, conc, colocated) for part in parts]
+    if conc != 1.0:  # the cores stretch the work; the waits on the link take no core
+        waits = [{n: c.link_waits[g] if c.link_waits else 0.0 for n, c in costs.items()} for g in range(groups + 1)]
+        parts = [
+            {
+                n: t + wait[n]
+                for n, t in shared_host_phases(
+                    {n: part[n] - wait[n] for n in part}, ranks, cluster.devices_per_node, conc, colocated
+                ).items()
+            }
+            for part, wait in zip(parts, waits, strict=True)
+        ]
         for n, tc in costs.items():
             tc.contention = sum(part[n] for part in parts) - sum(seg[n])
     if colocated:
