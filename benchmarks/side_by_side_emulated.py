@@ -29,7 +29,7 @@ cores, the ``contention`` that stretches them). The A100 reference is ``clip_vit
 to 2 nodes x 8 (12.5 GB/s per node), global batch 4096 (256 per GPU), bf16-mixed: 1.21 GB of fp32
 gradients cross each NIC per step, 53.3 ms of all-reduce, 68.0 ms of forward + backward, rho =
 0.78. (The planner's A100 compute is ~1.7x optimistic against published CLIP throughputs,
-docs/planner.md section 15; with measured-like compute rho would be ~0.46, a faster link.) On the
+docs/planner-results.md, "Published measurements"; with measured-like compute rho would be ~0.46, a faster link.) On the
 CPU ranks rho(rate) is the same ratio for this model's DDP plan at global batch 32 on the emulated
 spec calibrated here (fp32 gradients, 8.7 MB), and the rate is solved from rho(rate) = rho_A100
 by bisection (``matched_rate``); the script prints both sides (the committed run: 261 ms of
@@ -40,12 +40,16 @@ Each plan is priced with ``price_plan`` on the emulated cluster spec (``placemen
 the towers' measured fits riding on their analytic profiles so tp 2 can be priced). Printed per
 plan: rank 0's step time (median of all timed steps), its spread (IQR of the steps, min-max of the
 round medians), the measured and predicted speedup over each other plan, and where DistMM loses.
-Results go to ``--results`` (``benchmarks/results/emulated_side_by_side.json`` and ``.md``).
+The host is calibrated once and every link rate of ``--rate-mbit`` runs on that calibration (by
+default the matched rate and 10x it, the regime where DistMM stops winning), so the two tables
+differ by the link alone. Results go to ``--results`` (``benchmarks/results/emulated_side_by_side``
+``.json`` / ``.md``) for the first rate and ``--results`` + ``_fast`` for the second; each says which
+plans' predicted steps lie within 15% of the measured ones and how far each predicted speedup is.
 
-Needs root, ``ip netns`` and ``tc`` (as placement_emulated). About 7 minutes with the defaults on
-the 2-core VM when quiet (2 of them calibrating); ``--dry-run`` calibrates, plans and prices only.
+Needs root, ``ip netns`` and ``tc`` (as placement_emulated). About 7 minutes per rate on a quiet
+2-core host; ``--dry-run`` calibrates, plans and prices only.
 
-    python benchmarks/side_by_side_emulated.py [--rate-mbit auto|N] [--rounds 4] [--steps 8] [--dry-run] [-v]
+    python benchmarks/side_by_side_emulated.py [--rate-mbit auto,10x] [--rounds 4] [--steps 8] [--dry-run] [-v]
 """
 
 from __future__ import annotations
@@ -71,7 +75,7 @@ PLANS = ("distmm", "ddp", "fsdp", "megatron")
 RESULTS = pe.ROOT / "benchmarks" / "results" / "emulated_side_by_side"
 REFERENCE = {"model": "clip_vit_b32", "cluster": "a100_8x8_eth100", "nodes": 2, "global_batch": 4096}
 
-# predicted / measured samples/s of NeMo's ViT-g/14 on DGX A100 (docs/planner.md section 15): the cost
+# predicted / measured samples/s of NeMo's ViT-g/14 on DGX A100 (docs/planner-results.md, "Published measurements"): the cost
 # model's A100 compute is this much too fast, so the A100 side's rho may be this much too high
 NEMO_GAP = 1.43
 
@@ -234,7 +238,7 @@ def time_verdict(measured: Mapping[str, float], predicted: Mapping[str, float]) 
 
 
 def markdown(result: Mapping[str, Any]) -> str:
-    """The short table of a result (what docs/planner.md quotes)."""
+    """The short table of a result (what docs/planner-results.md quotes)."""
     plans = result["plans"]
     names = list(plans)
     rows = [

@@ -1,4 +1,4 @@
-"""Cost-model terms for gloo collectives on CPU nodes joined by a link (docs/planner.md, "CPU ranks"):
+"""Cost-model terms for gloo collectives on CPU nodes joined by a link (docs/planner.md, "Gloo across a link"):
 one flat ring, a reduce-scatter that reduces the whole tensor, waits on the link that take no core
 (a shared host does not stretch them) and gradient sums whose link part hides behind the backwards
 that follow. Each measured on the emulated two-node cluster
