@@ -174,7 +174,9 @@ def priced(case: dict[str, Any], cluster: Any) -> float:
         return float(allreduce_time(cluster, b, 2, 2, 1, 2 * ring_bytes(b, 2)))
     if case["op"] == "all_reduce":
         return float(allreduce_time(cluster, b, 4, 2))
-    return float(allgather_time(cluster, b, 4, 2))
+    gather = float(allgather_time(cluster, b, 4, 2))
+    # gloo reduces the whole tensor for a reduce-scatter (planner.cost.comm.shard_comm)
+    return gather * (2 if case["op"] == "reduce_scatter" and not cluster.nccl else 1)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -103,7 +103,7 @@ def flat_ring_factor(ranks: Any, nodes: Any) -> Any:
     """How many times the hierarchical NIC load a flat ring puts on each node's link: gloo runs one
     ring over all ``ranks`` members, whose edge leaving each node carries ``(r-1)/r`` of the bytes per
     pass where a hierarchical ring's carries ``(m-1)/m`` (1.5x for 4 ranks on 2 nodes; measured on the
-    emulated two-node cluster: 360 ms for the 4-rank all-reduce of 7.3 MB the hierarchical price puts
+    emulated two-node cluster: 364 ms for the 4-rank all-reduce of 7.3 MB the hierarchical price puts
     at 248, benchmarks/results/collectives_emulated.txt). 1 for one member per node."""
     ranks, nodes = np.asarray(ranks, dtype=float), np.maximum(np.asarray(nodes, dtype=float), 1)
     flat, hier = (ranks - 1) / np.maximum(ranks, 1), (nodes - 1) / nodes
@@ -227,7 +227,7 @@ def shard_comm(
 
     ag = gather(params * pol.weights)
     # gloo has no ring reduce-scatter: torch reduces the whole tensor and keeps a shard, twice a
-    # gather's bytes (measured on the emulated cluster: 98 ms against 48 for a 1.8 MB block,
+    # gather's bytes (measured on the emulated cluster: 87 ms against 45 for a 1.8 MB block,
     # benchmarks/results/collectives_emulated.txt); NCCL's ring reduce-scatter costs a gather
     rs = 0.0 if profile.frozen else gather(params * pol.grads) * (1 if cluster.nccl else 2)
     return ag, (rs + 0 * ag if shard == "zero2" else ag + rs)
