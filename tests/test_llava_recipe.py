@@ -32,7 +32,7 @@ def test_conversations_ask_about_the_image_and_target_the_answers():
 def test_the_recipe_trains_answers_and_exports(tmp_path):
     out = tmp_path / "llava"
     said = run_recipe(
-        "llava_shapes.py", "--steps", "30", "--batch", "8", "--held-out", "4", "--export", str(out)
+        "llava_shapes.py", "--steps", "10", "--batch", "8", "--held-out", "4", "--export", str(out)
     ).stdout
     assert "colour right:" in said and "(chance 12.5%)" in said, said[-2000:]
     from transformers import LlavaForConditionalGeneration
@@ -50,7 +50,7 @@ def test_train_recipe_llava_experiment_inits_trains_and_exports(tmp_path):
         run = run_recipe("train.py", "experiment=llava_shapes", "data.held_out=4", *extra)
         return run.stdout + run.stderr
 
-    first = train("trainer.max_steps=20", f"export.hf={tmp_path / 'first'}", f"hydra.run.dir={tmp_path / 'a'}")
+    first = train("trainer.max_steps=5", f"export.hf={tmp_path / 'first'}", f"hydra.run.dir={tmp_path / 'a'}")
     assert "exported hf:" in first and "colour right:" in first, first[-2000:]
     second = train("trainer.max_steps=2", f"init=hf_llava:{tmp_path / 'first'}", f"hydra.run.dir={tmp_path / 'b'}")
     assert f"from {tmp_path / 'first'}" in second, second[-2000:]
