@@ -23,7 +23,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
@@ -50,6 +50,12 @@ from lightning_distmm.rank_failures import RankFailures, after_ranks_ended
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 StartMethod = Literal["popen", "spawn", "fork"]
 _log = logging.getLogger(__name__)
+
+
+def overlaps_batch_sync(plan: Plan) -> bool:
+    """Whether ``overlap_batch_sync`` changes anything under ``plan``: only schedule ``distmm`` has
+    batch-syncs to overlap (one per sync group but the last)."""
+    return any(t.schedule == "distmm" for t in plan.towers.values())
 
 
 def _say(line: str) -> None:  # a function, not a lambda: spawn pickles the strategy with it
@@ -207,6 +213,11 @@ class DistMMStrategy(ModelParallelStrategy):
         self.failures.watch_nodes(nodes)
         self.plan = plan_of_run(self, trainer, module, nodes)
         rank_zero_info(f"distmm {self.plan.table()}")
+        if self._overlap_batch_sync and not overlaps_batch_sync(self.plan):
+            rank_zero_warn(
+                "distmm: overlap_batch_sync=True has no effect on this plan: it overlaps the batch-syncs of"
+                " schedule 'distmm', which no tower runs"
+            )
         if any(t.sharded for t in self.plan.towers.values()):
             # FSDP2 under torch.inference_mode (Lightning's standalone evaluation off gloo) makes its
             # all-gather buffers inference tensors, which break the forward or the training after it

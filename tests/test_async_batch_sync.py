@@ -82,3 +82,11 @@ def test_async_batch_sync_with_a_rank_holding_a_first_stage_and_a_last_stage(tmp
         assert "SyncWait" in json.loads((tmp_path / "kinds0.json").read_text())
 
     in_subprocess(main, timeout=240)
+
+
+def test_the_overlap_knob_says_when_a_plan_has_nothing_to_overlap():
+    from lightning_distmm.strategy import overlaps_batch_sync
+
+    towers = {"image": {"ranks": [0]}, "text": {"ranks": [1]}}
+    assert not overlaps_batch_sync(ldm.Plan(2, towers))
+    assert overlaps_batch_sync(ldm.Plan(2, {n: {**t, "schedule": "distmm"} for n, t in towers.items()}))
