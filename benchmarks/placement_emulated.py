@@ -587,10 +587,40 @@ def calibrate(
             )
             for name, t in towers.items()
         }
+        if analytic:  # the runtime's own work per layer under tp and FSDP2, on a mesh of one rank
+            for name, t in towers.items():
+                profiles[name].measured.runtime_overhead = runtime_overhead(t.module, inputs[name])
     finally:
         os.sched_setaffinity(0, before)
         torch.set_num_threads(threads)
     return host, concurrency, profiles
+
+
+def runtime_overhead(module: Any, make_inputs: Callable[[int], Any]) -> dict[str, Any]:
+    """``MeasuredFit.runtime_overhead`` of a tower: its forward and backward with the runtime's
+    tensor parallelism and FSDP2 applied on a mesh of one rank against the plain module's
+    (:func:`lightning_distmm.planner.measure_wrapped`), in a process group of this process alone."""
+    import tempfile
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_distmm.parallel.families import apply_tp
+    from lightning_distmm.parallel.fsdp import apply_fsdp
+    from lightning_distmm.planner import measure_wrapped
+
+    own = not dist.is_initialized()
+    with tempfile.TemporaryDirectory(prefix="overhead_") as tmp:
+        if own:
+            dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        try:
+            mesh = init_device_mesh("cpu", (1,))
+            return measure_wrapped(
+                module, make_inputs, {"tp": lambda m: apply_tp(m, mesh), "fsdp": lambda m: apply_fsdp(m, mesh)}
+            )
+        finally:
+            if own:
+                dist.destroy_process_group()
 
 
 def planner_options(step_overhead: float) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from lightning_distmm.planner.measure.local import (  # noqa: E402
     local_cluster,
     measure_local_cpu,
 )
-from lightning_distmm.planner.measure.tower_timing import measure_tower  # noqa: E402
+from lightning_distmm.planner.measure.tower_timing import measure_tower, measure_wrapped  # noqa: E402
 from lightning_distmm.planner.options import DEFAULT_SCHEDULES, PlannerOptions  # noqa: E402
 from lightning_distmm.planner.price import price_plan  # noqa: E402
 from lightning_distmm.planner.profiles.profile import (  # noqa: E402
@@ -99,6 +99,7 @@ __all__ += [
     "MeasuredFit",
     "TowerProfile",
     "measure_tower",
+    "measure_wrapped",
     "measured_profile",
     "model_profiles",
     "tower_profile",

@@ -136,6 +136,10 @@ def price_tower(
     cpc_r = np.atleast_1d(cp_comm(p, cluster, opts, at, c.tp, c.cp, c.pp))
     ppc_r = np.atleast_1d(pp_comm(p, cluster, opts, np.asarray(at) / c.cp, c.pp, pp_cross))
     fx_r, bx_r = fc_r + tpc_r + cpc_r, bc_r + tpc_r * (1.5 if c.sp else 1.0) + cpc_r
+    fx_r, bx_r = (
+        fx_r + runtime_work(p, c, np.asarray(at) / c.cp, 0),
+        bx_r + runtime_work(p, c, np.asarray(at) / c.cp, 1),
+    )
     # partial (block) recomputation: the first ``recompute_layers`` of a stage's layers run their
     # forward again in the backward; priced as gpipe whose backward carries that share of the forward
     frac = recompute_fraction(p, c)
@@ -235,6 +239,21 @@ def price_tower(
         "slot": float(last_slot(schedule, f, b)) if not p.frozen else 0.0,
     }
     return cost, details
+
+
+def runtime_work(p: TowerProfile, c: TowerChoice, rows: Any, part: int) -> Any:
+    """Seconds of the runtime's own per-layer work in a stage's forward (``part`` 0) or backward (1)
+    of a microbatch of ``rows``: DTensor's dispatch under tensor parallelism, FSDP2's hooks and
+    copies under a layer sharding, as the tower's measured fit says (``MeasuredFit.runtime_overhead``,
+    timed on a mesh of one rank); 0 where not measured. A stage holds ``1/pp`` of the layers."""
+    over = p.measured.runtime_overhead if p.measured is not None else {}
+    kinds = (["tp"] if c.tp > 1 else []) + (["fsdp"] if c.shard in LAYER_SHARDS else [])
+    total = np.zeros_like(np.asarray(rows, dtype=float))
+    for kind in kinds:
+        if kind in over:
+            a, k = over[kind][part]
+            total = total + (a + k * np.asarray(rows, dtype=float)) / c.pp
+    return total
 
 
 def link_waits(segments: Sequence[float], forward: float, backward: float) -> tuple[float, ...]:

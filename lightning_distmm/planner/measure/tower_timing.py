@@ -138,6 +138,50 @@ def measure_tower(
     )
 
 
+def measure_wrapped(
+    module: Any,
+    make_inputs: Callable[[int], Sequence[Any]],
+    wrappers: Mapping[str, Callable[[Any], Any]],
+    batch_sizes: Sequence[int] = (4, 16),
+    repeats: int = 3,
+) -> dict[str, tuple[tuple[float, float], tuple[float, float]]]:
+    """What each wrapper adds to the tower's forward and backward on this device, as ``a + c * b``.
+
+    ``wrappers[name](module)`` returns the module as the runtime runs it under one form, on a mesh of
+    one rank (``"tp"``: tensor parallelism's DTensors; ``"fsdp"``: FSDP2's units): with no peer, what
+    it adds to the plain module's seconds is the runtime's own work per layer (dispatch, hooks,
+    copies), which FLOPs and bytes do not price. Each wrapper gets a deep copy; the plain module and
+    the wrapped ones alternate per repeat, so that drift on a shared host hits them alike. The
+    caller supplies the wrappers (the planner does not import the runtime) and a process group.
+    """
+    import copy
+
+    variants = {"plain": module, **{name: wrap(copy.deepcopy(module)) for name, wrap in wrappers.items()}}
+    best: dict[str, dict[int, list[float]]] = {k: {} for k in variants}
+    for b in batch_sizes:
+        inputs = list(make_inputs(int(b)))
+        for i in range(1 + repeats):
+            for name, m in variants.items():
+                m.zero_grad(set_to_none=True)
+                t0 = time.perf_counter()
+                out = first_tensor(m(*inputs))
+                out = out.to_local() if hasattr(out, "to_local") else out
+                t1 = time.perf_counter()
+                out.float().pow(2).mean().backward()
+                t2 = time.perf_counter()
+                if i:  # the first pass warms up
+                    got = best[name].setdefault(int(b), [float("inf"), float("inf")])
+                    got[0], got[1] = min(got[0], t1 - t0), min(got[1], t2 - t1)
+        del inputs
+    module.zero_grad(set_to_none=True)
+    xs = [float(b) for b in batch_sizes]
+    out: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {}
+    for name in wrappers:
+        extra = [[max(best[name][int(b)][j] - best["plain"][int(b)][j], 0.0) for b in batch_sizes] for j in (0, 1)]
+        out[name] = (_affine(xs, extra[0]), _affine(xs, extra[1]))
+    return out
+
+
 def _time_adamw(module: Any, repeats: int, sync: Callable[[], None]) -> float:
     """Seconds of one ``torch.optim.AdamW`` step (default implementation for the device) over copies
     of ``module``'s trainable parameters and their gradients: the module itself is not changed.
@@ -178,4 +222,4 @@ def first_tensor(out: Any) -> Any:
     raise TypeError(f"tower output {type(out).__name__} holds no tensor to backpropagate")
 
 
-__all__ = ["measure_tower", "first_tensor", "ADAMW_TIMING_BYTES"]
+__all__ = ["measure_tower", "measure_wrapped", "first_tensor", "ADAMW_TIMING_BYTES"]

@@ -54,6 +54,11 @@ class MeasuredFit:
     trainable_params: int
     raw: list[dict[str, float]] = field(default_factory=list)
     opt_time: float | None = None  # seconds of one AdamW step over the tower's trainable parameters
+    #: seconds the runtime's own per-layer work adds to a forward and a backward, by the form that
+    #: adds it (``"tp"``: DTensor's dispatch under tensor parallelism; ``"fsdp"``: FSDP2's hooks and
+    #: copies), each ``((a, c), (a, c))`` for ``a + c * microbatch``; measured on a mesh of one rank
+    #: (:func:`lightning_distmm.planner.measure.tower_timing.measure_wrapped`), empty if not measured
+    runtime_overhead: dict[str, tuple[tuple[float, float], tuple[float, float]]] = field(default_factory=dict)
 
     def fwd_time(self, mb: Any) -> Any:
         return self.fwd[0] + self.fwd[1] * mb
