@@ -65,7 +65,7 @@ from lightning_distmm.planner import (
     runtime_cost_defaults,
 )
 
-# clip_tiny (conf/model/clip_tiny.yaml, --model tiny) steps in 26-55 ms on the development VM, much
+# clip_tiny (conf/model/clip_tiny.yaml, --model tiny) steps in 26-55 ms on a 2-core CPU host, much
 # of it per-call Python overhead; "small" widens both towers to 128 with 3 layers and gives the image
 # tower 65 tokens (170-340 ms steps): still a toy, but one where compute and the plan matter.
 SMALL: dict[str, Any] = {

@@ -34,6 +34,7 @@ from lightning_distmm import elastic, faults
 from lightning_distmm import lightning_seam as seam
 from lightning_distmm.async_checkpoint import AsyncSaver
 from lightning_distmm.core.plan import Plan
+from lightning_distmm.core.schedule import overlaps_batch_sync
 from lightning_distmm.data.loader.loading import RankLoaders
 from lightning_distmm.drift_replan import DriftReplanner
 from lightning_distmm.mixin import DistMMMixin
@@ -50,12 +51,6 @@ from lightning_distmm.rank_failures import RankFailures, after_ranks_ended
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 StartMethod = Literal["popen", "spawn", "fork"]
 _log = logging.getLogger(__name__)
-
-
-def overlaps_batch_sync(plan: Plan) -> bool:
-    """Whether ``overlap_batch_sync`` changes anything under ``plan``: only schedule ``distmm`` has
-    batch-syncs to overlap (one per sync group but the last)."""
-    return any(t.schedule == "distmm" for t in plan.towers.values())
 
 
 def _say(line: str) -> None:  # a function, not a lambda: spawn pickles the strategy with it
@@ -214,15 +209,11 @@ class DistMMStrategy(ModelParallelStrategy):
         self.plan = plan_of_run(self, trainer, module, nodes)
         rank_zero_info(f"distmm {self.plan.table()}")
         if self._overlap_batch_sync and not overlaps_batch_sync(self.plan):
-            rank_zero_warn(
-                "distmm: overlap_batch_sync=True has no effect on this plan: it overlaps the batch-syncs of"
-                " schedule 'distmm', which no tower runs"
-            )
+            rank_zero_warn("distmm: overlap_batch_sync=True does nothing here: no tower runs schedule 'distmm'")
         if any(t.sharded for t in self.plan.towers.values()):
             # FSDP2 under torch.inference_mode (Lightning's standalone evaluation off gloo) makes its
             # all-gather buffers inference tensors, which break the forward or the training after it
             seam.evaluate_without_inference_mode(trainer)
-
         if self._replan is not None and trainer.state.fn == TrainerFn.FITTING:
             self._replan.prepare(self, trainer, module)
         precision = getattr(self.precision_plugin, "precision", None)

@@ -85,7 +85,7 @@ def test_async_batch_sync_with_a_rank_holding_a_first_stage_and_a_last_stage(tmp
 
 
 def test_the_overlap_knob_says_when_a_plan_has_nothing_to_overlap():
-    from lightning_distmm.strategy import overlaps_batch_sync
+    from lightning_distmm.core.schedule import overlaps_batch_sync
 
     towers = {"image": {"ranks": [0]}, "text": {"ranks": [1]}}
     assert not overlaps_batch_sync(ldm.Plan(2, towers))

@@ -75,3 +75,52 @@ def test_cpu_gradient_sums_hide_their_link_wait_behind_the_backwards_after_them(
     assert sum(t.dp_exposed for t in quick.towers.values()) == pytest.approx(
         sum(t.dp_allreduce for t in quick.towers.values())
     )
+
+
+def test_the_runtimes_own_work_is_priced_where_it_runs():
+    import dataclasses
+
+    from lightning_distmm.planner import measured_profile
+    from lightning_distmm.planner.profiles.profile import MeasuredFit
+
+    base = model_profiles(MODEL)
+    fit = MeasuredFit("cpu", [4, 16], (0.0, 1e-3), (0.0, 2e-3), (0.0, 1e3), 1000, 1000)
+    over = {"tp": ((0.010, 0.0), (0.020, 0.0)), "fsdp": ((0.004, 0.0), (0.006, 0.0))}
+    profiles = {
+        n: measured_profile(n, dataclasses.replace(fit, runtime_overhead=over), False, 32, p) for n, p in base.items()
+    }
+    plain = {n: measured_profile(n, fit, False, 32, p) for n, p in base.items()}
+    cl = two_nodes()
+
+    def forward(plan_: Plan, profs: dict) -> float:
+        return sum(t.forward_phase for t in price_plan(plan_, profs, cl, PRICE).towers.values())
+
+    # tp: one microbatch per replica, 10 ms more forward per tower; the replicated plan pays nothing
+    assert forward(plan(tp=2), profiles) - forward(plan(tp=2), plain) == pytest.approx(2 * 0.010)
+    assert forward(plan(), profiles) == pytest.approx(forward(plan(), plain))
+    assert forward(plan(shard="full"), profiles) - forward(plan(shard="full"), plain) == pytest.approx(2 * 0.004)
+
+
+def test_measure_wrapped_says_what_a_wrapper_adds():
+    import torch
+    from torch import nn
+
+    from lightning_distmm.planner import measure_wrapped
+
+    class Twice(nn.Module):  # the same work done twice: what a wrapper adds is the module's own time
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(self.inner(x))
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 512))
+    got = measure_wrapped(module, lambda b: [torch.randn(b, 512)], {"twice": Twice, "same": lambda m: m})
+    assert set(got) == {"twice", "same"}
+    for (fa, fc), (ba, bc) in got.values():
+        assert min(fa, fc, ba, bc) >= 0
+    twice = got["twice"][0][0] + 16 * got["twice"][0][1]
+    same = got["same"][0][0] + 16 * got["same"][0][1]
+    assert twice > same  # the extra pass shows; a wrapper that adds nothing adds about nothing

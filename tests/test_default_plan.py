@@ -31,7 +31,7 @@ def transformer(gflops: float, mparams: float, ops: int = 150) -> CountedTower:
 
 def test_unequal_towers_on_two_ranks_are_colocated():
     """An image tower with 5x the text tower's work: one tower per rank leaves the text rank idle for
-    most of the step (what issue 25 measured at 1.44x of DDP); nothing the split can do balances it."""
+    most of the step (measured at 1.44x of DDP); nothing the split can do balances it."""
     towers = {"image": transformer(0.23, 1.8), "text": transformer(0.05, 0.85)}
     choice = default_plan(towers, 2, 64, cpu(2))
     assert choice.name == "colocated" and choice.plan.colocated

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _fast_lane_of(session: pytest.Session) -> int | None:
-    """The fast lane's size from this session's own collection, when it collected the whole suite
+    """The fast lane's size from this run's own collection, when it collected the whole suite
     unfiltered (the full run, on every pytest-xdist worker); None otherwise."""
     option = session.config.option
     if getattr(option, "markexpr", "") or getattr(option, "keyword", ""):

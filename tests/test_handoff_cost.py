@@ -1,4 +1,4 @@
-"""Issue 21: the cost model's price of the handoff (planner/cost/handoff.py)."""
+"""The cost model's price of the handoff (planner/cost/handoff.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 21's schedule IR: row routes from the plan, each rank's list, its replay (no processes)."""
+"""The VLM handoff's schedule IR: row routes from the plan, each rank's list, its replay (no processes)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Last words on SIGTERM (issue 22): a popen launcher that Lightning's child-process observer is about
+"""Last words on SIGTERM: a popen launcher that Lightning's child-process observer is about
 to SIGKILL names the cause first, and a clean-up SIGTERM to a rank that already reported its root
 cause repeats that cause instead of becoming the last line."""
 

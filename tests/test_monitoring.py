@@ -1,4 +1,4 @@
-"""Monitoring in the recipe (issue 22): the progress bar right for ``max_steps`` and streams (no
+"""Monitoring in the recipe: the progress bar right for ``max_steps`` and streams (no
 ``200/781``, no ``Epoch 1/-2``, no ``v_num``), one samples/s key, ``strategy=single``'s threads, the
 parameter line with CoCa's decoder, ``logger: null`` writing nothing."""
 

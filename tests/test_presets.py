@@ -73,7 +73,7 @@ def test_coca_pooler_is_modelled():
     assert with_pool.flops_per_sample() > plain.flops_per_sample()
 
 
-# long-sequence presets (issue 20): our preset -> open_clip's config name and the change made to it
+# long-sequence presets: our preset -> open_clip's config name and the change made to it
 LONG = {
     "clip_vit_l14_448": ("ViT-L-14", "vision_cfg", {"image_size": 448}, (1025, 77)),
     "clip_vit_l14_longtext": ("ViT-L-14", "text_cfg", {"context_length": 248}, (257, 248)),

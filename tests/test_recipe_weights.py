@@ -1,4 +1,4 @@
-"""Weights in the recipe (issue 22): ``init=`` starts from local open_clip / Hugging Face weights with
+"""Weights in the recipe: ``init=`` starts from local open_clip / Hugging Face weights with
 fine-tuning defaults, ``export.open_clip=`` / ``export.hf=`` write the trained model, every shipped
 open_clip-named config exports, and a config that cannot export is refused before training."""
 

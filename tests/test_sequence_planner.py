@@ -100,7 +100,7 @@ def test_the_search_chooses_cp_when_the_batch_is_below_the_devices():
     assert all(t.cp == 1 for t in plain.towers.values()) and not plain_report.sequence_notes
     assert (plan.towers["image"].cp, plan.towers["image"].tp) == (2, 2)
     assert report.step_time < plain_report.step_time and "cp2" in report.table()
-    # the local pass after the plain search (session 8's method) finds no faster plan
+    # the local pass after the plain search (the sequence pass) finds no faster plan
     profiles, cluster = model_profiles(cfg), load_cluster("a100_8x8").with_world(16)
     price = lambda pl: price_plan(pl, profiles, cluster, {**options, "sequence": True}, 2)  # noqa: E731
     _, local, _ = refine_sequence(plain, profiles, cluster, price, 2)

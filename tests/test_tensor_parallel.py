@@ -1,4 +1,4 @@
-"""Tensor-parallel towers (issue 4 building block): a TP=2 tower equals the unsharded tower."""
+"""Tensor-parallel towers: a TP=2 tower equals the unsharded tower."""
 
 import copy
 import os

@@ -1,4 +1,4 @@
-"""Issue 21: a vision tower feeding a language model (docs/vlm.md), against one process."""
+"""A VLM: a vision tower feeding a language model (docs/vlm.md), against one process."""
 
 from __future__ import annotations
 

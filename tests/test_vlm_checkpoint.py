@@ -1,4 +1,4 @@
-"""Issue 21: a vision-language plan's sharded checkpoint resumes exactly mid-epoch (AdamW, shuffled
+"""A VLM plan's sharded checkpoint resumes exactly mid-epoch (AdamW, shuffled
 data, the encoder on two replicas and the LLM on its own rank), and exports to a plain state dict."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 21's planner for a vision encoder feeding an LLM (planner/vlm/profile.py, planner/vlm/search.py):
+"""The VLM planner (a vision encoder feeding an LLM) (planner/vlm/profile.py, planner/vlm/search.py):
 profiles against transformers' parameter counts, the images-per-sample distribution, the pipeline
 replay, and the search against its baselines on a small cluster."""
 

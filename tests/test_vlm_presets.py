@@ -1,4 +1,4 @@
-"""Issue 21's presets: the parameter counts of transformers models built on the meta device match
+"""The VLM planner's model sizes: the parameter counts of transformers models built on the meta device match
 the published sizes (LLaVA-1.5-7B: CLIP ViT-L/14-336 + Vicuna-7B; InternVL: InternViT-6B + InternLM2-20B)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tiny vision-language data and the reference comparison for the issue-21 tests (docs/vlm.md)."""
+"""Tiny vision-language data and the reference comparison for the VLM tests (docs/vlm.md)."""
 
 from __future__ import annotations
 

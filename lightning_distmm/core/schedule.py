@@ -207,3 +207,9 @@ def _one_f_one_b(forwards: list[Instruction], backwards: list[Instruction], ahea
 
 def schedules(plan: Plan, n: int, overlap: bool = False) -> dict[int, list[Instruction]]:
     return {rank: rank_schedule(plan, rank, n, overlap) for rank in range(plan.world_size)}
+
+
+def overlaps_batch_sync(plan: Plan) -> bool:
+    """Whether ``overlap_batch_sync`` changes anything under ``plan``: only schedule ``distmm`` has
+    batch-syncs to overlap (one per sync group but the last)."""
+    return any(t.schedule == "distmm" for t in plan.towers.values())

@@ -16,7 +16,7 @@ accept numpy arrays (the partitioner's grids) as well as numbers.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -343,7 +343,19 @@ def batch_syncs(
     return out
 
 
+def link_waits(segments: Sequence[float], forward: float, backward: float) -> tuple[float, ...]:
+    """The link seconds inside each segment: the forwards' in the first, the backwards' in the last
+    (a sharded tower's gathers run where its layers do), never more than the segment."""
+    if not forward and not backward:
+        return ()
+    waits = [0.0] * len(segments)
+    waits[0] = min(segments[0], forward)
+    waits[-1] = min(segments[-1] - (waits[0] if len(segments) == 1 else 0.0), backward + waits[-1])
+    return tuple(waits)
+
+
 __all__ = [
+    "link_waits",
     "ring_latency",
     "ring_bytes",
     "allreduce_time",

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from lightning_distmm.planner.cost.memory import stage_params
-from lightning_distmm.planner.cost.options import CostOptions
+from lightning_distmm.planner.cost.options import LAYER_SHARDS, CostOptions
 from lightning_distmm.planner.machine.cluster import Cluster
 from lightning_distmm.planner.profiles.profile import Block, TowerProfile
 
@@ -238,7 +238,23 @@ def shared_host_phases(
     return out
 
 
+def runtime_work(p: TowerProfile, tp: int, pp: int, shard: str, rows: Any, part: int) -> Any:
+    """Seconds of the runtime's own per-layer work in a stage's forward (``part`` 0) or backward (1)
+    of a microbatch of ``rows``: DTensor's dispatch under tensor parallelism, FSDP2's hooks and
+    copies under a layer sharding, as the tower's measured fit says (``MeasuredFit.runtime_overhead``,
+    timed on a mesh of one rank); 0 where not measured. A stage holds ``1/pp`` of the layers."""
+    over = p.measured.runtime_overhead if p.measured is not None else {}
+    kinds = (["tp"] if tp > 1 else []) + (["fsdp"] if shard in LAYER_SHARDS else [])
+    total = np.zeros_like(np.asarray(rows, dtype=float))
+    for kind in kinds:
+        if kind in over:
+            a, k = over[kind][part]
+            total = total + (a + k * np.asarray(rows, dtype=float)) / pp
+    return total
+
+
 __all__ = [
+    "runtime_work",
     "ATTN_BWD_FLOPS",
     "UNFUSED_SCORE_PASSES",
     "TORCH_SOFTMAX_BYTES",

@@ -37,12 +37,13 @@ from lightning_distmm.planner.cost.comm import (
     cp_comm,
     cross_attention_time,
     last_slot,
+    link_waits,
     pp_comm,
     shard_comm,
     sharded_stage,
     tp_comm,
 )
-from lightning_distmm.planner.cost.compute import optimizer_time, shared_host_phases, stage_compute
+from lightning_distmm.planner.cost.compute import optimizer_time, runtime_work, shared_host_phases, stage_compute
 from lightning_distmm.planner.cost.gradients import GradientTraffic, gradient_traffic, price_gradient_sums
 from lightning_distmm.planner.cost.groups import hybrid_runs, rank_groups
 from lightning_distmm.planner.cost.memory import loss_bytes, memory_per_device
@@ -137,8 +138,8 @@ def price_tower(
     ppc_r = np.atleast_1d(pp_comm(p, cluster, opts, np.asarray(at) / c.cp, c.pp, pp_cross))
     fx_r, bx_r = fc_r + tpc_r + cpc_r, bc_r + tpc_r * (1.5 if c.sp else 1.0) + cpc_r
     fx_r, bx_r = (
-        fx_r + runtime_work(p, c, np.asarray(at) / c.cp, 0),
-        bx_r + runtime_work(p, c, np.asarray(at) / c.cp, 1),
+        fx_r + runtime_work(p, c.tp, c.pp, c.shard, np.asarray(at) / c.cp, 0),
+        bx_r + runtime_work(p, c.tp, c.pp, c.shard, np.asarray(at) / c.cp, 1),
     )
     # partial (block) recomputation: the first ``recompute_layers`` of a stage's layers run their
     # forward again in the backward; priced as gpipe whose backward carries that share of the forward
@@ -239,32 +240,6 @@ def price_tower(
         "slot": float(last_slot(schedule, f, b)) if not p.frozen else 0.0,
     }
     return cost, details
-
-
-def runtime_work(p: TowerProfile, c: TowerChoice, rows: Any, part: int) -> Any:
-    """Seconds of the runtime's own per-layer work in a stage's forward (``part`` 0) or backward (1)
-    of a microbatch of ``rows``: DTensor's dispatch under tensor parallelism, FSDP2's hooks and
-    copies under a layer sharding, as the tower's measured fit says (``MeasuredFit.runtime_overhead``,
-    timed on a mesh of one rank); 0 where not measured. A stage holds ``1/pp`` of the layers."""
-    over = p.measured.runtime_overhead if p.measured is not None else {}
-    kinds = (["tp"] if c.tp > 1 else []) + (["fsdp"] if c.shard in LAYER_SHARDS else [])
-    total = np.zeros_like(np.asarray(rows, dtype=float))
-    for kind in kinds:
-        if kind in over:
-            a, k = over[kind][part]
-            total = total + (a + k * np.asarray(rows, dtype=float)) / c.pp
-    return total
-
-
-def link_waits(segments: Sequence[float], forward: float, backward: float) -> tuple[float, ...]:
-    """The link seconds inside each segment: the forwards' in the first, the backwards' in the last
-    (a sharded tower's gathers run where its layers do), never more than the segment."""
-    if not forward and not backward:
-        return ()
-    waits = [0.0] * len(segments)
-    waits[0] = min(segments[0], forward)
-    waits[-1] = min(segments[-1] - (waits[0] if len(segments) == 1 else 0.0), backward + waits[-1])
-    return tuple(waits)
 
 
 def link_bytes(
