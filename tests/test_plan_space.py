@@ -237,6 +237,7 @@ def profile_refusal(profile: Any, tower: Any) -> str | None:
     return None
 
 
+@pytest.mark.slow  # no process, but 13 s of enumeration: the suite runs it, the fast lane does not
 def test_every_tower_plan_the_planner_can_emit_validates(capsys):
     """Every configuration the search may choose for a tower of a preset (each tp, pp, cp, sp,
     shard, schedule, microbatch and replica count ``tower_candidates`` keeps, with ``planner.sequence``
