@@ -127,20 +127,9 @@ def launch(emu: pe.Emulation, args: argparse.Namespace, tmp: Path, run: int, cor
     out = tmp / f"collectives{run}.json"
     procs = []
     for node in range(pe.NODES):
-        cmd = [*emu.exec(node), sys.executable, "-m", "torch.distributed.run", "--nnodes", str(pe.NODES)]
-        cmd += ["--nproc-per-node", str(pe.DEVICES_PER_NODE), "--rdzv-backend", "c10d"]
-        cmd += ["--rdzv-endpoint", f"{pe.ADDRS[0]}:{pe.PORT + 50 + run}", "--rdzv-id", f"{emu.ns[0]}-c{run}"]
-        cmd += ["--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", pe.ADDRS[node], "--max-restarts", "0"]
-        cmd += [str(Path(__file__).resolve()), "--worker", "--out", str(out), "--cases", args.cases_path]
-        cmd += ["--calls", str(args.calls), "--slice-ms", str(args.slice_ms)]
-        cmd += ["--threads", str(pe.threads_per_rank(cores[node]))]
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "PL_", "MASTER_"))}
-        env.update(
-            PYTHONPATH=f"{pe.ROOT}:{env.get('PYTHONPATH', '')}",
-            GLOO_SOCKET_IFNAME=emu.dev[node],
-            OMP_NUM_THREADS=str(pe.threads_per_rank(cores[node])),
-            PYTHONWARNINGS="ignore",
-        )
+        worker = [str(Path(__file__).resolve()), "--worker", "--out", str(out), "--cases", args.cases_path]
+        worker += ["--calls", str(args.calls), "--slice-ms", str(args.slice_ms)]
+        cmd, env = pe.node_launch(emu, node, pe.PORT + 50 + run, f"{emu.ns[0]}-c{run}", worker, cores)
         affinity = cores[node]
         procs.append(
             subprocess.Popen(
@@ -165,7 +154,7 @@ def launch(emu: pe.Emulation, args: argparse.Namespace, tmp: Path, run: int, cor
 
 def priced(case: dict[str, Any], cluster: Any) -> float:
     """The cost model's seconds for one call of ``case`` on the emulated ``cluster``."""
-    from lightning_distmm.planner.cost.comm import allgather_time, allreduce_time, ring_bytes
+    from lightning_distmm.planner.cost.comm import allgather_time, allreduce_time, reduce_scatter_time, ring_bytes
 
     b = case["bytes"]
     if case["group"] == "pairs_in_node":
@@ -174,9 +163,7 @@ def priced(case: dict[str, Any], cluster: Any) -> float:
         return float(allreduce_time(cluster, b, 2, 2, 1, 2 * ring_bytes(b, 2)))
     if case["op"] == "all_reduce":
         return float(allreduce_time(cluster, b, 4, 2))
-    gather = float(allgather_time(cluster, b, 4, 2))
-    # gloo reduces the whole tensor for a reduce-scatter (planner.cost.comm.shard_comm)
-    return gather * (2 if case["op"] == "reduce_scatter" and not cluster.nccl else 1)
+    return float((reduce_scatter_time if case["op"] == "reduce_scatter" else allgather_time)(cluster, b, 4, 2))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -375,6 +375,29 @@ def threads_per_rank(cores: set[int]) -> int:
     return max(1, len(cores) // DEVICES_PER_NODE)
 
 
+def node_launch(
+    emu: Emulation, node: int, port: int, rdzv_id: str, worker: list[str], cores: list[set[int]]
+) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of one namespace's ``torchrun`` running ``worker`` (a script and
+    its arguments; ``--threads`` is added): its 2 ranks on the namespace's veth, the rendezvous on
+    the first namespace at ``port``, the launcher's own variables from outside left out."""
+    threads = str(threads_per_rank(cores[node]))
+    cmd = [*emu.exec(node), sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES)]
+    cmd += ["--nproc-per-node", str(DEVICES_PER_NODE), "--rdzv-backend", "c10d"]
+    cmd += ["--rdzv-endpoint", f"{ADDRS[0]}:{port}", "--rdzv-id", rdzv_id]
+    cmd += ["--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", ADDRS[node], "--max-restarts", "0"]
+    cmd += [*worker, "--threads", threads]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "PL_", "MASTER_"))}
+    env.update(
+        PYTHONPATH=f"{ROOT}:{env.get('PYTHONPATH', '')}",
+        GLOO_SOCKET_IFNAME=emu.dev[node],
+        OMP_NUM_THREADS=threads,
+        PYTHONWARNINGS="ignore",
+        LDM_EMULATED_NODE=str(node),
+    )
+    return cmd, env
+
+
 def run_round(
     emu: Emulation, plans: Mapping[str, Plan], args: argparse.Namespace, tmp: Path, run: int, cores: list[set[int]]
 ) -> dict[str, Any]:
@@ -386,33 +409,13 @@ def run_round(
     logs = []
     try:
         for node in range(NODES):
-            cmd = [*emu.exec(node), sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES)]
-            cmd += ["--nproc-per-node", str(DEVICES_PER_NODE), "--rdzv-backend", "c10d"]
-            cmd += ["--rdzv-endpoint", f"{ADDRS[0]}:{PORT + run}", "--rdzv-id", f"{emu.ns[0]}-{run}"]
-            cmd += ["--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", ADDRS[node], "--max-restarts", "0"]
-            cmd += [str(Path(__file__).resolve()), "--worker", "--out", str(out), "--model", args.model]
-            cmd += [
-                "--batch",
-                str(args.batch),
-                "--steps",
-                str(args.steps),
-                "--threads",
-                str(threads_per_rank(cores[node])),
-            ]
+            worker = [str(Path(__file__).resolve()), "--worker", "--out", str(out), "--model", args.model]
+            worker += ["--batch", str(args.batch), "--steps", str(args.steps)]
             for label, plan in plans.items():
                 plan_path = out / f"{label}.yaml"
                 plan.to_yaml(plan_path)
-                cmd += ["--plan", f"{label}={plan_path}"]
-            env = {
-                k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_", "PL_", "MASTER_"))
-            }
-            env.update(
-                PYTHONPATH=f"{ROOT}:{env.get('PYTHONPATH', '')}",
-                GLOO_SOCKET_IFNAME=emu.dev[node],
-                OMP_NUM_THREADS=str(threads_per_rank(cores[node])),
-                PYTHONWARNINGS="ignore",
-                LDM_EMULATED_NODE=str(node),
-            )
+                worker += ["--plan", f"{label}={plan_path}"]
+            cmd, env = node_launch(emu, node, PORT + run, f"{emu.ns[0]}-{run}", worker, cores)
             log = open(out / f"node{node}.log", "w")  # noqa: SIM115 - closed in finally
             logs.append(log)
             affinity = cores[node]

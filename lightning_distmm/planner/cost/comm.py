@@ -87,6 +87,16 @@ def allgather_time(
     return float(out) if scalar else out
 
 
+def reduce_scatter_time(
+    cluster: Cluster, total_bytes: Any, ranks: Any, nodes: Any = 1, per_node: Any = None, nic_load: Any = None
+) -> Any:
+    """A reduce-scatter of ``total_bytes`` (each rank keeps ``1/ranks``): NCCL's ring costs a gather;
+    gloo has no ring reduce-scatter, torch reduces the whole tensor and keeps a shard, twice a
+    gather's bytes (measured on the emulated cluster: 87 ms against 45 for a 1.8 MB block,
+    benchmarks/results/collectives_emulated.txt)."""
+    return allgather_time(cluster, total_bytes, ranks, nodes, per_node, nic_load) * (1 if cluster.nccl else 2)
+
+
 def _ring_time(cluster: Cluster, steps_per_rank: int, ranks: Any, nodes: Any, intra: Any, load: Any) -> Any:
     """A ring collective of ``steps_per_rank`` passes (2: all-reduce, 1: all-gather): ``intra`` bytes
     each member sends inside its node, ``load`` the busiest NIC's bytes; 0 on one rank."""
@@ -219,17 +229,14 @@ def shard_comm(
     nodes, per_node, groups = _compact_dp_groups(cluster, dp, tp, pp)
     m = np.maximum(nodes, 1)
 
-    def gather(nbytes: float) -> Any:
+    def per_layer(collective: Any, nbytes: float) -> Any:
         per = nbytes / calls
-        return calls * allgather_time(
+        return calls * collective(
             cluster, per, np.asarray(dp, dtype=float), nodes, per_node, groups * (m - 1) / m * per
         )
 
-    ag = gather(params * pol.weights)
-    # gloo has no ring reduce-scatter: torch reduces the whole tensor and keeps a shard, twice a
-    # gather's bytes (measured on the emulated cluster: 87 ms against 45 for a 1.8 MB block,
-    # benchmarks/results/collectives_emulated.txt); NCCL's ring reduce-scatter costs a gather
-    rs = 0.0 if profile.frozen else gather(params * pol.grads) * (1 if cluster.nccl else 2)
+    ag = per_layer(allgather_time, params * pol.weights)
+    rs = 0.0 if profile.frozen else per_layer(reduce_scatter_time, params * pol.grads)
     return ag, (rs + 0 * ag if shard == "zero2" else ag + rs)
 
 
@@ -355,6 +362,7 @@ def link_waits(segments: Sequence[float], forward: float, backward: float) -> tu
 
 
 __all__ = [
+    "reduce_scatter_time",
     "link_waits",
     "ring_latency",
     "ring_bytes",

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_distmm.planner.cost.breakdown import TowerChoice, TowerCost
-from lightning_distmm.planner.cost.comm import allreduce_time, exposed_allreduce, ring_bytes
+from lightning_distmm.planner.cost.comm import allreduce_time, exposed_allreduce, flat_ring_factor, ring_bytes
 from lightning_distmm.planner.cost.memory import grad_bytes_per_device
 from lightning_distmm.planner.cost.options import CostOptions
 from lightning_distmm.planner.machine.cluster import Cluster
@@ -54,8 +54,8 @@ def gradient_traffic(
                 local = allreduce_time(cluster, gb, len(g), m, k, nic_load=0.0)
                 traffic.local = max(traffic.local, local)
                 traffic.intra_bytes += sum(ring_bytes(gb, cnt) * cnt for cnt in counts.values() if cnt > 1)
-                if m > 1:  # NCCL's hierarchical ring; gloo's one flat ring carries (r-1)/r per pass out of a node
-                    crossing = ring_bytes(gb, m) if cluster.nccl else ring_bytes(gb, len(g))
+                if m > 1:  # NCCL's hierarchical ring; gloo runs one flat ring (comm.flat_ring_factor)
+                    crossing = ring_bytes(gb, m) * (1.0 if cluster.nccl else float(flat_ring_factor(len(g), m)))
                     traffic.inter_bytes += crossing * m
                     for nd in counts:
                         node_load[nd] = node_load.get(nd, 0.0) + crossing
@@ -88,7 +88,8 @@ def price_gradient_sums(
             tc.dp_allreduce = a
             tc.dp_exposed = float(exposed_allreduce(a, details[n]["slot"], t.grad_bytes, opts)) if a > 0 else 0.0
         return list(costs)
-    ar = {n: traffic[n].local + max(traffic[n].own_load.values(), default=0.0) / inter for n in costs}
+    link = {n: max(traffic[n].own_load.values(), default=0.0) / inter for n in costs}  # the wait on the NICs
+    ar = {n: traffic[n].local + link[n] for n in costs}
 
     def last_bucket(n: str) -> float:  # what nothing can hide: the last tower's last bucket
         gb = traffic[n].grad_bytes
@@ -97,8 +98,7 @@ def price_gradient_sums(
     # without overlap_grad_sync (CPU ranks: the sums' work runs on the cores the backward needs) a
     # tower's sum starts when its backward ends and only its wait on the link (no core) hides behind
     # the backwards of the towers after it: measured on the emulated two-node cluster, DDP's image
-    # sum (360 ms alone) and text sum (74) left 340 ms exposed behind a 100 ms text backward
-    link = {n: max(traffic[n].own_load.values(), default=0.0) / inter for n in costs}
+    # sum (364 ms alone) and text sum (73) left 340 ms exposed behind a 100 ms text backward
     local = sum(traffic[n].local for n in costs)
     best_exposed, best_order = math.inf, list(costs)
     for order in itertools.permutations(costs):
