@@ -85,6 +85,8 @@ def test_the_chosen_plan_is_the_cheapest_candidate_priced_by_the_cost_model():
     for _, plan, seconds in choice.predicted:  # what the default compared is what price_plan says
         assert price_plan(plan, profiles, cluster, options, 64).step_time == pytest.approx(seconds)
     assert choice.seconds(choice.name) == min(s for _, _, s in choice.predicted)
+    with pytest.raises(ValueError, match="load_cluster"):  # pricing never measures this machine
+        price_plan(choice.plan, profiles, {"name": "here", "measure": True}, options, 64)
 
 
 def test_candidates():

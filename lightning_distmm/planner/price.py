@@ -10,6 +10,7 @@ from typing import Any
 from lightning_distmm.core.plan import Plan
 from lightning_distmm.planner.cost import StepCost, evaluate_plan, plan_choices
 from lightning_distmm.planner.machine.cluster import Cluster
+from lightning_distmm.planner.machine.presets import read_cluster
 from lightning_distmm.planner.options import PlannerOptions
 from lightning_distmm.planner.profiles.profile import TowerProfile
 
@@ -21,10 +22,11 @@ def price_plan(
     options: PlannerOptions | Mapping[str, Any] | None = None,
     global_batch: int | None = None,
 ) -> StepCost:
-    """The predicted :class:`StepCost` of a runtime :class:`Plan` (any plan, not only the planner's)."""
-    from lightning_distmm.planner.measure.local import load_cluster  # a ``measure: true`` spec measures this machine
+    """The predicted :class:`StepCost` of a runtime :class:`Plan` (any plan, not only the planner's).
 
-    cl = load_cluster(cluster)
+    Pricing measures nothing: ``cluster`` is a :class:`Cluster` or a spec read as it is written; a
+    ``measure: true`` spec is refused here (``planner.measure.local.load_cluster`` measures it first)."""
+    cl = read_cluster(cluster)
     if cl.world_size != plan.world_size:
         cl = cl.with_world(plan.world_size)
     choices, ranks = plan_choices(plan, global_batch)
