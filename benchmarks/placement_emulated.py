@@ -282,13 +282,20 @@ class Emulation:
             _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
             _ip("-n", ns, "link", "set", dev, "mtu", str(self.link.mtu), "up")
             _ip("-n", ns, "link", "set", "lo", "up")
-            for cmd in self.link.tc_commands(dev):
+        self.set_link(self.link)
+
+    def set_link(self, link: LinkSettings) -> None:
+        """Shape both ends of the veth as ``link`` says (``tc qdisc replace``: also on a live link,
+        so that runs at several rates can alternate on one emulation)."""
+        for ns, dev in zip(self.ns, self.dev, strict=True):
+            for cmd in link.tc_commands(dev):
                 done = subprocess.run(["ip", "netns", "exec", ns, *cmd], capture_output=True, text=True)
                 if done.returncode:
                     kind = "netem (--delay-ms)" if "netem" in cmd else "tbf"
                     raise RuntimeError(
                         f"tc refused {' '.join(cmd)!r}: {done.stderr.strip()} (this kernel lacks the {kind} qdisc?)"
                     )
+        self.link = link
 
     def teardown(self) -> None:
         for ns in self.ns:

@@ -41,7 +41,10 @@ the towers' measured fits riding on their analytic profiles so tp 2 can be price
 plan: rank 0's step time (median of all timed steps), its spread (IQR of the steps, min-max of the
 round medians), the measured and predicted speedup over each other plan, and where DistMM loses.
 The host is calibrated once and every link rate of ``--rate-mbit`` runs on that calibration (by
-default the matched rate and 10x it, the regime where DistMM stops winning), so the two tables
+default the matched rate and 10x it, the regime where DistMM stops winning), and on one emulation:
+each round runs every rate once, the link reshaped between them (``tc qdisc replace``) and the
+rates' order turning from round to round, so that the host's drift over the run (a same plan's
+step moved 17% between two rates measured one after the other) hits both tables alike and they
 differ by the link alone. Results go to ``--results`` (``benchmarks/results/emulated_side_by_side``
 ``.json`` / ``.md``) for the first rate and ``--results`` + ``_fast`` for the second; each says which
 plans' predicted steps lie within 15% of the measured ones and how far each predicted speedup is.
@@ -289,6 +292,8 @@ def markdown(result: Mapping[str, Any]) -> str:
         *head,
         "",
         *[f"- {v}" for v in result["verdicts"]],
+        "",
+        *parts_lines(result),
     ]
     if result.get("notes"):
         lines += ["", *[f"- {n.splitlines()[0][:300]}" for n in result["notes"]]]  # the JSON keeps them whole
@@ -373,53 +378,55 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
         return comm / compute
 
-    first = None
-    for i, spec in enumerate(args.rates):
+    rates: list[tuple[str, float]] = []
+    for spec in args.rates:
         if spec == "auto":
-            rate = round(matched_rate(ref["ratio"], ratio_at))
+            rate = float(round(matched_rate(ref["ratio"], ratio_at)))
         elif spec.endswith("x"):
-            rate = round(float(spec[:-1]) * first)
+            rate = float(round(float(spec[:-1]) * rates[0][1]))
         else:
             rate = float(spec)
-        first = rate if first is None else first
+        rates.append((spec, rate))
+    calib = {"foreign_cores_before": waited, "foreign_cores": calib_load, "concurrency": concurrency}
+    print(
+        f"calibrated in {time.perf_counter() - t0:.0f} s (other processes kept {waited:.1f} cores busy before,"
+        f" {calib_load:.1f} during): concurrency {concurrency:.2f}; link rate: the DDP plan's"
+        f" all-reduce / forward+backward is {ref['ratio']:.3f} for {ref['model']} on {ref['devices']} A100s"
+        f" ({ref['per_device_batch']:.0f} per GPU; {ref['bytes_per_nic'] / 1e9:.2f} GB per NIC at"
+        f" {ref['link_gbps']:.0f} Gb/s: {ref['allreduce_s'] * 1e3:.1f} ms over {ref['compute_s'] * 1e3:.1f} ms)",
+        flush=True,
+    )
+    priced = [
+        price_rate(args, spec, rate, host, concurrency, profiles, options, ref, towers, ratio_at)
+        for spec, rate in rates
+    ]
+    if args.dry_run:
+        return
+    measured = measure_rates(args, priced, cores, t0)
+    for i, (p, m) in enumerate(zip(priced, measured, strict=True)):
         suffix = "" if i == 0 else "_fast" if i == 1 else f"_{i}"
-        run_rate(
-            args,
-            spec,
-            rate,
-            host,
-            concurrency,
-            profiles,
-            options,
-            ref,
-            towers,
-            ratio_at,
-            t0,
-            Path(args.results + suffix),
-            cores,
-            {"foreign_cores_before": waited, "foreign_cores": calib_load},
-        )
+        if not m["foreign"]:
+            print(f"side_by_side_emulated: every round at {p['rate']:g} Mbit/s failed:\n" + "\n".join(m["failed"]))
+            continue
+        result = build_result(
+            args, p["rate"], m["mbit"], p["ratio"], ref, p["plans"], p["predicted"], m["steps"], m["per_round"],
+            m["parts"], m["foreign"],
+        )  # fmt: skip
+        result["notes"] = p["notes"] + m["failed"]
+        result["calibration"] = calib
+        report(result, Path(args.results + suffix))
 
 
-def run_rate(
-    args, spec, rate, host, concurrency, profiles, options, ref, towers, ratio_at, t0, results, cores, calib
-) -> None:
-    """Plan, price and run the four plans on a link of ``rate`` Mbit/s; write the tables to ``results``."""
-    import statistics
-
-    from cost_model_fidelity import ForeignLoad
-
+def price_rate(args, spec, rate, host, concurrency, profiles, options, ref, towers, ratio_at) -> dict[str, Any]:
+    """The four plans on a link of ``rate`` Mbit/s, priced, with the notes the table carries
+    (what ``plan="auto"`` would pick, the plans not run, the predicted speedups at other rates)."""
     ddp_probe = baseline_plans(towers, args.batch)["ddp"]
     link = pe.LinkSettings(rate)
     cluster = pe.emulated_cluster(host, link, concurrency)
     comm, compute = comm_compute(price_plan(ddp_probe, profiles, cluster, options))
     print(
-        f"calibrated in {time.perf_counter() - t0:.0f} s (other processes kept {calib['foreign_cores_before']:.1f} cores busy before,"
-        f" {calib['foreign_cores']:.1f} during): concurrency {concurrency:.2f}; link rate: the DDP plan's"
-        f" all-reduce / forward+backward is {ref['ratio']:.3f} for {ref['model']} on {ref['devices']} A100s"
-        f" ({ref['per_device_batch']:.0f} per GPU; {ref['bytes_per_nic'] / 1e9:.2f} GB per NIC at"
-        f" {ref['link_gbps']:.0f} Gb/s: {ref['allreduce_s'] * 1e3:.1f} ms over {ref['compute_s'] * 1e3:.1f} ms);"
-        f" here {comm * 1e3:.0f} ms over {compute * 1e3:.0f} ms = {comm / compute:.3f} at {rate:g} Mbit/s",
+        f"{rate:g} Mbit/s: the DDP plan's all-reduce / forward+backward here is {comm * 1e3:.0f} ms over"
+        f" {compute * 1e3:.0f} ms = {comm / compute:.3f} (the A100 reference: {ref['ratio']:.3f})",
         flush=True,
     )
     dm = distmm_plans(profiles, cluster, options, args.batch)
@@ -459,47 +466,96 @@ def run_rate(
         print(f"  {k:<9} {describe(p)}: predicted {predicted[k].step_time * 1e3:.0f} ms", flush=True)
     for n in notes:
         print(f"  {n}", flush=True)
-    if args.dry_run:
-        return
+    return {"rate": rate, "link": link, "ratio": comm / compute, "plans": plans, "predicted": predicted, "notes": notes}
 
-    steps: dict[str, list[float]] = {k: [] for k in plans}
-    per_round: dict[str, list[float]] = {k: [] for k in plans}
-    parts: dict[str, list[list[float]]] = {k: [] for k in plans}
-    foreign: list[float] = []
-    failed: list[str] = []
-    with tempfile.TemporaryDirectory(prefix="side_by_side_") as tmp, pe.Emulation(link) as emu:
+
+def measure_rates(args, priced: Sequence[Mapping[str, Any]], cores, t0: float) -> list[dict[str, Any]]:
+    """Every rate's plans trained on one emulation, ``--rounds`` rounds; within each round every rate
+    runs once, the link reshaped between them and the rates' order turning from round to round, so
+    that the host's drift over the run hits each rate's table alike."""
+    from cost_model_fidelity import ForeignLoad
+
+    out = [
+        {
+            "steps": {k: [] for k in p["plans"]},
+            "per_round": {k: [] for k in p["plans"]},
+            "parts": {k: [] for k in p["plans"]},
+            "foreign": [],
+            "failed": [],
+        }
+        for p in priced
+    ]
+    with tempfile.TemporaryDirectory(prefix="side_by_side_") as tmp, pe.Emulation(priced[0]["link"]) as emu:
         model_path = Path(tmp) / "model.json"
         model_path.write_text(json.dumps(MODEL))
         run_args = argparse.Namespace(**{**vars(args), "model": str(model_path)})
-        mbit = pe.probe_link(emu)
-        print(f"link: tbf {rate:g} Mbit/s, one TCP stream measured {mbit:.0f} Mbit/s", flush=True)
+        for p, m in zip(priced, out, strict=True):
+            emu.set_link(p["link"])
+            m["mbit"] = pe.probe_link(emu)
+            print(f"link: tbf {p['rate']:g} Mbit/s, one TCP stream measured {m['mbit']:.0f} Mbit/s", flush=True)
+        launch = 0
         for r in range(args.rounds):
-            order = args.plans[r % len(plans) :] + args.plans[: r % len(plans)]  # each plan first in turn
-            load = ForeignLoad()
-            load.start()
-            try:
-                got = pe.run_round(emu, {k: plans[k] for k in order}, run_args, Path(tmp), r, cores)
-            except RuntimeError as err:  # a failed launch costs its round, not the run: said in the result
-                failed.append(f"round {r + 1} failed and is not counted: {str(err)[-1500:]}")
-                print(failed[-1], flush=True)
-                continue
-            foreign.append(load.stop())
-            for k in order:
-                steps[k] += [row[0] for row in got["rank0"][k]]
-                per_round[k].append(statistics.median(row[0] for row in got["rank0"][k]))
-                parts[k].append(got["parts"][k][0])
-            print(pe.round_line(r, order, got["nodes"], per_round, plans, foreign[-1], t0), flush=True)
-            if args.verbose:
+            for i in [(j + r) % len(priced) for j in range(len(priced))]:  # each rate first in turn
+                p, m = priced[i], out[i]
+                emu.set_link(p["link"])
+                names = list(p["plans"])
+                order = names[r % len(names) :] + names[: r % len(names)]  # each plan first in turn
+                load = ForeignLoad()
+                load.start()
+                try:
+                    got = pe.run_round(emu, {k: p["plans"][k] for k in order}, run_args, Path(tmp), launch, cores)
+                except RuntimeError as err:  # a failed launch costs its round, not the run: said in the result
+                    m["failed"].append(f"round {r + 1} failed and is not counted: {str(err)[-1500:]}")
+                    print(m["failed"][-1], flush=True)
+                    continue
+                finally:
+                    launch += 1
+                m["foreign"].append(load.stop())
                 for k in order:
-                    print(f"  {k}: rank medians ms (wall/CPU/fwd/bwd/sync) {got['parts'][k]}", flush=True)
+                    m["steps"][k] += [row[0] for row in got["rank0"][k]]
+                    m["per_round"][k].append(statistics.median(row[0] for row in got["rank0"][k]))
+                    m["parts"][k].append(got["parts"][k][0])
+                line = pe.round_line(r, order, got["nodes"], m["per_round"], p["plans"], m["foreign"][-1], t0)
+                print(f"{p['rate']:g} Mbit/s {line}", flush=True)
+                if args.verbose:
+                    for k in order:
+                        print(f"  {k}: rank medians ms (wall/CPU/fwd/bwd/sync) {got['parts'][k]}", flush=True)
         if args.verbose:
             print(emu.qdisc_stats())
-    if not foreign:
-        sys.exit("side_by_side_emulated: every round failed:\n" + "\n".join(failed))
-    result = build_result(args, rate, mbit, comm / compute, ref, plans, predicted, steps, per_round, parts, foreign)
-    result["notes"] = notes + failed
-    result["calibration"] = {**calib, "concurrency": concurrency}
-    report(result, results)
+    return out
+
+
+def rank0_compute(plan: Plan, cost: Any) -> tuple[float, float]:
+    """Rank 0's predicted forward and backward seconds in ``cost``: the phases of the towers it
+    runs, each stretched by its share of the node's contention (what the worker times as rank 0's
+    Forward and Backward instructions)."""
+    fwd = bwd = 0.0
+    for name, t in cost.towers.items():
+        if 0 in plan.towers[name].ranks:
+            busy = t.forward_phase + t.backward_phase
+            stretch = 1 + t.contention / busy if busy > 0 else 1.0
+            fwd, bwd = fwd + t.forward_phase * stretch, bwd + t.backward_phase * stretch
+    return fwd, bwd
+
+
+def parts_lines(result: Mapping[str, Any]) -> list[str]:
+    """Rank 0's step in parts, predicted beside measured: where a plan's error lies."""
+    rows = [
+        "| plan | forward predicted / measured ms | backward | the rest of the step (sums, optimizer, framework) |",
+        "|---|---|---|---|",
+    ]
+    for k, p in result["plans"].items():
+        if "rank0_predicted_s" not in p or not p["rank0_parts_s"]:
+            continue
+        fp, bp = p["rank0_predicted_s"]["forward"], p["rank0_predicted_s"]["backward"]
+        fm = statistics.median(r[2] for r in p["rank0_parts_s"])
+        bm = statistics.median(r[3] for r in p["rank0_parts_s"])
+        rest_p, rest_m = p["predicted_s"] - fp - bp, p["measured"]["median"] - fm - bm
+        rows.append(
+            f"| {k} | {fp * 1e3:.0f} / {fm * 1e3:.0f} | {bp * 1e3:.0f} / {bm * 1e3:.0f} |"
+            f" {rest_p * 1e3:.0f} / {rest_m * 1e3:.0f} |"
+        )
+    return ["Rank 0's step in parts (measured: medians of its timed instructions over the rounds):", "", *rows]
 
 
 def build_result(args, rate, mbit, ratio, ref, plans, predicted, steps, per_round, parts, foreign) -> dict[str, Any]:
@@ -525,6 +581,7 @@ def build_result(args, rate, mbit, ratio, ref, plans, predicted, steps, per_roun
                 "predicted_s": pred[k],
                 "measured": spread(steps[k], per_round[k]),
                 "rank0_parts_s": parts[k],  # per round: wall, CPU, forward, backward, batch-sync medians
+                "rank0_predicted_s": dict(zip(("forward", "backward"), rank0_compute(plans[k], predicted[k]))),
             }
             for k in plans
         },

@@ -71,6 +71,18 @@ def test_the_four_plans():
     assert dm["auto_layout"] in ("separate", "colocated")
     for plan in (*base.values(), sep):  # every plan priced on the emulated spec
         assert price_plan(plan, profiles, cl, opts).step_time > 0
+    # rank 0's compute: distmm's rank 0 runs the image tower alone, DDP's runs both
+    cost = price_plan(sep, profiles, cl, opts)
+    fwd, bwd = sb.rank0_compute(sep, cost)
+    image = cost.towers["image"]
+    assert fwd == pytest.approx(
+        image.forward_phase * (1 + image.contention / (image.forward_phase + image.backward_phase))
+    )
+    assert 0 < fwd < bwd and fwd + bwd < cost.step_time
+    ddp_cost = price_plan(base["ddp"], profiles, cl, opts)
+    assert sum(sb.rank0_compute(base["ddp"], ddp_cost)) == pytest.approx(
+        sum(t.forward_phase + t.backward_phase + t.contention for t in ddp_cost.towers.values())
+    )
 
 
 def test_statistics_and_table():
@@ -104,7 +116,12 @@ def test_statistics_and_table():
         "verdicts": sb.verdicts(times, times),
         "notes": ["a note"],
     }
+    plans["ddp"] |= {
+        "rank0_parts_s": [[1.0, 0.5, 0.3, 0.5, 0.0]],
+        "rank0_predicted_s": {"forward": 0.2, "backward": 0.4},
+    }
     text = sb.markdown(result)
+    assert "| ddp | 200 / 300 | 400 / 500 | 400 / 200 |" in text  # rest: 1000 - 300 - 500 measured
     assert "| fsdp | fsdp | 400 | 400 (380-420; 400) | +0% | 0.80x | 0.80x |" in text
     assert "| distmm | - | 2.00 (2.00) | 0.80 (0.80) | 1.60 (1.60) |" in text
     assert "distmm loses to fsdp" in text and "- a note" in text and "450 Mbit/s" in text
