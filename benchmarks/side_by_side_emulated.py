@@ -463,7 +463,12 @@ def price_rate(args, spec, rate, host, concurrency, profiles, options, ref, towe
             + " (same plans, not measured)"
         )
     for k, p in plans.items():
-        print(f"  {k:<9} {describe(p)}: predicted {predicted[k].step_time * 1e3:.0f} ms", flush=True)
+        fwd, bwd = rank0_compute(p, predicted[k])
+        print(
+            f"  {k:<9} {describe(p)}: predicted {predicted[k].step_time * 1e3:.0f} ms (rank 0: forward"
+            f" {fwd * 1e3:.0f}, backward {bwd * 1e3:.0f})",
+            flush=True,
+        )
     for n in notes:
         print(f"  {n}", flush=True)
     return {"rate": rate, "link": link, "ratio": comm / compute, "plans": plans, "predicted": predicted, "notes": notes}
