@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from lightning_distmm.models.packing import packing_of, place, unpack
 
@@ -33,7 +33,7 @@ def vision_stages(vision: Any, pp: int) -> list:
     selection and the projector last. The layers after that one (their output unused, as in
     transformers' forward) and the post-norm are held by the last stage, unrun: no gradient,
     as in one process."""
-    from lightning_distmm.parallel.pipeline import Stage, even_split
+    from lightning_distmm.parallel.pipeline import Stage, cut_into_stages
 
     if not isinstance(vision.layer, int):
         raise ValueError(
@@ -43,20 +43,17 @@ def vision_stages(vision: Any, pp: int) -> list:
     tower = vision.vision_tower
     layers = tower.encoder.layers
     depth = vision.layer % (len(layers) + 1)  # hidden state ``depth``: the output of ``depth`` layers
-    if depth < pp:
-        raise ValueError(
-            f"the vision tower's features are the output of its first {depth} layer(s)"
-            f" (vision_feature_layer={vision.layer}): they cannot be cut into {pp} pipeline stages"
-        )
     unrun = [*layers[depth:], *(m for m in (getattr(tower, "post_layernorm", None),) if m is not None)]
+    cuts = cut_into_stages(
+        layers[:depth],
+        pp,
+        f"the vision tower's features are the output of its first {depth} layer(s)"
+        f" (vision_feature_layer={vision.layer}): they cannot be cut into {pp} pipeline stages",
+        on_first=[tower.embeddings, tower.pre_layrnorm],
+        on_last=[vision.multi_modal_projector, *unrun],
+    )
     stages = []
-    for s, (a, b) in enumerate(even_split(depth, pp)):
-        first, last = s == 0, s == pp - 1
-        own: list[nn.Module] = list(layers[a:b])
-        if first:
-            own += [tower.embeddings, tower.pre_layrnorm]
-        if last:
-            own += [vision.multi_modal_projector, *unrun]
+    for a, b, first, last, own in cuts:
 
         def run(
             x: Tensor | None,
@@ -86,13 +83,11 @@ def language_stages(language: Any, pp: int) -> list:
     norm and the head last; each stage rebuilds the causal mask and the rotary table (no parameters)."""
     from transformers.masking_utils import create_causal_mask
 
-    from lightning_distmm.parallel.pipeline import Stage, even_split
+    from lightning_distmm.parallel.pipeline import Stage, cut_into_stages
 
     lm = language.language_model
     budget = language.pack_tokens
     layers = lm.layers
-    if len(layers) < pp:
-        raise ValueError(f"{len(layers)} decoder layers cannot be cut into {pp} pipeline stages")
 
     def context(x: Tensor, rows: Mapping[str, Any], positions: Tensor | None) -> tuple[Any, Any, Tensor]:
         # packed sequences (``positions`` given): transformers keeps attention inside each sample
@@ -109,14 +104,16 @@ def language_stages(language: Any, pp: int) -> list:
         )
         return causal, lm.rotary_emb(x, position_ids=positions), positions
 
+    cuts = cut_into_stages(
+        layers,
+        pp,
+        f"{len(layers)} decoder layers cannot be cut into {pp} pipeline stages",
+        on_first=[lm.get_input_embeddings()],
+        on_last=[lm.norm, language.lm_head],
+        on_every=[lm.rotary_emb],
+    )
     stages = []
-    for s, (a, b) in enumerate(even_split(len(layers), pp)):
-        first, last = s == 0, s == pp - 1
-        own: list[nn.Module] = [lm.rotary_emb, *layers[a:b]]
-        if first:
-            own.append(lm.get_input_embeddings())
-        if last:
-            own += [lm.norm, language.lm_head]
+    for a, b, first, last, own in cuts:
 
         def run(
             x: Tensor | None,

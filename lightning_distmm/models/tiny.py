@@ -8,10 +8,13 @@ the sizes each caller names, so that a fix to one (the frozen key bias, the pipe
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from timm.models.vision_transformer import VisionTransformer
 
 
 class TinyText(nn.Module):
@@ -80,7 +83,7 @@ def tiny_vit(
     mlp_ratio: float = 2.0,
     qkv_bias: bool = False,
     **timm: Any,
-) -> nn.Module:
+) -> VisionTransformer:
     """A timm ``VisionTransformer`` whose head projects to ``embed`` (no qkv bias by default: see
     :class:`TinyText`); ``timm``: further ``VisionTransformer`` arguments."""
     from timm.models.vision_transformer import VisionTransformer

@@ -30,6 +30,7 @@ from transformers.masking_utils import create_causal_mask
 
 from lightning_distmm.core.layout import SAMPLES_KEY
 from lightning_distmm.mixin import DistMMMixin
+from lightning_distmm.models import tiny
 from lightning_distmm.models.packing import check_budget, pack, unpack
 from lightning_distmm.models.vlm_batch import check_images
 from lightning_distmm.tower import Tower
@@ -85,21 +86,20 @@ class VisionProjector(nn.Module):
         and embeds their patches, the ViT blocks are split evenly, the last stage normalises, projects
         and puts each image's tokens back in its row's slot (rows of a microbatch travel between stages
         as ``[present images, tokens, width]``)."""
-        from lightning_distmm.parallel.pipeline import Stage, even_split
+        from lightning_distmm.parallel.pipeline import Stage, cut_into_stages
 
         vit, blocks = self.vit, self.vit.blocks  # type: ignore[union-attr]
         if self.freeze_vit:
             raise ValueError("a frozen ViT (freeze_vit=True) cannot be cut into pipeline stages yet: use pp=1")
-        if len(blocks) < pp:
-            raise ValueError(f"a ViT with {len(blocks)} blocks cannot be cut into pp={pp} stages")
+        cuts = cut_into_stages(
+            blocks,  # type: ignore[arg-type]
+            pp,
+            f"a ViT with {len(blocks)} blocks cannot be cut into pp={pp} stages",
+            on_first=[vit.patch_embed, vit.norm_pre],  # type: ignore[list-item]
+            on_last=[vit.norm, self.projector],  # type: ignore[list-item]
+        )
         stages = []
-        for s, (a, b) in enumerate(even_split(len(blocks), pp)):
-            first, last = s == 0, s == pp - 1
-            own: list[nn.Module] = list(blocks[a:b])
-            if first:
-                own += [vit.patch_embed, vit.norm_pre]  # type: ignore[list-item]
-            if last:
-                own += [vit.norm, self.projector]  # type: ignore[list-item]
+        for a, b, first, last, own in cuts:
 
             def run(
                 x: Tensor | None, rows: Any, a: int = a, b: int = b, first: bool = first, last: bool = last
@@ -223,19 +223,19 @@ class LanguageModel(nn.Module):
         final norm and the LM head last (each stage keeps the rotary table, which has no parameters)."""
         if self.pack_tokens is not None:
             raise ValueError("a packed language model (pack_tokens) cannot be cut into pipeline stages yet: use pp 1")
-        from lightning_distmm.parallel.pipeline import Stage, even_split
+        from lightning_distmm.parallel.pipeline import Stage, cut_into_stages
 
         layers = self.lm.model.layers
-        if len(layers) < pp:
-            raise ValueError(f"{len(layers)} decoder layers cannot be cut into {pp} pipeline stages")
+        cuts = cut_into_stages(
+            layers,
+            pp,
+            f"{len(layers)} decoder layers cannot be cut into {pp} pipeline stages",
+            on_first=[self.lm.get_input_embeddings()],
+            on_last=[self.lm.model.norm, self.lm.lm_head],
+            on_every=[self.lm.model.rotary_emb],
+        )
         stages = []
-        for s, (a, b) in enumerate(even_split(len(layers), pp)):
-            first, last = s == 0, s == pp - 1
-            own: list[nn.Module] = [self.lm.model.rotary_emb, *layers[a:b]]
-            if first:
-                own.append(self.lm.get_input_embeddings())
-            if last:
-                own += [self.lm.model.norm, self.lm.lm_head]
+        for a, b, first, last, own in cuts:
 
             def run(
                 x: Tensor | None, rows: Any, a: int = a, b: int = b, first: bool = first, last: bool = last
@@ -268,17 +268,9 @@ def tiny_llama_config(vocab: int = 32, width: int = 32, layers: int = 2, heads: 
 def tiny_vit(
     img_size: int = 8, patch_size: int = 4, width: int = 16, depth: int = 1, heads: int = 2, qkv_bias: bool = True
 ) -> VisionTransformer:
-    return VisionTransformer(
-        img_size=img_size,
-        patch_size=patch_size,
-        embed_dim=width,
-        depth=depth,
-        num_heads=heads,
-        mlp_ratio=2.0,
-        num_classes=0,
-        global_pool="",
-        qkv_bias=qkv_bias,
-    )
+    """The VLM's tiny vision tower: :func:`lightning_distmm.models.tiny.tiny_vit` without a head or
+    pooling, so that it returns every token for the projector."""
+    return tiny.tiny_vit(img_size, patch_size, width, depth, heads, embed=0, qkv_bias=qkv_bias, global_pool="")
 
 
 class VLM(DistMMMixin, L.LightningModule):

@@ -4,7 +4,8 @@ A tower with ``pp > 1`` is cut into ``pp`` stages, each on its own rank of the r
 keeps only its stage's parameters. The cut is per tower family (like tensor parallelism), in the
 family's file (:mod:`lightning_distmm.parallel.families`: a timm ``VisionTransformer`` is cut
 automatically, a CLIP text tower by ``clip_text_stages``, which its wrapper calls); any tower can
-define ``pipeline_stages(pp) -> list[Stage]`` itself.
+define ``pipeline_stages(pp) -> list[Stage]`` itself. Every cut splits the tower's repeated layers
+evenly and gives the embeddings to the first stage and the head to the last (:func:`cut_into_stages`).
 
 Activations travel between consecutive stages of the same replica (and the same tensor-parallel
 coordinate) point to point (:class:`PipelineLinks`: a header with the shape on the host, then the
@@ -16,9 +17,9 @@ tests simulate random plans for deadlocks).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,39 @@ def even_split(n: int, parts: int) -> list[tuple[int, int]]:
         out.append((start, start + size))
         start += size
     return out
+
+
+class StageCut(NamedTuple):
+    """One stage's share of a tower whose repeated layers are cut evenly (:func:`cut_into_stages`)."""
+
+    start: int  #: the stage's first layer
+    stop: int  #: one past its last layer
+    first: bool  #: stage 0, which embeds the inputs
+    last: bool  #: stage ``pp - 1``, which holds the final norm and the head
+    modules: list[nn.Module]  #: what the stage owns (:attr:`Stage.modules`)
+
+
+def cut_into_stages(
+    layers: Sequence[nn.Module] | nn.ModuleList,
+    pp: int,
+    too_few: str,
+    on_first: Sequence[nn.Module] = (),
+    on_last: Sequence[nn.Module] = (),
+    on_every: Sequence[nn.Module] = (),
+) -> list[StageCut]:
+    """The ``pp`` stages of a tower whose ``layers`` are split evenly (:func:`even_split`), the cut
+    every family shares: each stage owns ``on_every`` (what every stage runs, such as a rotary
+    table), its layers, then ``on_first`` (the embeddings) on stage 0 and ``on_last`` (the final
+    norm, the head) on the last. ``too_few``: the message of the ``ValueError`` raised when there
+    are fewer layers than stages (the caller names its tower's layers in it)."""
+    if len(layers) < pp:
+        raise ValueError(too_few)
+    cuts = []
+    for s, (a, b) in enumerate(even_split(len(layers), pp)):
+        first, last = s == 0, s == pp - 1
+        own = [*on_every, *layers[a:b], *(on_first if first else ()), *(on_last if last else ())]
+        cuts.append(StageCut(a, b, first, last, own))
+    return cuts
 
 
 def owned_names(tower: nn.Module, stage: Stage) -> set[str]:

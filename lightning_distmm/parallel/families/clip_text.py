@@ -55,7 +55,7 @@ from lightning_distmm.parallel.context_parallel import (
     tell_length,
 )
 from lightning_distmm.parallel.families.registry import Family, Held, holds_all, register
-from lightning_distmm.parallel.pipeline import Stage, even_split
+from lightning_distmm.parallel.pipeline import Stage, cut_into_stages
 from lightning_distmm.parallel.sp_ops import (
     _ActLinear,
     _GatherLinear,
@@ -277,16 +277,15 @@ def clip_text_stages(
     from transformers.masking_utils import create_causal_mask
 
     layers = text_model.encoder.layers  # type: ignore[union-attr]
-    if len(layers) < pp:
-        raise ValueError(f"a text encoder with {len(layers)} layers cannot be cut into pp={pp} stages")
+    cuts = cut_into_stages(
+        layers,  # type: ignore[arg-type]
+        pp,
+        f"a text encoder with {len(layers)} layers cannot be cut into pp={pp} stages",
+        on_first=[text_model.embeddings],  # type: ignore[list-item]
+        on_last=[text_model.final_layer_norm, *epilogue_modules],  # type: ignore[list-item]
+    )
     stages = []
-    for s, (a, b) in enumerate(even_split(len(layers), pp)):
-        first, last = s == 0, s == pp - 1
-        own: list[nn.Module] = list(layers[a:b])
-        if first:
-            own.append(text_model.embeddings)  # type: ignore[arg-type]
-        if last:
-            own += [text_model.final_layer_norm, *epilogue_modules]  # type: ignore[list-item]
+    for a, b, first, last, own in cuts:
 
         def run(
             x: Tensor | None, rows: Mapping[str, Any], a: int = a, b: int = b, first: bool = first, last: bool = last

@@ -29,14 +29,9 @@ def apply_tp_llama(model: nn.Module, mesh: DeviceMesh, held: Held = holds_all) -
     MLP's gate/up column-wise, o and down row-wise); embeddings, norms and the LM head stay replicated.
     The attention reshapes by ``head_dim`` (``-1`` heads), so local heads need no attribute change;
     query and key/value heads must both divide by tp."""
-    tp = mesh.size()
     layers = _llama_layers(model)
     assert layers is not None
-    config = getattr(model, "config", None) or next(m.config for m in model.modules() if hasattr(m, "config"))
-    _check_heads(config.num_attention_heads, tp, "self_attn (query heads)")
-    _check_heads(
-        getattr(config, "num_key_value_heads", None) or config.num_attention_heads, tp, "self_attn (key/value heads)"
-    )
+    check_tp_llama(model, mesh.size())
     plan = {
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": ColwiseParallel(),
@@ -53,9 +48,13 @@ def apply_tp_llama(model: nn.Module, mesh: DeviceMesh, held: Held = holds_all) -
 
 
 def check_tp_llama(module: nn.Module, tp: int) -> None:
+    """Refuse a ``tp`` that does not divide the query heads and the key/value heads (the config of
+    ``module`` or of its first submodule with one; no ``num_key_value_heads``: one per query head)."""
     config = next(m.config for m in module.modules() if hasattr(m, "config"))
     _check_heads(config.num_attention_heads, tp, "self_attn (query heads)")
-    _check_heads(config.num_key_value_heads or config.num_attention_heads, tp, "self_attn (key/value heads)")
+    _check_heads(
+        getattr(config, "num_key_value_heads", None) or config.num_attention_heads, tp, "self_attn (key/value heads)"
+    )
 
 
 LLAMA = register(

@@ -73,7 +73,7 @@ from lightning_distmm.parallel.context_parallel import (
     _split_output,
 )
 from lightning_distmm.parallel.families.registry import Family, Held, holds_all, register
-from lightning_distmm.parallel.pipeline import Stage, even_split
+from lightning_distmm.parallel.pipeline import Stage, cut_into_stages
 from lightning_distmm.parallel.sp_ops import _ActLinear, _GatherLinear, _ReduceScatter, _sum_over, _sums_before_forward
 from lightning_distmm.parallel.tensor_parallel import _check_heads, _FusedQKVColwise
 
@@ -294,19 +294,18 @@ def vit_stages(model: nn.Module, pp: int, fields: tuple[str, ...]) -> list[Stage
             " tower a pipeline_stages(pp) method returning lightning_distmm.parallel.pipeline.Stage objects; use pp=1"
         )
     blocks = model.blocks  # type: ignore[union-attr]
-    if len(blocks) < pp:
-        raise ValueError(f"a ViT with {len(blocks)} blocks cannot be cut into pp={pp} stages")
+    head = [model.norm, model.fc_norm, model.head]
+    if getattr(model, "attn_pool", None) is not None:
+        head.append(model.attn_pool)
+    cuts = cut_into_stages(
+        blocks,  # type: ignore[arg-type]
+        pp,
+        f"a ViT with {len(blocks)} blocks cannot be cut into pp={pp} stages",
+        on_first=[model.patch_embed, model.norm_pre],  # type: ignore[list-item]
+        on_last=head,  # type: ignore[arg-type]
+    )
     stages = []
-    for s, (a, b) in enumerate(even_split(len(blocks), pp)):
-        first, last = s == 0, s == pp - 1
-        own: list[nn.Module] = list(blocks[a:b])
-
-        if first:
-            own += [model.patch_embed, model.norm_pre]  # type: ignore[list-item]
-        if last:
-            own += [model.norm, model.fc_norm, model.head]  # type: ignore[list-item]
-            if getattr(model, "attn_pool", None) is not None:
-                own.append(model.attn_pool)  # type: ignore[arg-type]
+    for a, b, first, last, own in cuts:
 
         def run(
             x: Tensor | None, rows: Mapping[str, Any], a: int = a, b: int = b, first: bool = first, last: bool = last
