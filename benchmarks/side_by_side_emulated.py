@@ -37,7 +37,10 @@ all-reduce over 333 ms of compute at 299 Mbit/s). The other plans run on that li
 
 Each plan is priced with ``price_plan`` on the emulated cluster spec (``placement_emulated``'s
 ``emulated_cluster``: the tbf rate, TCP framing, gloo's measured latency; this host calibrated,
-the towers' measured fits riding on their analytic profiles so tp 2 can be priced). Printed per
+the towers' measured fits riding on their analytic profiles so tp 2 can be priced) and the
+framework's own cost per step (``CostOptions.step_overhead``: Lightning's loop, the strategy's
+work outside the towers, the optimizer's calls) measured on the emulated nodes as the step of the
+same model with trivial towers less its price (``framework_overhead``). Printed per
 plan: rank 0's step time (median of all timed steps), its spread (IQR of the steps, min-max of the
 round medians), the measured and predicted speedup over each other plan, and where DistMM loses.
 The host is calibrated once and every link rate of ``--rate-mbit`` runs on that calibration (by
@@ -61,6 +64,7 @@ import argparse
 import copy
 import json
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -85,6 +89,14 @@ NEMO_GAP = 1.43
 MODEL: dict[str, Any] = copy.deepcopy(pe.SMALL)
 MODEL["name"] = "clip_small_heavy_image_h4"
 MODEL["towers"]["image"]["heads"] = 4  # tp 2 divides both towers' heads (text has 2)
+
+#: the same model with towers that cost next to nothing: its measured step less its priced step is
+#: the framework's own cost per step on the emulated nodes (``CostOptions.step_overhead``)
+TRIVIAL: dict[str, Any] = copy.deepcopy(MODEL)
+TRIVIAL["name"] = "clip_trivial"
+TRIVIAL["embed_dim"] = 16
+TRIVIAL["towers"]["image"].update(img_size=8, patch_size=4, width=16, layers=1, heads=1)
+TRIVIAL["towers"]["text"].update(context_length=8, width=16, layers=1, heads=1)
 
 
 # ---------------------------------------------------------------------- the link rate
@@ -183,6 +195,63 @@ def describe(plan: Plan) -> str:
     return " | ".join(parts)
 
 
+def framework_overhead(args, host, concurrency, cores, rate, options) -> tuple[float, dict[str, float]]:
+    """``CostOptions.step_overhead`` measured where the plans run: :data:`TRIVIAL` trained under a
+    separate-tower plan and the colocated (DDP) plan on the emulated nodes (one launch, the link at
+    ``rate``), each plan's measured step less what the cost model prices for it (its towers timed as
+    the calibration times the model's, pinned to a node's cores), the mean of the two. What it holds:
+    Lightning's loop, the strategy's work outside the towers' forward and backward, the loss, the
+    optimizer's calls, on ranks that share a node's cores."""
+    import torch
+    from cost_model_fidelity import example_inputs
+
+    from lightning_distmm.models.clip import CLIPModel
+    from lightning_distmm.planner import measure_tower, measured_profile
+
+    before, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    os.sched_setaffinity(0, cores[0])
+    torch.set_num_threads(pe.threads_per_rank(cores[0]))
+    try:
+        torch.manual_seed(0)
+        inputs = example_inputs(TRIVIAL)
+        profiles = {
+            name: measured_profile(
+                name,
+                measure_tower(t.module, inputs[name], args.profile_batches, "cpu", repeats=args.profile_repeats),
+                False,
+                int(TRIVIAL["embed_dim"]),
+            )
+            for name, t in CLIPModel(TRIVIAL, pe.OPTIM).towers().items()
+        }
+    finally:
+        os.sched_setaffinity(0, before)
+        torch.set_num_threads(threads)
+    world = pe.NODES * pe.DEVICES_PER_NODE
+    half = world // 2
+    plans = {
+        "separate": Plan(
+            world, {"image": {"ranks": list(range(half))}, "text": {"ranks": list(range(half, world))}},
+            global_batch=args.batch,
+        ),
+        "colocated": baseline_plans(list(TRIVIAL["towers"]), args.batch)["ddp"],
+    }  # fmt: skip
+    cluster = pe.emulated_cluster(host, pe.LinkSettings(rate), concurrency)
+    priced = {
+        k: price_plan(p, profiles, cluster, {**options, "step_overhead": 0.0}).step_time for k, p in plans.items()
+    }
+    with (
+        tempfile.TemporaryDirectory(prefix="side_by_side_overhead_") as tmp,
+        pe.Emulation(pe.LinkSettings(rate)) as emu,
+    ):
+        path = Path(tmp) / "model.json"
+        path.write_text(json.dumps(TRIVIAL))
+        run_args = argparse.Namespace(**{**vars(args), "model": str(path), "steps": 24, "warmup": 6})
+        got = pe.run_round(emu, plans, run_args, Path(tmp), 0, cores)
+    measured = {k: statistics.median(row[0] for row in got["rank0"][k]) for k in plans}
+    overhead = statistics.mean(max(0.0, measured[k] - priced[k]) for k in plans)
+    return overhead, {**{f"{k}_measured_s": measured[k] for k in plans}, **{f"{k}_priced_s": priced[k] for k in plans}}
+
+
 # ---------------------------------------------------------------------- statistics and tables
 def spread(steps: Sequence[float], round_medians: Sequence[float]) -> dict[str, Any]:
     """Median, quartiles and min-max of the timed steps, and the per-round medians."""
@@ -210,17 +279,20 @@ RATIO_TOLERANCE = 0.10
 def verdicts(measured: Mapping[str, float], predicted: Mapping[str, float], who: str = "distmm") -> list[str]:
     """Plain sentences: where ``who`` wins or loses, measured, with the prediction beside and how far
     it is: the model agrees when it names the same winner *and* its speedup is within
-    :data:`RATIO_TOLERANCE` of the measured one; the right winner with a speedup further off says by
-    how much."""
+    :data:`RATIO_TOLERANCE` of the measured one (a measured tie, within 2%, has no winner to name);
+    the right winner with a speedup further off says by how much."""
     out = []
     m, p = speedups(measured)[who], speedups(predicted)[who]
     for other in m:
         verb = "wins against" if m[other] > 1.02 else "loses to" if m[other] < 0.98 else "ties with"
         off = p[other] / m[other] - 1
-        if (m[other] > 1) != (p[other] > 1):
+        tie = 0.98 <= m[other] <= 1.02  # no winner measured: only how far the prediction is counts
+        if not tie and (m[other] > 1) != (p[other] > 1):
             agree = "the model predicted the opposite"
         elif abs(off) <= RATIO_TOLERANCE:
             agree = f"the model agrees: {off:+.0%}"
+        elif tie:
+            agree = f"the predicted speedup is {off:+.0%} off"
         else:
             agree = f"the right winner, but the predicted speedup is {off:+.0%} off"
         out.append(f"{who} {verb} {other}: {m[other]:.2f}x measured, {p[other]:.2f}x predicted ({agree})")
@@ -316,7 +388,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--plans", default=",".join(PLANS), help="a subset of " + ",".join(PLANS))
     parser.add_argument("--megatron-tp", type=int, default=2)
     parser.add_argument("--megatron-pp", type=int, default=1)
-    parser.add_argument("--step-overhead-ms", type=float, default=0.0)
+    parser.add_argument(
+        "--step-overhead-ms",
+        type=float,
+        default=None,
+        help="CostOptions.step_overhead to price with; by default measured on the emulated nodes with trivial"
+        " towers (0 in a dry run)",
+    )
     parser.add_argument("--no-pin", dest="pin", action="store_false")
     parser.add_argument("--run-timeout", type=float, default=600.0, help="seconds one launch may take")
     parser.add_argument("--profile-batches", type=lambda s: tuple(int(x) for x in s.split(",")), default=(4, 8, 16, 32))
@@ -367,7 +445,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     load.start()
     host, concurrency, profiles = pe.calibrate(MODEL, args, cores[0], analytic=True)
     calib_load = load.stop()
-    options = pe.planner_options(args.step_overhead_ms * 1e-3)
+    options = pe.planner_options((args.step_overhead_ms or 0.0) * 1e-3)
     ref = {**REFERENCE, **reference_ratio()}
     towers = list(MODEL["towers"])
     ddp_probe = baseline_plans(towers, args.batch)["ddp"]
@@ -388,6 +466,19 @@ def main(argv: Sequence[str] | None = None) -> None:
             rate = float(spec)
         rates.append((spec, rate))
     calib = {"foreign_cores_before": waited, "foreign_cores": calib_load, "concurrency": concurrency}
+    if args.step_overhead_ms is None and not args.dry_run:
+        overhead, raw = framework_overhead(args, host, concurrency, cores, rates[0][1], options)
+        options["step_overhead"] = overhead
+        calib["step_overhead_s"], calib["step_overhead_runs"] = overhead, raw
+        print(
+            f"framework overhead per step {overhead * 1e3:.1f} ms (trivial towers on the emulated nodes: "
+            + ", ".join(f"{k} {raw[k + '_measured_s'] * 1e3:.1f} ms measured, {raw[k + '_priced_s'] * 1e3:.1f} priced"
+                        for k in ("separate", "colocated"))
+            + ")",
+            flush=True,
+        )  # fmt: skip
+    else:
+        calib["step_overhead_s"] = options["step_overhead"]
     print(
         f"calibrated in {time.perf_counter() - t0:.0f} s (other processes kept {waited:.1f} cores busy before,"
         f" {calib_load:.1f} during): concurrency {concurrency:.2f}; link rate: the DDP plan's"

@@ -85,6 +85,16 @@ def test_the_four_plans():
     )
 
 
+def test_the_trivial_model_is_the_models_shape_at_next_to_no_cost():
+    """The framework's cost per step is measured with towers of the benchmark's kinds and inputs
+    whose forward and backward cost next to nothing (priced, not run, here)."""
+    trivial, full = model_profiles(sb.TRIVIAL), model_profiles(sb.MODEL)
+    assert set(trivial) == set(full) == set(sb.TRIVIAL["towers"])
+    for name in full:
+        assert sb.TRIVIAL["towers"][name]["arch"] == sb.MODEL["towers"][name]["arch"]
+        assert trivial[name].flops_per_sample() * 100 < full[name].flops_per_sample()
+
+
 def test_statistics_and_table():
     s = sb.spread([1.0, 2.0, 3.0, 4.0, 5.0], [2.0, 4.0])
     assert (s["median"], s["q1"], s["q3"], s["min"], s["max"]) == (3.0, 2.0, 4.0, 1.0, 5.0)
@@ -93,6 +103,9 @@ def test_statistics_and_table():
     v = sb.verdicts({"distmm": 0.5, "ddp": 1.0, "fsdp": 0.4}, {"distmm": 0.5, "ddp": 0.9, "fsdp": 0.6})
     assert v[0] == "distmm wins against ddp: 2.00x measured, 1.80x predicted (the model agrees: -10%)"
     assert v[1].startswith("distmm loses to fsdp: 0.80x measured, 1.20x predicted (the model predicted the opposite)")
+    # a measured tie has no winner to name: the prediction is judged by how far it is
+    v = sb.verdicts({"distmm": 0.299, "ddp": 0.299}, {"distmm": 0.291, "ddp": 0.281})
+    assert v[0] == "distmm ties with ddp: 1.00x measured, 0.97x predicted (the model agrees: -3%)"
     # the fast-link run: the right winner, the speedup 29% short
     v = sb.verdicts({"distmm": 0.486, "fsdp": 0.707}, {"distmm": 0.416, "fsdp": 0.432})
     assert (
