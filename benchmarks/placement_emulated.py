@@ -64,7 +64,7 @@ sys.path.insert(0, str(ROOT))  # this checkout's package, whatever is installed
 sys.path.insert(1, str(Path(__file__).resolve().parent))  # benchmarks/: cost_model_fidelity, synthetic
 
 from lightning_distmm.faults import pid_alive  # noqa: E402
-from lightning_distmm.planner import Cluster, Link, Plan, place, price_plan  # noqa: E402
+from lightning_distmm.planner import Cluster, Link, Plan, PlannerOptions, place, price_plan  # noqa: E402
 
 PREFIX = "ldmpe"  # namespaces ldmpe<pid>a and ldmpe<pid>b; each veth end is named like its namespace
 ADDRS = ("10.213.0.1", "10.213.0.2")  # exist only inside the two namespaces
@@ -560,7 +560,9 @@ def calibrate(
     devices and gloo come from ``measure_local_cpu``'s per-host cache (measured unpinned, as
     ``plan="auto"`` measures them, so that the cache holds what it always holds). With
     ``analytic`` each measured fit rides on the tower's analytic profile, so that tp/pp splits
-    (and their all-reduces) can be priced too."""
+    (and their all-reduces) can be priced too, and carries the runtime's own work per layer: under
+    FSDP2 timed on a mesh of one rank, under tp 2 timed on a pair of ranks sharing the node's
+    cores (:func:`tp_pair_times`, :func:`peer_tp_work`)."""
     import torch
     from cost_model_fidelity import example_inputs
 
@@ -600,6 +602,18 @@ def calibrate(
         if analytic:  # the runtime's own work per layer under tp and FSDP2, on a mesh of one rank
             for name, t in towers.items():
                 profiles[name].measured.runtime_overhead = runtime_overhead(t.module, inputs[name])
+            # under tp 2 with its peer: the pair of a node's ranks, timed as the training runs it
+            node = emulated_cluster(host, LinkSettings(), concurrency)
+            opts = PlannerOptions.from_any(planner_options(0.0)).cost
+            for name, times in tp_pair_times(model, cores, (8, 16), args.profile_repeats).items():
+                profiles[name].measured.runtime_overhead["tp"] = peer_tp_work(profiles[name], node, opts, times)
+                print(
+                    f"tp 2 pair on one node's cores, {name}: forward / backward "
+                    + ", ".join(f"{f * 1e3:.0f} / {w * 1e3:.0f} ms at {b} rows" for b, (f, w) in sorted(times.items()))
+                    + "; beyond the priced compute and tp all-reduces: "
+                    + " / ".join(f"{a * 1e3:.1f} + {k * 1e3:.2f} per row ms" for a, k in profiles[name].measured.runtime_overhead["tp"]),
+                    flush=True,
+                )  # fmt: skip
     finally:
         os.sched_setaffinity(0, before)
         torch.set_num_threads(threads)
@@ -631,6 +645,97 @@ def runtime_overhead(module: Any, make_inputs: Callable[[int], Any]) -> dict[str
         finally:
             if own:
                 dist.destroy_process_group()
+
+
+def tp_pair_times(
+    model: dict[str, Any], cores: set[int], batches: Sequence[int], repeats: int
+) -> dict[str, dict[int, tuple[float, float]]]:
+    """Each tower's forward and backward seconds under tensor parallelism 2 (the runtime's
+    ``apply_tp``) on two processes pinned to ``cores`` (one node's, shared as the node's two ranks
+    share them in training), joined by loopback gloo: per tower and batch, the fastest of
+    ``repeats`` passes on rank 0, both ranks starting each pass together."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="tp_pair_") as tmp:
+        out = Path(tmp) / "times.json"
+        args = (model, tmp, sorted(cores), threads_per_rank(cores), list(batches), repeats, str(out))
+        mp.start_processes(_tp_pair_rank, args=args, nprocs=2, start_method="spawn")
+        data = json.loads(out.read_text())
+    return {name: {int(b): (f, w) for b, (f, w) in times.items()} for name, times in data.items()}
+
+
+def _tp_pair_rank(
+    rank: int, model: dict, tmp: str, cores: list[int], threads: int, batches: list[int], repeats: int, out: str
+) -> None:
+    """One rank of :func:`tp_pair_times`."""
+    import torch
+    import torch.distributed as dist
+    from cost_model_fidelity import example_inputs
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_distmm.models.clip import CLIPModel
+    from lightning_distmm.parallel.families import apply_tp
+    from lightning_distmm.planner.measure.tower_timing import first_tensor
+
+    os.sched_setaffinity(0, set(cores))
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        torch.manual_seed(0)
+        towers = CLIPModel(model, OPTIM).towers()
+        inputs = example_inputs(model)
+        times: dict[str, dict[int, list[float]]] = {}
+        for name, t in towers.items():
+            module = apply_tp(t.module, mesh)
+            for b in batches:
+                torch.manual_seed(b)  # the same rows on both ranks
+                x = list(inputs[name](b))
+                best = [float("inf"), float("inf")]
+                for i in range(1 + repeats):  # the first pass warms up
+                    module.zero_grad(set_to_none=True)
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    y = first_tensor(module(*x))
+                    y = y.to_local() if hasattr(y, "to_local") else y
+                    t1 = time.perf_counter()
+                    y.float().pow(2).mean().backward()
+                    t2 = time.perf_counter()
+                    if i:
+                        best = [min(best[0], t1 - t0), min(best[1], t2 - t1)]
+                times.setdefault(name, {})[b] = best
+        if rank == 0:
+            Path(out).write_text(json.dumps(times))
+    finally:
+        dist.destroy_process_group()
+
+
+def peer_tp_work(
+    profile: Any, node: Cluster, opts: Any, times: Mapping[int, tuple[float, float]]
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    """``MeasuredFit.runtime_overhead["tp"]`` from :func:`tp_pair_times`: what a tp 2 pair's
+    forward and backward take beyond what the cost model prices for them on ``node`` (the stage's
+    compute and its tp all-reduces, stretched by the node's concurrency as two busy ranks are), as
+    ``a + k * rows`` (fitted through the batches timed, never below 0): the runtime's per-layer work
+    with a peer (DTensor's redistribution, functional collectives' waits), which a mesh of one
+    rank does not show."""
+    import numpy as np
+
+    from lightning_distmm.planner.cost import stage_compute, tp_comm
+
+    xs = np.asarray(sorted(times), dtype=float)
+    fc, bc = (np.atleast_1d(v) for v in stage_compute(profile, node, opts, xs, 2, 1))
+    tpc = np.atleast_1d(tp_comm(profile, node, opts, xs, 2, 1))
+    stretch = max(1.0, node.device.concurrency)
+    out = []
+    for part, priced in ((0, fc + tpc), (1, bc + tpc)):
+        extra = np.maximum(np.asarray([times[int(b)][part] for b in xs]) / stretch - priced, 0.0)
+        k = float(np.polyfit(xs, extra, 1)[0]) if len(xs) > 1 else 0.0
+        a = float(np.mean(extra - k * xs))
+        if a < 0:  # through the origin
+            a, k = 0.0, float(np.mean(extra / xs))
+        out.append((a, max(k, 0.0)))
+    return out[0], out[1]
 
 
 def planner_options(step_overhead: float) -> dict[str, Any]:

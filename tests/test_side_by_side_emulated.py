@@ -95,6 +95,31 @@ def test_the_trivial_model_is_the_models_shape_at_next_to_no_cost():
         assert trivial[name].flops_per_sample() * 100 < full[name].flops_per_sample()
 
 
+def test_the_tp_pairs_work_beyond_its_price_is_what_it_took_more():
+    """The calibration times each tower under tp 2 on a node's two ranks; what the pair took beyond
+    the priced compute and tp all-reduces (both stretched as two busy ranks are) is the runtime's
+    per-layer work, ``a + k * rows``, and never below 0."""
+    import numpy as np
+
+    from lightning_distmm.planner import PlannerOptions
+    from lightning_distmm.planner.cost import stage_compute, tp_comm
+
+    profile = model_profiles(sb.MODEL)["image"]
+    node = pe.emulated_cluster(host(), pe.LinkSettings(400), concurrency=1.8)
+    opts = PlannerOptions.from_any(pe.planner_options(0.0)).cost
+    xs = np.asarray([8.0, 16.0])
+    fc, bc = stage_compute(profile, node, opts, xs, 2, 1)
+    tpc = tp_comm(profile, node, opts, xs, 2, 1)
+    extra = 0.002 + 0.0001 * xs
+    times = {
+        int(b): (1.8 * (fc[i] + tpc[i] + extra[i]), 1.8 * (bc[i] + tpc[i] + 2 * extra[i])) for i, b in enumerate(xs)
+    }
+    fwd, bwd = pe.peer_tp_work(profile, node, opts, times)
+    assert fwd == pytest.approx((0.002, 0.0001), rel=1e-6) and bwd == pytest.approx((0.004, 0.0002), rel=1e-6)
+    faster = {b: (0.5 * f, 0.5 * w) for b, (f, w) in times.items()}  # quicker than priced: nothing added
+    assert pe.peer_tp_work(profile, node, opts, faster) == ((0.0, 0.0), (0.0, 0.0))
+
+
 def test_statistics_and_table():
     s = sb.spread([1.0, 2.0, 3.0, 4.0, 5.0], [2.0, 4.0])
     assert (s["median"], s["q1"], s["q3"], s["min"], s["max"]) == (3.0, 2.0, 4.0, 1.0, 5.0)
