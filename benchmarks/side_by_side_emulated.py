@@ -79,6 +79,10 @@ import placement_emulated as pe  # noqa: E402
 from lightning_distmm.planner import Cluster, Plan, price_plan  # noqa: E402
 
 PLANS = ("distmm", "ddp", "fsdp", "megatron")
+#: plans run only when ``--plans`` names them: ``separate_tp2`` is distmm's separate towers with tp 2
+#: in each (the image tower's pair on node 0, the text tower's on node 1): the Megatron-style
+#: plan's tp pairs without its data-parallel sums across the link
+OPTIONAL_PLANS = ("separate_tp2",)
 RESULTS = pe.ROOT / "benchmarks" / "results" / "emulated_side_by_side"
 REFERENCE = {"model": "clip_vit_b32", "cluster": "a100_8x8_eth100", "nodes": 2, "global_batch": 4096}
 
@@ -168,6 +172,13 @@ def baseline_plans(towers: Sequence[str], batch: int, tp: int = 2, pp: int = 1) 
         # schedules compute a loss per microbatch and cannot split a contrastive batch)
         "megatron": Plan(world, {n: {"ranks": ranks, "tp": tp, "pp": pp} for n in towers}, global_batch=batch),
     }
+
+
+def separate_tp2_plan(separate: Plan) -> Plan:
+    """``separate``'s towers, each on its ranks with tp 2 and one microbatch (the whole replica
+    batch, as the Megatron-style plan runs it)."""
+    towers = {n: {"ranks": list(t.ranks), "tp": 2} for n, t in separate.towers.items()}
+    return Plan(separate.world_size, towers, global_batch=separate.global_batch)
 
 
 def distmm_plans(profiles: Mapping[str, Any], cluster: Cluster, options: Mapping[str, Any], batch: int) -> dict:
@@ -418,8 +429,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.rates[0].endswith("x"):
         parser.error("--rate-mbit: the first rate is 'auto' or Mbit/s; later ones may be Nx of it")
     args.plans = tuple(k.strip() for k in args.plans.split(","))
-    if "distmm" not in args.plans or any(k not in PLANS for k in args.plans):
-        parser.error(f"--plans {','.join(args.plans)}: distmm and any of {', '.join(PLANS[1:])}")
+    if "distmm" not in args.plans or any(k not in PLANS + OPTIONAL_PLANS for k in args.plans):
+        parser.error(f"--plans {','.join(args.plans)}: distmm and any of {', '.join(PLANS[1:] + OPTIONAL_PLANS)}")
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     return args
@@ -522,6 +533,8 @@ def price_rate(args, spec, rate, host, concurrency, profiles, options, ref, towe
     )
     dm = distmm_plans(profiles, cluster, options, args.batch)
     plans = {"distmm": dm["separate"], **baseline_plans(towers, args.batch, args.megatron_tp, args.megatron_pp)}
+    if "separate_tp2" in args.plans:
+        plans["separate_tp2"] = separate_tp2_plan(dm["separate"])
     plans = {k: plans[k] for k in args.plans}
     predicted = {k: price_plan(p, profiles, cluster, options) for k, p in plans.items()}
     notes = [

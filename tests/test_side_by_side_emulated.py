@@ -69,7 +69,10 @@ def test_the_four_plans():
     assert set(sep.towers["image"].ranks).isdisjoint(sep.towers["text"].ranks)  # each tower on its own ranks
     assert all(len(pe.nodes_of(t.ranks)) == 1 for t in sep.towers.values())  # placed: groups inside a node
     assert dm["auto_layout"] in ("separate", "colocated")
-    for plan in (*base.values(), sep):  # every plan priced on the emulated spec
+    tp2 = sb.separate_tp2_plan(sep)  # the Megatron-style tp pairs without data-parallel sums across the link
+    assert {n: (t.ranks, t.tp) for n, t in tp2.towers.items()} == {n: (t.ranks, 2) for n, t in sep.towers.items()}
+    assert sb.parse_args(["--plans", "distmm,megatron,separate_tp2"]).plans == ("distmm", "megatron", "separate_tp2")
+    for plan in (*base.values(), sep, tp2):  # every plan priced on the emulated spec
         assert price_plan(plan, profiles, cl, opts).step_time > 0
     # rank 0's compute: distmm's rank 0 runs the image tower alone, DDP's runs both
     cost = price_plan(sep, profiles, cl, opts)
