@@ -561,8 +561,8 @@ def calibrate(
     ``plan="auto"`` measures them, so that the cache holds what it always holds). With
     ``analytic`` each measured fit rides on the tower's analytic profile, so that tp/pp splits
     (and their all-reduces) can be priced too, and carries the runtime's own work per layer: under
-    FSDP2 timed on a mesh of one rank, under tp 2 timed on a pair of ranks sharing the node's
-    cores (:func:`tp_pair_times`, :func:`peer_tp_work`)."""
+    tp 2 and FSDP2 timed on a pair of ranks sharing the node's cores (:func:`pair_times`,
+    :func:`peer_work`)."""
     import torch
     from cost_model_fidelity import example_inputs
 
@@ -599,81 +599,61 @@ def calibrate(
             )
             for name, t in towers.items()
         }
-        if analytic:  # the runtime's own work per layer under tp and FSDP2, on a mesh of one rank
-            for name, t in towers.items():
-                profiles[name].measured.runtime_overhead = runtime_overhead(t.module, inputs[name])
-            # under tp 2 with its peer: the pair of a node's ranks, timed as the training runs it
+        if analytic:  # the runtime's own work per layer under tp 2 and FSDP2, timed on a node's pair of ranks
             node = emulated_cluster(host, LinkSettings(), concurrency)
             opts = PlannerOptions.from_any(planner_options(0.0)).cost
-            for name, times in tp_pair_times(model, cores, (8, 16), args.profile_repeats).items():
-                profiles[name].measured.runtime_overhead["tp"] = peer_tp_work(profiles[name], node, opts, times)
-                print(
-                    f"tp 2 pair on one node's cores, {name}: forward / backward "
-                    + ", ".join(f"{f * 1e3:.0f} / {w * 1e3:.0f} ms at {b} rows" for b, (f, w) in sorted(times.items()))
-                    + "; beyond the priced compute and tp all-reduces: "
-                    + " / ".join(f"{a * 1e3:.1f} + {k * 1e3:.2f} per row ms" for a, k in profiles[name].measured.runtime_overhead["tp"]),
-                    flush=True,
-                )  # fmt: skip
+            for kind, by_tower in pair_times(model, cores, (8, 16), args.profile_repeats).items():
+                for name, times in by_tower.items():
+                    work = peer_work(kind, profiles[name], node, opts, times)
+                    profiles[name].measured.runtime_overhead[kind] = work
+                    print(
+                        f"{kind} pair on one node's cores, {name}: forward / backward "
+                        + ", ".join(f"{f * 1e3:.0f} / {w * 1e3:.0f} ms at {b} rows" for b, (f, w) in sorted(times.items()))
+                        + f"; beyond the priced compute and {kind} collectives: "
+                        + " / ".join(f"{a * 1e3:.1f} + {k * 1e3:.2f} per row ms" for a, k in work),
+                        flush=True,
+                    )  # fmt: skip
     finally:
         os.sched_setaffinity(0, before)
         torch.set_num_threads(threads)
     return host, concurrency, profiles
 
 
-def runtime_overhead(module: Any, make_inputs: Callable[[int], Any]) -> dict[str, Any]:
-    """``MeasuredFit.runtime_overhead`` of a tower: its forward and backward with the runtime's
-    tensor parallelism and FSDP2 applied on a mesh of one rank against the plain module's
-    (:func:`lightning_distmm.planner.measure_wrapped`), in a process group of this process alone."""
-    import tempfile
-
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from lightning_distmm.parallel.families import apply_tp
-    from lightning_distmm.parallel.fsdp import apply_fsdp
-    from lightning_distmm.planner import measure_wrapped
-
-    own = not dist.is_initialized()
-    with tempfile.TemporaryDirectory(prefix="overhead_") as tmp:
-        if own:
-            dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
-        try:
-            mesh = init_device_mesh("cpu", (1,))
-            return measure_wrapped(
-                module, make_inputs, {"tp": lambda m: apply_tp(m, mesh), "fsdp": lambda m: apply_fsdp(m, mesh)}
-            )
-        finally:
-            if own:
-                dist.destroy_process_group()
+#: the runtime's layer-wise forms a pair of ranks is timed under: ``MeasuredFit.runtime_overhead`` keys
+PAIR_KINDS = ("tp", "fsdp")
 
 
-def tp_pair_times(
+def pair_times(
     model: dict[str, Any], cores: set[int], batches: Sequence[int], repeats: int
-) -> dict[str, dict[int, tuple[float, float]]]:
+) -> dict[str, dict[str, dict[int, tuple[float, float]]]]:
     """Each tower's forward and backward seconds under tensor parallelism 2 (the runtime's
-    ``apply_tp``) on two processes pinned to ``cores`` (one node's, shared as the node's two ranks
-    share them in training), joined by loopback gloo: per tower and batch, the fastest of
-    ``repeats`` passes on rank 0, both ranks starting each pass together.
+    ``apply_tp``) and under FSDP2 over two ranks (``apply_fsdp``), on two processes pinned to
+    ``cores`` (one node's, shared as the node's two ranks share them in training), joined by
+    loopback gloo: per form, tower and batch, the fastest of ``repeats`` passes on rank 0, both
+    ranks starting each pass together.
 
     Each process runs in its own session, as torchrun starts ranks: where the kernel groups tasks
     by session for scheduling (autogroup), a rank woken by a finished collective then waits for its
-    core longer than a child of the same session would. Measured: the pair's forward and backward
-    took 60 / 103 ms (image tower, 16 rows) in one session and 75 / 134 ms in two, the latter what
-    the tp 2 plan's ranks take in training under torchrun."""
+    core longer than a child of the same session would. Measured: the tp pair's forward and
+    backward took 60 / 103 ms (image tower, 16 rows) in one session and 75 / 134 ms in two, the
+    latter what the tp 2 plan's ranks take in training under torchrun."""
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory(prefix="tp_pair_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="pair_") as tmp:
         out = Path(tmp) / "times.json"
         args = (model, tmp, sorted(cores), threads_per_rank(cores), list(batches), repeats, str(out))
-        mp.start_processes(_tp_pair_rank, args=args, nprocs=2, start_method="spawn")
+        mp.start_processes(_pair_rank, args=args, nprocs=2, start_method="spawn")
         data = json.loads(out.read_text())
-    return {name: {int(b): (f, w) for b, (f, w) in times.items()} for name, times in data.items()}
+    return {
+        kind: {name: {int(b): (f, w) for b, (f, w) in times.items()} for name, times in towers.items()}
+        for kind, towers in data.items()
+    }
 
 
-def _tp_pair_rank(
+def _pair_rank(
     rank: int, model: dict, tmp: str, cores: list[int], threads: int, batches: list[int], repeats: int, out: str
 ) -> None:
-    """One rank of :func:`tp_pair_times`."""
+    """One rank of :func:`pair_times`."""
     import torch
     import torch.distributed as dist
     from cost_model_fidelity import example_inputs
@@ -681,62 +661,74 @@ def _tp_pair_rank(
 
     from lightning_distmm.models.clip import CLIPModel
     from lightning_distmm.parallel.families import apply_tp
+    from lightning_distmm.parallel.fsdp import apply_fsdp
     from lightning_distmm.planner.measure.tower_timing import first_tensor
 
-    os.setsid()  # its own session, as torchrun starts each rank (and the kernel's autogroup then schedules it apart)
+    os.setsid()  # its own session, as torchrun starts each rank
     os.sched_setaffinity(0, set(cores))
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2)
     try:
         mesh = init_device_mesh("cpu", (2,))
-        torch.manual_seed(0)
-        towers = CLIPModel(model, OPTIM).towers()
         inputs = example_inputs(model)
-        times: dict[str, dict[int, list[float]]] = {}
-        for name, t in towers.items():
-            module = apply_tp(t.module, mesh)
-            for b in batches:
-                torch.manual_seed(b)  # the same rows on both ranks
-                x = list(inputs[name](b))
-                best = [float("inf"), float("inf")]
-                for i in range(1 + repeats):  # the first pass warms up
-                    module.zero_grad(set_to_none=True)
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    y = first_tensor(module(*x))
-                    y = y.to_local() if hasattr(y, "to_local") else y
-                    t1 = time.perf_counter()
-                    y.float().pow(2).mean().backward()
-                    t2 = time.perf_counter()
-                    if i:
-                        best = [min(best[0], t1 - t0), min(best[1], t2 - t1)]
-                times.setdefault(name, {})[b] = best
+        wrap = {"tp": lambda m: apply_tp(m, mesh), "fsdp": lambda m: apply_fsdp(m, mesh)}
+        times: dict[str, dict[str, dict[int, list[float]]]] = {}
+        for kind in PAIR_KINDS:
+            torch.manual_seed(0)
+            for name, t in CLIPModel(model, OPTIM).towers().items():
+                module = wrap[kind](t.module)
+                for b in batches:
+                    torch.manual_seed(b)  # the same rows on both ranks
+                    x = list(inputs[name](b))
+                    best = [float("inf"), float("inf")]
+                    for i in range(1 + repeats):  # the first pass warms up
+                        module.zero_grad(set_to_none=True)
+                        dist.barrier()
+                        t0 = time.perf_counter()
+                        y = first_tensor(module(*x))
+                        y = y.to_local() if hasattr(y, "to_local") else y
+                        t1 = time.perf_counter()
+                        y.float().pow(2).mean().backward()
+                        t2 = time.perf_counter()
+                        if i:
+                            best = [min(best[0], t1 - t0), min(best[1], t2 - t1)]
+                    times.setdefault(kind, {}).setdefault(name, {})[b] = best
         if rank == 0:
             Path(out).write_text(json.dumps(times))
     finally:
         dist.destroy_process_group()
 
 
-def peer_tp_work(
-    profile: Any, node: Cluster, opts: Any, times: Mapping[int, tuple[float, float]]
+def peer_work(
+    kind: str, profile: Any, node: Cluster, opts: Any, times: Mapping[int, tuple[float, float]]
 ) -> tuple[tuple[float, float], tuple[float, float]]:
-    """``MeasuredFit.runtime_overhead["tp"]`` from :func:`tp_pair_times`: what a tp 2 pair's
-    forward and backward take beyond what the cost model prices for them on ``node`` (the stage's
-    compute and its tp all-reduces, stretched by the node's concurrency as two busy ranks are), as
-    ``a + k * rows`` (fitted through the batches timed, never below 0): the runtime's per-layer work
-    with a peer (DTensor's redistribution, functional collectives' waits), which a mesh of one
-    rank does not show."""
+    """``MeasuredFit.runtime_overhead[kind]`` from :func:`pair_times`: what a pair's forward and
+    backward take beyond what the cost model prices for them on ``node`` (``"tp"``: the tp 2
+    stage's compute and its all-reduces; ``"fsdp"``: the whole tower's compute and a 2-rank
+    shard group's per-layer gathers and reduce-scatters), with the node's two busy ranks'
+    stretch taken out, as ``a + k * rows`` (fitted through the batches timed, never below 0): the
+    runtime's per-layer work with a peer (DTensor's redistribution, FSDP2's hooks, each
+    collective's wait for its rank's next turn on a shared core), which FLOPs and bytes do not
+    price."""
     import numpy as np
 
-    from lightning_distmm.planner.cost import stage_compute, tp_comm
+    from lightning_distmm.planner.cost import shard_comm, stage_compute, tp_comm
 
     xs = np.asarray(sorted(times), dtype=float)
-    fc, bc = (np.atleast_1d(v) for v in stage_compute(profile, node, opts, xs, 2, 1))
-    tpc = np.atleast_1d(tp_comm(profile, node, opts, xs, 2, 1))
+    if kind == "tp":
+        fc, bc = (np.atleast_1d(v) for v in stage_compute(profile, node, opts, xs, 2, 1))
+        tpc = np.atleast_1d(tp_comm(profile, node, opts, xs, 2, 1))
+        priced = (fc + tpc, bc + tpc)
+    elif kind == "fsdp":
+        fc, bc = (np.atleast_1d(v) for v in stage_compute(profile, node, opts, xs, 1, 1))
+        ag, agrs = (float(v) for v in shard_comm(profile, node, opts, 2, 1, 1, "full"))
+        priced = (fc + ag, bc + agrs)
+    else:
+        raise ValueError(f"no pair measurement of {kind!r}: one of {PAIR_KINDS}")
     stretch = max(1.0, node.device.concurrency)
     out = []
-    for part, priced in ((0, fc + tpc), (1, bc + tpc)):
-        extra = np.maximum(np.asarray([times[int(b)][part] for b in xs]) / stretch - priced, 0.0)
+    for part in (0, 1):
+        extra = np.maximum(np.asarray([times[int(b)][part] for b in xs]) / stretch - priced[part], 0.0)
         k = float(np.polyfit(xs, extra, 1)[0]) if len(xs) > 1 else 0.0
         a = float(np.mean(extra - k * xs))
         if a < 0:  # through the origin

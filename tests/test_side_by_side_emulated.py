@@ -98,10 +98,10 @@ def test_the_trivial_model_is_the_models_shape_at_next_to_no_cost():
         assert trivial[name].flops_per_sample() * 100 < full[name].flops_per_sample()
 
 
-def test_the_tp_pairs_work_beyond_its_price_is_what_it_took_more():
-    """The calibration times each tower under tp 2 on a node's two ranks; what the pair took beyond
-    the priced compute and tp all-reduces (both stretched as two busy ranks are) is the runtime's
-    per-layer work, ``a + k * rows``, and never below 0."""
+def test_a_pairs_work_beyond_its_price_is_what_it_took_more():
+    """The calibration times each tower under tp 2 and under FSDP2 on a node's two ranks; what the
+    pair took beyond the priced compute and collectives (stretched as two busy ranks are) is the
+    runtime's per-layer work, ``a + k * rows``, and never below 0."""
     import numpy as np
 
     from lightning_distmm.planner import PlannerOptions
@@ -117,10 +117,20 @@ def test_the_tp_pairs_work_beyond_its_price_is_what_it_took_more():
     times = {
         int(b): (1.8 * (fc[i] + tpc[i] + extra[i]), 1.8 * (bc[i] + tpc[i] + 2 * extra[i])) for i, b in enumerate(xs)
     }
-    fwd, bwd = pe.peer_tp_work(profile, node, opts, times)
+    fwd, bwd = pe.peer_work("tp", profile, node, opts, times)
     assert fwd == pytest.approx((0.002, 0.0001), rel=1e-6) and bwd == pytest.approx((0.004, 0.0002), rel=1e-6)
     faster = {b: (0.5 * f, 0.5 * w) for b, (f, w) in times.items()}  # quicker than priced: nothing added
-    assert pe.peer_tp_work(profile, node, opts, faster) == ((0.0, 0.0), (0.0, 0.0))
+    assert pe.peer_work("tp", profile, node, opts, faster) == ((0.0, 0.0), (0.0, 0.0))
+    # FSDP2 over the pair: the whole tower's compute and a 2-rank group's per-layer gathers and scatters
+    from lightning_distmm.planner.cost import shard_comm
+
+    fc1, bc1 = stage_compute(profile, node, opts, xs, 1, 1)
+    ag, agrs = shard_comm(profile, node, opts, 2, 1, 1, "full")
+    times = {int(b): (1.8 * (fc1[i] + ag + extra[i]), 1.8 * (bc1[i] + agrs + extra[i])) for i, b in enumerate(xs)}
+    fwd, bwd = pe.peer_work("fsdp", profile, node, opts, times)
+    assert fwd == pytest.approx((0.002, 0.0001), rel=1e-6) and bwd == pytest.approx((0.002, 0.0001), rel=1e-6)
+    with pytest.raises(ValueError, match="no pair measurement"):
+        pe.peer_work("cp", profile, node, opts, times)
 
 
 def test_statistics_and_table():
