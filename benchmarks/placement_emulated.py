@@ -605,12 +605,15 @@ def calibrate(
             for kind, by_tower in pair_times(model, cores, (8, 16), args.profile_repeats).items():
                 for name, times in by_tower.items():
                     work = peer_work(kind, profiles[name], node, opts, times)
+                    step = peer_optimizer_work(kind, profiles[name], node, opts, times["optimizer"])
                     profiles[name].measured.runtime_overhead[kind] = work
+                    profiles[name].measured.optimizer_overhead[kind] = step
                     print(
                         f"{kind} pair on one node's cores, {name}: forward / backward "
-                        + ", ".join(f"{f * 1e3:.0f} / {w * 1e3:.0f} ms at {b} rows" for b, (f, w) in sorted(times.items()))
+                        + ", ".join(f"{f * 1e3:.0f} / {w * 1e3:.0f} ms at {b} rows" for b, (f, w) in sorted((b, v) for b, v in times.items() if b != "optimizer"))
                         + f"; beyond the priced compute and {kind} collectives: "
-                        + " / ".join(f"{a * 1e3:.1f} + {k * 1e3:.2f} per row ms" for a, k in work),
+                        + " / ".join(f"{a * 1e3:.1f} + {k * 1e3:.2f} per row ms" for a, k in work)
+                        + f"; AdamW step {times['optimizer'] * 1e3:.1f} ms, {step * 1e3:.1f} beyond a plain one",
                         flush=True,
                     )  # fmt: skip
     finally:
@@ -630,7 +633,8 @@ def pair_times(
     ``apply_tp``) and under FSDP2 over two ranks (``apply_fsdp``), on two processes pinned to
     ``cores`` (one node's, shared as the node's two ranks share them in training), joined by
     loopback gloo: per form, tower and batch, the fastest of ``repeats`` passes on rank 0, both
-    ranks starting each pass together.
+    ranks starting each pass together, and (key ``"optimizer"``) the fastest AdamW step over the
+    wrapped parameters.
 
     Each process runs in its own session, as torchrun starts ranks: where the kernel groups tasks
     by session for scheduling (autogroup), a rank woken by a finished collective then waits for its
@@ -645,7 +649,10 @@ def pair_times(
         mp.start_processes(_pair_rank, args=args, nprocs=2, start_method="spawn")
         data = json.loads(out.read_text())
     return {
-        kind: {name: {int(b): (f, w) for b, (f, w) in times.items()} for name, times in towers.items()}
+        kind: {
+            name: {k if k == "optimizer" else int(k): v if k == "optimizer" else tuple(v) for k, v in times.items()}
+            for name, times in towers.items()
+        }
         for kind, towers in data.items()
     }
 
@@ -692,7 +699,17 @@ def _pair_rank(
                         t2 = time.perf_counter()
                         if i:
                             best = [min(best[0], t1 - t0), min(best[1], t2 - t1)]
-                    times.setdefault(kind, {}).setdefault(name, {})[b] = best
+                    times.setdefault(kind, {}).setdefault(name, {})[str(b)] = best
+                # an AdamW step over the wrapped parameters (their gradients from the last pass)
+                opt = torch.optim.AdamW([q for q in module.parameters() if q.requires_grad], lr=1e-6)
+                step = float("inf")
+                for i in range(1 + repeats):  # the first step creates the moments
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    opt.step()
+                    if i:
+                        step = min(step, time.perf_counter() - t0)
+                times[kind][name]["optimizer"] = step
         if rank == 0:
             Path(out).write_text(json.dumps(times))
     finally:
@@ -714,7 +731,7 @@ def peer_work(
 
     from lightning_distmm.planner.cost import shard_comm, stage_compute, tp_comm
 
-    xs = np.asarray(sorted(times), dtype=float)
+    xs = np.asarray(sorted(b for b in times if b != "optimizer"), dtype=float)
     if kind == "tp":
         fc, bc = (np.atleast_1d(v) for v in stage_compute(profile, node, opts, xs, 2, 1))
         tpc = np.atleast_1d(tp_comm(profile, node, opts, xs, 2, 1))
@@ -735,6 +752,17 @@ def peer_work(
             a, k = 0.0, float(np.mean(extra / xs))
         out.append((a, max(k, 0.0)))
     return out[0], out[1]
+
+
+def peer_optimizer_work(kind: str, profile: Any, node: Cluster, opts: Any, seconds: float) -> float:
+    """``MeasuredFit.optimizer_overhead[kind]`` from :func:`pair_times`: what the pair's AdamW step
+    over the runtime's DTensors took beyond the priced plain step of the same share of the
+    parameters (``optimizer_time`` from the tower's timed plain step), never below 0."""
+    from lightning_distmm.planner.cost import optimizer_time
+
+    tp, shard = (2, "none") if kind == "tp" else (1, "full")
+    plain = dataclasses.replace(profile, measured=dataclasses.replace(profile.measured, optimizer_overhead={}))
+    return max(0.0, seconds - optimizer_time(plain, node, opts, tp, 1, shard, 2))
 
 
 def planner_options(step_overhead: float) -> dict[str, Any]:

@@ -129,6 +129,33 @@ def test_a_pairs_work_beyond_its_price_is_what_it_took_more():
     times = {int(b): (1.8 * (fc1[i] + ag + extra[i]), 1.8 * (bc1[i] + agrs + extra[i])) for i, b in enumerate(xs)}
     fwd, bwd = pe.peer_work("fsdp", profile, node, opts, times)
     assert fwd == pytest.approx((0.002, 0.0001), rel=1e-6) and bwd == pytest.approx((0.002, 0.0001), rel=1e-6)
+    # the AdamW step over DTensors: what it took beyond the plain step of the same share, added to
+    # the priced step of every stage of that form (a stage of pp holds 1/pp of the tensors)
+    import dataclasses
+
+    from lightning_distmm.planner.cost import optimizer_time
+    from lightning_distmm.planner.profiles.profile import MeasuredFit
+
+    fit = MeasuredFit("cpu", [8, 16], (0.0, 0.001), (0.0, 0.002), (0.0, 1.0), profile.params, profile.params)
+    fit.opt_time = 0.006
+    measured = dataclasses.replace(profile, measured=fit)
+    plain_tp = optimizer_time(measured, node, opts, 2, 1, "none", 2)
+    assert plain_tp == pytest.approx(0.006 * 0.5, rel=0.2)  # about half the parameters per tp rank
+    assert pe.peer_optimizer_work("tp", measured, node, opts, plain_tp + 0.004) == pytest.approx(0.004)
+    assert pe.peer_optimizer_work("tp", measured, node, opts, 0.0) == 0.0
+    fit.optimizer_overhead = {"tp": 0.004, "fsdp": 0.003}
+    assert optimizer_time(measured, node, opts, 2, 2, "none", 2) == pytest.approx(
+        optimizer_time(
+            dataclasses.replace(profile, measured=dataclasses.replace(fit, optimizer_overhead={})),
+            node,
+            opts,
+            2,
+            2,
+            "none",
+            2,
+        )
+        + 0.002
+    )
     with pytest.raises(ValueError, match="no pair measurement"):
         pe.peer_work("cp", profile, node, opts, times)
 

@@ -180,14 +180,19 @@ def optimizer_time(
     profile: TowerProfile, cluster: Cluster, opts: CostOptions, tp: int, pp: int, shard: str = "none", dp: int = 1
 ) -> float:
     """One Adam step on a device: measured when the profile has a timed step (its share of the
-    tower's parameters for tp/pp splits), else the optimizer's memory traffic over HBM bandwidth.
+    tower's parameters for tp/pp splits, plus what stepping the runtime's DTensors adds where that
+    was measured: ``MeasuredFit.optimizer_overhead``), else the optimizer's memory traffic over HBM
+    bandwidth.
     A sharded optimizer state (``optimizer``, ``full``) is stepped by each replica for its 1/dp."""
     if profile.frozen:
         return 0.0
     share = 1.0 / dp if shard != "none" else 1.0
     fit = profile.measured
     if fit is not None and fit.opt_time is not None:
-        return fit.opt_time * stage_params(profile, tp, pp) / max(profile.params, 1) * share
+        # stepping DTensors costs more per tensor (a stage holds 1/pp of them), as measured
+        kinds = (["tp"] if tp > 1 else []) + (["fsdp"] if shard in LAYER_SHARDS else [])
+        dtensors = sum(fit.optimizer_overhead.get(k, 0.0) for k in kinds) / pp
+        return fit.opt_time * stage_params(profile, tp, pp) / max(profile.params, 1) * share + dtensors
     frac = profile.trainable_params / max(profile.params, 1)
     return stage_params(profile, tp, pp) * frac * opts.optimizer_traffic / cluster.device.stream_bandwidth * share
 

@@ -57,8 +57,13 @@ class MeasuredFit:
     #: seconds the runtime's own per-layer work adds to a forward and a backward, by the form that
     #: adds it (``"tp"``: DTensor's dispatch under tensor parallelism; ``"fsdp"``: FSDP2's hooks and
     #: copies), each ``((a, c), (a, c))`` for ``a + c * microbatch``; measured on a mesh of one rank
-    #: (:func:`lightning_distmm.planner.measure.tower_timing.measure_wrapped`), empty if not measured
+    #: (:func:`lightning_distmm.planner.measure.tower_timing.measure_wrapped`) or on a pair of ranks
+    #: (``benchmarks/placement_emulated.py``), empty if not measured
     runtime_overhead: dict[str, tuple[tuple[float, float], tuple[float, float]]] = field(default_factory=dict)
+    #: seconds an AdamW step over the tower's parameters takes beyond a plain one when they are the
+    #: runtime's DTensors, by form (``"tp"``, ``"fsdp"``): a per-tensor dispatch cost that bytes do
+    #: not price; empty if not measured
+    optimizer_overhead: dict[str, float] = field(default_factory=dict)
 
     def fwd_time(self, mb: Any) -> Any:
         return self.fwd[0] + self.fwd[1] * mb
