@@ -44,6 +44,7 @@ minutes with the defaults on the (shared) 2-core development VM.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -55,7 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -563,42 +564,21 @@ def calibrate(
     (and their all-reduces) can be priced too, and carries the runtime's own work per layer: under
     tp 2 and FSDP2 timed on a pair of ranks sharing the node's cores (:func:`pair_times`,
     :func:`peer_work`)."""
-    import torch
-    from cost_model_fidelity import example_inputs
 
-    from lightning_distmm.models.clip import CLIPModel
     from lightning_distmm.planner import (
         ConcurrencyProbe,
         measure_local_cpu,
-        measure_tower,
-        measured_profile,
-        model_profiles,
     )
 
     if args.cached_host:
         host = measure_local_cpu(devices=DEVICES_PER_NODE, measure_concurrency=False)
-    before, threads = os.sched_getaffinity(0), torch.get_num_threads()
-    os.sched_setaffinity(0, cores)  # the probes' processes inherit it
-    torch.set_num_threads(threads_per_rank(cores))
-    try:
+    with pinned(cores):  # the probes' processes inherit it
         if not args.cached_host:
             host = measure_local_cpu(devices=DEVICES_PER_NODE, cache=False, measure_concurrency=False)
         with ConcurrencyProbe(DEVICES_PER_NODE, threads_per_rank(cores)) as probe:
             # side_by_side_emulated's arguments have no --concurrency-rounds: the probe's default there
             concurrency = probe.measure(rounds=getattr(args, "concurrency_rounds", 3))
-        torch.manual_seed(0)
-        towers = CLIPModel(model, OPTIM).towers()
-        inputs = example_inputs(model)
-        profiles = {
-            name: measured_profile(
-                name,
-                measure_tower(t.module, inputs[name], args.profile_batches, "cpu", repeats=args.profile_repeats),
-                False,
-                int(model["embed_dim"]),
-                model_profiles(model)[name] if analytic else None,
-            )
-            for name, t in towers.items()
-        }
+        profiles = tower_profiles(model, args, analytic)
         if analytic:  # the runtime's own work per layer under tp 2 and FSDP2, timed on a node's pair of ranks
             node = emulated_cluster(host, LinkSettings(), concurrency)
             opts = PlannerOptions.from_any(planner_options(0.0)).cost
@@ -616,10 +596,46 @@ def calibrate(
                         + f"; AdamW step {times['optimizer'] * 1e3:.1f} ms, {step * 1e3:.1f} beyond a plain one",
                         flush=True,
                     )  # fmt: skip
+    return host, concurrency, profiles
+
+
+@contextlib.contextmanager
+def pinned(cores: set[int]) -> Iterator[None]:
+    """This process (and what it starts) on ``cores`` with a node's rank's torch threads, as a
+    node's ranks run; the affinity and threads restored after."""
+    import torch
+
+    before, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(threads_per_rank(cores))
+    try:
+        yield
     finally:
         os.sched_setaffinity(0, before)
         torch.set_num_threads(threads)
-    return host, concurrency, profiles
+
+
+def tower_profiles(model: dict[str, Any], args: argparse.Namespace, analytic: bool = False) -> dict[str, Any]:
+    """Each tower of ``model`` timed here (``measure_tower`` at ``--profile-batches``), as a measured
+    profile; with ``analytic`` riding on the tower's analytic profile."""
+    import torch
+    from cost_model_fidelity import example_inputs
+
+    from lightning_distmm.models.clip import CLIPModel
+    from lightning_distmm.planner import measure_tower, measured_profile, model_profiles
+
+    torch.manual_seed(0)
+    inputs = example_inputs(model)
+    return {
+        name: measured_profile(
+            name,
+            measure_tower(t.module, inputs[name], args.profile_batches, "cpu", repeats=args.profile_repeats),
+            False,
+            int(model["embed_dim"]),
+            model_profiles(model)[name] if analytic else None,
+        )
+        for name, t in CLIPModel(model, OPTIM).towers().items()
+    }
 
 
 #: the runtime's layer-wise forms a pair of ranks is timed under: ``MeasuredFit.runtime_overhead`` keys
@@ -669,7 +685,7 @@ def _pair_rank(
     from lightning_distmm.models.clip import CLIPModel
     from lightning_distmm.parallel.families import apply_tp
     from lightning_distmm.parallel.fsdp import apply_fsdp
-    from lightning_distmm.planner.measure.tower_timing import first_tensor
+    from lightning_distmm.planner.measure.tower_timing import forward_backward_seconds
 
     os.setsid()  # its own session, as torchrun starts each rank
     os.sched_setaffinity(0, set(cores))
@@ -689,16 +705,10 @@ def _pair_rank(
                     x = list(inputs[name](b))
                     best = [float("inf"), float("inf")]
                     for i in range(1 + repeats):  # the first pass warms up
-                        module.zero_grad(set_to_none=True)
                         dist.barrier()
-                        t0 = time.perf_counter()
-                        y = first_tensor(module(*x))
-                        y = y.to_local() if hasattr(y, "to_local") else y
-                        t1 = time.perf_counter()
-                        y.float().pow(2).mean().backward()
-                        t2 = time.perf_counter()
+                        fwd, bwd = forward_backward_seconds(module, x)
                         if i:
-                            best = [min(best[0], t1 - t0), min(best[1], t2 - t1)]
+                            best = [min(best[0], fwd), min(best[1], bwd)]
                     times.setdefault(kind, {}).setdefault(name, {})[str(b)] = best
                 # an AdamW step over the wrapped parameters (their gradients from the last pass)
                 opt = torch.optim.AdamW([q for q in module.parameters() if q.requires_grad], lr=1e-6)

@@ -64,7 +64,6 @@ import argparse
 import copy
 import json
 import math
-import os
 import statistics
 import sys
 import tempfile
@@ -213,30 +212,8 @@ def framework_overhead(args, host, concurrency, cores, rate, options) -> tuple[f
     the calibration times the model's, pinned to a node's cores), the mean of the two. What it holds:
     Lightning's loop, the strategy's work outside the towers' forward and backward, the loss, the
     optimizer's calls, on ranks that share a node's cores."""
-    import torch
-    from cost_model_fidelity import example_inputs
-
-    from lightning_distmm.models.clip import CLIPModel
-    from lightning_distmm.planner import measure_tower, measured_profile
-
-    before, threads = os.sched_getaffinity(0), torch.get_num_threads()
-    os.sched_setaffinity(0, cores[0])
-    torch.set_num_threads(pe.threads_per_rank(cores[0]))
-    try:
-        torch.manual_seed(0)
-        inputs = example_inputs(TRIVIAL)
-        profiles = {
-            name: measured_profile(
-                name,
-                measure_tower(t.module, inputs[name], args.profile_batches, "cpu", repeats=args.profile_repeats),
-                False,
-                int(TRIVIAL["embed_dim"]),
-            )
-            for name, t in CLIPModel(TRIVIAL, pe.OPTIM).towers().items()
-        }
-    finally:
-        os.sched_setaffinity(0, before)
-        torch.set_num_threads(threads)
+    with pe.pinned(cores[0]):
+        profiles = pe.tower_profiles(TRIVIAL, args)
     world = pe.NODES * pe.DEVICES_PER_NODE
     half = world // 2
     plans = {

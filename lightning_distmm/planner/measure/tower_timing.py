@@ -138,6 +138,18 @@ def measure_tower(
     )
 
 
+def forward_backward_seconds(module: Any, inputs: Sequence[Any]) -> tuple[float, float]:
+    """Seconds of one forward of ``module`` on ``inputs`` and of the backward of a scalar made from
+    its first output (a DTensor's local part), gradients zeroed first."""
+    module.zero_grad(set_to_none=True)
+    t0 = time.perf_counter()
+    out = first_tensor(module(*inputs))
+    out = out.to_local() if hasattr(out, "to_local") else out
+    t1 = time.perf_counter()
+    out.float().pow(2).mean().backward()
+    return t1 - t0, time.perf_counter() - t1
+
+
 def measure_wrapped(
     module: Any,
     make_inputs: Callable[[int], Sequence[Any]],
@@ -162,16 +174,10 @@ def measure_wrapped(
         inputs = list(make_inputs(int(b)))
         for i in range(1 + repeats):
             for name, m in variants.items():
-                m.zero_grad(set_to_none=True)
-                t0 = time.perf_counter()
-                out = first_tensor(m(*inputs))
-                out = out.to_local() if hasattr(out, "to_local") else out
-                t1 = time.perf_counter()
-                out.float().pow(2).mean().backward()
-                t2 = time.perf_counter()
+                fwd, bwd = forward_backward_seconds(m, inputs)
                 if i:  # the first pass warms up
                     got = best[name].setdefault(int(b), [float("inf"), float("inf")])
-                    got[0], got[1] = min(got[0], t1 - t0), min(got[1], t2 - t1)
+                    got[0], got[1] = min(got[0], fwd), min(got[1], bwd)
         del inputs
     module.zero_grad(set_to_none=True)
     xs = [float(b) for b in batch_sizes]
@@ -222,4 +228,4 @@ def first_tensor(out: Any) -> Any:
     raise TypeError(f"tower output {type(out).__name__} holds no tensor to backpropagate")
 
 
-__all__ = ["measure_tower", "measure_wrapped", "first_tensor", "ADAMW_TIMING_BYTES"]
+__all__ = ["measure_tower", "measure_wrapped", "forward_backward_seconds", "first_tensor", "ADAMW_TIMING_BYTES"]
