@@ -247,7 +247,7 @@ def runtime_work(p: TowerProfile, tp: int, pp: int, shard: str, rows: Any, part:
     """Seconds of the runtime's own per-layer work in a stage's forward (``part`` 0) or backward (1)
     of a microbatch of ``rows``: DTensor's dispatch under tensor parallelism, FSDP2's hooks and
     copies under a layer sharding, as the tower's measured fit says (``MeasuredFit.runtime_overhead``,
-    timed on a mesh of one rank); 0 where not measured. A stage holds ``1/pp`` of the layers."""
+    timed on a mesh of one rank or on a pair of ranks); 0 where not measured. A stage holds ``1/pp`` of the layers."""
     over = p.measured.runtime_overhead if p.measured is not None else {}
     kinds = (["tp"] if tp > 1 else []) + (["fsdp"] if shard in LAYER_SHARDS else [])
     total = np.zeros_like(np.asarray(rows, dtype=float))
