@@ -169,6 +169,7 @@ def priced(case: dict[str, Any], cluster: Any) -> float:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate-mbit", default="263,2990", help="link rates, comma-separated")
+    parser.add_argument("--burst-kib", type=float, default=None, help="tbf's bucket (default: placement_emulated's)")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--calls", type=int, default=12)
     parser.add_argument("--slice-ms", type=float, default=8.0, help="CPU ms of compute before each call")
@@ -209,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         path.write_text(json.dumps(cases(sbs.MODEL, args.batch)))
         args.cases_path = str(path)
         for run, rate in enumerate(float(r) for r in args.rate_mbit.split(",")):
-            link = pe.LinkSettings(rate)
+            link = pe.LinkSettings(rate, burst_kib=args.burst_kib)
             cluster = pe.emulated_cluster(host, link)
             with pe.Emulation(link) as emu:
                 got = launch(emu, args, Path(tmp), run, cores)

@@ -139,10 +139,25 @@ class LinkSettings:
     def rate_bytes(self) -> float:
         return self.rate_mbit * 1e6 / 8
 
+    burst_kib: float | None = None  # tbf's bucket; None: :attr:`burst_bytes`'s default
+
     @property
     def burst_bytes(self) -> int:
-        """tbf's bucket: at least one jiffy of the rate at HZ 250 and a 64 KiB segment (veth GSO)."""
-        return int(max(64 * 1024, self.rate_bytes / 250))
+        """tbf's bucket: ``burst_kib``, else a quarter millisecond of the rate; never below a 64 KiB
+        segment (veth GSO).
+
+        A NIC sends at its line rate and banks nothing while idle; tbf lets a whole bucket pass at
+        once after an idle spell, so a collective that follows a stretch of compute gets the bucket
+        free. A bucket of one jiffy of the rate (HZ 250, tc's old rule for timer-driven shaping),
+        this emulation's earlier setting, gave every such collective 4 ms: at 459 Mbit/s FSDP's
+        per-block gather of the image tower took 24 ms alone, 21 ms after compute (26 priced), and
+        with a 64 KiB bucket 30 and 26 ms (``collectives_emulated.py --burst-kib 64``). The bucket
+        is the smallest that holds the rate: one TCP stream through 4,330 Mbit/s reached 0.92 of it
+        with 64 KiB and 0.955-0.96 (the payload share of a frame) with 128 KiB to 2 MiB; 0.96 at 433
+        Mbit/s with any of them."""
+        if self.burst_kib is not None:
+            return int(max(64 * 1024, self.burst_kib * 1024))
+        return int(max(64 * 1024, self.rate_bytes * 0.25e-3))
 
     @property
     def tcp_efficiency(self) -> float:
@@ -463,7 +478,8 @@ def run_round(
     return {
         "rank0": {label: ranks[0]["runs"][label][args.warmup :] for label in plans},
         "nodes": [ranks[r]["node"] for r in sorted(ranks)],
-        # per rank, medians over the timed steps: wall, CPU, forward, backward, batch-sync seconds
+        # per rank, medians over the timed steps: wall, CPU, forward, backward, batch-sync seconds and
+        # the seconds in collectives within the forward, within the backward and elsewhere
         "parts": {
             label: [[statistics.median(c) for c in zip(*ranks[r]["runs"][label][args.warmup :])] for r in sorted(ranks)]
             for label in plans
@@ -491,12 +507,15 @@ def worker(args: argparse.Namespace) -> None:
     """A rank under torchrun: fits the model under each ``--plan`` in turn (one process group)."""
     import lightning as L
     import torch
+    from collective_clock import CollectiveClock
     from cost_model_fidelity import Pairs
     from torch.utils.data import DataLoader
 
     import lightning_distmm as ldm
     from lightning_distmm.models.clip import CLIPModel
 
+    clock = CollectiveClock()
+    clock.install()
     torch.set_num_threads(args.threads)
     rank = int(os.environ["RANK"])
     out = Path(args.out) / f"rank{rank}.json"
@@ -504,8 +523,10 @@ def worker(args: argparse.Namespace) -> None:
     record: dict[str, Any] = {"rank": rank, "node": node, "runs": {}}
 
     class StepTimer(L.Callback):
-        """Per step: wall seconds, the CPU seconds of this rank's process, and the seconds its
-        instructions took (forward, backward, batch-sync: the runtime's trace)."""
+        """Per step: wall seconds, the CPU seconds of this rank's process, the seconds its
+        instructions took (forward, backward, batch-sync: the runtime's trace) and the seconds it
+        spent blocked in collectives inside its forward, inside its backward and elsewhere
+        (:class:`collective_clock.CollectiveClock`)."""
 
         def __init__(self, rows: list[list[float]]) -> None:
             self.rows, self.t0, self.c0 = rows, 0.0, 0.0
@@ -514,15 +535,19 @@ def worker(args: argparse.Namespace) -> None:
             trainer.strategy.engine.record_trace(True)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            clock.take()
             self.t0, self.c0 = time.perf_counter(), time.process_time()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             wall, cpu = time.perf_counter() - self.t0, time.process_time() - self.c0
             parts = dict.fromkeys(("Forward", "Backward", "BatchSync"), 0.0)
-            for ins, start, end in trainer.strategy.engine.step.trace:
-                if type(ins).__name__ in parts:
-                    parts[type(ins).__name__] += end - start
-            self.rows.append([wall, cpu, *parts.values()])
+            spans = [(type(ins).__name__, start, end) for ins, start, end in trainer.strategy.engine.step.trace]
+            for kind, start, end in spans:
+                if kind in parts:
+                    parts[kind] += end - start
+            waits = CollectiveClock.split(clock.take(), [s for s in spans if s[0] in ("Forward", "Backward")])
+            coll = [waits.get("Forward", 0.0), waits.get("Backward", 0.0), waits["other"]]
+            self.rows.append([wall, cpu, *parts.values(), *coll])
 
     model = model_config(args.model)
     img, ctx = model["towers"]["image"]["img_size"], model["towers"]["text"]["context_length"]

@@ -229,7 +229,7 @@ def framework_overhead(args, host, concurrency, cores, rate, options) -> tuple[f
     }
     with (
         tempfile.TemporaryDirectory(prefix="side_by_side_overhead_") as tmp,
-        pe.Emulation(pe.LinkSettings(rate)) as emu,
+        pe.Emulation(pe.LinkSettings(rate, burst_kib=args.burst_kib)) as emu,
     ):
         path = Path(tmp) / "model.json"
         path.write_text(json.dumps(TRIVIAL))
@@ -383,6 +383,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="CostOptions.step_overhead to price with; by default measured on the emulated nodes with trivial"
         " towers (0 in a dry run)",
     )
+    parser.add_argument("--burst-kib", type=float, default=None, help="tbf's bucket (default: placement_emulated's)")
     parser.add_argument("--no-pin", dest="pin", action="store_false")
     parser.add_argument("--run-timeout", type=float, default=600.0, help="seconds one launch may take")
     parser.add_argument("--profile-batches", type=lambda s: tuple(int(x) for x in s.split(",")), default=(4, 8, 16, 32))
@@ -488,7 +489,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"side_by_side_emulated: every round at {p['rate']:g} Mbit/s failed:\n" + "\n".join(m["failed"]))
             continue
         result = build_result(
-            args, p["rate"], m["mbit"], p["ratio"], ref, p["plans"], p["predicted"], m["steps"], m["per_round"],
+            args, p["rate"], m["mbit"], p["ratio"], ref, p["plans"], p["predicted"], p["waits"], m["steps"], m["per_round"],
             m["parts"], m["foreign"],
         )  # fmt: skip
         result["notes"] = p["notes"] + m["failed"]
@@ -500,7 +501,7 @@ def price_rate(args, spec, rate, host, concurrency, profiles, options, ref, towe
     """The four plans on a link of ``rate`` Mbit/s, priced, with the notes the table carries
     (what ``plan="auto"`` would pick, the plans not run, the predicted speedups at other rates)."""
     ddp_probe = baseline_plans(towers, args.batch)["ddp"]
-    link = pe.LinkSettings(rate)
+    link = pe.LinkSettings(rate, burst_kib=args.burst_kib)
     cluster = pe.emulated_cluster(host, link, concurrency)
     comm, compute = comm_compute(price_plan(ddp_probe, profiles, cluster, options))
     print(
@@ -552,7 +553,16 @@ def price_rate(args, spec, rate, host, concurrency, profiles, options, ref, towe
         )
     for n in notes:
         print(f"  {n}", flush=True)
-    return {"rate": rate, "link": link, "ratio": comm / compute, "plans": plans, "predicted": predicted, "notes": notes}
+    waits = {k: rank0_waits(p, predicted[k], profiles, cluster, options) for k, p in plans.items()}
+    return {
+        "rate": rate,
+        "link": link,
+        "ratio": comm / compute,
+        "plans": plans,
+        "predicted": predicted,
+        "waits": waits,
+        "notes": notes,
+    }
 
 
 def measure_rates(args, priced: Sequence[Mapping[str, Any]], cores, t0: float) -> list[dict[str, Any]]:
@@ -605,7 +615,10 @@ def measure_rates(args, priced: Sequence[Mapping[str, Any]], cores, t0: float) -
                 print(f"{p['rate']:g} Mbit/s {line}", flush=True)
                 if args.verbose:
                     for k in order:
-                        print(f"  {k}: rank medians ms (wall/CPU/fwd/bwd/sync) {got['parts'][k]}", flush=True)
+                        print(
+                            f"  {k}: rank medians ms (wall/CPU/fwd/bwd/sync/coll in fwd/in bwd/elsewhere) {got['parts'][k]}",
+                            flush=True,
+                        )
         if args.verbose:
             print(emu.qdisc_stats())
     return out
@@ -622,6 +635,33 @@ def rank0_compute(plan: Plan, cost: Any) -> tuple[float, float]:
             stretch = 1 + t.contention / busy if busy > 0 else 1.0
             fwd, bwd = fwd + t.forward_phase * stretch, bwd + t.backward_phase * stretch
     return fwd, bwd
+
+
+def rank0_waits(plan: Plan, cost: Any, profiles: Mapping[str, Any], cluster: Cluster, options: Mapping) -> dict:
+    """Rank 0's predicted seconds per step inside collectives, where the worker's collective clock
+    sees them: FSDP's per-layer gathers in the forward and gathers and reduce-scatters in the
+    backward (per microbatch), the tensor-parallel all-reduces (half in each) and the exposed
+    gradient sums (``other``). The batch-sync has its own column."""
+    from lightning_distmm.planner import PlannerOptions
+    from lightning_distmm.planner.cost import LAYER_SHARDS, plan_choices, shard_comm
+
+    opts = PlannerOptions.from_any(options).cost
+    cl = cluster.with_world(plan.world_size) if cluster.world_size != plan.world_size else cluster
+    choices, ranks = plan_choices(plan)
+    out = {"forward": 0.0, "backward": 0.0, "other": 0.0}
+    for name, tc in cost.towers.items():
+        if 0 not in ranks[name]:
+            continue
+        c = choices[name]
+        if c.shard in LAYER_SHARDS:
+            ag, agrs = shard_comm(profiles[name], cl, opts, c.dp * c.cp, c.tp, c.pp, c.shard)
+            k = cost.extra["details"][name]["K"]
+            out["forward"] += k * float(ag)
+            out["backward"] += k * float(agrs)
+        out["forward"] += tc.tp_comm / 2
+        out["backward"] += tc.tp_comm / 2
+        out["other"] += tc.dp_exposed
+    return out
 
 
 def parts_lines(result: Mapping[str, Any]) -> list[str]:
@@ -641,10 +681,30 @@ def parts_lines(result: Mapping[str, Any]) -> list[str]:
             f"| {k} | {fp * 1e3:.0f} / {fm * 1e3:.0f} | {bp * 1e3:.0f} / {bm * 1e3:.0f} |"
             f" {rest_p * 1e3:.0f} / {rest_m * 1e3:.0f} |"
         )
-    return ["Rank 0's step in parts (measured: medians of its timed instructions over the rounds):", "", *rows]
+    waits = [
+        "| plan | in the forward, predicted / measured ms | in the backward | elsewhere (gradient sums) |",
+        "|---|---|---|---|",
+    ]
+    for k, p in result["plans"].items():
+        if "rank0_waits_s" not in p or not p["rank0_parts_s"] or len(p["rank0_parts_s"][0]) < 8:
+            continue
+        cells = [
+            f"{p['rank0_waits_s'][part] * 1e3:.0f} / {statistics.median(r[i] for r in p['rank0_parts_s']) * 1e3:.0f}"
+            for part, i in (("forward", 5), ("backward", 6), ("other", 7))
+        ]
+        waits.append(f"| {k} | " + " | ".join(cells) + " |")
+    return [
+        "Rank 0's step in parts (measured: medians of its timed instructions over the rounds):",
+        "",
+        *rows,
+        "",
+        "Rank 0's seconds inside collectives (measured: the worker's collective clock; the batch-sync not counted):",
+        "",
+        *waits,
+    ]
 
 
-def build_result(args, rate, mbit, ratio, ref, plans, predicted, steps, per_round, parts, foreign) -> dict[str, Any]:
+def build_result(args, rate, mbit, ratio, ref, plans, predicted, waits, steps, per_round, parts, foreign) -> dict:
     from lightning_distmm.models.clip import CLIPModel
 
     params = {n: sum(p.numel() for p in t.module.parameters()) for n, t in CLIPModel(MODEL, pe.OPTIM).towers().items()}
@@ -668,6 +728,7 @@ def build_result(args, rate, mbit, ratio, ref, plans, predicted, steps, per_roun
                 "measured": spread(steps[k], per_round[k]),
                 "rank0_parts_s": parts[k],  # per round: wall, CPU, forward, backward, batch-sync medians
                 "rank0_predicted_s": dict(zip(("forward", "backward"), rank0_compute(plans[k], predicted[k]))),
+                "rank0_waits_s": waits[k],
             }
             for k in plans
         },

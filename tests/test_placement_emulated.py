@@ -45,7 +45,9 @@ def test_tc_commands():
     assert tbf[:8] == ["tc", "qdisc", "replace", "dev", "v0", "root", "handle", "1:"]
     assert tbf[8:11] == ["tbf", "rate", "200mbit"]
     burst = int(tbf[tbf.index("burst") + 1])
-    assert burst >= 200e6 / 8 / 250 and burst >= 65536  # a jiffy of the rate at HZ 250, a GSO segment
+    assert burst == 65536  # a GSO segment: a quarter millisecond of 200 Mbit/s is less
+    assert pe.LinkSettings(rate_mbit=5000).burst_bytes == int(5000e6 / 8 * 0.25e-3)  # a quarter ms of the rate
+    assert pe.LinkSettings(rate_mbit=200, burst_kib=512).burst_bytes == 512 * 1024
     netem, child = pe.LinkSettings(rate_mbit=50, delay_ms=5).tc_commands("v1")
     assert netem[netem.index("netem") :] == ["netem", "delay", "5ms"]
     assert child[5:8] == ["parent", "1:1", "handle"] and "50mbit" in child
