@@ -823,7 +823,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--step-overhead-ms", type=float, default=0.0, help="CostOptions.step_overhead to predict with")
     parser.add_argument("--no-pin", dest="pin", action="store_false", help="let both nodes use every core")
     parser.add_argument("--run-timeout", type=float, default=300.0, help="seconds one launch may take")
-    parser.add_argument("--profile-batches", type=lambda s: tuple(int(x) for x in s.split(",")), default=(4, 8, 16, 32))
+    parser.add_argument(
+        "--profile-batches",
+        type=lambda s: tuple(int(x) for x in s.split(",")),
+        default=(1, 2, 4, 8, 16, 32),
+        help="rows each tower is timed at: every microbatch the planner may pick lies between two of them",
+    )
     parser.add_argument("--profile-repeats", type=int, default=3)
     parser.add_argument(
         "--concurrency-rounds", type=int, default=3, help="rounds of the two ranks' concurrency probe (median)"

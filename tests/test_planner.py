@@ -581,6 +581,27 @@ def test_measure_tower_fits_time_and_activations():
     assert fit.act_bytes[1] > 0  # activations grow with the microbatch
 
 
+def test_measured_fit_prices_between_timed_sizes_by_their_times():
+    """A convex CPU tower (time per row growing with the rows): the least-squares line runs through
+    the origin and underprices one row; between timed sizes the times themselves set the price,
+    beyond them the nearest timed size plus the line's slope, and without two timed sizes the line."""
+    import numpy as np
+
+    from lightning_distmm.planner.profiles.profile import MeasuredFit
+
+    raw = [{"batch": b, "fwd": f, "bwd": 2 * f} for b, f in ((1, 5.0), (4, 12.0), (16, 44.0), (32, 106.0))]
+    fit = MeasuredFit("cpu", [1, 4, 16, 32], (0.0, 3.2), (0.0, 6.4), (0.0, 0.0), 1, 1, raw=raw)
+    assert fit.fwd_time(1) == 5.0 and fit.bwd_time(1) == 10.0  # the line says 3.2 and 6.4
+    assert fit.fwd_time(2) == pytest.approx(5.0 + 7.0 / 3)  # between 1 and 4 rows
+    assert 16 * fit.fwd_time(1) > fit.fwd_time(16)  # sixteen one-row microbatches cost more than one of 16
+    assert fit.fwd_time(64) == pytest.approx(106.0 + 3.2 * 32)  # beyond: the largest timed plus the slope
+    assert fit.fwd_time(0.5) == pytest.approx(5.0 - 3.2 * 0.5)
+    got = fit.fwd_time(np.array([1.0, 2.0, 64.0]))
+    assert got.shape == (3,) and got[0] == 5.0
+    line = MeasuredFit("cpu", [8], (1.0, 3.0), (2.0, 6.0), (0.0, 0.0), 1, 1, raw=raw[:1])
+    assert line.fwd_time(4) == 13.0 and line.bwd_time(4) == 26.0  # one timed size: the line
+
+
 def test_measure_tower_in_the_runs_precision():
     """Timed under the run's forward context (bf16 autocast here): the activations autograd saves
     are counted in the dtype the run keeps them in, about half of fp32's for a linear stack."""
