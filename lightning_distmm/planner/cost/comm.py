@@ -92,7 +92,7 @@ def reduce_scatter_time(
 ) -> Any:
     """A reduce-scatter of ``total_bytes`` (each rank keeps ``1/ranks``): NCCL's ring costs a gather;
     gloo has no ring reduce-scatter, torch reduces the whole tensor and keeps a shard, twice a
-    gather's bytes (measured on the emulated cluster: 87 ms against 45 for a 1.8 MB block,
+    gather's bytes (measured on the emulated cluster: 93 ms against 50 for a 1.8 MB block,
     benchmarks/results/collectives_emulated.txt)."""
     return allgather_time(cluster, total_bytes, ranks, nodes, per_node, nic_load) * (1 if cluster.nccl else 2)
 
@@ -113,8 +113,8 @@ def flat_ring_factor(ranks: Any, nodes: Any) -> Any:
     """How many times the hierarchical NIC load a flat ring puts on each node's link: gloo runs one
     ring over all ``ranks`` members, whose edge leaving each node carries ``(r-1)/r`` of the bytes per
     pass where a hierarchical ring's carries ``(m-1)/m`` (1.5x for 4 ranks on 2 nodes; measured on the
-    emulated two-node cluster: 364 ms for the 4-rank all-reduce of 7.3 MB the hierarchical price puts
-    at 248, benchmarks/results/collectives_emulated.txt). 1 for one member per node."""
+    emulated two-node cluster: 360 ms for the 4-rank all-reduce of 7.3 MB the hierarchical price puts
+    at 242, the flat one at 357, benchmarks/results/collectives_emulated.txt). 1 for one member per node."""
     ranks, nodes = np.asarray(ranks, dtype=float), np.maximum(np.asarray(nodes, dtype=float), 1)
     flat, hier = (ranks - 1) / np.maximum(ranks, 1), (nodes - 1) / nodes
     return np.where(hier > 0, flat / np.where(hier > 0, hier, 1.0), 1.0)
