@@ -43,6 +43,7 @@ class CollectiveClock:
         self.intervals: list[tuple[str, float, float]] = []
         self.calls = 0
         self._depth = 0  # a collective calling another is timed once, as the outer call
+        self._replaced: list[tuple[Any, str, Any]] = []  # (owner, attribute, original) for uninstall
 
     def _timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
@@ -78,9 +79,17 @@ class CollectiveClock:
                     continue  # (distributed_c10d's own calls between its functions stay untimed)
                 for attr, value in list(vars(mod).items()):
                     if value is fn:
+                        self._replaced.append((mod, attr, fn))
                         setattr(mod, attr, timed)
         if not getattr(PendingSum.wait, "__wrapped_by_clock__", False):
+            self._replaced.append((PendingSum, "wait", PendingSum.wait))
             PendingSum.wait = self._timed("gradient_sum_wait", PendingSum.wait)
+
+    def uninstall(self) -> None:
+        """Put back every function :meth:`install` replaced."""
+        for owner, attr, original in reversed(self._replaced):
+            setattr(owner, attr, original)
+        self._replaced = []
 
     def take(self) -> list[tuple[str, float, float]]:
         """The intervals recorded since the last call, and forget them."""

@@ -203,3 +203,60 @@ def test_statistics_and_table():
     assert "| fsdp | fsdp | 400 | 400 (380-420; 400) | +0% | 0.80x | 0.80x |" in text
     assert "| distmm | - | 2.00 (2.00) | 0.80 (0.80) | 1.60 (1.60) |" in text
     assert "distmm loses to fsdp" in text and "- a note" in text and "450 Mbit/s" in text
+    # the seconds inside collectives, predicted beside what the worker's clock measured
+    plans["ddp"] |= {
+        "rank0_parts_s": [[1.0, 0.5, 0.3, 0.5, 0.0, 0.01, 0.02, 0.15]],
+        "rank0_waits_s": {"forward": 0.0, "backward": 0.0, "other": 0.2},
+    }
+    assert "| ddp | 0 / 10 | 0 / 20 | 200 / 150 |" in sb.markdown(result)
+
+
+def test_rank0_waits_price_the_collectives_where_the_clock_sees_them():
+    profiles = model_profiles(sb.MODEL)
+    cluster = pe.emulated_cluster(host(), pe.LinkSettings(500))
+    options = pe.planner_options(0.0)
+    plans = sb.baseline_plans(list(sb.MODEL["towers"]), 32)
+    waits = {
+        k: sb.rank0_waits(p, price_plan(p, profiles, cluster, options), profiles, cluster, options)
+        for k, p in plans.items()
+    }
+    assert waits["ddp"]["forward"] == waits["ddp"]["backward"] == 0.0 and waits["ddp"]["other"] > 0
+    assert (
+        waits["fsdp"]["forward"] > 0 and waits["fsdp"]["backward"] > waits["fsdp"]["forward"]
+    )  # gathers, then scatters too
+    assert waits["megatron"]["forward"] == waits["megatron"]["backward"] > 0  # tp's all-reduces, half in each
+
+
+def test_the_collective_clock_splits_its_intervals_by_the_steps_instructions():
+    clock = script_module(ROOT / "benchmarks" / "collective_clock.py")
+    spans = [("Forward", 0.0, 1.0), ("Backward", 1.0, 3.0)]
+    got = clock.CollectiveClock.split([("a", 0.5, 1.5), ("b", 2.0, 2.5), ("c", 3.0, 3.25)], spans)
+    assert got == {"Forward": 0.5, "Backward": 1.0, "other": 0.25}
+
+
+def test_the_collective_clock_times_torch_distributed_and_puts_it_back(tmp_path):
+    import torch
+    import torch.distributed as dist
+
+    from lightning_distmm.parallel import exchange
+
+    if dist.is_initialized():
+        pytest.skip("a process group of another test is still up in this worker")
+    mod = script_module(ROOT / "benchmarks" / "collective_clock.py")
+    original, bound = dist.all_reduce, exchange.all_gather_single
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    clock = mod.CollectiveClock()
+    try:
+        clock.install()
+        assert dist.all_reduce is not original and exchange.all_gather_single is not bound
+        dist.all_reduce(torch.ones(3))
+        exchange.allreduce_sum([torch.ones(2)])  # posted, then waited: the wait is timed
+        out = torch.empty(2)
+        exchange.all_gather_single(out, torch.ones(2))
+        names = [name for name, *_ in clock.take()]
+        assert names == ["all_reduce", "all_reduce", "gradient_sum_wait", exchange.all_gather_single.__name__]
+        assert clock.take() == []
+    finally:
+        clock.uninstall()
+        dist.destroy_process_group()
+    assert dist.all_reduce is original and exchange.all_gather_single is bound
