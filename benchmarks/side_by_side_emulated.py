@@ -621,7 +621,7 @@ def measure_rates(args, priced: Sequence[Mapping[str, Any]], cores, t0: float) -
                 if args.verbose:
                     for k in order:
                         print(
-                            f"  {k}: rank medians ms (wall/CPU/fwd/bwd/sync/coll in fwd/in bwd/elsewhere) {got['parts'][k]}",
+                            f"  {k}: rank medians s (wall/CPU/fwd/bwd/sync/coll in fwd/in bwd/elsewhere) {got['parts'][k]}",
                             flush=True,
                         )
         if args.verbose:
@@ -731,7 +731,9 @@ def build_result(args, rate, mbit, ratio, ref, plans, predicted, waits, steps, p
                 "plan": plans[k].to_dict(),
                 "predicted_s": pred[k],
                 "measured": spread(steps[k], per_round[k]),
-                "rank0_parts_s": parts[k],  # per round: wall, CPU, forward, backward, batch-sync medians
+                "rank0_parts_s": parts[
+                    k
+                ],  # per round, medians: wall, CPU, forward, backward, batch-sync, collectives (3)
                 "rank0_predicted_s": dict(zip(("forward", "backward"), rank0_compute(plans[k], predicted[k]))),
                 "rank0_waits_s": waits[k],
             }
