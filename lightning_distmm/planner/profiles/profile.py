@@ -77,9 +77,11 @@ class MeasuredFit:
 
     def _time(self, key: str, fit: tuple[float, float], mb: Any) -> Any:
         """Seconds at ``mb`` rows: between the smallest and the largest size timed (``raw``), the
-        straight line between the two timed sizes around ``mb``; beyond them, the nearest timed
-        size's time plus the fit's ``c`` per row (never below 0); without two timed sizes,
-        ``a + c * mb``.
+        straight line between the two timed sizes around ``mb``; above them, the largest timed
+        size's time plus the fit's ``c`` per row; below them, the smallest timed size's time less
+        ``c`` per row but never below ``a + c * mb`` (a microbatch smaller than any timed keeps at
+        least the fit's fixed cost: pricing it lower makes many small microbatches look free);
+        without two timed sizes, ``a + c * mb``.
 
         Why not the line alone: a CPU tower's time per row grows with the batch (the side-by-side
         text tower: 2.7 ms a row at 16 rows, 3.3 at 32, 4.9 at 1), so the least-squares line over
@@ -91,7 +93,8 @@ class MeasuredFit:
             return line if np.ndim(mb) else float(line)
         xs, ys = (np.asarray(v, dtype=float) for v in zip(*pts, strict=True))
         x = np.asarray(mb, dtype=float)
-        beyond = np.where(x < xs[0], ys[0] + fit[1] * (x - xs[0]), ys[-1] + fit[1] * (x - xs[-1]))
+        below = np.maximum(ys[0] + fit[1] * (x - xs[0]), line)  # never cheaper than the line says
+        beyond = np.where(x < xs[0], below, ys[-1] + fit[1] * (x - xs[-1]))
         out = np.where((x >= xs[0]) & (x <= xs[-1]), np.interp(x, xs, ys), np.maximum(beyond, 0.0))
         return out if np.ndim(mb) else float(out)
 
