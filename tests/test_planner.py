@@ -595,9 +595,14 @@ def test_measured_fit_prices_between_timed_sizes_by_their_times():
     assert fit.fwd_time(2) == pytest.approx(5.0 + 7.0 / 3)  # between 1 and 4 rows
     assert 16 * fit.fwd_time(1) > fit.fwd_time(16)  # sixteen one-row microbatches cost more than one of 16
     assert fit.fwd_time(64) == pytest.approx(106.0 + 3.2 * 32)  # beyond: the largest timed plus the slope
-    assert fit.fwd_time(0.5) == pytest.approx(5.0 - 3.2 * 0.5)
+    assert fit.fwd_time(0.5) == pytest.approx(5.0 - 3.2 * 0.5)  # (above the line's 1.6)
+    low = MeasuredFit("cpu", [4, 16], (2.0, 3.0), (0.0, 6.0), (0.0, 0.0), 1, 1, raw=raw[1:3])
+    assert low.fwd_time(1) == 5.0  # 12 - 3 * 3 = 3 would undercut the line's 2 + 3: never cheaper than the line
     got = fit.fwd_time(np.array([1.0, 2.0, 64.0]))
     assert got.shape == (3,) and got[0] == 5.0
+    hiccup = [*raw[:2], {"batch": 16, "fwd": 150.0, "bwd": 300.0}, raw[3]]  # 16 rows slower than 32
+    bumpy = MeasuredFit("cpu", [1, 4, 16, 32], (0.0, 3.2), (0.0, 6.4), (0.0, 0.0), 1, 1, raw=hiccup)
+    assert bumpy.fwd_time(16) == 106.0 and bumpy.fwd_time(24) == 106.0 and bumpy.fwd_time(4) == 12.0
     line = MeasuredFit("cpu", [8], (1.0, 3.0), (2.0, 6.0), (0.0, 0.0), 1, 1, raw=raw[:1])
     assert line.fwd_time(4) == 13.0 and line.bwd_time(4) == 26.0  # one timed size: the line
 

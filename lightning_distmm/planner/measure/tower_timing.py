@@ -31,6 +31,11 @@ def _affine(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     return a, c
 
 
+#: a size is timed over at least this many seconds of passes (and ``repeats`` passes), at most
+#: MAX_PASSES passes: enough passes of a tiny tower that one preemption cannot set its time
+MIN_TIMED_SECONDS = 0.05
+MAX_PASSES = 50
+
 #: the AdamW step is timed on copies (weights, gradients and two moments: 4x the trainable bytes)
 #: only up to this size; larger towers keep the cost model's bandwidth estimate of the step
 ADAMW_TIMING_BYTES = 2**30
@@ -82,7 +87,10 @@ def measure_tower(
         for b in batch_sizes:
             inputs = [x.to(dev) if hasattr(x, "to") else x for x in make_inputs(int(b))]
             fwd_t, bwd_t, act = float("inf"), float("inf"), 0.0
-            for i in range(warmup + repeats):
+            spent, i = 0.0, 0
+            # the fastest of at least ``repeats`` passes and of MIN_TIMED_SECONDS of passes: a tiny
+            # tower's pass takes microseconds, one preemption of a shared core milliseconds
+            while i < warmup + repeats or (spent < MIN_TIMED_SECONDS and i < MAX_PASSES):
                 module.zero_grad(set_to_none=True)
                 seen: dict[int, int] = {}
 
@@ -113,6 +121,8 @@ def measure_tower(
                 if i >= warmup:
                     fwd_t, bwd_t = min(fwd_t, t1 - t0), min(bwd_t, t2 - t1)
                     act = float(sum(seen.values()))
+                    spent += t2 - t0
+                i += 1
             raw.append({"batch": float(b), "fwd": fwd_t, "bwd": bwd_t, "act_bytes": act})
         nbytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
         if not frozen and trainable and 4 * nbytes <= ADAMW_TIMING_BYTES:

@@ -81,7 +81,8 @@ class MeasuredFit:
         size's time plus the fit's ``c`` per row; below them, the smallest timed size's time less
         ``c`` per row but never below ``a + c * mb`` (a microbatch smaller than any timed keeps at
         least the fit's fixed cost: pricing it lower makes many small microbatches look free);
-        without two timed sizes, ``a + c * mb``.
+        without two timed sizes, ``a + c * mb``. A timed size slower than a larger one (a hiccup
+        on a shared host) counts as the larger one's time: more rows never take less.
 
         Why not the line alone: a CPU tower's time per row grows with the batch (the side-by-side
         text tower: 2.7 ms a row at 16 rows, 3.3 at 32, 4.9 at 1), so the least-squares line over
@@ -92,6 +93,7 @@ class MeasuredFit:
         if len(pts) < 2:
             return line if np.ndim(mb) else float(line)
         xs, ys = (np.asarray(v, dtype=float) for v in zip(*pts, strict=True))
+        ys = np.minimum.accumulate(ys[::-1])[::-1]  # more rows never take less time (a hiccup does)
         x = np.asarray(mb, dtype=float)
         below = np.maximum(ys[0] + fit[1] * (x - xs[0]), line)  # never cheaper than the line says
         beyond = np.where(x < xs[0], below, ys[-1] + fit[1] * (x - xs[-1]))
