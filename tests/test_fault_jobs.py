@@ -70,13 +70,13 @@ def test_survivors_of_a_peer_that_fails_without_closing_its_connections_end_with
 
 @pytest.mark.slow
 def test_a_stalled_rank_ends_the_job_at_the_collective_timeout(tmp_path):
-    """Rank 1 hangs in its fourth step; rank 0's collective times out (20 s here) and the job ends
+    """Rank 1 hangs in its fourth step; rank 0's collective times out (60 s here) and the job ends
     naming the rank that stalled (not a failure at setup: both ranks had trained two steps). The
     job's last line is the stalled rank's own, once rank 0 (its launcher) is gone: it names itself as
     the rank that stalled, not rank 0's timeout (a consequence), which it repeated before."""
     job = start_case("rank1-stalls", tmp_path)
-    out = failed_job_output(job, tmp_path, within=150)
-    assert {"step0", "step1"} <= {p.name for p in tmp_path.iterdir()}, sorted(tmp_path.iterdir())
+    out = failed_job_output(job, tmp_path, within=240)
+    assert {"step0", "step1"} <= {p.name for p in tmp_path.iterdir()}, out[-3000:]
     assert re.search(r"rank 1: RankStalled: rank 1 .*stalled", out), out[-3000:]
     last = out.strip().splitlines()[-1]
     assert re.match(r"\[rank1\]: distmm: rank 1: RankStalled: .*; this is that rank", last), out[-3000:]
