@@ -13,8 +13,8 @@ Two sources:
   ``BertModel`` layer by layer (tests compare them with real modules);
 * **measured**, by timing the real module forward and backward at a few microbatch sizes in this
   process and fitting ``t(b) = a + c * b`` (:mod:`lightning_distmm.planner.measure.tower_timing`);
-  a microbatch between two measured sizes is priced between their times, the fit serving beyond
-  them; activation bytes are measured by counting the tensors autograd saves. A measured fit
+  a microbatch between two measured sizes is priced between their times, the fit's slope
+  extending them beyond; activation bytes are measured by counting the tensors autograd saves. A measured fit
   (:class:`MeasuredFit`) replaces the analytic compute time at ``tp = pp = 1`` and rescales the
   analytic time for other splits.
 """
