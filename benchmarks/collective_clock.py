@@ -41,7 +41,6 @@ class CollectiveClock:
 
     def __init__(self) -> None:
         self.intervals: list[tuple[str, float, float]] = []
-        self.calls = 0
         self._depth = 0  # a collective calling another is timed once, as the outer call
         self._replaced: list[tuple[Any, str, Any]] = []  # (owner, attribute, original) for uninstall
 
@@ -56,7 +55,6 @@ class CollectiveClock:
                 self._depth -= 1
                 if not self._depth:
                     self.intervals.append((name, t0, time.perf_counter()))
-                    self.calls += 1
 
         timed.__wrapped_by_clock__ = True  # type: ignore[attr-defined]
         return timed

@@ -823,6 +823,18 @@ def _exit_on_signal(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)  # unwinds through every finally: processes stopped, namespaces removed
 
 
+def add_profile_args(parser: argparse.ArgumentParser) -> None:
+    """``--profile-batches`` and ``--profile-repeats``: how :func:`tower_profiles` times each tower
+    (this script's and side_by_side_emulated's)."""
+    parser.add_argument(
+        "--profile-batches",
+        type=lambda s: tuple(int(x) for x in s.split(",")),
+        default=(1, 2, 4, 8, 16, 32),
+        help="rows each tower is timed at: every microbatch the planner may pick lies between two of them",
+    )
+    parser.add_argument("--profile-repeats", type=int, default=3)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate-mbit", type=float, default=200.0, help="the link's rate per node and direction")
@@ -835,13 +847,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--step-overhead-ms", type=float, default=0.0, help="CostOptions.step_overhead to predict with")
     parser.add_argument("--no-pin", dest="pin", action="store_false", help="let both nodes use every core")
     parser.add_argument("--run-timeout", type=float, default=300.0, help="seconds one launch may take")
-    parser.add_argument(
-        "--profile-batches",
-        type=lambda s: tuple(int(x) for x in s.split(",")),
-        default=(1, 2, 4, 8, 16, 32),
-        help="rows each tower is timed at: every microbatch the planner may pick lies between two of them",
-    )
-    parser.add_argument("--profile-repeats", type=int, default=3)
+    add_profile_args(parser)
     parser.add_argument(
         "--concurrency-rounds", type=int, default=3, help="rounds of the two ranks' concurrency probe (median)"
     )

@@ -386,13 +386,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--burst-kib", type=float, default=None, help="tbf's bucket (default: placement_emulated's)")
     parser.add_argument("--no-pin", dest="pin", action="store_false")
     parser.add_argument("--run-timeout", type=float, default=600.0, help="seconds one launch may take")
-    parser.add_argument(
-        "--profile-batches",
-        type=lambda s: tuple(int(x) for x in s.split(",")),
-        default=(1, 2, 4, 8, 16, 32),
-        help="rows each tower is timed at: every microbatch the planner may pick lies between two of them",
-    )
-    parser.add_argument("--profile-repeats", type=int, default=3)
+    pe.add_profile_args(parser)
     parser.add_argument("--cached-host", action="store_true", help="as placement_emulated's")
     parser.add_argument("--results", default=str(RESULTS), help="path prefix of the .json and .md written")
     parser.add_argument("-v", "--verbose", action="store_true")
